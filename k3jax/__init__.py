@@ -1,0 +1,15 @@
+"""k3jax: a JAX/XLA serving stack for Kimi K3 and the Kimi Linear family."""
+from k3jax.config import ModelConfig
+
+__all__ = ["ModelConfig", "load_model", "Model"]
+
+
+def __getattr__(name):
+    # Lazy: importing k3jax must stay cheap (the API pulls in checkpoint and tokenizer code).
+    if name in ("load_model", "Model"):
+        from k3jax import api
+        return getattr(api, name)
+    if name in ("LLM", "SamplingParams"):
+        from k3jax import offline
+        return getattr(offline, name)
+    raise AttributeError(name)

@@ -1,0 +1,106 @@
+"""Cache pools and the per-step batch: the pytrees the jitted model step takes and returns.
+
+Pools (donated through the step so XLA updates them in place):
+  mla_kv[j]    [num_pages, page_size, kv_lora_rank + rope]   one per MLA layer (page 0 = garbage sink)
+  kda_state[j] [num_slots, H, K, V] fp32                      one per KDA layer (slot 0 = garbage sink)
+  kda_conv[j]  [num_slots, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from k3jax.config import ModelConfig
+
+
+@struct.dataclass
+class CachePools:
+    mla_kv: list
+    kda_state: list
+    kda_conv: list
+
+    @property
+    def page_size(self) -> int:
+        return self.mla_kv[0].shape[1] if self.mla_kv else 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.mla_kv[0].shape[0] if self.mla_kv else 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.kda_state[0].shape[0] if self.kda_state else 0
+
+
+def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16):
+    """ShapeDtypeStruct pools (for planning and eval_shape)."""
+    H, K = c.kda_num_heads, c.kda_head_dim
+    kv = jax.ShapeDtypeStruct((num_pages, page_size, c.mla_cache_dim), dtype)
+    st = jax.ShapeDtypeStruct((num_slots, H, K, K), jnp.float32)
+    cv = jax.ShapeDtypeStruct((num_slots, c.conv_kernel - 1, 3 * H * K), dtype)
+    return CachePools(mla_kv=[kv] * len(c.mla_layers), kda_state=[st] * len(c.kda_layers),
+                      kda_conv=[cv] * len(c.kda_layers))
+
+
+def make_pools(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16) -> CachePools:
+    """Zero-filled pools. num_pages / num_slots include the reserved id 0."""
+    if num_pages < 2 or num_slots < 2:
+        raise ValueError("pools need at least 2 pages and 2 slots (id 0 is reserved)")
+    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def pool_bytes_per_page(c: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
+    return len(c.mla_layers) * page_size * c.mla_cache_dim * jnp.dtype(dtype).itemsize
+
+
+def pool_bytes_per_slot(c: ModelConfig, dtype=jnp.bfloat16) -> int:
+    H, K = c.kda_num_heads, c.kda_head_dim
+    return len(c.kda_layers) * (H * K * K * 4 + (c.conv_kernel - 1) * 3 * H * K * jnp.dtype(dtype).itemsize)
+
+
+@struct.dataclass
+class StepBatch:
+    """One engine step: N sequences' token chunks laid out flat (T tokens, bucket-padded).
+
+    tokens [T]            token ids (padding: any valid id)
+    slot_mapping [T]      MLA cache row (page * page_size + offset) of each token; -1 = padding
+    cu_seqlens [N+1]      chunk boundaries in `tokens`; tokens past cu_seqlens[N] are padding
+    kv_lens [N]           tokens in each sequence's cache after this step (context + chunk)
+    block_tables [N, P]   MLA pages of each sequence (unused entries 0)
+    state_src [N]         KDA slot to resume from (-1 = fresh zero state; may be a prefix checkpoint)
+    state_dst [N]         KDA slot receiving the state after the chunk (0 for padding sequences)
+    ckpt_dst [N]          extra slot that also receives it (a prefix-cache checkpoint; 0 = none)
+    logits_indices [N]    flat index of the token whose logits each sequence needs
+    """
+    tokens: jax.Array
+    slot_mapping: jax.Array
+    cu_seqlens: jax.Array
+    kv_lens: jax.Array
+    block_tables: jax.Array
+    state_src: jax.Array
+    state_dst: jax.Array
+    ckpt_dst: jax.Array
+    logits_indices: jax.Array
+
+
+def single_sequence_batch(tokens, context_len: int, pages, page_size: int, state_src: int, state_dst: int,
+                          ckpt_dst: int = 0, pad_to: int | None = None, max_pages: int | None = None) -> StepBatch:
+    """Host helper (numpy) for one sequence's chunk: used by tests and the simple generate loop."""
+    tokens = np.asarray(tokens, np.int32)
+    n = len(tokens)
+    T = pad_to or n
+    pos = context_len + np.arange(n)
+    pages = np.asarray(pages, np.int32)
+    slot = np.full(T, -1, np.int32)
+    slot[:n] = pages[pos // page_size] * page_size + pos % page_size
+    toks = np.zeros(T, np.int32)
+    toks[:n] = tokens
+    bt = np.zeros((1, max_pages or len(pages)), np.int32)
+    bt[0, :len(pages)] = pages
+    i32 = lambda *v: np.asarray(v, np.int32)
+    return StepBatch(tokens=toks, slot_mapping=slot, cu_seqlens=i32(0, n), kv_lens=i32(context_len + n),
+                     block_tables=bt, state_src=i32(state_src), state_dst=i32(state_dst), ckpt_dst=i32(ckpt_dst),
+                     logits_indices=i32(n - 1))

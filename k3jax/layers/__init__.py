@@ -1,0 +1,1 @@
+"""Model layers as pure functions over explicit parameter dicts."""

@@ -1,0 +1,47 @@
+"""Small shared pieces: RMSNorm, GLU activations, Attention Residuals, dense MLP."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm computed in fp32; the weight multiplies after casting back (HF convention)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def glu_act(gate, up, c: ModelConfig):
+    """SwiGLU (Kimi Linear) or SiTU-GLU (K3), in fp32; returns the input dtype."""
+    g = gate.astype(jnp.float32)
+    u = up.astype(jnp.float32)
+    if c.hidden_act == "silu":
+        out = jax.nn.silu(g) * u
+    else:
+        b = c.situ_beta
+        out = b * jnp.tanh(g / b) * jax.nn.sigmoid(g)
+        if c.situ_linear_beta is not None:
+            u = c.situ_linear_beta * jnp.tanh(u / c.situ_linear_beta)
+        out = out * u
+    return out.astype(gate.dtype)
+
+
+def dense_mlp(p, x, c: ModelConfig):
+    """Full-width gated MLP (dense first layer, shared experts)."""
+    return glu_act(x @ p["gate"], x @ p["up"], c) @ p["down"]
+
+
+def attn_res(prefix_sum, blocks, proj, norm, eps: float):
+    """Attention Residuals: softmax over sources [blocks..., prefix_sum] scored per token (fp32).
+
+    Keys are the RMS-normalized sources; values are the raw sources. Token-local.
+    """
+    v = jnp.stack([*blocks, prefix_sum], axis=0).astype(jnp.float32)      # [S, ..., D]
+    kn = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    w = norm.astype(jnp.float32) * proj.astype(jnp.float32)
+    score = jnp.sum(kn * w, axis=-1)                                       # [S, ...]
+    p = jax.nn.softmax(score, axis=0)
+    return jnp.sum(p[..., None] * v, axis=0).astype(prefix_sum.dtype)

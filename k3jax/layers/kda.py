@@ -1,0 +1,123 @@
+"""KDA (Kimi Delta Attention) layer: projections, short convs, gate, delta rule, gated norm.
+
+Two entry points over the same parameters:
+  kda_full(p, x [B, T, D], c)                        whole sequences from a zero state;
+  kda_step(p, x [T, D], c, state, conv, meta)        ragged chunks resuming from pooled states.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from pallas_kernels import ops
+
+
+def _heads(x, c: ModelConfig):
+    return x.reshape(*x.shape[:-1], c.kda_num_heads, c.kda_head_dim)
+
+
+def _conv_weights(p):
+    """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""
+    return jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=-1)
+
+
+def _qkv_in(p, x):
+    """Raw (pre-conv) projections packed as [..., 3*H*K]: this is what the conv state caches."""
+    return jnp.concatenate([x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]], axis=-1)
+
+
+def _core(p, x, conv_out, c: ModelConfig):
+    """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
+    act = jax.nn.silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+    q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
+    q, k = ops.l2norm(q), ops.l2norm(k)
+    f = _heads((x @ p["f_a_proj"]) @ p["f_b_proj"], c)
+    g = ops.kda_gate(f, p["A_log"], p["dt_bias"], lower_bound=c.gate_lower_bound)
+    beta = jax.nn.sigmoid((x @ p["b_proj"]).astype(jnp.float32))
+    return q, k, v, g, beta
+
+
+def _output(p, x, o, c: ModelConfig):
+    """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
+    gate = x @ p["g_proj"] if "g_proj" in p else (x @ p["g_a_proj"]) @ p["g_b_proj"]
+    gate = _heads(gate, c).astype(jnp.float32)
+    of = o.astype(jnp.float32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
+    of = of * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(gate)
+    of = of.astype(x.dtype).reshape(*x.shape[:-1], c.kda_dim)
+    return of @ p["o_proj"]
+
+
+def causal_conv(x_in, w):
+    """Depthwise causal conv over time. x_in [B, T, C], w [Kc, C] -> [B, T, C] (fp32)."""
+    kc = w.shape[0]
+    xp = jnp.pad(x_in.astype(jnp.float32), ((0, 0), (kc - 1, 0), (0, 0)))
+    T = x_in.shape[1]
+    return sum(xp[:, j:j + T] * w[j].astype(jnp.float32) for j in range(kc))
+
+
+def kda_full(p, x, c: ModelConfig):
+    """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
+    conv_out = causal_conv(_qkv_in(p, x), _conv_weights(p))
+    q, k, v, g, beta = _core(p, x, conv_out, c)
+    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5)
+    return _output(p, x, o, c)
+
+
+def _gather_state(pool, src):
+    """Rows `src` of a pool; negative src means a fresh (zero) state."""
+    rows = pool[jnp.maximum(src, 0)]
+    keep = (src >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(keep, rows, jnp.zeros_like(rows))
+
+
+def _step_conv(x_in, w, conv0, meta):
+    """Ragged causal conv resuming from per-sequence conv states.
+
+    x_in [T, C]; conv0 [N, Kc-1, C] (last Kc-1 inputs before each chunk, oldest first).
+    Returns conv outputs [T, C] (fp32) and the new conv states [N, Kc-1, C].
+    """
+    kc = w.shape[0]
+    T = x_in.shape[0]
+    seq, local = meta["token_seq"], meta["token_local"]
+    t = jnp.arange(T)
+    out = jnp.zeros(x_in.shape, jnp.float32)
+    for j in range(kc):
+        back = kc - 1 - j                       # how many tokens back this tap reads
+        idx = local - back
+        from_state = conv0[seq, jnp.clip(kc - 1 + idx, 0, kc - 2)]
+        from_x = x_in[jnp.clip(t - back, 0, T - 1)]
+        val = jnp.where((idx >= 0)[:, None], from_x, from_state)
+        out = out + val.astype(jnp.float32) * w[j].astype(jnp.float32)
+    cu = meta["cu_seqlens"]
+    lens = cu[1:] - cu[:-1]
+    new = []
+    for r in range(kc - 1):
+        idx = lens - (kc - 1) + r               # local index of the r-th kept input
+        from_x = x_in[jnp.clip(cu[:-1] + idx, 0, T - 1)]
+        from_state = conv0[jnp.arange(lens.shape[0]), jnp.clip(kc - 1 + idx, 0, kc - 2)]
+        new.append(jnp.where((idx >= 0)[:, None], from_x, from_state))
+    return out, jnp.stack(new, axis=1).astype(conv0.dtype)
+
+
+def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
+    """One engine step of a KDA layer over ragged token chunks.
+
+    x [T, D] flat tokens; state_pool [S, H, K, V] fp32; conv_pool [S, Kc-1, 3*H*K].
+    meta: cu_seqlens [N+1], token_seq [T], token_local [T], state_src [N] (slot to resume from,
+    -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
+    checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
+    """
+    src = meta["state_src"]
+    x_in = _qkv_in(p, x)
+    conv0 = _gather_state(conv_pool, src)
+    conv_out, conv_new = _step_conv(x_in, _conv_weights(p), conv0, meta)
+    q, k, v, g, beta = _core(p, x, conv_out, c)
+    s0 = _gather_state(state_pool, src)
+    o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
+                          initial_state=s0, cu_seqlens=meta["cu_seqlens"])
+    for dst in (meta["state_dst"], meta["ckpt_dst"]):
+        state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
+        conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
+    return _output(p, x, o[0], c), state_pool, conv_pool

@@ -1,0 +1,83 @@
+"""Mixture of experts: sigmoid router, routed experts (bf16 or MXFP4), latent MoE, shared experts.
+
+This is the reference MoE layer: tokens are sorted by expert (no dense one-hot) and the three
+expert projections run as grouped matmuls through `ops.gmm` (jax.lax.ragged_dot semantics).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.common import dense_mlp, glu_act, rms_norm
+from pallas_kernels import ops
+
+
+def route(p, x, c: ModelConfig):
+    """Router in fp32. x [T, D] -> (weights [T, k] fp32, expert ids [T, k] int32).
+
+    Chooses the top-k of sigmoid scores + correction bias; weights are the unbiased scores of the
+    chosen experts, renormalized (optional) and scaled.
+    """
+    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))
+    choice = scores + p["router_bias"].astype(jnp.float32)
+    E, G = c.num_experts, c.num_expert_group
+    if G > 1:
+        grouped = choice.reshape(-1, G, E // G)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                    # [T, G]
+        _, top_groups = jax.lax.top_k(group_score, c.topk_group)
+        keep = jnp.zeros(group_score.shape, bool).at[
+            jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, E // G, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, c.num_experts_per_token)
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    if c.moe_renormalize:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * c.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def expert_weights(pe, dtype):
+    """(w1, w3, w2) as [E, in, out] arrays; MXFP4 experts are dequantized on the fly."""
+    if "w1" in pe:
+        return pe["w1"], pe["w3"], pe["w2"]
+    from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
+    return tuple(jnp.swapaxes(dequantize_mxfp4(pe[f"{n}_packed"], pe[f"{n}_scale"], dtype), -1, -2)
+                 for n in ("w1", "w3", "w2"))
+
+
+def sort_by_expert(ids, num_experts: int):
+    """Flat (token, slot) pairs sorted by expert: (order [T*k], token of each row, group sizes [E])."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, order // ids.shape[-1], group_sizes
+
+
+def routed_experts(pe, z, weights, ids, c: ModelConfig):
+    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]), accumulated in fp32."""
+    w1, w3, w2 = expert_weights(pe, z.dtype)
+    order, tok, gs = sort_by_expert(ids, c.num_experts)
+    xs = z[tok]
+    h = glu_act(ops.gmm(xs, w1, gs), ops.gmm(xs, w3, gs), c)
+    y = ops.gmm(h, w2, gs).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(z.shape, jnp.float32).at[tok].add(y).astype(z.dtype)
+
+
+def moe(p, x, c: ModelConfig):
+    """Full MoE block. x [..., D] -> [..., D]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    weights, ids = route(p, x2, c)
+    z = x2 @ p["latent_down"] if "latent_down" in p else x2
+    y = routed_experts(p["experts"], z, weights, ids, c)
+    if "latent_norm" in p:
+        y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
+    if "latent_up" in p:
+        y = y @ p["latent_up"]
+    if "shared" in p:
+        y = y + dense_mlp(p["shared"], x2, c)
+    return y.reshape(shape)
+
+
+def mlp_or_moe(p, x, c: ModelConfig):
+    return moe(p, x, c) if "router" in p else dense_mlp(p, x, c)

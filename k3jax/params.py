@@ -1,0 +1,188 @@
+"""Parameter tree: one spec (shape, dtype, init kind) per leaf, shared by init, loading and planning.
+
+Layout (linear weights are stored [in, out] so `x @ w` needs no transpose):
+  embed [V, D], lm_head [D, V], final_norm [D], output_attn_res {proj, norm} [D] (AttnRes models)
+  layers[i]: input_norm, post_attn_norm [D]; attn_res {attn_proj, attn_norm, mlp_proj, mlp_norm} [D];
+    attn: KDA or MLA dict (see _kda_spec / _mla_spec); mlp: dense {gate, up, down} or MoE dict.
+  Routed experts are stacked [E, ...]: bf16 as w1/w3 [E, D', I], w2 [E, I, D'];
+  MXFP4 kept packed in the checkpoint's [out, in] orientation: w1_packed [E, I, D'/2] uint8,
+  w1_scale [E, I, D'/32] uint8 (likewise w3; w2_packed [E, D', I/2]).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+
+FP32_KINDS = {"A_log", "dt_bias", "router", "zeros32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    shape: tuple[int, ...]
+    kind: str = "w"          # w | norm | A_log | dt_bias | router | zeros32 | mx_packed | mx_scale | conv
+
+    def dtype(self, dtype):
+        if self.kind in FP32_KINDS:
+            return jnp.float32
+        if self.kind in ("mx_packed", "mx_scale"):
+            return jnp.uint8
+        return dtype
+
+
+def _kda_spec(c: ModelConfig) -> dict:
+    D, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+    HK = H * K
+    s = {
+        "q_proj": Leaf((D, HK)), "k_proj": Leaf((D, HK)), "v_proj": Leaf((D, HK)),
+        "q_conv": Leaf((c.conv_kernel, HK), "conv"), "k_conv": Leaf((c.conv_kernel, HK), "conv"),
+        "v_conv": Leaf((c.conv_kernel, HK), "conv"),
+        "A_log": Leaf((H,), "A_log"), "dt_bias": Leaf((HK,), "dt_bias"),
+        "f_a_proj": Leaf((D, K)), "f_b_proj": Leaf((K, HK)),
+        "b_proj": Leaf((D, H)),
+        "o_norm": Leaf((K,), "norm"), "o_proj": Leaf((HK, D)),
+    }
+    if c.kda_full_rank_gate:
+        s["g_proj"] = Leaf((D, HK))
+    else:
+        s["g_a_proj"] = Leaf((D, K))
+        s["g_b_proj"] = Leaf((K, HK))
+    return s
+
+
+def _mla_spec(c: ModelConfig) -> dict:
+    D, H = c.hidden_size, c.mla_num_heads
+    s = {}
+    if c.q_lora_rank:
+        s["q_a_proj"] = Leaf((D, c.q_lora_rank))
+        s["q_a_norm"] = Leaf((c.q_lora_rank,), "norm")
+        s["q_b_proj"] = Leaf((c.q_lora_rank, H * c.qk_head_dim))
+    else:
+        s["q_proj"] = Leaf((D, H * c.qk_head_dim))
+    s["kv_a_proj"] = Leaf((D, c.kv_lora_rank + c.qk_rope_head_dim))
+    s["kv_a_norm"] = Leaf((c.kv_lora_rank,), "norm")
+    s["kv_b_proj"] = Leaf((c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim)))
+    s["o_proj"] = Leaf((H * c.v_head_dim, D))
+    if c.mla_output_gate:
+        s["g_proj"] = Leaf((D, H * c.v_head_dim))
+    return s
+
+
+def _mlp_spec(d: int, inter: int) -> dict:
+    return {"gate": Leaf((d, inter)), "up": Leaf((d, inter)), "down": Leaf((inter, d))}
+
+
+def _experts_spec(c: ModelConfig) -> dict:
+    E, Dp, I = c.num_experts, c.expert_hidden, c.moe_intermediate_size
+    if c.expert_format == "mxfp4":
+        return {
+            "w1_packed": Leaf((E, I, Dp // 2), "mx_packed"), "w1_scale": Leaf((E, I, Dp // 32), "mx_scale"),
+            "w3_packed": Leaf((E, I, Dp // 2), "mx_packed"), "w3_scale": Leaf((E, I, Dp // 32), "mx_scale"),
+            "w2_packed": Leaf((E, Dp, I // 2), "mx_packed"), "w2_scale": Leaf((E, Dp, I // 32), "mx_scale"),
+        }
+    return {"w1": Leaf((E, Dp, I)), "w3": Leaf((E, Dp, I)), "w2": Leaf((E, I, Dp))}
+
+
+def _moe_spec(c: ModelConfig) -> dict:
+    D = c.hidden_size
+    s = {
+        "router": Leaf((D, c.num_experts), "router"),
+        "router_bias": Leaf((c.num_experts,), "zeros32"),
+        "experts": _experts_spec(c),
+    }
+    if c.num_shared_experts:
+        s["shared"] = _mlp_spec(D, c.moe_intermediate_size * c.num_shared_experts)
+    if c.routed_expert_hidden_size:
+        s["latent_down"] = Leaf((D, c.expert_hidden))
+        s["latent_up"] = Leaf((c.expert_hidden, D))
+        if c.latent_moe_norm:
+            s["latent_norm"] = Leaf((c.expert_hidden,), "norm")
+    return s
+
+
+def param_spec(c: ModelConfig) -> dict:
+    """Nested dict of Leaf: the single source of truth for the parameter tree."""
+    D, V = c.hidden_size, c.vocab_size
+    layers = []
+    for i in range(c.num_layers):
+        layer = {
+            "input_norm": Leaf((D,), "norm"), "post_attn_norm": Leaf((D,), "norm"),
+            "attn": _kda_spec(c) if c.layer_types[i] == "kda" else _mla_spec(c),
+            "mlp": _mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else _moe_spec(c),
+        }
+        if c.attn_res_block_size:
+            layer["attn_res"] = {k: Leaf((D,), "norm") for k in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm")}
+        layers.append(layer)
+    p: dict[str, Any] = {"embed": Leaf((V, D)), "final_norm": Leaf((D,), "norm"), "layers": layers}
+    if not c.tie_word_embeddings:
+        p["lm_head"] = Leaf((D, V))
+    if c.attn_res_block_size:
+        p["output_attn_res"] = {"proj": Leaf((D,), "norm"), "norm": Leaf((D,), "norm")}
+    return p
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def _init_leaf(leaf: Leaf, key, dtype, std: float):
+    shape, dt = leaf.shape, leaf.dtype(dtype)
+    k = leaf.kind
+    if k == "norm":
+        # Near one, not exactly one, so that a wrong norm weight shows up in parity tests.
+        return (1.0 + 0.1 * jax.random.normal(key, shape)).astype(dt)
+    if k == "zeros32":
+        return 0.01 * jax.random.normal(key, shape, jnp.float32)
+    if k == "A_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+    if k == "dt_bias":
+        dt_ = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1)))
+        return dt_ + jnp.log(-jnp.expm1(-dt_))  # inverse softplus
+    if k == "conv":
+        return (jax.random.normal(key, shape) * 0.5).astype(dt)
+    if k == "mx_packed":
+        return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    if k == "mx_scale":
+        # 2^-6 .. 2^-4: MXFP4 values of magnitude <= 6 * 2^-4, like a trained expert's weights.
+        return jax.random.randint(key, shape, 121, 124, jnp.int32).astype(jnp.uint8)
+    fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
+    scale = std if k == "router" else fan_in ** -0.5
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dt)
+
+
+def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
+    """Random parameters with the spec's shapes (deterministic for a given key)."""
+    spec = param_spec(c)
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [_init_leaf(l, k, dtype, std) for l, k in zip(leaves, keys)])
+
+
+def param_shapes(c: ModelConfig, dtype=jnp.bfloat16):
+    """ShapeDtypeStruct tree, computed with jax.eval_shape (never allocates)."""
+    return jax.eval_shape(lambda k: init_params(c, k, dtype), jax.random.key(0))
+
+
+def count_params(c: ModelConfig) -> dict:
+    """Logical parameter counts (an MXFP4 byte holds two parameters; scales are not counted)."""
+    spec = param_spec(c)
+    flat = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)[0]
+    total = routed = embed = 0
+    for path, leaf in flat:
+        if leaf.kind == "mx_scale":
+            continue
+        n = int(np.prod(leaf.shape)) * (2 if leaf.kind == "mx_packed" else 1)
+        total += n
+        names = [getattr(p, "key", None) for p in path]
+        if "experts" in names:
+            routed += n
+        if names[0] in ("embed", "lm_head"):
+            embed += n
+    active_routed = routed * c.num_experts_per_token // c.num_experts
+    return {"total_params": total, "active_params": total - routed + active_routed,
+            "routed_expert_params": routed, "embedding_params": embed}

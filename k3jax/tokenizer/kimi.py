@@ -1,0 +1,183 @@
+"""KimiTokenizer: tiktoken BPE with Kimi's split pattern, 256 special ids, and the chat format."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import tiktoken
+
+from k3jax.tokenizer import chat as _chat
+from k3jax.tokenizer import vocab as _vocab
+
+TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny.tiktoken"
+
+
+def _config_dict(tokenizer_config: Any) -> tuple[dict, Path | None]:
+    if tokenizer_config is None:
+        return {}, None
+    if isinstance(tokenizer_config, Mapping):
+        return dict(tokenizer_config), None
+    path = Path(tokenizer_config)
+    with open(path, encoding="utf-8") as f:
+        return json.load(f), path.parent
+
+
+class KimiTokenizer:
+    """Kimi tokenizer: `num_ordinary` BPE ids, then 256 special ids (spec section 8).
+
+    Attributes:
+      num_ordinary: number of BPE tokens (163584 for real Kimi, 768 for tiny).
+      vocab_size: num_ordinary + 256.
+      bos_id, eos_id, im_end_id, eot_id, pad_id, unk_id: special ids (num_ordinary + offset).
+      special_ids: {token string: id} for all 256 special ids (reserved ones included).
+      stop_ids: (eos_id, im_end_id, eot_id), the ids that end a generation.
+      chat_template: the checkpoint's jinja template, or None (built-in Kimi renderer).
+    """
+
+    def __init__(self, mergeable_ranks: Mapping[bytes, int], *, special_names: Mapping[int, str] | None = None,
+                 chat_template: str | None = None, name: str = "kimi"):
+        ranks = dict(mergeable_ranks)
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError("mergeable ranks must be dense 0..n-1")
+        self.num_ordinary = len(ranks)
+        self.vocab_size = self.num_ordinary + _vocab.NUM_SPECIAL
+        self._id_to_special = _vocab.special_names(self.num_ordinary, special_names)
+        self.special_ids = {tok: tid for tid, tok in self._id_to_special.items()}
+        self._enc = tiktoken.Encoding(name, pat_str=_vocab.PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self.special_ids)
+        self.bos_id = self.id_of("[BOS]")
+        self.eos_id = self.id_of("[EOS]")
+        self.im_end_id = self.id_of("<|im_end|>")
+        self.eot_id = self.id_of("[EOT]")
+        self.pad_id = self.id_of("[PAD]")
+        self.unk_id = self.id_of("[UNK]")
+        self.stop_ids = (self.eos_id, self.im_end_id, self.eot_id)
+        self.chat_template = chat_template
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, tokenizer_config: Any = None) -> "KimiTokenizer":
+        """Load a `tiktoken.model` file (or a directory holding one).
+
+        tokenizer_config: None, a dict, or a path to `tokenizer_config.json`. Its
+        `added_tokens_decoder` names special ids (ids keep the spec layout); its
+        `chat_template` (or a `chat_template.jinja` beside it) switches
+        apply_chat_template to jinja rendering. With a directory and no config given,
+        `tokenizer_config.json` in that directory is used if present.
+        """
+        path = Path(path)
+        if path.is_dir():
+            if tokenizer_config is None and (path / "tokenizer_config.json").exists():
+                tokenizer_config = path / "tokenizer_config.json"
+            path = path / "tiktoken.model"
+        config, config_dir = _config_dict(tokenizer_config)
+        names = {}
+        for tid, entry in (config.get("added_tokens_decoder") or {}).items():
+            content = entry.get("content") if isinstance(entry, Mapping) else entry
+            if isinstance(content, str):
+                names[int(tid)] = content
+        from k3jax.tokenizer.jinja_chat import template_from_config
+
+        template = template_from_config(config)
+        if template is None and config_dir is not None and (config_dir / "chat_template.jinja").exists():
+            template = (config_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(_vocab.load_tiktoken_bpe(path), special_names=names, chat_template=template,
+                   name=path.name)
+
+    @classmethod
+    def tiny(cls) -> "KimiTokenizer":
+        """The embedded tiny tokenizer: 768 ordinary ids + 256 specials (vocab_size 1024)."""
+        return cls(_vocab.load_tiktoken_bpe(TINY_ASSET), name="kimi-tiny")
+
+    # ---- ids ----------------------------------------------------------------------------
+
+    def id_of(self, spec_name: str) -> int:
+        """Id of a special token by its spec name (stays right if a config renamed it)."""
+        return self.num_ordinary + _vocab.SPECIAL_OFFSETS[spec_name]
+
+    def token_str(self, spec_name: str) -> str:
+        """The token string actually registered at a spec-named special id."""
+        return self._id_to_special[self.id_of(spec_name)]
+
+    def is_special(self, token_id: int) -> bool:
+        return self.num_ordinary <= token_id < self.vocab_size
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one id (a special id gives its token string in UTF-8)."""
+        self._check_ids((token_id,))
+        return self._enc.decode_single_token_bytes(token_id)
+
+    def _check_ids(self, ids: Iterable[int]) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t} out of range [0, {self.vocab_size})")
+
+    # ---- text ---------------------------------------------------------------------------
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Text -> ids. allow_special=True parses special-token strings ("<|im_end|>") into
+        their ids; otherwise they are encoded as ordinary text."""
+        out: list[int] = []
+        for piece in _vocab.encode_pieces(text):
+            if allow_special:
+                out.extend(self._enc.encode(piece, allowed_special="all"))
+            else:
+                out.extend(self._enc.encode(piece, disallowed_special=()))
+        return out
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Ids -> text (invalid UTF-8 becomes U+FFFD). skip_special drops special ids."""
+        ids = [int(t) for t in ids]
+        self._check_ids(ids)
+        if skip_special:
+            ids = [t for t in ids if t < self.num_ordinary]
+        return self._enc.decode(ids)
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+                            thinking: bool = True, tokenize: bool = False, **template_kwargs: Any):
+        """Render a conversation (OpenAI-style dicts) into a prompt string, or ids if tokenize.
+
+        With a checkpoint jinja template, it is rendered like transformers does
+        (template_kwargs are passed to it) and ids come from encode(..., allow_special=True).
+        Otherwise the built-in Kimi renderer is used (see k3jax.tokenizer.chat) and content
+        is tokenized with special-token parsing off.
+        """
+        if self.chat_template is not None:
+            from k3jax.tokenizer.jinja_chat import render_jinja
+
+            specials = {"bos_token": self.token_str("[BOS]"), "eos_token": self.token_str("[EOS]"),
+                        "unk_token": self.token_str("[UNK]"), "pad_token": self.token_str("[PAD]")}
+            text = render_jinja(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                thinking=thinking, **{**specials, **template_kwargs})
+            return self.encode(text, allow_special=True) if tokenize else text
+        if template_kwargs:
+            raise TypeError(f"unexpected arguments for the built-in template: {sorted(template_kwargs)}")
+        parts = _chat.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  thinking=thinking)
+        return self.encode_parts(parts) if tokenize else self.join_parts(parts)
+
+    def join_parts(self, parts: list[tuple[str, str]]) -> str:
+        """Parts from the built-in renderer -> prompt string."""
+        return "".join(self.token_str(v) if kind == "special" else v for kind, v in parts)
+
+    def encode_parts(self, parts: list[tuple[str, str]]) -> list[int]:
+        """Parts -> ids: special parts by id, each text run between them encoded as plain text."""
+        ids: list[int] = []
+        run: list[str] = []
+        for kind, v in parts:
+            if kind == "special":
+                if run:
+                    ids.extend(self.encode("".join(run)))
+                    run = []
+                ids.append(self.id_of(v))
+            else:
+                run.append(v)
+        if run:
+            ids.extend(self.encode("".join(run)))
+        return ids

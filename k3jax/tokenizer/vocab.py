@@ -1,0 +1,140 @@
+"""Kimi vocabulary facts: the split pattern, the special-token layout, the tiktoken file format.
+
+The pattern and the reserved-name rule are those of Moonshot's `tokenization_kimi.py`
+(Kimi K2 / Kimi Linear): a leading `[\\p{Han}]+` branch, Han subtracted from the letter
+branches (`&&` class intersection, supported by tiktoken's fancy-regex and by the `regex`
+module in V1 mode), and every unnamed id among the 256 special ids called
+`<|reserved_token_{id}|>` with its absolute id.
+
+The special ids are laid out relative to the number of ordinary tokens (spec section 8:
+the real vocabulary has 163584 ordinary tokens, so [BOS] is 163584); the tiny tokenizer
+(768 ordinary tokens) uses the same offsets from 768.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import Mapping
+
+PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+NUM_SPECIAL = 256
+
+# Offset from num_ordinary of every special id the spec names (spec ids minus 163584).
+SPECIAL_OFFSETS: dict[str, int] = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<think>": 22,
+    "</think>": 23,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+# Kimi's encode() cuts text into pieces before tiktoken (tiktoken panics on huge inputs and
+# is quadratic on very long runs); we cut at the same places so ids match the reference.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+
+
+def special_names(num_ordinary: int, overrides: Mapping[int, str] | None = None) -> dict[int, str]:
+    """id -> token string for the 256 special ids [num_ordinary, num_ordinary + 256).
+
+    Spec names first, then `overrides` (absolute id -> name, e.g. a checkpoint's
+    `added_tokens_decoder`) on top, then `<|reserved_token_{id}|>` for the rest.
+    """
+    names = {num_ordinary + off: name for name, off in SPECIAL_OFFSETS.items()}
+    for tid, name in (overrides or {}).items():
+        if num_ordinary <= int(tid) < num_ordinary + NUM_SPECIAL:
+            names[int(tid)] = name
+    out = {}
+    for tid in range(num_ordinary, num_ordinary + NUM_SPECIAL):
+        out[tid] = names.get(tid, f"<|reserved_token_{tid}|>")
+    if len(set(out.values())) != NUM_SPECIAL:
+        raise ValueError("special token names must be unique")
+    return out
+
+
+def parse_tiktoken_bpe(data: bytes) -> dict[bytes, int]:
+    """Parse the tiktoken file format (`base64(token) rank` per line) into {bytes: rank}.
+
+    Ranks must be dense 0..n-1: the rank is the token id.
+    """
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        tok, rank = line.split()
+        ranks[base64.b64decode(tok)] = int(rank)
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("tiktoken ranks are not dense from 0")
+    return ranks
+
+
+def load_tiktoken_bpe(path: str | os.PathLike) -> dict[bytes, int]:
+    """Read a tiktoken BPE file from disk (no network, no cache side effects)."""
+    with open(path, "rb") as f:
+        return parse_tiktoken_bpe(f.read())
+
+
+def dump_tiktoken_bpe(ranks: Mapping[bytes, int]) -> bytes:
+    """Serialize {bytes: rank} in the tiktoken file format, ordered by rank."""
+    lines = [base64.b64encode(tok) + b" " + str(rank).encode() for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    return b"\n".join(lines) + b"\n"
+
+
+def split_long_runs(s: str, max_run: int = MAX_RUN_CHARS):
+    """Cut `s` so that no piece holds more than `max_run` consecutive (non-)whitespace chars.
+
+    Same cut points as `_split_whitespaces_or_nonwhitespaces` in Kimi's tokenizer.
+    """
+    if len(s) <= max_run:  # fast path: no run can be longer than the string
+        yield s
+        return
+    run_len = 0
+    run_is_space = s[0].isspace()
+    start = 0
+    for i, ch in enumerate(s):
+        is_space = ch.isspace()
+        if run_is_space ^ is_space:
+            run_len = 1
+            run_is_space = is_space
+        else:
+            run_len += 1
+            if run_len > max_run:
+                yield s[start:i]
+                start = i
+                run_len = 1
+    yield s[start:]
+
+
+def encode_pieces(text: str):
+    """The substrings Kimi's encode() hands to tiktoken one by one."""
+    for i in range(0, len(text), MAX_ENCODE_CHARS):
+        yield from split_long_runs(text[i : i + MAX_ENCODE_CHARS])

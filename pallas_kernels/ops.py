@@ -1,0 +1,83 @@
+"""The one dispatch point between the model and its heavy ops.
+
+Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
+  "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
+  "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
+The model's call sites only ever call the functions below.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from pallas_kernels.kda import reference as kda_ref
+from pallas_kernels.mla import reference as mla_ref
+
+_MODES = ("auto", "reference", "pallas")
+_mode_override: str | None = None
+
+
+def set_kernel_mode(mode: str | None):
+    """Force a mode for this process (None returns to the env/default)."""
+    global _mode_override
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {_MODES}")
+    _mode_override = mode
+
+
+def kernel_mode() -> str:
+    mode = _mode_override or os.environ.get("K3JAX_KERNELS", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"K3JAX_KERNELS={mode!r}: expected one of {_MODES}")
+    return mode
+
+
+def use_pallas() -> tuple[bool, bool]:
+    """(use the Pallas kernel, run it in interpret mode)."""
+    mode = kernel_mode()
+    on_cpu = jax.default_backend() == "cpu"
+    if mode == "reference" or (mode == "auto" and on_cpu):
+        return False, False
+    return True, on_cpu
+
+
+# ---- KDA -------------------------------------------------------------------
+l2norm = kda_ref.l2norm
+kda_gate = kda_ref.kda_gate
+
+
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None):
+    """Chunked KDA (prefill / mixed steps). Shapes as flash-linear-attention's chunk_kda."""
+    pallas, interpret = use_pallas()
+    if pallas:
+        from pallas_kernels import kda
+        return kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             cu_seqlens=cu_seqlens, interpret=interpret)
+    return kda_ref.chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       cu_seqlens=cu_seqlens)
+
+
+# ---- MLA -------------------------------------------------------------------
+write_kv_pages = mla_ref.write_kv_pages
+
+
+def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale):
+    """Absorbed MLA attention of ragged query chunks over paged latent caches."""
+    pallas, interpret = use_pallas()
+    if pallas:
+        from pallas_kernels import mla
+        return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
+                                    scale=scale, interpret=interpret)
+    return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
+                                              kv_lens, scale=scale)
+
+
+# ---- MoE -------------------------------------------------------------------
+def gmm(lhs, rhs, group_sizes):
+    """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""
+    pallas, interpret = use_pallas()
+    if pallas:
+        from pallas_kernels import moe
+        return moe.gmm(lhs, rhs, group_sizes, interpret=interpret)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
