@@ -1,0 +1,1 @@
+"""Checkpoint I/O: Hugging Face safetensors names <-> the k3jax parameter tree."""
