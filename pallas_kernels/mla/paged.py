@@ -1,0 +1,153 @@
+"""Public paged MLA entry points: tile schedule, config choice, backend dispatch.
+
+GPU -> Pallas Triton kernel (triton_kernel.py). TPU and CPU -> the jnp reference, unless
+``interpret=True`` (kernel run by the Pallas interpreter, used by the CPU tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mla import reference
+from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
+
+
+
+def _num_sms():
+    """Streaming multiprocessors of the default device (132 on an H200; CPU: a guess)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def _pow2_ceil(x):
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _pick_splits(n_tiles, max_blocks, slots):
+    """Split-K factor: minimise wave-quantised time per tile, with a small per-split cost
+    (the partial outputs and the combine pass)."""
+    best, best_cost = 1, None
+    for s in range(1, min(max_blocks, 64) + 1):
+        waves = -(-n_tiles * s // slots)
+        cost = waves / s * (1.0 + 0.03 * s)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64,
+                splits=None, min_rows=16, slots=None):
+    """Static tiling: rows per tile, heads per tile (bh), tokens per tile (bq), bk, splits."""
+    bh = num_heads
+    while bh > max_rows or num_heads % bh:  # largest divisor of H that fits a tile
+        bh -= 1
+    bq = max(1, max_rows // num_heads) if bh == num_heads else 1
+    rows = max(min_rows, _pow2_ceil(bq * bh))
+    max_keys = max_pages * page_size
+    bk = min(bk, _pow2_ceil(max_keys))
+    n_tiles = n_chunks * (num_heads // bh)
+    slots = slots or _num_sms()
+    if splits is None:
+        splits = _pick_splits(n_tiles, -(-max_keys // bk), slots)
+    kps = -(-max_keys // splits)
+    kps = -(-kps // bk) * bk
+    splits = -(-max_keys // kps)
+    return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
+
+
+def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
+    """[n_chunks * H/bh, 4] int32 tiles (seq, start_row, n_valid, pos of first token)."""
+    n_seqs = kv_lens.shape[0]
+    hb = num_heads // bh
+    c = jnp.arange(n_chunks, dtype=jnp.int32)
+    if decode:
+        seq, first, n_valid = c, c, jnp.ones_like(c)
+    else:
+        n_tok = cu_seqlens[1:] - cu_seqlens[:-1]
+        cu_ch = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum((n_tok + bq - 1) // bq).astype(jnp.int32)])
+        seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right"), 0, n_seqs - 1)
+        seq = seq.astype(jnp.int32)
+        local = c - cu_ch[seq]
+        first = cu_seqlens[seq] + local * bq
+        n_valid = jnp.where(c < cu_ch[n_seqs], jnp.clip(n_tok[seq] - local * bq, 0, bq), 0)
+    pos0 = kv_lens[seq] - (cu_seqlens[seq + 1] - first)
+    pos0 = jnp.where(n_valid > 0, pos0, 0)  # empty tile: no keys, no work
+    first = jnp.where(n_valid > 0, first, 0)
+    j = jnp.arange(hb, dtype=jnp.int32)
+    start_row = first[:, None] * num_heads + j[None, :] * bh
+    meta = jnp.stack([jnp.broadcast_to(seq[:, None], start_row.shape), start_row,
+                      jnp.broadcast_to(n_valid[:, None], start_row.shape),
+                      jnp.broadcast_to(pos0[:, None], start_row.shape)], axis=-1)
+    return meta.reshape(n_chunks * hb, 4).astype(jnp.int32)
+
+
+def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
+                 decode, interpret, config):
+    n_tok, num_heads, lat = q_latent.shape
+    _, page_size, _ = kv_pages.shape
+    n_seqs, max_pages = block_tables.shape
+    cfg = dict(config or {})
+    tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}
+    min_rows = 1 if interpret and cfg.pop("small_rows", False) else 16
+    probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, **tune)
+    bq = probe["bq"]
+    n_chunks = n_seqs if decode else (n_tok if bq == 1 else -(-n_tok // bq) + n_seqs)
+    tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=min_rows, **tune)
+    rows = tc["rows"]
+    cu_seqlens = cu_seqlens.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    meta = _tile_meta(cu_seqlens, kv_lens, n_chunks, tc["bq"], tc["bh"], num_heads, decode)
+    pad = ((0, rows), (0, 0))
+    ql = jnp.pad(q_latent.reshape(n_tok * num_heads, lat), pad)
+    qr = jnp.pad(q_rope.reshape(n_tok * num_heads, q_rope.shape[-1]), pad)
+    acc, m, l = mla_tiles_call(meta, block_tables.astype(jnp.int32), ql, qr, kv_pages,
+                               scale=scale, interpret=bool(interpret), **tc, **cfg)
+    tok_ok = jnp.arange(n_tok, dtype=jnp.int32) < cu_seqlens[n_seqs]
+    row_ok = jnp.pad(jnp.repeat(tok_ok, num_heads), (0, rows))
+    out = combine_splits(acc, m, l, row_ok)[:n_tok * num_heads]
+    return out.reshape(n_tok, num_heads, lat).astype(q_latent.dtype)
+
+
+def _use_kernel(interpret):
+    if interpret is not None:
+        return True
+    return jax.default_backend() == "gpu"
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale,
+                     interpret=None, config=None):
+    """Paged MLA decode: one query token per sequence, split-K (flash-decoding).
+
+    q_latent [N, H, L], q_rope [N, H, R], kv_pages [P, page_size, L+R],
+    block_tables [N, max_pages] int32, kv_lens [N] int32 (the query sits at kv_lens-1).
+    Returns o_latent [N, H, L] in q_latent.dtype. ``config``: optional hashable tuple of
+    (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages).
+    """
+    cfg = dict(config) if config else None
+    if not _use_kernel(interpret):
+        return reference.mla_decode_reference(q_latent, q_rope, kv_pages, block_tables,
+                                              kv_lens, scale=scale)
+    cu = jnp.arange(kv_lens.shape[0] + 1, dtype=jnp.int32)
+    return _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu, kv_lens, scale=scale,
+                        decode=True, interpret=interpret, config=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
+                     interpret=None, config=None):
+    """Ragged paged MLA: prefill chunks (attending to their cached prefix) and decode rows.
+
+    Same contract as `reference.ragged_paged_mla_reference`: q_latent [T, H, L],
+    q_rope [T, H, R], kv_pages [P, page_size, L+R], block_tables [N, max_pages],
+    cu_seqlens [N+1], kv_lens [N] (cache length after this step's writes).
+    Returns o_latent [T, H, L]; tokens past cu_seqlens[N] get zeros.
+    """
+    cfg = dict(config) if config else None
+    if not _use_kernel(interpret):
+        return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
+                                                    cu_seqlens, kv_lens, scale=scale)
+    return _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
+                        scale=scale, decode=False, interpret=interpret, config=cfg)

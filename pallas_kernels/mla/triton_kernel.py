@@ -1,0 +1,143 @@
+"""Pallas (Triton backend) kernel for paged absorbed MLA attention.
+
+One kernel serves decode and ragged prefill. The work is cut into *tiles*: a tile is M
+consecutive rows of the flattened query ``[T*H]`` (one token x a block of bh heads, or bq
+tokens x all H heads), all belonging to one sequence. Every tile streams that sequence's
+latent cache once per key split, so all heads of the tile share one read of each 576-wide
+cache row (the cache is MQA-like: one latent per token for all heads).
+
+Per key block of bk keys (flash attention, base-2 online softmax, fp32 stats):
+  s   = (q_lat @ ckv^T + q_rope @ krope^T) * scale*log2(e)      [M, bk]
+  p   = exp2(s - m);  acc = acc * alpha + p @ ckv                  [M, L]
+The kernel writes per key split the normalised output (q dtype) and fp32 (m, l);
+`combine_splits` merges them (flash-decoding) and zeroes rows no tile covered (padding).
+
+Grid = (tiles, splits): tiles vary fastest so head blocks of one sequence run together and
+share the cache rows through L2. Cache rows past a tile's last key are never loaded (masked
+loads read zeros), so garbage or NaN in unused page slots / page 0 cannot leak.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
+
+
+def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale):
+    tile = pl.program_id(0)
+    split = pl.program_id(1)
+    seq = meta_ref[tile, 0]
+    start_row = meta_ref[tile, 1]
+    n_valid = meta_ref[tile, 2]
+    base_pos = meta_ref[tile, 3]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = r // bh
+    row_ok = (r < bq * bh) & (tok < n_valid)
+    pos = base_pos + tok  # causal limit of each row (keys <= pos are visible)
+
+    row_sl = pl.ds(start_row, rows)
+    ql = plgpu.load(ql_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
+    qr = plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
+
+    kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
+    k_lo = split * keys_per_split
+    k_hi = jnp.minimum(k_lo + keys_per_split, kv_end)
+    n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
+    qk_scale = scale * _LOG2E
+    kdt = kv_ref.dtype
+    rope = kv_ref.shape[1] - lat
+
+    def body(i, carry):
+        acc, m, l = carry
+        k0 = k_lo + i * bk
+        keys = k0 + jnp.arange(bk, dtype=jnp.int32)
+        key_ok = keys < kv_end
+        if page_size % bk == 0:  # block inside one page: contiguous rows
+            page = bt_ref[seq * max_pages + k0 // page_size]
+            kv_rows = pl.ds(page * page_size + k0 % page_size, bk)
+        else:  # block spans bk // page_size pages: gather rows through the block table
+            pidx = seq * max_pages + jnp.minimum(keys // page_size, max_pages - 1)
+            pages = plgpu.load(bt_ref.at[pidx], mask=key_ok, other=0)
+            kv_rows = (pages * page_size + keys % page_size)[:, None]
+        if isinstance(kv_rows, pl.Slice):
+            lat_cols, rope_cols = pl.ds(0, lat), pl.ds(lat, rope)
+        else:  # an int-array row index needs int-array columns too (interpret mode)
+            lat_cols = jnp.arange(lat, dtype=jnp.int32)[None, :]
+            rope_cols = lat + jnp.arange(rope, dtype=jnp.int32)[None, :]
+        ckv = plgpu.load(kv_ref.at[kv_rows, lat_cols], mask=key_ok[:, None], other=0)
+        kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=key_ok[:, None], other=0)
+        s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
+        s = s * qk_scale
+        s = jnp.where(keys[None, :] <= pos[:, None], s, _MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
+        return acc, m_new, l_new
+
+    acc0 = jnp.zeros((rows, lat), jnp.float32)
+    m0 = jnp.full((rows,), _MASK, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]  # normalised per split: halves bf16 traffic
+    plgpu.store(o_ref.at[split, row_sl, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(m_ref.at[split, row_sl], m, mask=row_ok)
+    plgpu.store(l_ref.at[split, row_sl], l, mask=row_ok)
+
+
+def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
+                   bk, splits, keys_per_split, num_warps=8, num_stages=2, interpret=False):
+    """Run the kernel over a tile schedule.
+
+    meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
+      n_valid 0 = empty tile. ql_rows [T*H + rows, L] / qr_rows [T*H + rows, R]: flattened
+      queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
+    Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
+    m, l [splits, T*H + rows] (base-2 running max and softmax denominator).
+    """
+    num_pages, page_size, width = kv_pages.shape
+    n_seqs, max_pages = block_tables.shape
+    lat = ql_rows.shape[1]
+    n_rows = ql_rows.shape[0]
+    assert page_size % bk == 0 or bk % page_size == 0, (page_size, bk)
+    assert keys_per_split % bk == 0
+    kernel = functools.partial(
+        _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale))
+    out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
+                 jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]
+    return pl.pallas_call(
+        kernel,
+        grid=(meta.shape[0], splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"mla_paged_r{rows}_bk{bk}_s{splits}",
+    )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
+      kv_pages.reshape(num_pages * page_size, width))
+
+
+def combine_splits(o, m, l, row_valid):
+    """Merge per-split partials: o [S, rows, L], m, l [S, rows] -> [rows, L] fp32.
+
+    row_valid [rows] marks rows some tile wrote; other rows (never stored) become zeros.
+    """
+    ok = row_valid[None, :] & (l > 0)
+    m = jnp.where(ok, m, -jnp.inf)
+    m_tot = jnp.max(m, axis=0)
+    w = jnp.where(ok, jnp.exp2(m - jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)[None]) * l, 0.0)
+    denom = jnp.sum(w, axis=0)
+    num = jnp.sum(w[..., None] * jnp.where(ok[..., None], o.astype(jnp.float32), 0.0), axis=0)
+    return jnp.where((denom > 0)[:, None], num / jnp.where(denom > 0, denom, 1.0)[:, None], 0.0)

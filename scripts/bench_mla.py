@@ -1,0 +1,178 @@
+"""Paged MLA decode benchmark: cache TB/s of the Pallas kernel vs the plain-jnp reference.
+
+One GPU run prints one table: N=64 x 8k and N=16 x 128k contexts, H=32 and H=96, L=512,
+R=64, bf16, page_size 64, plus a copy bandwidth measured in the same run (the ratio column).
+Also checks the kernel against the reference on the GPU (decode and ragged prefill) and
+times a few kernel configs. `--smoke` runs tiny shapes on CPU in interpret mode.
+
+Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.mla import (mla_decode_reference, mla_paged_decode,  # noqa: E402
+                                ragged_paged_mla, ragged_paged_mla_reference)
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def timeit(f, *args, iters=10, reps=3):
+    """Median over reps of the mean time of `iters` back-to-back calls (seconds)."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes):
+    """Read+write TB/s of `a + 1` over an fp32 array of nbytes."""
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1)
+    t = timeit(f, a, iters=10)
+    return 2 * nbytes / t / 1e12
+
+
+def make_cache(key, n_seqs, ctx, heads, lat, rope, page_size, dtype):
+    """Random pool with shuffled page ids; every sequence has exactly `ctx` tokens."""
+    max_pages = -(-ctx // page_size)
+    n_pages = n_seqs * max_pages + 1
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    kv = jax.random.normal(k1, (n_pages, page_size, lat + rope), dtype)
+    perm = jax.random.permutation(k2, jnp.arange(1, n_pages, dtype=jnp.int32))
+    tables = perm.reshape(n_seqs, max_pages)
+    ql = jax.random.normal(k3, (n_seqs, heads, lat), dtype)
+    qr = jax.random.normal(k4, (n_seqs, heads, rope), dtype)
+    lens = jnp.full((n_seqs,), ctx, jnp.int32)
+    return ql, qr, kv, tables, lens
+
+
+def check_gpu(interpret, dtype, lat, rope, heads):
+    """Max |kernel - reference| for decode and a ragged prefill batch (two page sizes)."""
+    scale = 192 ** -0.5
+    rows = []
+    for ps in (64, 16):
+        ql, qr, kv, bt, lens = make_cache(jax.random.PRNGKey(ps), 5, 300, heads, lat, rope,
+                                          ps, dtype)
+        lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
+        want = mla_decode_reference(ql, qr, kv, bt, lens, scale=scale)
+        got = mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=interpret)
+        rows.append((f"decode ps={ps}", float(jnp.max(jnp.abs(
+            got.astype(jnp.float32) - want.astype(jnp.float32))))))
+        # ragged: 3 prefill chunks resuming after cached prefixes + 2 decodes + padding
+        new = np.array([40, 1, 77, 9, 1])
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+        lens2 = jnp.array([300, 1, 77, 64, 129], jnp.int32)
+        t = int(new.sum()) + 5
+        k = jax.random.PRNGKey(7)
+        qlt = jax.random.normal(k, (t, heads, lat), dtype)
+        qrt = jax.random.normal(k, (t, heads, rope), dtype)
+        want = ragged_paged_mla_reference(qlt, qrt, kv, bt, cu, lens2, scale=scale)
+        got = ragged_paged_mla(qlt, qrt, kv, bt, cu, lens2, scale=scale, interpret=interpret)
+        rows.append((f"ragged ps={ps}", float(jnp.max(jnp.abs(
+            got.astype(jnp.float32) - want.astype(jnp.float32))))))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
+    ap.add_argument("--budget", type=float, default=170.0, help="stop sweeping after this")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative configs")
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    log("device:", dev.device_kind, "| jax", jax.__version__, "| backend", jax.default_backend())
+    interpret = True if args.smoke else None
+    if args.smoke:
+        lat, rope, ps, dtype = 64, 16, 16, jnp.float32
+        shapes = [(4, 64, 4), (2, 200, 8)]
+        copy_bytes = 1 << 24
+    else:
+        lat, rope, ps, dtype = 512, 64, 64, jnp.bfloat16
+        shapes = [(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)]
+        copy_bytes = 1 << 30
+
+    for name, err in check_gpu(interpret, dtype, lat, rope, 4 if args.smoke else 32):
+        log(f"check {name}: max abs err vs reference = {err:.3e}")
+
+    copy_tbs = copy_bandwidth(copy_bytes)
+    log(f"copy bandwidth (fp32 a+1, read+write): {copy_tbs:.2f} TB/s")
+
+    sweep = [("default", None)]
+    if args.sweep:
+        sweep += [("bk32", (("bk", 32),)), ("stages3", (("num_stages", 3),)),
+                  ("bk32,st3", (("bk", 32), ("num_stages", 3))),
+                  ("warps4", (("num_warps", 4),)), ("rows64", (("max_rows", 64),)),
+                  ("2x splits", "2x"), ("slots264", (("slots", 264),))]
+    table = []
+    scale = 192 ** -0.5
+    iters = 3 if args.smoke else 10
+    caches = {}
+    for n, ctx, heads in shapes:  # same cache for both head counts
+        if (n, ctx) not in caches:
+            caches[(n, ctx)] = make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, ps,
+                                          dtype)[2:]
+    ref = jax.jit(functools.partial(mla_decode_reference, scale=scale))
+
+    def run(label, impl, f, ql, qr, kv, bt, lens, nbytes):
+        try:
+            t = timeit(f, ql, qr, kv, bt, lens, iters=iters)
+            table.append((label, impl, t, nbytes / t / 1e12))
+            log(f"{label} {impl}: {t * 1e6:.0f} us {nbytes / t / 1e12:.2f} TB/s")
+        except Exception as e:  # noqa: BLE001 - report and continue
+            log(f"{label} {impl} FAILED: {type(e).__name__}: {str(e)[:600]}")
+
+    # phase 1: plain jnp and the default kernel config on every shape; phase 2: the sweep
+    for phase in (0, 1):
+        for n, ctx, heads in shapes:
+            kv, bt, lens = caches[(n, ctx)]
+            k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
+            ql = jax.random.normal(k1, (n, heads, lat), dtype)
+            qr = jax.random.normal(k2, (n, heads, rope), dtype)
+            nbytes = n * ctx * (lat + rope) * jnp.dtype(dtype).itemsize
+            label = f"N={n} ctx={ctx} H={heads}"
+            if phase == 0:
+                run(label, "plain jnp", ref, ql, qr, kv, bt, lens, nbytes)
+            for cname, cfg in (sweep[:1] if phase == 0 else sweep[1:]):
+                if phase == 1 and time.time() - T0 > args.budget:
+                    log("budget reached, skipping", label, cname)
+                    continue
+                if cfg == "2x":
+                    from pallas_kernels.mla.paged import pick_config
+                    base = pick_config(heads, ps, bt.shape[1], n)
+                    cfg = (("splits", 2 * base["splits"]),)
+                f = functools.partial(mla_paged_decode, scale=scale, interpret=interpret,
+                                      config=cfg)
+                run(label, f"pallas {cname}", f, ql, qr, kv, bt, lens, nbytes)
+
+    print()
+    print(f"MLA paged decode, {dev.device_kind}, {time.strftime('%Y-%m-%d')}, "
+          f"copy bandwidth {copy_tbs:.2f} TB/s (fp32 a+1, read+write)")
+    print(f"| shape | impl | time (us) | cache TB/s | / copy BW |")
+    print("|---|---|---|---|---|")
+    for label, impl, t, tbs in table:
+        print(f"| {label} | {impl} | {t * 1e6:.0f} | {tbs:.2f} | {tbs / copy_tbs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
