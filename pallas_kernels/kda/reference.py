@@ -11,6 +11,8 @@ cu_seqlens[-1] (or before cu_seqlens[0]) are padding: output 0, never touch a st
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
@@ -114,6 +116,24 @@ def recurrent_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
     return o[None].astype(out_dtype), bank
 
 
+def decode_reference(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
+    """One token per sequence against a state pool (already gated g, l2-normalised q/k).
+
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V]; state_indices int32 [N]
+    (negative: skip, output 0). Returns (o [N, H, V] v.dtype, new pool; other rows untouched).
+    """
+    f32 = jnp.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    idx = state_indices.astype(jnp.int32)
+    ok = idx >= 0
+    S = state_pool[jnp.clip(idx, 0, state_pool.shape[0] - 1)].astype(f32)
+    S, o = _token_step(S, q.astype(f32) * scale, k.astype(f32), v.astype(f32), g.astype(f32),
+                       beta.astype(f32))
+    pool = state_pool.at[jnp.where(ok, idx, state_pool.shape[0])].set(
+        S.astype(state_pool.dtype), mode="drop")
+    return jnp.where(ok[:, None, None], o, 0).astype(v.dtype), pool
+
+
 def _chunk_step(S, q, k, v, g, beta):
     """One chunk of the WY/UT-transform algorithm.
 
@@ -188,21 +208,9 @@ def chunk_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     N = cu.shape[0] - 1
     q, k, v, g, beta, S0, _ = _prep(q, k, v, g, beta, scale, initial_state, N)
-    # Re-lay tokens so that every sequence starts on a chunk boundary (static upper bound of chunks).
-    lens = jnp.maximum(cu[1:] - cu[:-1], 0)
-    cs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + C - 1) // C)])
-    NTmax = (T + N * (C - 1) + C - 1) // C
-    j = jnp.arange(NTmax, dtype=jnp.int32)
-    cid = jnp.clip(jnp.searchsorted(cs, j, side='right') - 1, 0, N - 1)  # sequence of chunk j
-    tok = cu[cid][:, None] + (j - cs[cid])[:, None] * C + jnp.arange(C, dtype=jnp.int32)[None]
-    ok = (j < cs[N])[:, None] & (tok < cu[cid + 1][:, None])  # [NTmax, C]
-    tok = jnp.clip(tok, 0, T - 1)
-
-    def gather(x):
-        y = x[0][tok]  # [NTmax, C, ...]
-        return jnp.where(ok.reshape(ok.shape + (1,) * (y.ndim - 2)), y, 0.0)
-
-    xs = tuple(gather(x) for x in (q, k, v, g, beta))
+    lay = varlen_chunk_layout(cu, T, C)
+    xs = tuple(lay.gather(x[0]) for x in (q, k, v, g, beta))
+    cid = lay.chunk_seq
 
     def step(bank, xs):
         i, qc, kc, vc, gc, bc = xs
@@ -210,8 +218,44 @@ def chunk_kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_
         return bank.at[i].set(S[0]), o[0]
 
     bank, o = jax.lax.scan(step, S0, (cid,) + xs)  # padding chunks leave their state unchanged
-    o = o.reshape(NTmax * C, H, -1)
+    return lay.scatter(o.reshape(-1, H, o.shape[-1]))[None].astype(out_dtype), bank
+
+
+class VarlenChunkLayout(NamedTuple):
+    """Token layout where every sequence starts on a chunk boundary (static chunk count).
+
+    token [NC, C] source token of each laid-out row, ok [NC, C] row holds a real token,
+    chunk_seq [NC] sequence of each chunk (clipped), cs [N+1] first chunk of each sequence,
+    pos [T] laid-out row of each token, valid [T] token is not padding.
+    """
+    token: jax.Array
+    ok: jax.Array
+    chunk_seq: jax.Array
+    cs: jax.Array
+    pos: jax.Array
+    valid: jax.Array
+
+    def gather(self, x):
+        """x [T, ...] -> [NC, C, ...]; padding rows are 0 (so they leave any state unchanged)."""
+        y = x[self.token]
+        return jnp.where(self.ok.reshape(self.ok.shape + (1,) * (y.ndim - 2)), y, 0)
+
+    def scatter(self, y):
+        """Laid-out rows y [NC*C, ...] -> tokens [T, ...]; padding tokens get 0."""
+        out = y[self.pos]
+        return jnp.where(self.valid.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0)
+
+
+def varlen_chunk_layout(cu, T, C):
+    """Layout for cu_seqlens cu (int32 [N+1], traced values) over T tokens, chunk size C."""
+    N = cu.shape[0] - 1
+    lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+    cs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + C - 1) // C).astype(jnp.int32)])
+    NC = (T + N * (C - 1) + C - 1) // C  # upper bound on sum(ceil(len_i / C))
+    j = jnp.arange(NC, dtype=jnp.int32)
+    cid = jnp.clip(jnp.searchsorted(cs, j, side='right') - 1, 0, N - 1).astype(jnp.int32)
+    tok = cu[cid][:, None] + (j - cs[cid])[:, None] * C + jnp.arange(C, dtype=jnp.int32)[None]
+    ok = (j < cs[N])[:, None] & (tok < cu[cid + 1][:, None])
     sid, valid = _seq_ids(cu, T)
-    pos = jnp.clip(cs[sid] * C + jnp.arange(T, dtype=jnp.int32) - cu[sid], 0, NTmax * C - 1)
-    o = jnp.where(valid[:, None, None], o[pos], 0.0)
-    return o[None].astype(out_dtype), bank
+    pos = jnp.clip(cs[sid] * C + jnp.arange(T, dtype=jnp.int32) - cu[sid], 0, NC * C - 1)
+    return VarlenChunkLayout(jnp.clip(tok, 0, T - 1), ok, cid, cs, pos, valid)

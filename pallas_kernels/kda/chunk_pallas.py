@@ -1,0 +1,208 @@
+"""Chunked KDA prefill as two Pallas kernels (written for the Triton backend, run in interpret mode on CPU).
+
+Stages (as in flash-linear-attention's chunk_kda):
+  0. XLA prologue (see ops.py): optional l2norm / gate, chunk-local cumsum of g, sequences laid out
+     so each starts on a chunk boundary; padding tokens carry k = v = g = beta = 0 (no state effect).
+  1. `_intra_kernel`, parallel over (chunk, head): intra-chunk matrices in 16-row sub-blocks,
+     off-diagonal blocks by matmul against a per-block reference decay (all exponents <= 0),
+     diagonal blocks exactly, token by token. Block forward substitution gives
+     T = (I + StrictTril(diag(beta) A_kk))^-1, then w = T diag(beta) (exp(gc) k), u = T diag(beta) v.
+     Also writes qg = q exp(gc), kd = k exp(g_last - gc) and the causal A_qk.
+  2. `_inter_kernel`, parallel over (sequence, head, V block), sequential over chunks: state
+     recurrence fused with the output:  v' = u - w S;  o = qg S + A_qk v';  S = exp(g_last) S + kd^T v'.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_HI = lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (no TF32); bf16 operands stay bf16
+_F32 = jnp.float32
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, precision=_HI, preferred_element_type=_F32)
+
+
+def _dot_nt(a, b):  # a @ b.T
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=_F32)
+
+
+def _dot_tn(a, b):  # a.T @ b
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HI, preferred_element_type=_F32)
+
+
+def _unit_tril_inv(L, row, col):
+    """(I + L)^-1 for strictly lower-triangular L [n, n], by forward substitution over rows."""
+    n = L.shape[0]
+    eye_row = lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+    def body(i, X):
+        li = jnp.sum(jnp.where(row == i, L, 0.0), axis=0)  # li[j] = L[i, j]
+        xi = (eye_row == i).astype(_F32) - jnp.sum(li[:, None] * X, axis=0)
+        return jnp.where(row == i, xi[None, :], X)
+
+    return lax.fori_loop(0, n, body, jnp.zeros_like(L))
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, *, bc):
+    """One (chunk, head). Refs: q, k, g [C, K]; v [C, V]; beta [C]; outputs w, qg, kd [C, K],
+    u [C, V], a (A_qk) [C, C]. g is the chunk-local cumulative log decay (fp32)."""
+    C, K = q_ref.shape
+    nc = C // bc
+    row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
+    col = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
+    row_k = lax.broadcasted_iota(jnp.int32, (bc, K), 0)
+    zero = jnp.zeros((bc, bc), _F32)
+    glast = g_ref[C - 1, :]
+
+    def blk(ref, i):
+        return ref[pl.ds(i * bc, bc), :].astype(_F32)
+
+    L, Aq = {}, {}
+    for I in range(nc):
+        qI, kI, gI = blk(q_ref, I), blk(k_ref, I), blk(g_ref, I)
+        bI = b_ref[pl.ds(I * bc, bc)].astype(_F32)
+        gn = g_ref[I * bc, :]  # reference decay: first row of block I
+        eI = jnp.exp(gI - gn[None, :])  # <= 1
+        kgI, qgI = kI * eI, qI * eI
+        for J in range(I):
+            kgJ = blk(k_ref, J) * jnp.exp(gn[None, :] - blk(g_ref, J))  # <= 1
+            L[I, J] = _dot_nt(kgI, kgJ) * bI[:, None]
+            Aq[I, J] = _dot_nt(qgI, kgJ)
+
+        def diag(j, carry, I=I, qI=qI, kI=kI, gI=gI):
+            akk, aqk = carry
+            kj = k_ref[I * bc + j, :].astype(_F32)
+            gj = g_ref[I * bc + j, :]
+            # exp(gc_i - gc_j) only where i >= j (elsewhere it could overflow)
+            ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
+            ck = jnp.sum(kI * ekj, axis=1)
+            cq = jnp.sum(qI * ekj, axis=1)
+            akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
+            aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
+            return akk, aqk
+
+        akk, aqk = lax.fori_loop(0, bc, diag, (zero, zero))
+        L[I, I] = akk * bI[:, None]
+        Aq[I, I] = aqk
+        qg_ref[pl.ds(I * bc, bc), :] = (qI * jnp.exp(gI)).astype(qg_ref.dtype)
+        kd_ref[pl.ds(I * bc, bc), :] = (kI * jnp.exp(glast[None, :] - gI)).astype(kd_ref.dtype)
+        for J in range(nc):
+            a_ref[pl.ds(I * bc, bc), pl.ds(J * bc, bc)] = (Aq[I, J] if J <= I else zero).astype(a_ref.dtype)
+
+    # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
+    T = {}
+    for I in range(nc):
+        T[I, I] = _unit_tril_inv(L[I, I], row, col)
+        for J in range(I):
+            acc = _dot(L[I, J], T[J, J])
+            for M in range(J + 1, I):
+                acc = acc + _dot(L[I, M], T[M, J])
+            T[I, J] = -_dot(T[I, I], acc)
+
+    for I in range(nc):
+        w = u = None
+        for J in range(I + 1):
+            bJ = b_ref[pl.ds(J * bc, bc)].astype(_F32)[:, None]
+            rk = blk(k_ref, J) * jnp.exp(blk(g_ref, J)) * bJ
+            rv = blk(v_ref, J) * bJ
+            dw, du = _dot(T[I, J], rk), _dot(T[I, J], rv)
+            w = dw if w is None else w + dw
+            u = du if u is None else u + du
+        w_ref[pl.ds(I * bc, bc), :] = w.astype(w_ref.dtype)
+        u_ref[pl.ds(I * bc, bc), :] = u.astype(u_ref.dtype)
+
+
+def _inter_kernel(cs_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, g_ref, h0_ref, o_ref, ht_ref, *, C,
+                  split):
+    """One (sequence n, head, V block): loop over the sequence's chunks cs[n] .. cs[n+1].
+
+    Row refs are [R, K | BV | C] over all laid-out rows; h0 / ht are [K, BV] fp32. With bf16 inputs
+    the dots run in bf16 like FLA; `split` feeds S and v' as two bf16 halves for ~fp32 accuracy."""
+    n = pl.program_id(0)
+    sd = w_ref.dtype  # dot operand dtype (bf16 for bf16 inputs, like FLA; fp32 for fp32)
+
+    def parts(x):  # fp32 x as dot operands: [x] or, with `split`, [hi, lo] in sd (bf16x2 accuracy)
+        if sd == _F32:
+            return [x]
+        hi = x.astype(sd)
+        return [hi, (x - hi.astype(_F32)).astype(sd)] if split else [hi]
+
+    def mm(dot, a, b):
+        return sum(dot(a, p) for p in parts(b))
+
+    def body(c, S):
+        r0 = pl.multiple_of(c * C, C)
+        r = pl.ds(r0, C)
+        vnew = u_ref[r, :].astype(_F32) - mm(_dot, w_ref[r, :], S)
+        A = a_ref[r, :]
+        av = _dot(A, vnew) if split else mm(_dot, A.astype(sd), vnew)
+        o = mm(_dot, qg_ref[r, :], S) + av
+        o_ref[r, :] = o.astype(o_ref.dtype)
+        glast = g_ref[r0 + C - 1, :]
+        return S * jnp.exp(glast)[:, None] + mm(_dot_tn, kd_ref[r, :], vnew)
+
+    S = lax.fori_loop(cs_ref[n], cs_ref[n + 1], body, h0_ref[...].astype(_F32))
+    ht_ref[...] = S
+
+
+def _compiler_params(backend, num_warps, num_stages):
+    if backend == "triton":
+        from jax.experimental.pallas import triton as plgpu
+        return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    return {}
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "bc", "block_v", "interpret", "backend", "split"))
+def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, bc=16, block_v=None,
+                       interpret=False, backend="triton", split=True):
+    """Both kernels on laid-out rows.
+
+    q (scaled), k [R, H, K] (dot dtype), v [R, H, V], g [R, H, K] fp32 chunk-local cumsum,
+    beta [R, H] fp32, cs int32 [N+1] chunk starts per sequence (R = num_chunks * chunk_size),
+    h0 [N, H, K, V] fp32. Returns o [R, H, V] (v.dtype, rows of unused chunks undefined) and
+    ht [N, H, K, V] fp32.
+    """
+    R, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = h0.shape[0]
+    sd = q.dtype
+    cp = functools.partial(_compiler_params, backend)
+
+    row_spec = lambda D: pl.BlockSpec((C, None, D), lambda c, h: (c, h, 0))  # noqa: E731
+    w, u, qg, kd, a = pl.pallas_call(
+        functools.partial(_intra_kernel, bc=bc),
+        grid=(R // C, H),
+        in_specs=[row_spec(K), row_spec(K), row_spec(V), row_spec(K),
+                  pl.BlockSpec((C, None), lambda c, h: (c, h))],
+        out_specs=[row_spec(K), row_spec(V), row_spec(K), row_spec(K), row_spec(C)],
+        out_shape=[jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, V), _F32),
+                   jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, K), sd),
+                   jax.ShapeDtypeStruct((R, H, C), _F32)],
+        interpret=interpret,
+        name="kda_chunk_intra",
+        **cp(4, 1),
+    )(q, k, v, g, beta)
+
+    BV = block_v or (V if V <= 32 else 32)
+    full = lambda D, bv=False: pl.BlockSpec(  # noqa: E731
+        (R, None, D), (lambda n, h, j: (0, h, j)) if bv else (lambda n, h, j: (0, h, 0)))
+    st_spec = pl.BlockSpec((None, None, K, BV), lambda n, h, j: (n, h, 0, j))
+    o, ht = pl.pallas_call(
+        functools.partial(_inter_kernel, C=C, split=split),
+        grid=(N, H, V // BV),
+        in_specs=[pl.no_block_spec, full(K), full(BV, True), full(K), full(K), full(C), full(K),
+                  st_spec],
+        out_specs=[full(BV, True), st_spec],
+        out_shape=[jax.ShapeDtypeStruct((R, H, V), v.dtype), jax.ShapeDtypeStruct((N, H, K, V), _F32)],
+        interpret=interpret,
+        name="kda_chunk_inter",
+        **cp(4, 2),
+    )(cs, w, u, qg, kd, a, g, h0)
+    return o, ht

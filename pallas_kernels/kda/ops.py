@@ -1,0 +1,123 @@
+"""Public KDA ops: pick the Pallas kernel (GPU: Triton backend) or the jnp reference (CPU, TPU).
+
+interpret=None: GPU -> compiled Triton kernels, anything else -> pure-jnp reference.
+interpret=True: the Pallas kernels in interpret mode (any platform; used by the CPU tests).
+interpret=False: compiled kernels on GPU, the reference elsewhere.
+TPU: the kernels are written against Triton's model (row loads at dynamic offsets, 1-D vectors)
+and have not been lowered with Mosaic, so TPU uses the reference for now.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda.chunk_pallas import chunk_kda_laid_out
+from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas
+from pallas_kernels.kda.reference import (
+    chunk_kda_reference, decode_reference, kda_gate, l2norm, varlen_chunk_layout)
+
+_CHUNK = 64
+
+
+def _mode(interpret):
+    if interpret:
+        return "interpret"
+    if jax.default_backend() == "gpu":
+        return "triton"
+    return "reference"
+
+
+def _dot_dtype(x):
+    return x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
+              cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+              dt_bias=None, lower_bound=None, interpret=None):
+    """Chunked KDA prefill.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log-space decay, or the raw f projection
+    when use_gate_in_kernel, then A_log [H] | [1,1,H,1] | [>=H], dt_bias [H*K] | [H, K] and
+    lower_bound select the gate formula); beta [B, T, H]; initial_state [N, H, K, V] fp32
+    (None = zeros); cu_seqlens int32 [N+1] (B == 1) or None (N = B).
+    Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q).astype(_dot_dtype(q)), l2norm(k).astype(_dot_dtype(k))
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+    g = g.astype(jnp.float32) if g.dtype != jnp.float64 else g
+    mode = _mode(interpret)
+    if mode == "reference":
+        o, ht = chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                    cu_seqlens=cu_seqlens, chunk_size=_CHUNK)
+        return o, (ht.astype(jnp.float32) if output_final_state else None)
+
+    C = _CHUNK
+    scale = K ** -0.5 if scale is None else scale
+    sd = _dot_dtype(q)
+    qs = (q.astype(jnp.float32) * scale).astype(sd)
+    xs = [qs, k.astype(sd), v, g.astype(jnp.float32), beta.astype(jnp.float32)]
+    if cu_seqlens is None:
+        N, TP = B, -(-T // C) * C
+        xs = [jnp.pad(x, [(0, 0), (0, TP - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+        xs = [x.reshape((B * TP,) + x.shape[2:]) for x in xs]
+        cs = (jnp.arange(B + 1, dtype=jnp.int32) * (TP // C))
+        lay = None
+    else:
+        if B != 1:
+            raise ValueError("cu_seqlens requires B == 1")
+        cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+        N = cu.shape[0] - 1
+        lay = varlen_chunk_layout(cu, T, C)
+        xs = [lay.gather(x[0]) for x in xs]
+        xs = [x.reshape((-1,) + x.shape[2:]) for x in xs]
+        cs = lay.cs
+    R = xs[0].shape[0]
+    # chunk-local cumulative log decay (stage 1 of FLA's chunk_kda; XLA fuses it with the gate)
+    xs[3] = jnp.cumsum(xs[3].reshape(R // C, C, H, K), axis=1).reshape(R, H, K)
+    h0 = (jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    o, ht = chunk_kda_laid_out(*xs, cs, h0, chunk_size=C, interpret=(mode == "interpret"),
+                               backend=mode)
+    if lay is None:
+        o = o.reshape(B, R // B, H, V)[:, :T]
+    else:
+        o = lay.scatter(o)[None]
+    return o, (ht if output_final_state else None)
+
+
+def _gate_params(A_log, dt_bias, H, K):
+    a = (jnp.zeros((H,), jnp.float32) if A_log is None
+         else A_log.astype(jnp.float32).reshape(-1)[:H])
+    dt = (jnp.zeros((H, K), jnp.float32) if dt_bias is None
+          else dt_bias.astype(jnp.float32).reshape(H, K))
+    return a, dt
+
+
+def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=None,
+                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                        dt_bias=None, lower_bound=None, interpret=None):
+    """One decode token per sequence against a pool of states.
+
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [num_slots, H, K, V] fp32;
+    state_indices int32 [N] (negative = padding: no state touched, output 0).
+    Returns (o [N, H, V] in v.dtype, new_state_pool). Rows not named in state_indices are
+    returned bit-identical; donate state_pool in the caller's jit for an in-place update.
+    """
+    N, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    mode = _mode(interpret)
+    if mode != "reference":
+        a, dt = _gate_params(A_log, dt_bias, H, K)
+        return fused_recurrent_kda_pallas(
+            q, k, v, g, beta, state_pool, state_indices.astype(jnp.int32), a, dt, scale=scale,
+            l2norm=use_qk_l2norm_in_kernel, gate=use_gate_in_kernel, lower_bound=lower_bound,
+            interpret=(mode == "interpret"), backend=mode)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+    return decode_reference(q, k, v, g, beta, state_pool, state_indices, scale=scale)
