@@ -1,0 +1,69 @@
+"""Routed expert MLP: permute -> fused gate/up grouped matmul + GLU -> down gmm -> combine."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import grouped as gm
+from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import routing
+from pallas_kernels.moe import schedule as sch
+
+
+def _act(activation, situ_beta, situ_linear_beta):
+  return functools.partial(kn.glu_activation, activation=activation, situ_beta=situ_beta,
+                           situ_linear_beta=situ_linear_beta)
+
+
+def _reference_path(xs, gs, w1, w3, w2, act, dtype):
+  g = gm.gmm_reference(xs, w1, gs).astype(jnp.float32)
+  u = gm.gmm_reference(xs, w3, gs).astype(jnp.float32)
+  h = act(g, u).astype(dtype)
+  return gm.gmm_reference(h, w2, gs)
+
+
+def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
+               situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
+               interpret=None, tiling=None):
+  """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
+
+  x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
+  topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]).
+  activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
+  Returns [T, D] in x.dtype.
+  """
+  e = w1.shape[0]
+  tok, gs, inv = routing.sort_by_expert(topk_ids, e)
+  xs = x[tok]
+  act = _act(activation, situ_beta, situ_linear_beta)
+  use, interp = sch.use_kernel(interpret)
+  if use:
+    t_up, t_down = tiling if tiling is not None else (None, None)
+    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp)
+    y = gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp)
+  else:
+    y = _reference_path(xs, gs, w1, w3, w2, act, x.dtype)
+  return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
+
+
+def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
+                     situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
+                     interpret=None, tiling=None):
+  """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
+  w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D]."""
+  e = w1[0].shape[0]
+  tok, gs, inv = routing.sort_by_expert(topk_ids, e)
+  xs = x[tok]
+  act = _act(activation, situ_beta, situ_linear_beta)
+  use, interp = sch.use_kernel(interpret)
+  if use:
+    t_up, t_down = tiling if tiling is not None else (None, None)
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp)
+    y = gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp)
+  else:
+    deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
+    y = _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype)
+  return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)

@@ -1,0 +1,108 @@
+"""Public grouped matmul entry points (bf16 and MXFP4) with backend dispatch."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import schedule as sch
+
+
+def gmm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """jax.lax.ragged_dot: lhs [M, K] rows sorted by group, rhs [G, K, N] -> [M, N].
+
+  Rows past sum(group_sizes) are zero. Accumulates in fp32, returns lhs.dtype.
+  """
+  out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                           preferred_element_type=jnp.float32)
+  return out.astype(lhs.dtype)
+
+
+def gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes):
+  """gmm on the dequantized, transposed MXFP4 weights ([G, N, K/2] -> [G, K, N])."""
+  w = mx.dequantize_mxfp4(rhs_packed, rhs_scales, lhs.dtype)
+  return gmm_reference(lhs, jnp.swapaxes(w, 1, 2), group_sizes)
+
+
+def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
+  if tiling is None:
+    return sch.choose_tiling(m, k, n, g, **kw)
+  if isinstance(tiling, sch.Tiling):
+    return tiling
+  if isinstance(tiling, dict):
+    return sch.Tiling(**tiling)
+  return sch.Tiling(*tiling)
+
+
+def _pad_rows(x, bm):
+  m = x.shape[0]
+  return x if m >= bm else jnp.pad(x, ((0, bm - m), (0, 0)))
+
+
+def _pad_last(a, mult):
+  r = (-a.shape[-1]) % mult
+  if not r:
+    return a
+  return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, r)])
+
+
+def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
+  """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed."""
+  m, k = lhs.shape
+  n = ws[0].shape[-1]
+  kp = k + (-k) % 16
+  if kp != k:  # rare: contraction not a multiple of 16 -> zero-pad both operands
+    lhs = _pad_last(lhs, 16)
+    ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
+  ws = tuple(_pad_last(w, 16) for w in ws)
+  np_ = ws[0].shape[-1]
+  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None)
+  x = _pad_rows(lhs, t.bm)
+  out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
+                          interpret=interpret)
+  return out[:m, :n]
+
+
+def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
+  """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...)."""
+  m, k = lhs.shape
+  n = ws[0].shape[1]
+  if ws[0].shape[2] * 2 != k:
+    raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
+  rn = (-n) % 16
+  if rn:
+    ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
+  t = _as_tiling(tiling, m, k, n + rn, group_sizes.shape[0], mxfp4=True,
+                 fused=act is not None)
+  x = _pad_rows(lhs, t.bm)
+  out = kn.grouped_matmul(x, ws, group_sizes, fmt="mxfp4", n=n + rn, tiling=t, act=act,
+                          interpret=interpret)
+  return out[:m, :n]
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=None,
+        tiling=None) -> jax.Array:
+  """Grouped matmul, ragged_dot semantics: lhs [M, K], rhs [G, K, N], group_sizes [G] -> [M, N].
+
+  GPU: Pallas Triton kernel. CPU: reference unless interpret=True. TPU: reference.
+  tiling: None (heuristic), Tiling, dict or tuple (bm, bk, bn, num_warps, num_stages).
+  """
+  use, interp = sch.use_kernel(interpret)
+  if not use:
+    return gmm_reference(lhs, rhs, group_sizes)
+  return run_bf16(lhs, (rhs,), group_sizes, tiling=tiling, interpret=interp)
+
+
+def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
+              group_sizes: jax.Array, *, interpret=None, tiling=None) -> jax.Array:
+  """Grouped matmul with MXFP4 weights decoded inside the kernel.
+
+  lhs [M, K] bf16, rhs_packed uint8 [G, N, K/2], rhs_scales uint8 [G, N, K/32]
+  (HF [out, in] orientation), group_sizes [G] -> [M, N] = gmm(lhs, dequant(rhs)^T).
+  """
+  use, interp = sch.use_kernel(interpret)
+  if not use:
+    return gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes)
+  return run_mxfp4(lhs, (rhs_packed, rhs_scales), group_sizes, tiling=tiling,
+                   interpret=interp)

@@ -1,0 +1,109 @@
+"""Pallas (Triton backend) grouped matmul over expert-sorted rows.
+
+One kernel serves bf16 weights [G, K, N] and MXFP4 weights [G, N, K/2] (+ scales
+[G, N, K/32], decoded in registers), with one weight (plain gmm) or two weights
+sharing the lhs tile (gate and up of a GLU) whose accumulators meet in a fused
+activation epilogue. Grid = (column blocks, row tiles); the column axis runs fastest
+so the CTAs in flight share one lhs tile and one expert's weights in L2.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import schedule as sch
+
+
+def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
+                   situ_linear_beta: float | None = 25.0):
+  """act(gate, up) in fp32: 'silu' -> silu(g) * u; 'situ' -> SiTU-GLU (K3)."""
+  g = g.astype(jnp.float32)
+  u = u.astype(jnp.float32)
+  sig = 1.0 / (1.0 + jnp.exp(-g))
+  if activation == "silu":
+    return g * sig * u
+  if activation == "situ":
+    a = situ_beta * jnp.tanh(g / situ_beta) * sig
+    if situ_linear_beta is not None:
+      u = situ_linear_beta * jnp.tanh(u / situ_linear_beta)
+    return a * u
+  raise ValueError(f"unknown activation {activation!r}")
+
+
+def _kernel(tg_ref, ts_ref, te_ref, x_ref, *refs, fmt, n_w, m, k, g, tiling, act):
+  o_ref = refs[-1]
+  w_refs = refs[:-1]
+  bm, bk, bn = tiling.bm, tiling.bk, tiling.bn
+  ni = pl.program_id(0)
+  t = pl.program_id(1)
+  gid = tg_ref[t]
+  start = ts_ref[t]
+  end = te_ref[t]
+  # Load a full bm-row window that stays in bounds; rows outside [start, end) are
+  # computed but never stored (rows are independent), so loads need no mask.
+  lo = jnp.minimum(start, m - bm)
+  rows = lo + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+  mask = (rows >= start) & (rows < end)
+  n0 = pl.multiple_of(ni * bn, bn)
+  out_view = o_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)]
+
+  @pl.when((end > start) & (gid < g))
+  def _compute():
+    def body(kk, accs):
+      k0 = pl.multiple_of(kk * bk, bk)
+      xb = x_ref[pl.ds(lo, bm), pl.ds(k0, bk)]
+      new = []
+      for i, acc in enumerate(accs):
+        if fmt == "bf16":
+          wb = w_refs[i][gid, pl.ds(k0, bk), pl.ds(n0, bn)]
+          new.append(acc + plt.dot(xb, wb))
+        else:
+          p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
+          pb = p_ref[gid, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * (bk // 2), bk // 2), bk // 2)]
+          sb = s_ref[gid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
+          wb = mx.decode_block(pb, sb, xb.dtype)
+          new.append(acc + plt.dot(xb, wb, trans_b=True))
+      return tuple(new)
+
+    zero = jnp.zeros((bm, bn), jnp.float32)
+    accs = jax.lax.fori_loop(0, k // bk, body, (zero,) * n_w)
+    out = accs[0] if act is None else act(*accs)
+    plt.store(out_view, out.astype(o_ref.dtype), mask=mask)
+
+  @pl.when((end > start) & (gid == g))
+  def _zero_tail():
+    plt.store(out_view, jnp.zeros((bm, bn), o_ref.dtype), mask=mask)
+
+
+def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
+                   act=None, out_dtype=None, interpret: bool = False):
+  """Pallas grouped matmul.
+
+  x [M, K] (rows sorted by group), group_sizes [G] int32.
+  fmt 'bf16': weights = (w [G, K, N], ...); fmt 'mxfp4': weights = (packed [G, N, K/2],
+  scales [G, N, K/32], ...). One weight -> x @ w per group; two -> act(x @ w_a, x @ w_b)
+  (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows past sum(group_sizes)
+  are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the public wrappers pad).
+  """
+  m, k = x.shape
+  g = group_sizes.shape[0]
+  n_w = len(weights) if fmt == "bf16" else len(weights) // 2
+  assert k % tiling.bk == 0 and n % tiling.bn == 0 and m >= tiling.bm, (m, k, n, tiling)
+  assert (act is None) == (n_w == 1)
+  tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
+  grid = (n // tiling.bn, tg.shape[0])
+  kern = functools.partial(_kernel, fmt=fmt, n_w=n_w, m=m, k=k, g=g, tiling=tiling, act=act)
+  return pl.pallas_call(
+      kern,
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
+      grid=grid,
+      compiler_params=plt.CompilerParams(num_warps=tiling.num_warps,
+                                         num_stages=tiling.num_stages),
+      interpret=interpret,
+      name=f"moe_gmm_{fmt}_{n_w}",
+  )(tg, ts, te, x, *weights)

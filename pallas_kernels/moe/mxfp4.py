@@ -1,0 +1,111 @@
+"""MXFP4 (OCP microscaling FP4) weights: exact jnp dequantizer and the in-kernel decoder.
+
+Format (K3 release checkpoint, compressed-tensors `mxfp4-pack-quantized`):
+  packed uint8 [..., N, K/2]: two E2M1 codes per byte, LOW nibble = even element;
+    code bits: 3 = sign, 0..2 = magnitude index -> 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+  scales uint8 [..., N, K/32]: E8M0 exponent e, scale 2^(e - 127), one per 32
+    consecutive elements along K (e = 255 gives inf scale, like the reference).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+# Per magnitude index: exponent offset E and mantissa bit f with |v| = 2^E (1 + f/2).
+_EXP = np.array([0, -1, 0, 0, 1, 1, 2, 2], np.int32)
+_MANT = np.array([0, 0, 0, 1, 0, 1, 0, 1], np.int32)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+  """uint8 [..., K/2] -> uint8 codes [..., K] (low nibble first)."""
+  lo = packed & 0xF
+  hi = packed >> 4
+  return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _bf16_bits(codes: jax.Array, e: jax.Array) -> jax.Array:
+  """Exact bf16 bit pattern (uint16) of E2M1 code x 2^(e - 127), integer ops only.
+
+  Integer construction keeps subnormal results (e in {0, 1}) exact whatever the
+  backend's denormal flushing; rounding never happens (|v| has <= 2 significant bits).
+  """
+  c = codes.astype(jnp.int32)
+  e = e.astype(jnp.int32)
+  mag = c & 7
+  x = jnp.asarray(_EXP)[mag] + e  # biased bf16 exponent of the result
+  f = jnp.asarray(_MANT)[mag]
+  normal = (x << 7) | (f << 6)
+  sub = (2 + f) << jnp.clip(x + 5, 0, 5)  # x in {-1, 0}: subnormal mantissa
+  bits = jnp.where(x >= 255, 0x7F80, jnp.where(x >= 1, normal, sub))
+  bits = jnp.where(mag == 0, 0, bits)
+  bits = jnp.where(e == 255, jnp.where(mag == 0, 0x7FC0, 0x7F80), bits)
+  bits = bits | ((c & 8) << 12)
+  return bits.astype(jnp.uint16)
+
+
+def dequantize_mxfp4(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """Dequantize MXFP4 weights: packed uint8 [..., N, K/2], scales uint8 [..., N, K/32] -> [..., N, K].
+
+  Bit-for-bit equal to compressed-tensors' MXFP4 decompressor in bfloat16 (which
+  multiplies the bf16 E2M1 value by the bf16 scale 2^(e-127)); other dtypes get the
+  exact same values converted.
+  """
+  packed = jnp.asarray(packed)
+  scales = jnp.asarray(scales)
+  k = packed.shape[-1] * 2
+  if scales.shape[-1] * 32 != k:
+    raise ValueError(f"scales {scales.shape} do not match packed {packed.shape} (32 per scale)")
+  codes = unpack_codes(packed)
+  e = jnp.repeat(scales, 32, axis=-1)
+  bits = _bf16_bits(codes, e)
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+  f32 = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+  return f32.astype(dtype)
+
+
+def quantize_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Round-to-nearest MXFP4 quantizer for tests/benchmarks: [..., N, K] -> (packed, scales).
+
+  Scale exponent floor(log2(max|w| / 6)) + 127 per 32-block (values then fit in +-6
+  after rounding up by at most one binade, which clips), codes by nearest E2M1 value.
+  """
+  w = jnp.asarray(w, jnp.float32)
+  *lead, n, k = w.shape
+  blocks = w.reshape(*lead, n, k // 32, 32)
+  amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+  e = jnp.where(amax > 0, jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / 6.0)), -127)
+  e = jnp.clip(e + 127, 0, 254)
+  scaled = blocks / jnp.exp2(e - 127)
+  mag = jnp.abs(scaled)
+  idx = jnp.argmin(jnp.abs(mag[..., None] - jnp.asarray(E2M1_VALUES)), axis=-1)
+  codes = (idx | jnp.where(scaled < 0, 8, 0)).astype(jnp.uint8).reshape(*lead, n, k)
+  packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+  return packed.astype(jnp.uint8), e[..., 0].astype(jnp.uint8)
+
+
+def decode_block(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """In-kernel decoder: packed uint8 [bn, bk/2], scales uint8 [bn, bk/32] -> [bn, bk].
+
+  Cheap on GPU (about 5 integer ops per element): the 3 magnitude bits go straight
+  into a float16's exponent/mantissa (value v * 2^-14, fp16 subnormal for 0.5, which
+  the f16->f32 conversion keeps exact), then one f32 multiply by 2^(e-113).
+  Exact for e <= 240 (larger exponents are clamped: |w| < 2^116 in practice).
+  """
+  bn, half = packed.shape
+  p = packed.astype(jnp.int32)
+  lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
+  hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
+  e = jnp.minimum(scales.astype(jnp.int32), 240)
+  sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)  # [bn, bk/32]
+  sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+
+  def to_f32(bits):
+    h = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return (h.astype(jnp.float32) * sc).astype(dtype)
+
+  w = jnp.stack([to_f32(lo), to_f32(hi)], axis=-1)
+  return w.reshape(bn, half * 2)

@@ -1,0 +1,38 @@
+"""Token <-> expert permutation helpers (argsort based, no dense [tokens, experts] one-hot)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sort_by_expert(expert_ids: jax.Array, num_experts: int):
+  """Sort the T*k (token, slot) assignments by expert.
+
+  expert_ids [T, k] int. Ids outside [0, num_experts) (e.g. experts held by another
+  device under expert parallelism) sort last and belong to no group, so a grouped
+  matmul leaves their rows zero.
+  Returns (sorted_token_index [T*k] int32: source token of each sorted row,
+           group_sizes [num_experts] int32,
+           inverse [T*k] int32: sorted position of flat assignment t*k + j).
+  """
+  t, k = expert_ids.shape
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  valid = (flat >= 0) & (flat < num_experts)
+  key = jnp.where(valid, flat, num_experts)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  sorted_token_index = order // k
+  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[key].add(1, mode="drop")
+  inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
+      jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
+  return sorted_token_index, group_sizes, inverse
+
+
+def combine(expert_out: jax.Array, weights: jax.Array, inverse: jax.Array,
+            out_dtype=None) -> jax.Array:
+  """Weighted sum back to token order: expert_out [T*k, D] (sorted rows), weights [T, k],
+  inverse [T*k] from sort_by_expert -> [T, D] (fp32 accumulation, out_dtype default
+  expert_out.dtype)."""
+  t, k = weights.shape
+  y = expert_out[inverse].reshape(t, k, -1).astype(jnp.float32)
+  out = jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))
+  return out.astype(out_dtype or expert_out.dtype)

@@ -1,0 +1,106 @@
+"""Tile schedule and backend choice for the grouped matmul kernels.
+
+Rows of `lhs` are sorted by group. Each row tile of the kernel covers rows of ONE
+group only, starting at the group's first row (not at a multiple of the tile), so a
+group with r rows costs cdiv(r, bm) tiles and its weights are streamed
+cdiv(r, bm) times per column block, never more (no straddling tiles). Empty groups
+get no tile at all, which is what makes decode read only the experts it uses.
+Rows past sum(group_sizes) form one extra pseudo-group whose tiles write zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Static kernel configuration: row/contraction/column block sizes, Triton knobs."""
+  bm: int
+  bk: int
+  bn: int
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+def num_tiles(m: int, g: int, bm: int) -> int:
+  """Static upper bound on the number of row tiles: sum_g cdiv(s_g, bm) over G+1 groups."""
+  return m // bm + g + 2
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, bm: int):
+  """Per row tile: (group id, first row, end row), each int32 [num_tiles(m, G, bm)].
+
+  group id == G marks the zero-fill tail (rows past sum(group_sizes)); tiles past the
+  last used one have start == end == 0 and do nothing.
+  """
+  g = group_sizes.shape[0]
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)  # ragged_dot ignores rows past m
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  total = ends[-1]
+  starts = jnp.concatenate([starts, total[None]])
+  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  ntiles = (ends - starts + bm - 1) // bm  # [G+1]
+  tile_end = jnp.cumsum(ntiles)
+  tile_begin = tile_end - ntiles
+  t = jnp.arange(num_tiles(m, g, bm), dtype=jnp.int32)
+  gid = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+  valid = gid <= g
+  gid_c = jnp.minimum(gid, g)
+  row_start = starts[gid_c] + (t - tile_begin[gid_c]) * bm
+  row_end = jnp.minimum(row_start + bm, ends[gid_c])
+  row_start = jnp.where(valid, row_start, 0)
+  row_end = jnp.where(valid, row_end, 0)
+  return gid_c, row_start.astype(jnp.int32), row_end.astype(jnp.int32)
+
+
+def platform() -> str:
+  """'gpu', 'tpu' or 'cpu' for the default backend."""
+  p = jax.default_backend()
+  return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def use_kernel(interpret: bool | None) -> tuple[bool, bool]:
+  """(run the Pallas kernel?, in interpret mode?) for the current backend.
+
+  GPU runs the Triton kernel; CPU runs it only when interpret=True; TPU uses the
+  reference (XLA's native ragged_dot lowering on TPU is reasonable).
+  """
+  if interpret:
+    return True, True
+  if interpret is None and platform() == "gpu":
+    return True, False
+  if interpret is False and platform() == "gpu":
+    return True, False
+  return False, False
+
+
+def _pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
+  """Largest power of two <= cap dividing n (n is a multiple of `floor`)."""
+  b = cap
+  while b > floor and n % b:
+    b //= 2
+  return b
+
+
+def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
+                  fused: bool = False) -> Tiling:
+  """Default tiles from the average rows per group (decode: small bm, many columns)."""
+  avg = max(1, m // max(g, 1))
+  if avg <= 16:
+    bm = 16
+  elif avg <= 32:
+    bm = 32
+  elif avg <= 64:
+    bm = 64
+  else:
+    bm = 128
+  decode = bm <= 32
+  bn = _pow2_divisor(n, 64 if decode else (64 if fused else 128))
+  bk = _pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
+  warps = 4 if (decode or bm * bn <= 64 * 64) else 8
+  stages = 4 if decode else 3
+  return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)

@@ -1,0 +1,265 @@
+"""MoE kernels (pallas_kernels.moe): Pallas kernels in interpret mode on CPU against
+independent references (jax.lax.ragged_dot, compressed-tensors' MXFP4 decompressor,
+a float64 numpy loop over tokens and their experts)."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import moe
+from pallas_kernels.moe import grouped as gm
+from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe.schedule import Tiling
+
+
+def _rng(seed):
+  return np.random.default_rng(seed)
+
+
+def _bf16(a):
+  return jnp.asarray(a, jnp.bfloat16)
+
+
+def _close(out, ref, rel=1e-2):
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  scale = max(np.abs(ref).max(), 1e-6)
+  err = np.abs(out - ref).max() / scale
+  assert err < rel, f"max rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------- gmm (bf16)
+
+GMM_CASES = [
+    # M, K, N, group sizes, tiling (None = heuristic)
+    (100, 64, 48, [30, 0, 17, 40, 3], Tiling(16, 32, 16)),     # many tiles/group, tail
+    (100, 64, 48, [30, 0, 17, 40, 3], None),
+    (77, 128, 64, [0, 0, 77, 0], Tiling(32, 64, 32)),            # one group, M % bm != 0
+    (5, 40, 24, [2, 0, 1], None),                                 # M < bm, K and N padded
+    (64, 32, 32, [0, 0, 0, 0], Tiling(16, 16, 16)),               # all empty: all zeros
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes,tiling", GMM_CASES)
+def test_gmm_matches_ragged_dot(m, k, n, sizes, tiling):
+  r = _rng(m + k + n)
+  x = _bf16(r.standard_normal((m, k)))
+  w = _bf16(r.standard_normal((len(sizes), k, n)))
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = moe.gmm(x, w, gs, interpret=True, tiling=tiling)
+  ref = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+  assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+  _close(out, ref)
+  tail = int(sum(sizes))
+  assert np.all(np.asarray(out[tail:], np.float32) == 0.0)
+
+
+def test_gmm_random_group_sizes():
+  r = _rng(1)
+  m, k, n, g = 96, 64, 32, 9
+  cuts = np.sort(r.integers(0, 90, g - 1))  # sum 90 < m, several empty groups likely
+  sizes = np.diff(np.concatenate([[0], cuts, [90]])).astype(np.int32)
+  sizes[[1, 4]] = 0
+  sizes[-1] += 90 - sizes.sum()
+  x = _bf16(r.standard_normal((m, k)))
+  w = _bf16(r.standard_normal((g, k, n)))
+  gs = jnp.asarray(sizes)
+  out = moe.gmm(x, w, gs, interpret=True, tiling=Tiling(16, 32, 32))
+  _close(out, moe.gmm_reference(x, w, gs))
+  assert np.all(np.asarray(out[90:], np.float32) == 0.0)
+
+
+def test_gmm_cpu_default_is_reference():
+  r = _rng(2)
+  x = _bf16(r.standard_normal((8, 16)))
+  w = _bf16(r.standard_normal((2, 16, 16)))
+  gs = jnp.asarray([3, 5], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(moe.gmm(x, w, gs), np.float32),
+                                np.asarray(moe.gmm_reference(x, w, gs), np.float32))
+
+
+# --------------------------------------------------------------------------- MXFP4
+
+def _ct_dequant(packed, scales):
+  """compressed-tensors' own MXFP4 decompressor (torch CPU), bf16 [N, K]."""
+  torch = pytest.importorskip("torch")
+  from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+  from compressed_tensors.quantization import QuantizationScheme
+  from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+  scheme = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES["MXFP4"])
+  sd = {"weight_packed": torch.from_numpy(np.ascontiguousarray(packed)),
+        "weight_scale": torch.from_numpy(np.ascontiguousarray(scales))}
+  w = MXFP4PackedCompressor.decompress(sd, scheme)["weight"]
+  assert w.dtype == torch.bfloat16
+  return w.view(torch.int16).numpy().view(np.uint16)
+
+
+def _bits(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+
+
+def test_dequantize_mxfp4_bit_exact_all_codes_and_scales():
+  # every byte (all 16 codes in both nibbles) under every scale exponent 0..255,
+  # including the edges e = 0 (subnormal results), 127, 254 (overflow to inf), 255.
+  packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1))      # [N=256, K/2=256]
+  scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+  ref = _ct_dequant(packed, scales)
+  ours = _bits(moe.dequantize_mxfp4(packed, scales, jnp.bfloat16))
+  ref_f = ref.astype(np.uint32) << 16
+  nan = np.isnan(ref_f.view(np.float32))
+  ours_nan = np.isnan((ours.astype(np.uint32) << 16).view(np.float32))
+  np.testing.assert_array_equal(nan, ours_nan)
+  np.testing.assert_array_equal(ref[~nan], ours[~nan])
+  for e in (0, 127, 254):  # the named edges really are present and non-trivial
+    assert np.any(ref[e] != 0)
+  # float32 output holds the same values exactly
+  f32 = np.asarray(moe.dequantize_mxfp4(packed, scales, jnp.float32))
+  np.testing.assert_array_equal(f32[~nan].view(np.uint32), ref_f[~nan])
+
+
+def test_dequantize_mxfp4_random_batched():
+  r = _rng(3)
+  packed = r.integers(0, 256, (3, 64, 48), dtype=np.uint8)
+  scales = r.integers(100, 150, (3, 64, 3), dtype=np.uint8)
+  ours = _bits(moe.dequantize_mxfp4(packed, scales))
+  assert ours.shape == (3, 64, 96)
+  for i in range(3):
+    np.testing.assert_array_equal(ours[i], _ct_dequant(packed[i], scales[i]))
+
+
+def test_quantize_mxfp4_round_trip():
+  r = _rng(4)
+  w = r.standard_normal((4, 32, 64)).astype(np.float32) * 0.05
+  p, s = moe.quantize_mxfp4(w)
+  wq = np.asarray(moe.dequantize_mxfp4(p, s, jnp.float32))
+  blk = np.abs(w).reshape(4, 32, 2, 32).max(-1, keepdims=True)
+  # nearest-E2M1 rounding error is at most half the widest gap (2) times the scale
+  err = np.abs(wq - w).reshape(4, 32, 2, 32) / (blk / 6.0 * 2 + 1e-12)
+  assert err.max() <= 1.0 and np.abs(wq).max() > 0
+
+
+@pytest.mark.parametrize("tiling", [Tiling(16, 64, 16), None])
+def test_gmm_mxfp4_matches_dequantized_gmm(tiling):
+  r = _rng(5)
+  m, k, n, sizes = 70, 128, 48, [20, 0, 33, 9]
+  x = _bf16(r.standard_normal((m, k)))
+  packed = jnp.asarray(r.integers(0, 256, (len(sizes), n, k // 2), dtype=np.uint8))
+  scales = jnp.asarray(r.integers(118, 130, (len(sizes), n, k // 32), dtype=np.uint8))
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=tiling)
+  w = moe.dequantize_mxfp4(packed, scales, jnp.bfloat16)
+  ref = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32)
+  _close(out, ref)
+  assert np.all(np.asarray(out[62:], np.float32) == 0.0)
+
+
+# ----------------------------------------------------------------------- routing
+
+def test_sort_by_expert_and_combine_round_trip():
+  r = _rng(6)
+  t, k, e, d = 13, 3, 6, 8
+  ids = np.stack([r.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  tok, gs, inv = moe.sort_by_expert(jnp.asarray(ids), e)
+  np.testing.assert_array_equal(np.asarray(gs), np.bincount(ids.ravel(), minlength=e))
+  flat = ids.ravel()
+  sorted_ids = flat[np.asarray(inv).argsort()]
+  assert np.all(np.diff(sorted_ids) >= 0)
+  # row p of the sorted order is assignment (tok[p], expert sorted_ids[p])
+  for p in range(t * k):
+    assert int(np.asarray(inv)[int(tok[p]) * k + list(ids[int(tok[p])]).index(sorted_ids[p])]) == p
+  x = r.standard_normal((t, d)).astype(np.float32)
+  xs = jnp.asarray(x)[tok]
+  wts = r.random((t, k)).astype(np.float32)
+  out = moe.combine(xs, jnp.asarray(wts), inv)
+  np.testing.assert_allclose(np.asarray(out), x * wts.sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_sort_by_expert_foreign_ids_sort_last():
+  ids = jnp.asarray([[2, -1], [7, 0], [1, 2]], jnp.int32)  # -1 and 7 not local (E=4)
+  tok, gs, inv = moe.sort_by_expert(ids, 4)
+  np.testing.assert_array_equal(np.asarray(gs), [1, 1, 2, 0])
+  np.testing.assert_array_equal(np.asarray(tok)[4:], [0, 1])  # foreign rows last
+
+
+# -------------------------------------------------------------------- expert MLP
+
+def _np_act(g, u, activation, beta=4.0, lbeta=25.0):
+  sig = 1.0 / (1.0 + np.exp(-g))
+  if activation == "silu":
+    return g * sig * u
+  uu = u if lbeta is None else lbeta * np.tanh(u / lbeta)
+  return beta * np.tanh(g / beta) * sig * uu
+
+
+def _np_moe(x, ids, wts, w1, w3, w2, activation, lbeta=25.0):
+  """float64 loop over tokens and their k experts. w1, w3 [E, D, I]; w2 [E, I, D]."""
+  x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
+  out = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    for j in range(ids.shape[1]):
+      e = ids[t, j]
+      h = _np_act(x[t] @ w1[e], x[t] @ w3[e], activation, lbeta=lbeta)
+      out[t] += wts[t, j] * (h @ w2[e])
+  return out
+
+
+def _moe_inputs(seed, t=11, d=64, i=32, e=6, k=2):
+  r = _rng(seed)
+  x = _bf16(r.standard_normal((t, d)))
+  ids = np.stack([r.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[0] = [0, 1]  # keep expert 5 possibly empty but experts 0/1 used
+  wts = r.random((t, k)).astype(np.float32)
+  w1 = _bf16(r.standard_normal((e, d, i)) / np.sqrt(d))
+  w3 = _bf16(r.standard_normal((e, d, i)) / np.sqrt(d))
+  w2 = _bf16(r.standard_normal((e, i, d)) / np.sqrt(i))
+  return x, ids, wts, w1, w3, w2
+
+
+@pytest.mark.parametrize("activation,lbeta", [("silu", 25.0), ("situ", 25.0), ("situ", None)])
+def test_expert_mlp_bf16_matches_numpy(activation, lbeta):
+  x, ids, wts, w1, w3, w2 = _moe_inputs(7)
+  out = moe.expert_mlp(x, jnp.asarray(ids), jnp.asarray(wts), w1, w3, w2,
+                       activation=activation, situ_linear_beta=lbeta, interpret=True)
+  ref = _np_moe(x, ids, wts, w1, w3, w2, activation, lbeta)
+  assert out.shape == x.shape and out.dtype == x.dtype
+  _close(out, ref, rel=2e-2)
+  # the CPU reference path (no kernel) agrees too
+  out_ref = moe.expert_mlp(x, jnp.asarray(ids), jnp.asarray(wts), w1, w3, w2,
+                           activation=activation, situ_linear_beta=lbeta)
+  _close(out_ref, ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_expert_mlp_mxfp4_matches_numpy(activation):
+  x, ids, wts, w1, w3, w2 = _moe_inputs(8)
+  q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w.astype(jnp.float32), 1, 2))  # HF [E,out,in]
+  q1, q3, q2 = q(w1), q(w3), q(w2)
+  deq = lambda p: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*p, jnp.float32)), 1, 2)
+  ref = _np_moe(x, ids, wts, deq(q1), deq(q3), deq(q2), activation)
+  out = moe.expert_mlp_mxfp4(x, jnp.asarray(ids), jnp.asarray(wts), q1, q3, q2,
+                             activation=activation, interpret=True)
+  _close(out, ref, rel=2e-2)
+
+
+# ------------------------------------------------- Triton lowering smoke (no GPU)
+
+@pytest.mark.parametrize("fmt,fused", [("bf16", False), ("bf16", True), ("mxfp4", True)])
+def test_kernels_lower_to_triton(fmt, fused):
+  """The kernels trace and lower through Pallas' Triton backend for CUDA on CPU."""
+  m, k, n, g = 256, 256, 128, 8
+  act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+  if fmt == "bf16":
+    w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    f = lambda x, w, gs: gm.run_bf16(x, (w, w) if fused else (w,), gs, tiling=None, act=act)
+    args = (x, w, gs)
+  else:
+    p = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
+    s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
+    f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused else (p, s), gs,
+                                         tiling=None, act=act)
+    args = (x, p, s, gs)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
