@@ -105,7 +105,8 @@ class PrefixCacheIndex:
         self._by_page_id: Dict[int, _Entry] = {}
         self._by_slot: Dict[int, _Entry] = {}
         self._pending: List[_Entry] = []
-        self._heap: list = []  # (stamp, seq, entry) candidates; stale items skipped
+        # Per kind, (stamp, seq, entry) eviction candidates; stale items skipped lazily.
+        self._heaps = {"page": [], "ckpt": []}
         self._clock = 0
         self.stats = Counter()
         pages.set_listener(lambda ids: self._on_last_ref(self._by_page_id, ids))
@@ -232,28 +233,34 @@ class PrefixCacheIndex:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_pages_needed: int = 0, num_slots_needed: int = 0) -> bool:
-        """Evict least recently used unreferenced leaf entries until the allocators have at
-        least the given numbers of free ids. Only checkpoints are evicted while pages
-        suffice. Returns whether both targets are met."""
-        skipped = []
-        while self._heap:
+        """Evict unreferenced leaf entries, least recently used first, until the allocators
+        have at least the given numbers of free ids. When pages are short, leaf pages go
+        first (a page with no checkpoint below it can never be part of a hit), then
+        checkpoints (which exposes their pages); when only slots are short, only
+        checkpoints go. Returns whether both targets are met."""
+        while True:
             pages_short = self.pages.num_free < num_pages_needed
-            if not pages_short and self.slots.num_free >= num_slots_needed:
-                break
-            item = heapq.heappop(self._heap)
-            e = item[2]
-            if not e.evictable or e.stamp != item[0]:
+            slots_short = self.slots.num_free < num_slots_needed
+            if not (pages_short or slots_short):
+                return True
+            e = self._pop("page") if pages_short else None
+            e = e or self._pop("ckpt")
+            if e is None:
+                return False
+            self._remove(e)
+
+    def _pop(self, kind: str) -> Optional[_Entry]:
+        """Least recently used evictable entry of a kind, or None (stale items dropped)."""
+        heap = self._heaps[kind]
+        while heap:
+            stamp, _, e = heapq.heappop(heap)
+            if not e.evictable or e.stamp != stamp:
                 continue  # stale
             if self._alloc(e).refcount(e.id) != 1 or e.children:
                 e.evictable = False  # referenced behind our back; the listener re-arms it
                 continue
-            if e.kind == "page" and not pages_short:
-                skipped.append(item)
-                continue
-            self._remove(e)
-        for item in skipped:
-            heapq.heappush(self._heap, item)
-        return self.pages.num_free >= num_pages_needed and self.slots.num_free >= num_slots_needed
+            return e
+        return None
 
     def clear(self) -> None:
         """Evict every evictable entry."""
@@ -295,10 +302,11 @@ class PrefixCacheIndex:
             self._push(e)
 
     def _push(self, e: _Entry) -> None:
-        heapq.heappush(self._heap, (e.stamp, id(e), e))
-        if len(self._heap) > 2 * (len(self._page) + len(self._ckpt)) + 64:
-            self._heap = [it for it in self._heap if it[2].evictable and it[2].stamp == it[0]]
-            heapq.heapify(self._heap)
+        heap = self._heaps[e.kind]
+        heapq.heappush(heap, (e.stamp, id(e), e))
+        if len(heap) > 2 * len(self._page if e.kind == "page" else self._ckpt) + 64:
+            heap[:] = [it for it in heap if it[2].evictable and it[2].stamp == it[0]]
+            heapq.heapify(heap)
 
     def _alloc(self, e: _Entry):
         return self.pages if e.kind == "page" else self.slots

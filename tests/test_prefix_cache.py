@@ -301,3 +301,17 @@ def test_stats_and_validation():
         PrefixCacheIndex(PageAllocator(4), SlotAllocator(4), 64, 24)
     with pytest.raises(ValueError, match="num_tokens"):
         sim.idx.register_checkpoint(sim.idx.hashes(p), 40, 1, [1, 2])
+
+
+def test_page_shortage_evicts_pages_past_the_last_checkpoint_first():
+    sim = Sim()
+    p = toks(700, 60)
+    sim.finish(sim.prefill(p, stops=[320]))       # pages 0..9 indexed, checkpoint at 320
+    sim.idx.commit_pending()
+    assert sim.pages.num_free == 53
+    assert sim.idx.evict(num_pages_needed=56)
+    assert sim.idx.num_entries() == {"pages": 7, "checkpoints": 1}  # pages 9, 8, 7 went
+    assert sim.idx.lookup(p).num_tokens == 320
+    assert sim.idx.evict(num_pages_needed=59)      # pages 6, 5 are leaves; then the checkpoint
+    assert sim.idx.num_entries() == {"pages": 4, "checkpoints": 0}
+    sim.assert_empty_after_clear()
