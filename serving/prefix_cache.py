@@ -184,8 +184,8 @@ class PrefixCacheIndex:
         added = 0
         for j in range(from_page, n_full):
             key = hashes[(j + 1) * self.upp - 1]
-            if key in self._page:
-                continue
+            if key in self._page or int(block_table[j]) in self._by_page_id:
+                continue  # already indexed (a shared page, or the same content elsewhere)
             parent = hashes[j * self.upp - 1] if j else None
             if parent is not None and parent not in self._page:
                 break  # an orphan page could never be part of a hit
@@ -211,6 +211,8 @@ class PrefixCacheIndex:
         if num_tokens <= 0 or num_tokens % self.unit or num_tokens // self.unit > len(hashes):
             raise ValueError(f"num_tokens: must be a positive multiple of {self.unit} "
                              f"within the hashed prefix, got {num_tokens}")
+        if slot in self._by_slot:
+            raise ValueError(f"slot: {slot} already holds a checkpoint")
         key = hashes[num_tokens // self.unit - 1]
         k = num_tokens // self.page_size
         page_keys = tuple(hashes[(j + 1) * self.upp - 1] for j in range(k))

@@ -158,7 +158,7 @@ def sample(logits, params: SamplingArrays, key_data, step_counters,
         xm = jnp.where(keep | greedy[:, None], xs, NEG_INF)
         keys = row_keys(key_data, params.seed, step_counters)
         g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-        tok = jnp.argmax(jnp.where(keep, xm + g, NEG_INF), axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(jnp.where(keep, xs + g, NEG_INF), axis=-1).astype(jnp.int32)
         return jnp.where(greedy, greedy_tok, tok), xm
 
     tokens, processed = jax.lax.cond(jnp.all(greedy), lambda _: (greedy_tok, xs), draw, None)
