@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from k3jax.cache import CachePools, StepBatch
 from k3jax.config import ModelConfig
-from k3jax.layers.common import attn_res, rms_norm
+from k3jax.layers.common import attn_res, rms_norm, upcast
 from k3jax.layers.kda import kda_full, kda_step
 from k3jax.layers.mla import mla_full, mla_step
 from k3jax.layers.moe import mlp_or_moe
@@ -46,7 +46,7 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable):
 
 def _lm_head(params, h):
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    return jnp.dot(h, w, preferred_element_type=upcast(h).dtype)
 
 
 def forward_full(params, c: ModelConfig, tokens):

@@ -7,17 +7,22 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 
 
+def upcast(x):
+    """At least fp32 (fp64 stays fp64, so float64 tests run the whole model in float64)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def rms_norm(x, weight, eps: float):
     """RMSNorm computed in fp32; the weight multiplies after casting back (HF convention)."""
-    xf = x.astype(jnp.float32)
+    xf = upcast(x)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
 
 
 def glu_act(gate, up, c: ModelConfig):
     """SwiGLU (Kimi Linear) or SiTU-GLU (K3), in fp32; returns the input dtype."""
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
+    g = upcast(gate)
+    u = upcast(up)
     if c.hidden_act == "silu":
         out = jax.nn.silu(g) * u
     else:
@@ -39,9 +44,9 @@ def attn_res(prefix_sum, blocks, proj, norm, eps: float):
 
     Keys are the RMS-normalized sources; values are the raw sources. Token-local.
     """
-    v = jnp.stack([*blocks, prefix_sum], axis=0).astype(jnp.float32)      # [S, ..., D]
+    v = upcast(jnp.stack([*blocks, prefix_sum], axis=0))                  # [S, ..., D]
     kn = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-    w = norm.astype(jnp.float32) * proj.astype(jnp.float32)
+    w = upcast(norm) * upcast(proj)
     score = jnp.sum(kn * w, axis=-1)                                       # [S, ...]
     p = jax.nn.softmax(score, axis=0)
     return jnp.sum(p[..., None] * v, axis=0).astype(prefix_sum.dtype)

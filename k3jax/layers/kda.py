@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.layers.common import upcast
 from pallas_kernels import ops
 
 
@@ -29,22 +30,22 @@ def _qkv_in(p, x):
 
 def _core(p, x, conv_out, c: ModelConfig):
     """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
-    act = jax.nn.silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+    act = jax.nn.silu(conv_out).astype(x.dtype)
     q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
     q, k = ops.l2norm(q), ops.l2norm(k)
     f = _heads((x @ p["f_a_proj"]) @ p["f_b_proj"], c)
     g = ops.kda_gate(f, p["A_log"], p["dt_bias"], lower_bound=c.gate_lower_bound)
-    beta = jax.nn.sigmoid((x @ p["b_proj"]).astype(jnp.float32))
+    beta = jax.nn.sigmoid(upcast(x @ p["b_proj"]))
     return q, k, v, g, beta
 
 
 def _output(p, x, o, c: ModelConfig):
     """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
     gate = x @ p["g_proj"] if "g_proj" in p else (x @ p["g_a_proj"]) @ p["g_b_proj"]
-    gate = _heads(gate, c).astype(jnp.float32)
-    of = o.astype(jnp.float32)
+    gate = upcast(_heads(gate, c))
+    of = upcast(o)
     of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
-    of = of * p["o_norm"].astype(jnp.float32) * jax.nn.sigmoid(gate)
+    of = of * upcast(p["o_norm"]) * jax.nn.sigmoid(gate)
     of = of.astype(x.dtype).reshape(*x.shape[:-1], c.kda_dim)
     return of @ p["o_proj"]
 
@@ -52,9 +53,9 @@ def _output(p, x, o, c: ModelConfig):
 def causal_conv(x_in, w):
     """Depthwise causal conv over time. x_in [B, T, C], w [Kc, C] -> [B, T, C] (fp32)."""
     kc = w.shape[0]
-    xp = jnp.pad(x_in.astype(jnp.float32), ((0, 0), (kc - 1, 0), (0, 0)))
+    xp = jnp.pad(upcast(x_in), ((0, 0), (kc - 1, 0), (0, 0)))
     T = x_in.shape[1]
-    return sum(xp[:, j:j + T] * w[j].astype(jnp.float32) for j in range(kc))
+    return sum(xp[:, j:j + T] * upcast(w[j]) for j in range(kc))
 
 
 def kda_full(p, x, c: ModelConfig):
@@ -82,14 +83,14 @@ def _step_conv(x_in, w, conv0, meta):
     T = x_in.shape[0]
     seq, local = meta["token_seq"], meta["token_local"]
     t = jnp.arange(T)
-    out = jnp.zeros(x_in.shape, jnp.float32)
+    out = jnp.zeros(x_in.shape, upcast(x_in).dtype)
     for j in range(kc):
         back = kc - 1 - j                       # how many tokens back this tap reads
         idx = local - back
         from_state = conv0[seq, jnp.clip(kc - 1 + idx, 0, kc - 2)]
         from_x = x_in[jnp.clip(t - back, 0, T - 1)]
         val = jnp.where((idx >= 0)[:, None], from_x, from_state)
-        out = out + val.astype(jnp.float32) * w[j].astype(jnp.float32)
+        out = out + upcast(val) * upcast(w[j])
     cu = meta["cu_seqlens"]
     lens = cu[1:] - cu[:-1]
     new = []

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import rms_norm
+from k3jax.layers.common import rms_norm, upcast
 from pallas_kernels import ops
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
@@ -43,7 +43,7 @@ def _output(p, x, o, c: ModelConfig):
     """o [..., H, v] -> optional sigmoid output gate -> o_proj."""
     o = o.reshape(*x.shape[:-1], c.mla_num_heads * c.v_head_dim)
     if "g_proj" in p:
-        o = (o.astype(jnp.float32) * jax.nn.sigmoid((x @ p["g_proj"]).astype(jnp.float32))).astype(x.dtype)
+        o = (upcast(o) * jax.nn.sigmoid(upcast(x @ p["g_proj"]))).astype(x.dtype)
     return o @ p["o_proj"]
 
 
@@ -59,8 +59,8 @@ def mla_full(p, x, c: ModelConfig):
     w_uk, w_uv = _kv_b(p, c)
     k_nope = jnp.einsum("btl,lhd->bthd", ckv, w_uk)
     v = jnp.einsum("btl,lhd->bthd", ckv, w_uv)
-    s = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-         + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale(c)
+    s = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=upcast(x).dtype)
+         + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=upcast(x).dtype)) * scale(c)
     T = x.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     s = jnp.where(causal, s, -jnp.inf)

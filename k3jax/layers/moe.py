@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import dense_mlp, glu_act, rms_norm
+from k3jax.layers.common import dense_mlp, glu_act, rms_norm, upcast
 from pallas_kernels import ops
 
 
@@ -19,8 +19,8 @@ def route(p, x, c: ModelConfig):
     Chooses the top-k of sigmoid scores + correction bias; weights are the unbiased scores of the
     chosen experts, renormalized (optional) and scaled.
     """
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))
-    choice = scores + p["router_bias"].astype(jnp.float32)
+    scores = jax.nn.sigmoid(upcast(x) @ upcast(p["router"]))
+    choice = scores + upcast(p["router_bias"])
     E, G = c.num_experts, c.num_expert_group
     if G > 1:
         grouped = choice.reshape(-1, G, E // G)
@@ -59,8 +59,8 @@ def routed_experts(pe, z, weights, ids, c: ModelConfig):
     order, tok, gs = sort_by_expert(ids, c.num_experts)
     xs = z[tok]
     h = glu_act(ops.gmm(xs, w1, gs), ops.gmm(xs, w3, gs), c)
-    y = ops.gmm(h, w2, gs).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros(z.shape, jnp.float32).at[tok].add(y).astype(z.dtype)
+    y = upcast(ops.gmm(h, w2, gs)) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(z.shape, y.dtype).at[tok].add(y).astype(z.dtype)
 
 
 def moe(p, x, c: ModelConfig):
