@@ -67,7 +67,34 @@ def make_cache(key, n_seqs, ctx, heads, lat, rope, page_size, dtype):
     return ql, qr, kv, tables, lens
 
 
-def check_gpu(interpret, dtype, lat, rope, heads):
+def _err(got, want):
+    """(max abs error, max abs reference value)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
+
+
+def prefill_bench(dtype, lat, rope, ps, heads, interpret, configs, iters, n=4, new=1024,
+                  ctx=4096):
+    """Ragged prefill: n sequences x `new` tokens ending at ctx; useful TFLOP/s."""
+    ql, qr, kv, bt, lens = make_cache(jax.random.PRNGKey(3), n, ctx, heads, lat, rope, ps, dtype)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(4))
+    qlt = jax.random.normal(k1, (n * new, heads, lat), dtype)
+    qrt = jax.random.normal(k2, (n * new, heads, rope), dtype)
+    cu = jnp.arange(n + 1, dtype=jnp.int32) * new
+    keys = n * sum(range(ctx - new + 1, ctx + 1))  # visible keys summed over query tokens
+    flops = 2.0 * keys * heads * (lat + rope + lat)
+    out = []
+    for cname, cfg in configs:
+        f = functools.partial(ragged_paged_mla, scale=0.1, interpret=interpret, config=cfg)
+        try:
+            t = timeit(f, qlt, qrt, kv, bt, cu, lens, iters=iters)
+            out.append((cname, t, flops / t / 1e12))
+        except Exception as e:  # noqa: BLE001
+            log(f"prefill {cname} FAILED: {type(e).__name__}: {str(e)[:400]}")
+    return out
+
+
+def check_gpu(interpret, dtype, lat, rope, heads, config=None):
     """Max |kernel - reference| for decode and a ragged prefill batch (two page sizes)."""
     scale = 192 ** -0.5
     rows = []
@@ -76,9 +103,9 @@ def check_gpu(interpret, dtype, lat, rope, heads):
                                           ps, dtype)
         lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
         want = mla_decode_reference(ql, qr, kv, bt, lens, scale=scale)
-        got = mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=interpret)
-        rows.append((f"decode ps={ps}", float(jnp.max(jnp.abs(
-            got.astype(jnp.float32) - want.astype(jnp.float32))))))
+        got = mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=interpret,
+                               config=config)
+        rows.append((f"decode ps={ps}", _err(got, want)))
         # ragged: 3 prefill chunks resuming after cached prefixes + 2 decodes + padding
         new = np.array([40, 1, 77, 9, 1])
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
@@ -88,9 +115,9 @@ def check_gpu(interpret, dtype, lat, rope, heads):
         qlt = jax.random.normal(k, (t, heads, lat), dtype)
         qrt = jax.random.normal(k, (t, heads, rope), dtype)
         want = ragged_paged_mla_reference(qlt, qrt, kv, bt, cu, lens2, scale=scale)
-        got = ragged_paged_mla(qlt, qrt, kv, bt, cu, lens2, scale=scale, interpret=interpret)
-        rows.append((f"ragged ps={ps}", float(jnp.max(jnp.abs(
-            got.astype(jnp.float32) - want.astype(jnp.float32))))))
+        got = ragged_paged_mla(qlt, qrt, kv, bt, cu, lens2, scale=scale, interpret=interpret,
+                               config=config)
+        rows.append((f"ragged ps={ps}", _err(got, want)))
     return rows
 
 
@@ -112,18 +139,30 @@ def main():
         shapes = [(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)]
         copy_bytes = 1 << 30
 
-    for name, err in check_gpu(interpret, dtype, lat, rope, 4 if args.smoke else 32):
-        log(f"check {name}: max abs err vs reference = {err:.3e}")
+    for cfg in (None, (("transposed", True),)):
+        try:
+            for name, err in check_gpu(interpret, dtype, lat, rope, 4 if args.smoke else 32,
+                                       cfg):
+                log(f"check {name} config={cfg}: max abs err vs reference = {err[0]:.3e}"
+                    f" (max |ref| {err[1]:.2f})")
+        except Exception as e:  # noqa: BLE001
+            log(f"check config={cfg} FAILED: {type(e).__name__}: {str(e)[:600]}")
 
     copy_tbs = copy_bandwidth(copy_bytes)
     log(f"copy bandwidth (fp32 a+1, read+write): {copy_tbs:.2f} TB/s")
 
+    T = ("transposed", True)
     sweep = [("default", None)]
     if args.sweep:
-        sweep += [("bk32", (("bk", 32),)), ("stages3", (("num_stages", 3),)),
-                  ("bk32,st3", (("bk", 32), ("num_stages", 3))),
-                  ("warps4", (("num_warps", 4),)), ("rows64", (("max_rows", 64),)),
-                  ("2x splits", "2x"), ("slots264", (("slots", 264),))]
+        sweep += [("rows w4", (("num_warps", 4),)), ("rows st3", (("num_stages", 3),)),
+                  ("rows r64", (("max_rows", 64),)),
+                  ("T w8", (T,)), ("T w4", (T, ("num_warps", 4))),
+                  ("T w8 st3", (T, ("num_stages", 3))),
+                  ("T w4 bk32 st3", (T, ("num_warps", 4), ("bk", 32), ("num_stages", 3))),
+                  ("T w8 bk32 st3", (T, ("bk", 32), ("num_stages", 3))),
+                  ("T r64 w8", (T, ("max_rows", 64))), ("T r64 w4", (T, ("max_rows", 64),
+                                                                   ("num_warps", 4))),
+                  ("T w8 2x splits", "2xT")]
     table = []
     scale = 192 ** -0.5
     iters = 3 if args.smoke else 10
@@ -157,14 +196,24 @@ def main():
                 if phase == 1 and time.time() - T0 > args.budget:
                     log("budget reached, skipping", label, cname)
                     continue
-                if cfg == "2x":
+                if cfg == "2xT":
                     from pallas_kernels.mla.paged import pick_config
-                    base = pick_config(heads, ps, bt.shape[1], n)
-                    cfg = (("splits", 2 * base["splits"]),)
+                    base = pick_config(heads, ps, bt.shape[1], n, decode=True)
+                    cfg = (T, ("splits", 2 * base["splits"]))
                 f = functools.partial(mla_paged_decode, scale=scale, interpret=interpret,
                                       config=cfg)
                 run(label, f"pallas {cname}", f, ql, qr, kv, bt, lens, nbytes)
 
+    pre = []
+    if time.time() - T0 < args.budget + 10:
+        heads = 4 if args.smoke else 32
+        shape = dict(n=2, new=8, ctx=20) if args.smoke else dict(n=4, new=1024, ctx=4096)
+        pre = prefill_bench(dtype, lat, rope, ps, heads, interpret,
+                            [("default", None), ("T w8", (("transposed", True),))], iters=3,
+                            **shape)
+        for cname, t, tf in pre:
+            log(f"prefill {shape}, H={heads}, {cname}: "
+                f"{t * 1e3:.2f} ms {tf:.0f} TFLOP/s")
     print()
     print(f"MLA paged decode, {dev.device_kind}, {time.strftime('%Y-%m-%d')}, "
           f"copy bandwidth {copy_tbs:.2f} TB/s (fp32 a+1, read+write)")

@@ -37,12 +37,12 @@ def _pick_splits(n_tiles, max_blocks, slots):
 
 
 def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64,
-                splits=None, min_rows=16, slots=None):
+                splits=None, min_rows=16, slots=None, decode=False):
     """Static tiling: rows per tile, heads per tile (bh), tokens per tile (bq), bk, splits."""
     bh = num_heads
     while bh > max_rows or num_heads % bh:  # largest divisor of H that fits a tile
         bh -= 1
-    bq = max(1, max_rows // num_heads) if bh == num_heads else 1
+    bq = max(1, max_rows // num_heads) if bh == num_heads and not decode else 1
     rows = max(min_rows, _pow2_ceil(bq * bh))
     max_keys = max_pages * page_size
     bk = min(bk, _pow2_ceil(max_keys))
@@ -91,10 +91,12 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     cfg = dict(config or {})
     tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}
     min_rows = 1 if interpret and cfg.pop("small_rows", False) else 16
-    probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, **tune)
+    probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, decode=decode,
+                        **tune)
     bq = probe["bq"]
     n_chunks = n_seqs if decode else (n_tok if bq == 1 else -(-n_tok // bq) + n_seqs)
-    tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=min_rows, **tune)
+    tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=min_rows,
+                     decode=decode, **tune)
     rows = tc["rows"]
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)

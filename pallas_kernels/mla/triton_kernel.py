@@ -12,6 +12,10 @@ Per key block of bk keys (flash attention, base-2 online softmax, fp32 stats):
 The kernel writes per key split the normalised output (q dtype) and fp32 (m, l);
 `combine_splits` merges them (flash-decoding) and zeroes rows no tile covered (padding).
 
+`transposed=True` computes S^T = K Q^T and O^T = C^T P^T instead, so the MMA M dimension is
+the key block / the latent width (multiples of 64, wgmma-eligible on Hopper) rather than the
+32-row head tile.
+
 Grid = (tiles, splits): tiles vary fastest so head blocks of one sequence run together and
 share the cache rows through L2. Cache rows past a tile's last key are never loaded (masked
 loads read zeros), so garbage or NaN in unused page slots / page 0 cannot leak.
@@ -31,7 +35,7 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = N
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -75,9 +79,17 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             rope_cols = lat + jnp.arange(rope, dtype=jnp.int32)[None, :]
         ckv = plgpu.load(kv_ref.at[kv_rows, lat_cols], mask=key_ok[:, None], other=0)
         kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=key_ok[:, None], other=0)
+        if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
+            st = plgpu.dot(ckv, ql, trans_b=True) + plgpu.dot(kr, qr, trans_b=True)
+            st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
+            m_new = jnp.maximum(m, jnp.max(st, axis=0))
+            alpha = jnp.exp2(m - m_new)
+            pt = jnp.exp2(st - m_new[None, :])
+            l_new = l * alpha + jnp.sum(pt, axis=0)
+            acc = acc * alpha[None, :] + plgpu.dot(ckv, pt.astype(kdt), trans_a=True)
+            return acc, m_new, l_new
         s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
-        s = s * qk_scale
-        s = jnp.where(keys[None, :] <= pos[:, None], s, _MASK)
+        s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)  # [rows, bk]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -85,10 +97,13 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((rows, lat), jnp.float32)
+    acc_shape = (lat, rows) if transposed else (rows, lat)
+    acc0 = jnp.zeros(acc_shape, jnp.float32)
     m0 = jnp.full((rows,), _MASK, jnp.float32)
     l0 = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+    if transposed:
+        acc = acc.T
 
     o = acc / jnp.where(l > 0, l, 1.0)[:, None]  # normalised per split: halves bf16 traffic
     plgpu.store(o_ref.at[split, row_sl, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
@@ -97,7 +112,8 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
-                   bk, splits, keys_per_split, num_warps=8, num_stages=2, interpret=False):
+                   bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
+                   interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -114,7 +130,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale))
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]
@@ -124,7 +140,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_paged_r{rows}_bk{bk}_s{splits}",
+        name=f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}",
     )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 
