@@ -7,6 +7,9 @@ Pools (donated through the step so XLA updates them in place):
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,21 +89,51 @@ class StepBatch:
     logits_indices: jax.Array
 
 
-def single_sequence_batch(tokens, context_len: int, pages, page_size: int, state_src: int, state_dst: int,
-                          ckpt_dst: int = 0, pad_to: int | None = None, max_pages: int | None = None) -> StepBatch:
-    """Host helper (numpy) for one sequence's chunk: used by tests and the simple generate loop."""
-    tokens = np.asarray(tokens, np.int32)
-    n = len(tokens)
-    T = pad_to or n
-    pos = context_len + np.arange(n)
-    pages = np.asarray(pages, np.int32)
+@dataclasses.dataclass
+class SeqChunk:
+    """Host description of one sequence's part of a step."""
+    tokens: Sequence[int]       # the new tokens of this chunk
+    context_len: int            # tokens already in the cache before the chunk
+    pages: Sequence[int]        # the sequence's block table (covers context_len + len(tokens))
+    state_src: int              # KDA slot to resume from (-1 = fresh)
+    state_dst: int              # KDA slot to write
+    ckpt_dst: int = 0           # extra checkpoint slot (0 = none)
+
+
+def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: int | None = None,
+                    num_seqs: int | None = None, max_pages: int | None = None) -> StepBatch:
+    """Lay chunks out flat (numpy), padded to num_tokens / num_seqs / max_pages (shape buckets)."""
+    lens = [len(ch.tokens) for ch in chunks]
+    T = num_tokens or max(sum(lens), 1)
+    N = num_seqs or len(chunks)
+    P = max_pages or max((len(ch.pages) for ch in chunks), default=1)
+    if sum(lens) > T or len(chunks) > N:
+        raise ValueError(f"{sum(lens)} tokens / {len(chunks)} sequences exceed the bucket {T} / {N}")
+    tokens = np.zeros(T, np.int32)
     slot = np.full(T, -1, np.int32)
-    slot[:n] = pages[pos // page_size] * page_size + pos % page_size
-    toks = np.zeros(T, np.int32)
-    toks[:n] = tokens
-    bt = np.zeros((1, max_pages or len(pages)), np.int32)
-    bt[0, :len(pages)] = pages
-    i32 = lambda *v: np.asarray(v, np.int32)
-    return StepBatch(tokens=toks, slot_mapping=slot, cu_seqlens=i32(0, n), kv_lens=i32(context_len + n),
-                     block_tables=bt, state_src=i32(state_src), state_dst=i32(state_dst), ckpt_dst=i32(ckpt_dst),
-                     logits_indices=i32(n - 1))
+    cu = np.zeros(N + 1, np.int32)
+    kv_lens = np.zeros(N, np.int32)
+    bt = np.zeros((N, P), np.int32)
+    src = np.full(N, -1, np.int32)
+    dst = np.zeros(N, np.int32)
+    ckpt = np.zeros(N, np.int32)
+    logits_idx = np.zeros(N, np.int32)
+    start = 0
+    for n, ch in enumerate(chunks):
+        m = lens[n]
+        end_pos = ch.context_len + m
+        pages = np.asarray(ch.pages, np.int32)
+        if len(pages) > P or len(pages) * page_size < end_pos:
+            raise ValueError(f"sequence {n}: {len(pages)} pages cannot hold {end_pos} tokens (max {P} pages)")
+        pos = ch.context_len + np.arange(m)
+        tokens[start:start + m] = ch.tokens
+        slot[start:start + m] = pages[pos // page_size] * page_size + pos % page_size
+        bt[n, :len(pages)] = pages
+        kv_lens[n] = end_pos
+        src[n], dst[n], ckpt[n] = ch.state_src, ch.state_dst, ch.ckpt_dst
+        logits_idx[n] = start + max(m - 1, 0)
+        start += m
+        cu[n + 1] = start
+    cu[len(chunks) + 1:] = start
+    return StepBatch(tokens=tokens, slot_mapping=slot, cu_seqlens=cu, kv_lens=kv_lens, block_tables=bt,
+                     state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx)
