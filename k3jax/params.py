@@ -166,23 +166,3 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
 def param_shapes(c: ModelConfig, dtype=jnp.bfloat16):
     """ShapeDtypeStruct tree, computed with jax.eval_shape (never allocates)."""
     return jax.eval_shape(lambda k: init_params(c, k, dtype), jax.random.key(0))
-
-
-def count_params(c: ModelConfig) -> dict:
-    """Logical parameter counts (an MXFP4 byte holds two parameters; scales are not counted)."""
-    spec = param_spec(c)
-    flat = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)[0]
-    total = routed = embed = 0
-    for path, leaf in flat:
-        if leaf.kind == "mx_scale":
-            continue
-        n = int(np.prod(leaf.shape)) * (2 if leaf.kind == "mx_packed" else 1)
-        total += n
-        names = [getattr(p, "key", None) for p in path]
-        if "experts" in names:
-            routed += n
-        if names[0] in ("embed", "lm_head"):
-            embed += n
-    active_routed = routed * c.num_experts_per_token // c.num_experts
-    return {"total_params": total, "active_params": total - routed + active_routed,
-            "routed_expert_params": routed, "embedding_params": embed}

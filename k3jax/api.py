@@ -1,0 +1,116 @@
+"""Notebook-friendly entry point: `load_model` and the `Model` it returns."""
+from __future__ import annotations
+
+import logging
+import os
+from functools import cached_property, partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+from k3jax.model import forward_full
+from k3jax.params import init_params
+from k3jax.presets import TINY_SEED, preset_config, preset_names
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
+           "float16": jnp.float16}
+
+
+def _dtype(dtype):
+    if dtype is None:
+        return jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+class Model:
+    """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer."""
+
+    def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = ""):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.name = name
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    @cached_property
+    def _logits_fn(self):
+        return jax.jit(partial(forward_full, c=self.config))
+
+    def check_tokens(self, tokens, ndim: int = 2) -> np.ndarray:
+        """Validate token ids: integer dtype, non-empty, within the vocabulary. Raises ValueError."""
+        arr = np.asarray(tokens)
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != ndim:
+            raise ValueError(f"token ids must have {ndim} dimensions, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError("token ids are empty")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} out of range [0, {self.config.vocab_size})")
+        return arr.astype(np.int32)
+
+    def logits(self, tokens) -> np.ndarray:
+        """tokens int [B, T] -> float32 numpy logits [B, T, vocab] (no cache; every row starts empty)."""
+        toks = self.check_tokens(tokens, ndim=2)
+        return np.asarray(self._logits_fn(self.params, tokens=toks), dtype=np.float32)
+
+    def __repr__(self):
+        return f"Model({self.name or 'custom'}, layers={self.config.num_layers}, dtype={jnp.dtype(self.dtype).name})"
+
+
+def _load_tokenizer(path: str | None):
+    from k3jax.tokenizer import KimiTokenizer
+    if path is None:
+        return KimiTokenizer.tiny()
+    for name in ("tiktoken.model", "tokenizer.model"):
+        f = os.path.join(path, name)
+        if os.path.exists(f):
+            cfg = os.path.join(path, "tokenizer_config.json")
+            return KimiTokenizer.from_file(f, tokenizer_config=cfg if os.path.exists(cfg) else None)
+    log.warning("%s has no tiktoken.model: the model is loaded without a tokenizer", path)
+    return None
+
+
+def _place(params, mesh):
+    if mesh is None:
+        return params
+    try:
+        from sharding.rules import shard_params
+    except ImportError:  # partition rules not available: replicate over the mesh
+        from jax.sharding import NamedSharding, PartitionSpec
+        return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return shard_params(params, mesh)
+
+
+def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None) -> Model:
+    """Load a preset name ("tiny"), a converted k3jax checkpoint or a Hugging Face checkpoint directory.
+
+    Presets other than "tiny" have no weights: `seed=` gives them random weights (benchmarks).
+    """
+    dt = _dtype(dtype)
+    src = os.fspath(path_or_preset)
+    if os.path.isdir(src):
+        from k3jax.checkpoint.load import load_checkpoint_dir
+        config, params = load_checkpoint_dir(src, dt, mesh=mesh)
+        return Model(config, _place(params, mesh), _load_tokenizer(src),
+                     name=os.path.basename(os.path.normpath(src)))
+    if src not in preset_names():
+        raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
+    config = preset_config(src)
+    if src != "tiny" and seed is None:
+        raise ValueError(f"preset {src!r} ships no weights: pass seed= for random weights, or a checkpoint path")
+    params = init_params(config, jax.random.key(TINY_SEED if seed is None else seed), dt)
+    tokenizer = _load_tokenizer(None) if src == "tiny" else None
+    return Model(config, _place(params, mesh), tokenizer, name=src)

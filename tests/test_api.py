@@ -1,0 +1,71 @@
+"""Public API: load_model, Model.logits, generate and info entry points, bad input."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax.generate import generate_ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return k3jax.load_model("tiny", dtype="float32")
+
+
+def test_tiny_is_deterministic_and_has_tokenizer(tiny):
+    again = k3jax.load_model("tiny", dtype="float32")
+    toks = np.array([[1, 2, 3, 500, 1000]])
+    a, b = tiny.logits(toks), again.logits(toks)
+    assert a.shape == (1, 5, 1024) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
+    assert tiny.tokenizer.vocab_size == tiny.config.vocab_size == 1024
+    assert tiny.tokenizer.decode(tiny.tokenizer.encode("héllo 世界")) == "héllo 世界"
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ([[1, 2, 1024]], "out of range"), ([[-1, 2]], "out of range"), (np.zeros((1, 0), np.int32), "empty"),
+    ([[1.5, 2.0]], "integers"), ([1, 2, 3], "dimensions"), ([["a", "b"]], "integers"),
+])
+def test_bad_tokens_raise_value_error(tiny, bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny.logits(bad)
+
+
+def test_bad_load_arguments():
+    with pytest.raises(ValueError, match="neither a directory nor a preset"):
+        k3jax.load_model("no-such-model")
+    with pytest.raises(ValueError, match="ships no weights"):
+        k3jax.load_model("kimi-k3")
+    with pytest.raises(ValueError, match="dtype"):
+        k3jax.load_model("tiny", dtype="int3")
+
+
+def test_generate_loop_is_greedy_decoding_of_full_logits(tiny):
+    prompt = np.random.RandomState(0).randint(0, 1024, 150)          # > one 128-token prefill chunk
+    out = generate_ids(tiny, prompt, max_tokens=6)
+    logits = tiny.logits([list(prompt) + out])[0]                     # causal: one pass checks every step
+    assert out == [int(t) for t in np.argmax(logits[len(prompt) - 1:-1], axis=-1)]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_counts_parameters_by_eval_shape():
+    k3 = json.loads(_run("k3jax.info", "--model", "kimi-k3", "--json").stdout)
+    assert abs(k3["total_params"] / 2.78e12 - 1) < 0.01
+    assert 100e9 < k3["active_params"] < 108e9
+    kl = json.loads(_run("k3jax.info", "--model", "kimi-linear-48b-a3b", "--json").stdout)
+    assert abs(kl["total_params"] / 49e9 - 1) < 0.02 and 2.5e9 < kl["active_params"] < 4e9
+    assert kl["mla_cache_bytes_per_token"] == 7 * 576 * 2
+
+
+def test_generate_cli():
+    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert "4 generated" in r.stderr
+    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "0")
+    assert r.returncode == 2 and "max_tokens" in r.stderr
