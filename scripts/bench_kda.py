@@ -1,12 +1,14 @@
 """Benchmark our Pallas KDA ops against flash-linear-attention (FLA) on one GPU; prints ONE table.
 
-  python scripts/bench_kda.py [--deadline 170] [--check] [--quick]
+  python scripts/bench_kda.py [--deadline 170] [--sweep] [--check] [--quick]
 
-Prefill: chunk_kda tokens/s (bf16 q/k/v, fp32 g, K = V = 128) vs FLA chunk_kda.
+Prefill: chunk_kda tokens/s (bf16 q/k/v, fp32 g in (-5, 0), K = V = 128) vs FLA chunk_kda; the
+last column is our safe_gate=True path (valid because g >= -5, as with K3's gate).
 Decode: fused_recurrent_kda latency and state traffic (read + write of N*H*K*V fp32) vs FLA
 fused_recurrent_kda (B = N, T = 1, initial_state in, final state out).
 Both are compared with a device copy measured in the same run. FLA missing -> anchor n/a.
---check first compares the GPU kernels with the jnp reference at small shapes.
+--sweep first times each kernel stage and its variants and keeps the fastest configuration;
+--check then compares the GPU kernels with the jnp reference at small shapes.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 from pallas_kernels.kda.reference import (  # noqa: E402
-    chunk_kda_reference, decode_reference, recurrent_kda_reference)
+    chunk_kda_reference, decode_reference, kda_gate, recurrent_kda_reference)
 
 T0 = time.time()
 
@@ -113,24 +115,29 @@ def rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
 
 
-def check():
-    """GPU kernels vs the jnp reference (run on the same GPU)."""
+def check(tag=""):
+    """GPU kernels (current CONFIG) vs the jnp reference, run on the same GPU."""
     rows = []
     key = jax.random.PRNGKey(0)
-    for dt in (jnp.float32, jnp.bfloat16):
+    for dt, safe in ((jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)):
         q, k, v, g, beta = make_inputs(key, 2, 200, 3, 64, 64)
         q, k, v, beta = (x.astype(dt) for x in (q, k, v, beta))
         h0 = jax.random.normal(key, (2, 3, 64, 64))
-        o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(q, k, v, g, beta)
+        o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0, safe_gate=safe))(q, k, v, g, beta)
         o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
             q, k, v.astype(jnp.float32), g, beta)
-        rows.append((f"chunk {jnp.dtype(dt).name} B2 T200", rel(o, o2), rel(S, S2)))
+        rows.append((f"chunk {jnp.dtype(dt).name} B2 T200 safe_gate={safe}", rel(o, o2), rel(S, S2)))
     cu = jnp.array([0, 70, 70, 199, 333], jnp.int32)
     q, k, v, g, beta = make_inputs(key, 1, 350, 2, 128, 128)
     q, k, v, beta = (x.astype(jnp.float32) for x in (q, k, v, beta))
-    o, S = jax.jit(lambda *a: chunk_kda(*a, cu_seqlens=cu))(q, k, v, g, beta)
-    o2, S2 = jax.jit(lambda *a: chunk_kda_reference(*a, cu_seqlens=cu))(q, k, v, g, beta)
-    rows.append(("chunk fp32 varlen K128", rel(o[:, :333], o2[:, :333]), rel(S, S2)))
+    f = jax.random.normal(key, g.shape)
+    A, dt_b = jnp.linspace(-1, 1, 2), jax.random.normal(key, (2 * 128,))
+    o, S = jax.jit(lambda *a: chunk_kda(*a, cu_seqlens=cu, use_gate_in_kernel=True, A_log=A,
+                                        dt_bias=dt_b))(q, k, v, f, beta)
+    o2, S2 = jax.jit(lambda *a: chunk_kda_reference(*a, cu_seqlens=cu))(
+        q, k, v, kda_gate(f, A, dt_b), beta)
+    rows.append(("chunk fp32 varlen K128 softplus gate in kernel", rel(o[:, :333], o2[:, :333]),
+                 rel(S, S2)))
     N, H, slots = 6, 4, 9
     q, k, v, g, beta = make_inputs(key, 1, N, H)
     pool = jax.random.normal(key, (slots, H, 128, 128))
@@ -140,25 +147,93 @@ def check():
     o2, P2 = jax.jit(decode_reference)(*args, pool, idx)
     same = bool(np.array_equal(np.asarray(P)[[1, 3, 6, 7]], np.asarray(pool)[[1, 3, 6, 7]]))
     rows.append((f"decode fp32 (untouched slots identical: {same})", rel(o, o2), rel(P, P2)))
-    print("# correctness on GPU (rel RMS vs jnp reference)")
+    print(f"# correctness on GPU {tag} (rel RMS vs jnp reference)")
     for name, eo, es in rows:
-        print(f"  {name:48s} o {eo:.2e}  state {es:.2e}")
+        print(f"  {name:52s} o {eo:.2e}  state {es:.2e}")
     sys.stdout.flush()
+
+
+def _try_time(label, fn, *args, reps=5):
+    try:
+        t = time_jax(fn, *args, reps=reps)
+        print(f"  {label:44s} {t*1e3:8.3f} ms")
+        return t
+    except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+        print(f"  {label:44s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+        return None
+    finally:
+        sys.stdout.flush()
+
+
+def sweep(T=16384, H=32, N=256):
+    """Time each kernel stage and its variants at B=1, T, H; set the fastest as CONFIG."""
+    from pallas_kernels.kda import chunk_pallas as cp, recurrent_pallas as rp
+    K = V = 128
+    ik = {} if jax.default_backend() == "gpu" else dict(interpret=True, backend="interpret")
+    q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(2), 1, T, H))
+    q = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    beta = beta.astype(jnp.float32)
+    a, dt = jnp.zeros((H,)), jnp.zeros((H, K))
+    print(f"# stage sweep, B=1 T={T} H={H} K=V=128 bf16 (ms per call)")
+    gc = cp.chunk_cumsum(g, jnp.ones((T,)), a, dt, **ik)
+    _try_time("cumsum", lambda *x: cp.chunk_cumsum(*x, **ik), g, jnp.ones((T,)), a, dt)
+    best, best_t = None, None
+    for diag in ("loop", "reg", "mid"):
+        for nw in (4, 8):
+            t = _try_time(f"intra diag={diag} warps={nw}",
+                          lambda *x, d=diag, n=nw: cp.chunk_intra(*x, diag=d, num_warps=n, **ik),
+                          q, k, v, gc, beta)
+            if t is not None and diag != "mid" and (best_t is None or t < best_t):
+                best, best_t = (diag, nw), t
+    if best:
+        cp.CONFIG.update(diag=best[0], intra_warps=best[1])
+    w, qg, kd, u, A = cp.chunk_intra(q, k, v, gc, beta, diag="mid", **ik)
+    cs = jnp.array([0, T // 64], jnp.int32)
+    h0 = jnp.zeros((1, H, K, V))
+    best, best_t = None, None
+    for bv, nw, split in ((32, 4, True), (32, 4, False), (64, 4, True), (64, 8, True),
+                          (16, 4, True)):
+        t = _try_time(f"inter block_v={bv} warps={nw} split={split}",
+                      lambda *x, b=bv, n=nw, s=split: cp.chunk_inter(
+                          *x, block_v=b, num_warps=n, split=s, out_dtype=jnp.bfloat16, **ik),
+                      w, qg, kd, u, A, gc, cs, h0)
+        if t is not None and split and (best_t is None or t < best_t):
+            best, best_t = (bv, nw), t
+    if best:
+        cp.CONFIG.update(block_v=best[0], inter_warps=best[1])
+    qd, kd_, vd, gd, bd = (x[0] for x in make_inputs(jax.random.PRNGKey(3), 1, N, H))
+    pool = jnp.zeros((N, H, K, V))
+    idx = jnp.arange(N, dtype=jnp.int32)
+    best, best_t = None, None
+    for bv, nw in ((32, 4), (32, 2), (32, 1), (64, 4), (128, 8)):
+        t = _try_time(f"decode N={N} block_v={bv} warps={nw}",
+                      lambda *x, b=bv, n=nw: rp.fused_recurrent_kda_pallas(
+                          *x, scale=K ** -0.5, block_v=b, num_warps=n, **ik),
+                      qd, kd_, vd, gd, bd, pool, idx, jnp.zeros((H,)), jnp.zeros((H, K)), reps=20)
+        if t is not None and (best_t is None or t < best_t):
+            best, best_t = (bv, nw), t
+    if best:
+        rp.CONFIG.update(block_v=best[0], num_warps=best[1])
+    print(f"# chosen: chunk {cp.CONFIG}, decode {rp.CONFIG}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline", type=float, default=170.0, help="stop starting new cases after (s)")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time kernel variants, keep the fastest")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     args = ap.parse_args()
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
     torch, fla, why = _torch_fla()
     if fla is None:
         print(f"# FLA anchor unavailable ({why}): anchor columns n/a")
+    if args.sweep:
+        sweep(*args.sweep_shape)
     if args.check:
-        check()
+        check("(chosen config)")
     bw_jax, bw_torch = copy_bandwidth(torch, args.copy_gib)
     bw = bw_torch or bw_jax
     print(f"# copy bandwidth (read+write): jax x+1 {bw_jax/1e12:.2f} TB/s, torch copy_ "
@@ -166,12 +241,12 @@ def main():
     rows = []
     key = jax.random.PRNGKey(1)
     dec = [(256, 32), (64, 32), (256, 96), (64, 96)]
-    pre = [(1, 4096, 32), (1, 32768, 32), (8, 8192, 32), (1, 4096, 96), (1, 32768, 96), (8, 8192, 96)]
+    pre = [(1, 4096, 32), (1, 4096, 96), (1, 32768, 32), (1, 32768, 96), (8, 8192, 32), (8, 8192, 96)]
     if args.quick:
         dec, pre = dec[:2], pre[:1]
     for N, H in dec:
         if time.time() - T0 > args.deadline:
-            rows.append((f"decode N={N} H={H}", "skipped (deadline)", "", "", "", ""))
+            rows.append((f"decode N={N} H={H}", "skipped (deadline)", "", "", "", "", ""))
             continue
         K = V = 128
         q, k, v, g, beta = (x[0] for x in make_inputs(key, 1, N, H))
@@ -194,16 +269,22 @@ def main():
                             reps=20)
         rows.append((f"decode N={N} H={H}", f"{t*1e6:.0f} us", f"{nbytes/t/1e12:.2f} TB/s",
                      "n/a" if ta is None else f"{ta*1e6:.0f} us ({nbytes/ta/1e12:.2f} TB/s)",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{nbytes/t/bw:.0%}"))
-        print("  ", rows[-1]); sys.stdout.flush()
+                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{nbytes/t/bw:.0%}", ""))
+        print(f"  [{time.time()-T0:.0f}s]", rows[-1]); sys.stdout.flush()
     for B, T, H in pre:
         name = f"prefill B={B} T={T} H={H}"
         if time.time() - T0 > args.deadline:
-            rows.append((name, "skipped (deadline)", "", "", "", ""))
+            rows.append((name, "skipped (deadline)", "", "", "", "", ""))
             continue
         q, k, v, g, beta = make_inputs(key, B, T, H)
         f = jax.jit(lambda *a: chunk_kda(*a, output_final_state=True))
         t = time_jax(f, q, k, v, g, beta, reps=3)
+        fs = jax.jit(lambda *a: chunk_kda(*a, output_final_state=True, safe_gate=True))
+        try:  # g in (-5, 0): K3's safe-gate path
+            ts = time_jax(fs, q, k, v, g, beta, reps=3)
+        except Exception as e:  # noqa: BLE001
+            print("   safe-gate path failed:", str(e).splitlines()[0][:150])
+            ts = float("nan")
         tok = B * T
         io = tok * H * 128 * (2 * 4 + 4 + 2)  # q,k,v,o bf16 + g fp32 (+beta ~0): minimal traffic
         ta = None
@@ -215,10 +296,12 @@ def main():
             torch.cuda.empty_cache()
         rows.append((name, f"{tok/t/1e6:.2f} M tok/s", f"{io/t/1e12:.2f} TB/s io",
                      "n/a" if ta is None else f"{tok/ta/1e6:.2f} M tok/s",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{io/t/bw:.0%}"))
-        print("  ", rows[-1]); sys.stdout.flush()
-    hdr = ("case", "ours", "ours traffic", "FLA anchor", "ours vs FLA", "of copy BW")
-    w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(6)]
+                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{io/t/bw:.0%}",
+                     f"{tok/ts/1e6:.2f} M tok/s" + ("" if ta is None else f" ({ta/ts:.2f}x)")))
+        print(f"  [{time.time()-T0:.0f}s]", rows[-1]); sys.stdout.flush()
+    hdr = ("case", "ours", "ours traffic", "FLA anchor", "ours vs FLA", "of copy BW",
+           "ours safe-gate path (vs FLA)")
+    w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(7)]
     print("\n| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)) + " |")
     print("|" + "|".join("-" * (x + 2) for x in w) + "|")
     for r in rows:

@@ -1,8 +1,9 @@
 """Chunked KDA prefill as two Pallas kernels (written for the Triton backend, run in interpret mode on CPU).
 
 Stages (as in flash-linear-attention's chunk_kda):
-  0. XLA prologue (see ops.py): optional l2norm / gate, chunk-local cumsum of g, sequences laid out
-     so each starts on a chunk boundary; padding tokens carry k = v = g = beta = 0 (no state effect).
+  0. XLA prologue (see ops.py): optional l2norm, sequences laid out so each starts on a chunk
+     boundary; padding rows carry k = v = beta = 0 and get g = 0 (no state effect).
+     `_cumsum_kernel`: optional gate + chunk-local cumsum of the log decay.
   1. `_intra_kernel`, parallel over (chunk, head): intra-chunk matrices in 16-row sub-blocks,
      off-diagonal blocks by matmul against a per-block reference decay (all exponents <= 0),
      diagonal blocks exactly, token by token. Block forward substitution gives
@@ -49,9 +50,14 @@ def _unit_tril_inv(L, row, col):
     return lax.fori_loop(0, n, body, jnp.zeros_like(L))
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, *, bc):
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, *, bc,
+                  diag):
     """One (chunk, head). Refs: q, k, g [C, K]; v [C, V]; beta [C]; outputs w, qg, kd [C, K],
-    u [C, V], a (A_qk) [C, C]. g is the chunk-local cumulative log decay (fp32)."""
+    u [C, V], a (A_qk) [C, C]. g is the chunk-local cumulative log decay (fp32).
+
+    diag: how the 16x16 diagonal blocks get exp(gc_i - gc_j): "loop" / "reg" column by column,
+    exact for any g (rows loaded from the refs / picked from registers); "mid": one matmul,
+    valid only when every g >= -5."""
     C, K = q_ref.shape
     nc = C // bc
     row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
@@ -75,19 +81,33 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             L[I, J] = _dot_nt(kgI, kgJ) * bI[:, None]
             Aq[I, J] = _dot_nt(qgI, kgJ)
 
-        def diag(j, carry, I=I, qI=qI, kI=kI, gI=gI):
-            akk, aqk = carry
-            kj = k_ref[I * bc + j, :].astype(_F32)
-            gj = g_ref[I * bc + j, :]
-            # exp(gc_i - gc_j) only where i >= j (elsewhere it could overflow)
-            ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
-            ck = jnp.sum(kI * ekj, axis=1)
-            cq = jnp.sum(qI * ekj, axis=1)
-            akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
-            aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
-            return akk, aqk
+        if diag == "mid":
+            # caller guarantees g >= -5 (safe gate): anchor at the block's middle row; every
+            # factor is <= exp(8 * 5), every product (even masked ones) <= exp(15 * 5): no overflow.
+            gm = g_ref[I * bc + bc // 2, :]
+            kb = kI * jnp.exp(gm[None, :] - gI)
+            ea = jnp.exp(gI - gm[None, :])
+            akk = jnp.where(row > col, _dot_nt(kI * ea, kb), 0.0)
+            aqk = jnp.where(row >= col, _dot_nt(qI * ea, kb), 0.0)
+        else:
+            def diag_col(j, carry, I=I, qI=qI, kI=kI, gI=gI):
+                akk, aqk = carry
+                if diag == "reg":  # row j taken from registers (no dependent load in the loop)
+                    sel = row_k == j
+                    kj = jnp.sum(jnp.where(sel, kI, 0.0), axis=0)
+                    gj = jnp.sum(jnp.where(sel, gI, 0.0), axis=0)
+                else:
+                    kj = k_ref[I * bc + j, :].astype(_F32)
+                    gj = g_ref[I * bc + j, :]
+                # exp(gc_i - gc_j) only where i >= j (elsewhere it could overflow)
+                ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
+                ck = jnp.sum(kI * ekj, axis=1)
+                cq = jnp.sum(qI * ekj, axis=1)
+                akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
+                aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
+                return akk, aqk
 
-        akk, aqk = lax.fori_loop(0, bc, diag, (zero, zero))
+            akk, aqk = lax.fori_loop(0, bc, diag_col, (zero, zero))
         L[I, I] = akk * bI[:, None]
         Aq[I, I] = aqk
         qg_ref[pl.ds(I * bc, bc), :] = (qI * jnp.exp(gI)).astype(qg_ref.dtype)
@@ -116,6 +136,21 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             u = du if u is None else u + du
         w_ref[pl.ds(I * bc, bc), :] = w.astype(w_ref.dtype)
         u_ref[pl.ds(I * bc, bc), :] = u.astype(u_ref.dtype)
+
+
+def _cumsum_kernel(g_ref, m_ref, a_ref, dt_ref, o_ref, *, gate, lower_bound):
+    """Chunk-local cumulative log decay of one (chunk, head) [C, K], optionally applying the
+    KDA gate to the raw f first (a_log [H] full ref, dt_bias [K]). m [C]: 1 for real tokens,
+    0 for layout padding (which must not decay anything)."""
+    g = g_ref[...].astype(_F32)
+    if gate:
+        x = g + dt_ref[...].astype(_F32)[None, :]
+        a = jnp.exp(a_ref[pl.program_id(1)].astype(_F32))
+        if lower_bound is None:
+            g = -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+        else:
+            g = lower_bound * jax.nn.sigmoid(a * x)
+    o_ref[...] = jnp.cumsum(g * m_ref[...][:, None], axis=0)
 
 
 def _inter_kernel(cs_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, g_ref, h0_ref, o_ref, ht_ref, *, C,
@@ -158,26 +193,44 @@ def _compiler_params(backend, num_warps, num_stages):
     return {}
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "bc", "block_v", "interpret", "backend", "split"))
-def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, bc=16, block_v=None,
-                       interpret=False, backend="triton", split=True):
-    """Both kernels on laid-out rows.
+def _tp(backend, num_warps, num_stages):
+    return _compiler_params(backend, num_warps, num_stages)
 
-    q (scaled), k [R, H, K] (dot dtype), v [R, H, V], g [R, H, K] fp32 chunk-local cumsum,
-    beta [R, H] fp32, cs int32 [N+1] chunk starts per sequence (R = num_chunks * chunk_size),
-    h0 [N, H, K, V] fp32. Returns o [R, H, V] (v.dtype, rows of unused chunks undefined) and
-    ht [N, H, K, V] fp32.
-    """
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "gate", "lower_bound", "interpret",
+                                             "backend"))
+def chunk_cumsum(g, mask, a_log, dt_bias, *, chunk_size=64, gate=False, lower_bound=None,
+                 interpret=False, backend="triton"):
+    """g [R, H, K] (raw f when gate) -> chunk-local cumsum of the log decay [R, H, K] fp32.
+    mask [R] fp32 (0 on layout padding rows), a_log [H] fp32, dt_bias [H, K] fp32 (gate only)."""
+    R, H, K = g.shape
+    C = chunk_size
+    spec = pl.BlockSpec((C, None, K), lambda c, h: (c, h, 0))
+    return pl.pallas_call(
+        functools.partial(_cumsum_kernel, gate=gate, lower_bound=lower_bound),
+        grid=(R // C, H),
+        in_specs=[spec, pl.BlockSpec((C,), lambda c, h: (c,)), pl.no_block_spec,
+                  pl.BlockSpec((None, K), lambda c, h: (h, 0))],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct((R, H, K), _F32),
+        interpret=interpret, name="kda_chunk_cumsum", **_tp(backend, 4, 1),
+    )(g, mask, a_log, dt_bias)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "bc", "diag", "num_warps", "interpret",
+                                             "backend"))
+def chunk_intra(q, k, v, g, beta, *, chunk_size=64, bc=16, diag="loop", num_warps=4,
+                interpret=False, backend="triton"):
+    """Stage 1, parallel over (chunk, head). q (scaled), k [R, H, K] (dot dtype), v [R, H, V],
+    g [R, H, K] fp32 chunk-local cumsum, beta [R, H] fp32.
+    Returns w, qg, kd [R, H, K] (dot dtype), u [R, H, V] fp32, A_qk [R, H, C] fp32."""
     R, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    N = h0.shape[0]
     sd = q.dtype
-    cp = functools.partial(_compiler_params, backend)
-
     row_spec = lambda D: pl.BlockSpec((C, None, D), lambda c, h: (c, h, 0))  # noqa: E731
     w, u, qg, kd, a = pl.pallas_call(
-        functools.partial(_intra_kernel, bc=bc),
+        functools.partial(_intra_kernel, bc=bc, diag=diag),
         grid=(R // C, H),
         in_specs=[row_spec(K), row_spec(K), row_spec(V), row_spec(K),
                   pl.BlockSpec((C, None), lambda c, h: (c, h))],
@@ -185,24 +238,50 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, bc=16, block_
         out_shape=[jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, V), _F32),
                    jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, K), sd),
                    jax.ShapeDtypeStruct((R, H, C), _F32)],
-        interpret=interpret,
-        name="kda_chunk_intra",
-        **cp(4, 1),
+        interpret=interpret, name="kda_chunk_intra", **_tp(backend, num_warps, 1),
     )(q, k, v, g, beta)
+    return w, qg, kd, u, a
 
-    BV = block_v or (V if V <= 32 else 32)
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "block_v", "num_warps", "split",
+                                             "out_dtype", "interpret", "backend"))
+def chunk_inter(w, qg, kd, u, a, g, cs, h0, *, chunk_size=64, block_v=32, num_warps=4, split=True,
+                out_dtype=None, interpret=False, backend="triton"):
+    """Stage 2, parallel over (sequence, head, V block), sequential over the sequence's chunks
+    cs[n] .. cs[n+1] (cs int32 [N+1]). h0 [N, H, K, V] fp32.
+    Returns o [R, H, V] (rows of unused chunks undefined) and ht [N, H, K, V] fp32."""
+    R, H, K = w.shape
+    V = u.shape[-1]
+    C = chunk_size
+    N = h0.shape[0]
+    BV = min(block_v, V)
     full = lambda D, bv=False: pl.BlockSpec(  # noqa: E731
         (R, None, D), (lambda n, h, j: (0, h, j)) if bv else (lambda n, h, j: (0, h, 0)))
     st_spec = pl.BlockSpec((None, None, K, BV), lambda n, h, j: (n, h, 0, j))
-    o, ht = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_inter_kernel, C=C, split=split),
         grid=(N, H, V // BV),
         in_specs=[pl.no_block_spec, full(K), full(BV, True), full(K), full(K), full(C), full(K),
                   st_spec],
         out_specs=[full(BV, True), st_spec],
-        out_shape=[jax.ShapeDtypeStruct((R, H, V), v.dtype), jax.ShapeDtypeStruct((N, H, K, V), _F32)],
-        interpret=interpret,
-        name="kda_chunk_inter",
-        **cp(4, 2),
+        out_shape=[jax.ShapeDtypeStruct((R, H, V), out_dtype or w.dtype),
+                   jax.ShapeDtypeStruct((N, H, K, V), _F32)],
+        interpret=interpret, name="kda_chunk_inter", **_tp(backend, num_warps, 2),
     )(cs, w, u, qg, kd, a, g, h0)
-    return o, ht
+
+
+# Kernel choices for chunk_kda (scripts/bench_kda.py sweeps them on the GPU).
+CONFIG = dict(diag="loop", intra_warps=4, block_v=32, inter_warps=4, split=True)
+
+
+def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=False,
+                       interpret=False, backend="triton", **overrides):
+    """Stages 1 + 2 on laid-out rows (g already chunk-local cumsum). See chunk_intra / chunk_inter.
+    safe_gate: caller guarantees every g >= -5, which allows the one-matmul diagonal blocks."""
+    cfg = dict(CONFIG, **overrides)
+    diag = "mid" if safe_gate else cfg["diag"]
+    w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
+                                  num_warps=cfg["intra_warps"], interpret=interpret, backend=backend)
+    return chunk_inter(w, qg, kd, u, a, g, cs, h0, chunk_size=chunk_size, block_v=cfg["block_v"],
+                       num_warps=cfg["inter_warps"], split=cfg["split"], out_dtype=v.dtype,
+                       interpret=interpret, backend=backend)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.chunk_pallas import chunk_kda_laid_out
+from pallas_kernels.kda.chunk_pallas import chunk_cumsum, chunk_kda_laid_out
+from pallas_kernels.kda import recurrent_pallas
 from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas
 from pallas_kernels.kda.reference import (
     chunk_kda_reference, decode_reference, kda_gate, l2norm, varlen_chunk_layout)
@@ -33,33 +34,38 @@ def _dot_dtype(x):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
               cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-              dt_bias=None, lower_bound=None, interpret=None):
+              dt_bias=None, lower_bound=None, safe_gate=None, interpret=None):
     """Chunked KDA prefill.
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log-space decay, or the raw f projection
     when use_gate_in_kernel, then A_log [H] | [1,1,H,1] | [>=H], dt_bias [H*K] | [H, K] and
     lower_bound select the gate formula); beta [B, T, H]; initial_state [N, H, K, V] fp32
     (None = zeros); cu_seqlens int32 [N+1] (B == 1) or None (N = B).
+    safe_gate: the caller guarantees every decay g >= -5 (K3's gate), which enables a faster
+    kernel path; None = True exactly when the in-kernel gate has lower_bound >= -5.
     Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q).astype(_dot_dtype(q)), l2norm(k).astype(_dot_dtype(k))
-    if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
-    g = g.astype(jnp.float32) if g.dtype != jnp.float64 else g
     mode = _mode(interpret)
     if mode == "reference":
+        if use_gate_in_kernel:
+            g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+        g = g.astype(jnp.float32) if g.dtype != jnp.float64 else g
         o, ht = chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                     cu_seqlens=cu_seqlens, chunk_size=_CHUNK)
         return o, (ht.astype(jnp.float32) if output_final_state else None)
 
+    if safe_gate is None:
+        safe_gate = bool(use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
     C = _CHUNK
     scale = K ** -0.5 if scale is None else scale
     sd = _dot_dtype(q)
     qs = (q.astype(jnp.float32) * scale).astype(sd)
-    xs = [qs, k.astype(sd), v, g.astype(jnp.float32), beta.astype(jnp.float32)]
+    xs = [qs, k.astype(sd), v, g.astype(jnp.float32), beta.astype(jnp.float32),
+          jnp.ones((B, T), jnp.float32)]
     if cu_seqlens is None:
         N, TP = B, -(-T // C) * C
         xs = [jnp.pad(x, [(0, 0), (0, TP - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
@@ -76,12 +82,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         xs = [x.reshape((-1,) + x.shape[2:]) for x in xs]
         cs = lay.cs
     R = xs[0].shape[0]
-    # chunk-local cumulative log decay (stage 1 of FLA's chunk_kda; XLA fuses it with the gate)
-    xs[3] = jnp.cumsum(xs[3].reshape(R // C, C, H, K), axis=1).reshape(R, H, K)
+    a, dt = _gate_params(A_log, dt_bias, H, K)
+    kern = dict(interpret=(mode == "interpret"), backend=mode)
+    gc = chunk_cumsum(xs[3], xs[5], a, dt, chunk_size=C, gate=bool(use_gate_in_kernel),
+                      lower_bound=lower_bound, **kern)
     h0 = (jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    o, ht = chunk_kda_laid_out(*xs, cs, h0, chunk_size=C, interpret=(mode == "interpret"),
-                               backend=mode)
+    o, ht = chunk_kda_laid_out(xs[0], xs[1], xs[2], gc, xs[4], cs, h0, chunk_size=C,
+                               safe_gate=safe_gate, **kern)
     if lay is None:
         o = o.reshape(B, R // B, H, V)[:, :T]
     else:
@@ -115,7 +123,7 @@ def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=No
         return fused_recurrent_kda_pallas(
             q, k, v, g, beta, state_pool, state_indices.astype(jnp.int32), a, dt, scale=scale,
             l2norm=use_qk_l2norm_in_kernel, gate=use_gate_in_kernel, lower_bound=lower_bound,
-            interpret=(mode == "interpret"), backend=mode)
+            interpret=(mode == "interpret"), backend=mode, **recurrent_pallas.CONFIG)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_gate_in_kernel:

@@ -54,22 +54,26 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
+# Kernel choices (scripts/bench_kda.py sweeps them on the GPU).
+CONFIG = dict(block_v=32, num_warps=4)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "gate", "lower_bound", "block_v",
-                                             "interpret", "backend"))
+                                             "num_warps", "interpret", "backend"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_log, dt_bias, *,
-                               scale, l2norm=False, gate=False, lower_bound=None, block_v=None,
-                               interpret=False, backend="triton"):
+                               scale, l2norm=False, gate=False, lower_bound=None, block_v=32,
+                               num_warps=4, interpret=False, backend="triton"):
     """q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32 (aliased to the
     output: donate it in the caller's jit for an in-place update);
     state_indices int32 [N]; a_log [H] fp32; dt_bias [H, K] fp32. Returns (o [N, H, V] v.dtype,
     new state_pool)."""
     N, H, K = q.shape
     V = v.shape[-1]
-    BV = block_v or min(V, 32)
+    BV = min(block_v, V)
     kw = {}
     if backend == "triton":
         from jax.experimental.pallas import triton as plgpu
-        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
+        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     vec = lambda D: pl.BlockSpec((None, None, D), lambda n, h, j: (n, h, 0))  # noqa: E731
     kern = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm, gate=gate,
                              lower_bound=lower_bound, block_v=BV)

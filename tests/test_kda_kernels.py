@@ -1,0 +1,146 @@
+"""KDA Pallas kernels in interpret mode (CPU) vs the pure-jnp reference ops."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
+from pallas_kernels.kda.reference import (
+    decode_reference, kda_gate, l2norm, recurrent_kda_reference)
+
+
+# Interpret-mode kernels are big unrolled HLO: skip XLA's backend optimisations to keep this
+# file's CPU time (mostly compile time) low. Only affects the functions jitted here.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _chunk(*args, **kw):
+    return jax.jit(lambda *a: chunk_kda(*a, interpret=True, **kw),
+                   compiler_options=_FAST_COMPILE)(*args)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
+
+
+def _inputs(seed, B, T, H, K, V):
+    """l2-normalised q/k, g in (-5, 0) from the safe gate, beta in (0, 1), fp32."""
+    r = np.random.default_rng(seed)
+    nrm = lambda x: x / np.sqrt((x ** 2).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q = nrm(r.standard_normal((B, T, H, K)))
+    k = nrm(r.standard_normal((B, T, H, K)))
+    v = r.standard_normal((B, T, H, V))
+    g = -5.0 / (1 + np.exp(-2 * r.standard_normal((B, T, H, K))))
+    beta = 1 / (1 + np.exp(-r.standard_normal((B, T, H))))
+    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+
+
+@pytest.mark.parametrize("B,T,H,K,V", [(2, 100, 3, 16, 32), (1, 1, 8, 16, 16), (1, 40, 1, 128, 128)])
+def test_chunk_fp32_vs_reference(B, T, H, K, V):
+    q, k, v, g, beta = _inputs(B * T + H, B, T, H, K, V)
+    h0 = jax.random.normal(jax.random.PRNGKey(T), (B, H, K, V))
+    o, S = _chunk(q, k, v, g, beta, initial_state=h0)
+    o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0)
+    assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and S.dtype == jnp.float32
+    assert _rel(o, o2) < 1e-5 and _rel(S, S2) < 1e-5
+
+
+def test_chunk_varlen_zero_length_and_padding():
+    H, K, V = 2, 16, 16
+    lens = [10, 0, 70, 1]
+    T = sum(lens) + 7
+    q, k, v, g, beta = _inputs(3, 1, T, H, K, V)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    h0 = jax.random.normal(jax.random.PRNGKey(1), (len(lens), H, K, V))
+    run = jax.jit(lambda *a, cu: chunk_kda(*a, initial_state=h0, cu_seqlens=cu, interpret=True),
+                  compiler_options=_FAST_COMPILE)
+    o, S = run(q, k, v, g, beta, cu=cu)
+    o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    n = int(cu[-1])
+    assert _rel(o[:, :n], o2[:, :n]) < 1e-5 and _rel(S, S2) < 1e-5
+    np.testing.assert_array_equal(np.asarray(S[1]), np.asarray(h0[1]))  # zero-length sequence
+    assert np.all(np.asarray(o[:, n:]) == 0)
+    # same executable, other boundaries (cu_seqlens values are traced)
+    cu_b = jnp.asarray([0, 40, 41, 41, 88], jnp.int32)
+    o, S = run(q, k, v, g, beta, cu=cu_b)
+    o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_b)
+    assert _rel(o[:, :88], o2[:, :88]) < 1e-5 and _rel(S, S2) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_gate_and_l2norm_in_kernel(lower_bound):
+    B, T, H, K, V = 1, 70, 8, 16, 16  # 70: padded chunk with the gate applied in the kernel
+    r = np.random.default_rng(4)
+    q, k, v, _, beta = _inputs(5, B, T, H, K, V)
+    q, k = q * 3.0, k * 0.5  # not normalised: the op must do it
+    f = jnp.asarray(r.standard_normal((B, T, H, K)), jnp.float32)
+    A_log = jnp.asarray(np.concatenate([r.uniform(-1, 1, H), r.standard_normal(120)]), jnp.float32)
+    dt = jnp.asarray(r.standard_normal(H * K) * 0.5, jnp.float32)
+    o, S = _chunk(q, k, v, f, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  A_log=A_log, dt_bias=dt, lower_bound=lower_bound)
+    g = kda_gate(f, A_log, dt, lower_bound=lower_bound)
+    o2, S2 = recurrent_kda_reference(l2norm(q), l2norm(k), v, g, beta)
+    assert _rel(o, o2) < 1e-5 and _rel(S, S2) < 1e-5
+
+
+def test_chunk_bf16():
+    B, T, H, K, V = 2, 90, 2, 16, 16
+    q, k, v, g, beta = _inputs(6, B, T, H, K, V)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    h0 = jax.random.normal(jax.random.PRNGKey(2), (B, H, K, V))
+    o, S = _chunk(bf(q), bf(k), bf(v), g, bf(beta), initial_state=h0)
+    assert o.dtype == jnp.bfloat16
+    o2, S2 = recurrent_kda_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta),
+                                     initial_state=h0)
+    assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
+
+
+@pytest.mark.parametrize("gate", [None, "softplus", "lower_bound"])
+def test_decode_pool_slots(gate):
+    N, H, K, V, slots = 6, 4, 16, 32, 11
+    r = np.random.default_rng(7)
+    q, k, v, g, beta = (x[0] for x in _inputs(8, 1, N, H, K, V))
+    pool = jnp.asarray(r.standard_normal((slots, H, K, V)), jnp.float32)
+    idx = jnp.asarray([9, -1, 0, 4, 7, -3], jnp.int32)
+    kw, g_ref, q_ref, k_ref = {}, g, q, k
+    if gate is not None:
+        lb = None if gate == "softplus" else -5.0
+        g = jnp.asarray(r.standard_normal((N, H, K)), jnp.float32)
+        A_log = jnp.asarray(r.uniform(-1, 1, (1, 1, H, 1)), jnp.float32)
+        dt = jnp.asarray(r.standard_normal((H, K)), jnp.float32)
+        kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt, lower_bound=lb,
+                  use_qk_l2norm_in_kernel=True)
+        q, k = q * 2.0, k * 0.3
+        g_ref = kda_gate(g, A_log, dt, lower_bound=lb)
+        q_ref, k_ref = l2norm(q), l2norm(k)
+    before = np.asarray(pool).copy()
+    o, P = jax.jit(lambda *a: fused_recurrent_kda(*a, interpret=True, **kw),
+                   compiler_options=_FAST_COMPILE)(q, k, v, g, beta, pool, idx)
+    o2, P2 = decode_reference(q_ref, k_ref, v, g_ref, beta, pool, idx)
+    P = np.asarray(P)
+    untouched = [1, 2, 3, 5, 6, 8, 10]
+    np.testing.assert_array_equal(P[untouched], before[untouched])  # bit-identical
+    assert _rel(o, o2) < 1e-5 and _rel(P[[9, 0, 4, 7]], np.asarray(P2)[[9, 0, 4, 7]]) < 1e-5
+    assert np.all(np.asarray(o)[[1, 5]] == 0)
+    # the new state continues the sequence exactly like one more recurrent step would
+    S_seq = recurrent_kda_reference(q_ref[None, 3:4], k_ref[None, 3:4], v[None, 3:4],
+                                    g_ref[None, 3:4], beta[None, 3:4],
+                                    initial_state=jnp.asarray(before[4:5]))[1]
+    assert _rel(P[4], S_seq[0]) < 1e-5
+
+
+def test_decode_bf16_and_donated_jit():
+    N, H, K, V = 4, 2, 32, 32
+    q, k, v, g, beta = (x[0] for x in _inputs(9, 1, N, H, K, V))
+    pool = jax.random.normal(jax.random.PRNGKey(3), (N + 2, H, K, V))
+    idx = jnp.asarray([5, 0, 2, 3], jnp.int32)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    o2, P2 = decode_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta), pool, idx)
+    before = np.asarray(pool).copy()
+    step = jax.jit(lambda *a: fused_recurrent_kda(*a, interpret=True), donate_argnums=5,
+                   compiler_options=_FAST_COMPILE)
+    o, P = step(bf(q), bf(k), bf(v), g, bf(beta), pool, idx)
+    assert o.dtype == jnp.bfloat16 and P.dtype == jnp.float32
+    assert _rel(o, o2) < 5e-3 and _rel(P, P2) < 1e-5
+    np.testing.assert_array_equal(np.asarray(P)[[1, 4]], before[[1, 4]])
