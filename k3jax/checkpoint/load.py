@@ -8,10 +8,17 @@ from k3jax.config import ModelConfig
 
 
 def load_checkpoint_dir(path: str, dtype, mesh=None):
-    """Returns (config, params)."""
+    """Returns (config, params).
+
+    A directory with `k3jax_params/` (converted) is restored with orbax straight into the target
+    shardings (see checkpoint/orbax_io.restore_params); otherwise the safetensors are read in memory.
+    """
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ValueError(f"{path}: no config.json")
     config = ModelConfig.from_json_file(cfg_file)
+    from k3jax.checkpoint import orbax_io
+    if os.path.isdir(os.path.join(path, orbax_io.PARAMS_DIR)):
+        return config, orbax_io.restore_params(path, config, dtype, mesh=mesh)
     from k3jax.checkpoint.hf_load import load_hf_params
     return config, load_hf_params(path, config, dtype)
