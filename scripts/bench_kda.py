@@ -9,6 +9,8 @@ fused_recurrent_kda (B = N, T = 1, initial_state in, final state out).
 Both are compared with a device copy measured in the same run. FLA missing -> anchor n/a.
 --sweep first times each kernel stage and its variants and keeps the fastest configuration;
 --check then compares the GPU kernels with the jnp reference at small shapes.
+Each option adds a minute or more of Triton compiles: under a 200 s limit run the table alone
+(it stops starting cases after --deadline seconds) and the sweep / check in separate calls.
 """
 from __future__ import annotations
 

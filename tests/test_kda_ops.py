@@ -8,11 +8,19 @@ import jax
 import numpy as np
 import pytest
 
-jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.kda.reference import (  # noqa: E402
     chunk_kda_reference, kda_gate, l2norm, recurrent_kda_reference)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+    """fp64 comparisons need x64; switch it on for this module only (other tests expect fp32)."""
+    prev = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", prev)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("einops")
