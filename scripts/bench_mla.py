@@ -151,18 +151,20 @@ def main():
     copy_tbs = copy_bandwidth(copy_bytes)
     log(f"copy bandwidth (fp32 a+1, read+write): {copy_tbs:.2f} TB/s")
 
-    T = ("transposed", True)
-    sweep = [("default", None)]
-    if args.sweep:
-        sweep += [("rows w4", (("num_warps", 4),)), ("rows st3", (("num_stages", 3),)),
-                  ("rows r64", (("max_rows", 64),)),
-                  ("T w8", (T,)), ("T w4", (T, ("num_warps", 4))),
-                  ("T w8 st3", (T, ("num_stages", 3))),
-                  ("T w4 bk32 st3", (T, ("num_warps", 4), ("bk", 32), ("num_stages", 3))),
-                  ("T w8 bk32 st3", (T, ("bk", 32), ("num_stages", 3))),
-                  ("T r64 w8", (T, ("max_rows", 64))), ("T r64 w4", (T, ("max_rows", 64),
-                                                                   ("num_warps", 4))),
-                  ("T w8 2x splits", "2xT")]
+    def knobs(transposed, warps, max_rows=32, bk=64, stages=2):
+        return (("transposed", transposed), ("num_warps", warps), ("max_rows", max_rows),
+                ("bk", bk), ("num_stages", stages))
+
+    sweep = [("default", None)]  # paged.default_tuning
+    if args.sweep:  # explicit knobs, so the names mean the same whatever the defaults are
+        sweep += [("rows w8", knobs(False, 8)), ("rows w4", knobs(False, 4)),
+                  ("rows st3", knobs(False, 8, stages=3)), ("rows r64", knobs(False, 8, 64)),
+                  ("T w8", knobs(True, 8)), ("T w4", knobs(True, 4)),
+                  ("T w8 st3", knobs(True, 8, stages=3)),
+                  ("T w4 bk32 st3", knobs(True, 4, bk=32, stages=3)),
+                  ("T w8 bk32 st3", knobs(True, 8, bk=32, stages=3)),
+                  ("T r64 w8", knobs(True, 8, 64)), ("T r64 w4", knobs(True, 4, 64)),
+                  ("T w4 2x splits", "2xT")]
     table = []
     scale = 192 ** -0.5
     iters = 3 if args.smoke else 10
@@ -199,7 +201,7 @@ def main():
                 if cfg == "2xT":
                     from pallas_kernels.mla.paged import pick_config
                     base = pick_config(heads, ps, bt.shape[1], n, decode=True)
-                    cfg = (T, ("splits", 2 * base["splits"]))
+                    cfg = knobs(True, 4) + (("splits", 2 * base["splits"]),)
                 f = functools.partial(mla_paged_decode, scale=scale, interpret=interpret,
                                       config=cfg)
                 run(label, f"pallas {cname}", f, ql, qr, kv, bt, lens, nbytes)
@@ -209,7 +211,7 @@ def main():
         heads = 4 if args.smoke else 32
         shape = dict(n=2, new=8, ctx=20) if args.smoke else dict(n=4, new=1024, ctx=4096)
         pre = prefill_bench(dtype, lat, rope, ps, heads, interpret,
-                            [("default", None), ("T w8", (("transposed", True),))], iters=3,
+                            [("default", None), ("T w8", knobs(True, 8))], iters=3,
                             **shape)
         for cname, t, tf in pre:
             log(f"prefill {shape}, H={heads}, {cname}: "

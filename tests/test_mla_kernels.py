@@ -18,7 +18,7 @@ def _args(case, keys=ARGS):
 
 @pytest.mark.parametrize("page_size,config", [
     (8, None),                                  # bk=64 spans 8 pages: gathered rows
-    (16, (("bk", 8), ("splits", 3))),            # bk inside a page, explicit split-K
+    (16, (("bk", 8), ("splits", 3), ("transposed", False))),  # bk inside a page, split-K
 ])
 def test_decode_matches_oracle(page_size, config):
     rng = np.random.default_rng(page_size)
@@ -33,7 +33,9 @@ def test_decode_matches_oracle(page_size, config):
 
 @pytest.mark.parametrize("page_size,heads,config", [
     (8, 4, (("bk", 16),)),                       # 4 tokens x 4 heads per tile
+    (8, 4, (("bk", 16), ("transposed", True))),  # same, keys-on-M form
     (16, 8, (("max_rows", 4), ("bk", 16), ("splits", 2))),  # head blocks of 4, one token
+    (16, 6, (("max_rows", 4), ("transposed", True))),  # head blocks of 3 in 16-row tiles
 ])
 def test_ragged_matches_oracle(page_size, heads, config):
     rng = np.random.default_rng(10 + page_size)

@@ -56,6 +56,20 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
 
 
+def default_tuning(num_heads, decode):
+    """Kernel knobs chosen from the H200 sweep (docs/bench_mla.md, 2026-11-29).
+
+    Decode, H <= 32: keys-on-M ("transposed") form with 4 warps was fastest (2.1-2.4 TB/s).
+    H > 32 (e.g. 96): row form, 48-head tiles padded to 64 rows, 8 warps (~1.0 TB/s).
+    Ragged prefill: row form, 8 warps (150 TFLOP/s at H=32 vs 140 transposed).
+    """
+    if num_heads > 32:
+        return {"max_rows": 64, "num_warps": 8, "transposed": False}
+    if decode:
+        return {"num_warps": 4, "transposed": True}
+    return {"num_warps": 8, "transposed": False}
+
+
 def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
     """[n_chunks * H/bh, 4] int32 tiles (seq, start_row, n_valid, pos of first token)."""
     n_seqs = kv_lens.shape[0]
@@ -88,9 +102,9 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    cfg = dict(config or {})
+    cfg = {**default_tuning(num_heads, decode), **dict(config or {})}
     tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}
-    min_rows = 1 if interpret and cfg.pop("small_rows", False) else 16
+    min_rows = 16  # Triton's MMA needs >= 16 rows; padding rows are masked
     probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, decode=decode,
                         **tune)
     bq = probe["bq"]
