@@ -91,6 +91,14 @@ def rel_err(out, ref):
   return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
 
 
+def _safe(res, name, fn):
+  try:
+    res[name] = fn()
+  except Exception as e:  # noqa: BLE001 - report and continue
+    log(f"check {name} FAILED: {type(e).__name__}: {str(e)[:400]}")
+    res[name] = float("nan")
+
+
 def check():
   """GPU kernels vs references at mid shapes (all tilings classes, both formats)."""
   r = np.random.default_rng(0)
@@ -106,23 +114,44 @@ def check():
     out = jax.jit(functools.partial(moe.gmm, tiling=t))(x, w, gs)
     res[f"gmm {t}"] = rel_err(out, ref)
     res[f"gmm {t} tail zero"] = float(np.abs(np.asarray(out[4000:], np.float32)).max())
+  t16 = Tiling(16, 64, 32, 4, 3)  # group sizes not multiples of 16, bk < K, bn < N
+  gs2 = jnp.asarray([7, 0, 333, 1, 500, 100] + [0] * (g - 6), jnp.int32)  # sum 941 < 1000
+  _safe(res, "gmm odd rows", lambda: rel_err(
+      jax.jit(functools.partial(moe.gmm, tiling=t16))(x[:1000], w, gs2),
+      gm.gmm_reference(x[:1000], w, gs2)))
   p, s = moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
   refq = gm.gmm_mxfp4_reference(x, p, s, gs)
-  for t in (Tiling(16, 128, 64, 4, 4),):
-    out = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t))(x, p, s, gs)
-    res[f"gmm_mxfp4 {t}"] = rel_err(out, refq)
+  for t, mode in ((Tiling(16, 256, 64, 4, 3), "kernel"), (Tiling(128, 64, 128, 8, 3), "kernel"),
+                  (Tiling(128, 64, 128, 8, 3), "predequant")):
+    f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
+    _safe(res, f"gmm_mxfp4 {mode} {t}", lambda: rel_err(f(x, p, s, gs), refq))
   for act in ("situ",):
     f = functools.partial(kn.glu_activation, activation=act)
     ref_h = f(gm.gmm_reference(x, w, gs).astype(jnp.float32),
               gm.gmm_reference(x, w[::-1], gs).astype(jnp.float32))
-    out = jax.jit(lambda x, a, b, gs: gm.run_bf16(x, (a, b), gs, tiling=None, act=f))(x, w, w[::-1], gs)
-    res[f"glu bf16 {act}"] = rel_err(out[:4000], ref_h[:4000])
-    out = jax.jit(lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s), gs, tiling=None, act=f))(x, p, s, gs)
+    fb = jax.jit(lambda x, a, b, gs: gm.run_bf16(x, (a, b), gs, tiling=None, act=f))
+    _safe(res, f"glu bf16 {act}", lambda: rel_err(fb(x, w, w[::-1], gs)[:4000], ref_h[:4000]))
+    fq = jax.jit(lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s), gs, tiling=None, act=f,
+                                                  mode="kernel"))
     hq = gm.gmm_mxfp4_reference(x, p, s, gs).astype(jnp.float32)
-    res[f"glu mxfp4 {act}"] = rel_err(out[:4000], f(hq, hq)[:4000])
+    _safe(res, f"glu mxfp4 {act}", lambda: rel_err(fq(x, p, s, gs)[:4000], f(hq, hq)[:4000]))
+  # expert_mlp end to end vs its own reference path (jnp ragged_dot)
+  ids = jnp.asarray(r.integers(0, g, (500, 4)), jnp.int32)
+  wts = jnp.asarray(r.random((500, 4)), jnp.float32)
+  w1, w3 = w[:, :, :256], w[:, :, 256:]
+  w2 = w[:, :256, :]  # [E, I=256, D=512]
+  args = (x[:500], ids, wts, w1, w3, w2)
+  from pallas_kernels.moe import expert_mlp as em
+  act = functools.partial(kn.glu_activation, activation="situ")
+  tok, gsm, inv = moe.sort_by_expert(ids, g)
+  ref_m = moe.combine(em._reference_path(x[:500][tok], gsm, w1, w3, w2, act, jnp.bfloat16),
+                      wts, inv)
+  _safe(res, "expert_mlp bf16", lambda: rel_err(
+      jax.jit(functools.partial(moe.expert_mlp, activation="situ"))(*args), ref_m))
   for kname, v in res.items():
     log(f"check {kname}: {v:.2e}")
-  return max(v for kk, v in res.items() if "tail" not in kk)
+  return max((v for kk, v in res.items() if "tail" not in kk), default=float("nan"))
+
 
 
 def mgpu_anchor():
@@ -134,7 +163,8 @@ def mgpu_anchor():
     return None
 
 
-def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs, deadline):
+def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs, deadline,
+              glu_tilings=(), jnp_decoder=False):
   """One shape: ours bf16 (best tiling), ragged_dot, mgpu anchor, dense, ours mxfp4."""
   g = len(gs_np)
   m = int(gs_np.sum())
@@ -179,6 +209,7 @@ def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs
     ROWS.append((label, "xla ragged_dot", None, None, None, None, None, "skipped: dense operand"))
 
   anchor = mgpu_anchor()
+  xa = jnp.pad(x, ((0, (-m) % 64), (0, 0)))  # the anchor needs M % 8 == 0; extra rows in no group
   if anchor is not None:
     best_a = None
     for cfg in mgpu_cfgs:
@@ -187,36 +218,52 @@ def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs
       f = jax.jit(functools.partial(anchor, group_sizes=gs, block_m=cfg[0], block_n=cfg[1],
                                     block_k=cfg[2], max_concurrent_steps=cfg[3],
                                     grid_block_n=cfg[4]))
-      ta = try_time(f"mgpu {cfg}", f, x, w)
+      ta = try_time(f"mgpu {cfg}", f, xa, w)
       log(f"{label} mgpu {cfg}: {ta and ta * 1e6}")
       if ta and (best_a is None or ta < best_a[0]):
         best_a = (ta, cfg, f)
     if best_a:
       row("mgpu example (anchor)", best_a[0], note=f"cfg {best_a[1]}")
       if ours_out is not None:
-        log(f"{label} ours vs mgpu rel err {rel_err(ours_out, best_a[2](x, w)):.2e}")
+        log(f"{label} ours vs mgpu rel err {rel_err(ours_out, best_a[2](xa, w)[:m]):.2e}")
 
   wd = w[0]
   row("dense matmul same FLOPs", try_time("dense", jax.jit(lambda a, b: a @ b), x, wd),
       wb=k * n * 2, note="one [K,N] weight")
 
-  p, s = moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
-  del w
-  bq, bq_t = None, None
-  for t in tilings_q:
+  for t in glu_tilings:
     if time.time() - T0 > deadline:
       break
-    f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t))
-    tt = try_time(f"mxfp4 {t}", f, x, p, s, gs)
-    log(f"{label} mxfp4 {t}: {tt and tt * 1e6}")
-    if tt and (bq_t is None or tt < bq_t):
-      bq, bq_t = t, tt
-  row("ours mxfp4 (packed bytes)", bq_t, wb=wbytes_q,
-      note=f"bm{bq.bm} bk{bq.bk} bn{bq.bn} w{bq.num_warps} s{bq.num_stages}" if bq else "")
+    act = functools.partial(kn.glu_activation, activation="situ")
+    half = n // 2
+    fg = jax.jit(lambda x, w, gs, t=t: gm.run_bf16(x, (w[:, :, :half], w[:, :, half:]), gs,
+                                                  tiling=t, act=act))
+    row("ours fused gate+up+SiTU", try_time(f"glu {t}", fg, x, w, gs),
+        note=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages} (incl. weight slicing)")
+
+  p, s = moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
+  del w
+  for t, mode in tilings_q:
+    if time.time() - T0 > deadline:
+      break
+    f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
+    tt = try_time(f"mxfp4 {t} {mode}", f, x, p, s, gs)
+    log(f"{label} mxfp4 {t} {mode}: {tt and tt * 1e6}")
+    if tt:
+      row(f"ours mxfp4 {mode} (packed bytes)", tt, wb=wbytes_q,
+          note=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}")
+  if jnp_decoder and tilings_q and time.time() - T0 < deadline:
+    from pallas_kernels.moe import mxfp4 as mxm
+    mxm.USE_ASM = False
+    t, mode = tilings_q[0]
+    f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
+    row("ours mxfp4 kernel, jnp-op decoder", try_time("mxfp4 jnp", f, x, p, s, gs), wb=wbytes_q,
+        note="same tiling, no inline PTX")
+    mxm.USE_ASM = True
   if "ours bf16" in res and "mgpu example (anchor)" in res:
-    ROWS.append((label, "ours / anchor speedup", None, res["mgpu example (anchor)"] / res["ours bf16"],
-                 None, None, None, "target >= 1.3 (prefill)"))
-  return best, bq
+    ROWS.append((label, "ours / anchor speedup", res["mgpu example (anchor)"] / res["ours bf16"],
+                 None, None, None, None, "target >= 1.3 (prefill)"))
+  return best
 
 
 def bench_mlp(label, tokens, d, inter, e_global, e_local, k, peak_bw, t_up, t_down, deadline):
@@ -279,14 +326,17 @@ def main():
     log(f"check max rel err {check():.2e}")
   peak_f, peak_bw = peaks(512, 1 << 20) if a.smoke else peaks()
   log(f"peaks {peak_f / 1e12:.0f} TFLOP/s, {peak_bw / 1e12:.2f} TB/s")
-  pre_t = [Tiling(128, 64, 128, 4, 4), Tiling(128, 64, 256, 8, 3)]
-  pre_q = [Tiling(128, 64, 128, 8, 3)]
+  pre_t = [Tiling(128, 64, 256, 8, 3), Tiling(128, 64, 256, 8, 4), Tiling(128, 64, 128, 4, 4)]
+  pre_glu = [Tiling(128, 64, 64, 8, 3), Tiling(128, 64, 128, 8, 3)]
+  pre_q = [(Tiling(128, 64, 256, 8, 3), "predequant"), (Tiling(128, 64, 128, 8, 3), "kernel")]
   dec_t = [Tiling(16, 128, 64, 4, 4), Tiling(16, 256, 64, 4, 3)]
-  dec_q = [Tiling(16, 128, 64, 4, 4), Tiling(16, 256, 64, 4, 3)]
+  dec_q = [(Tiling(16, 256, 64, 4, 3), "kernel"), (Tiling(16, 128, 64, 4, 4), "kernel"),
+           (Tiling(16, 256, 128, 8, 3), "kernel")]
   pre_mgpu = [(128, 128, 64, 4, 4), (128, 128, 64, 5, 2)]
   dec_mgpu = [(64, 128, 64, 4, 1)]
   if a.quick:
     pre_t, pre_q, dec_t, dec_q, pre_mgpu = pre_t[:1], pre_q[:1], dec_t[:1], dec_q[:1], pre_mgpu[:1]
+    pre_glu = pre_glu[:1]
   cfgs = {}
   shapes = [  # label, tokens, d, inter, e_global, e_local, k, prefill
       ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8, True),
@@ -305,14 +355,23 @@ def main():
     log("==", lab2)
     cfgs[lab] = bench_gmm(lab2, gs, d, 2 * inter, peak_f, peak_bw,
                           pre_t if pre else dec_t, pre_q if pre else dec_q,
-                          pre_mgpu if pre else dec_mgpu, a.deadline)
+                          pre_mgpu if pre else dec_mgpu, a.deadline,
+                          glu_tilings=pre_glu if pre else (),
+                          jnp_decoder=(not pre) and tok == 256)
+    write_table(peak_f, peak_bw, dev)
   for lab, tok, d, inter, eg, el, k, pre in shapes:
     bench_mlp(f"{lab} MLP", tok, d, inter, eg, el, k, peak_bw, None, None, a.deadline + 25)
+    write_table(peak_f, peak_bw, dev)
+  print(write_table(peak_f, peak_bw, dev), flush=True)
+
+
+def write_table(peak_f, peak_bw, dev):
+  """Render the table and (re)write it to $OUT/bench_moe.md so a timeout keeps it."""
   out = table(peak_f, peak_bw, dev)
-  print(out, flush=True)
   if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "bench_moe.md"), "w") as fh:
       fh.write(out)
+  return out
 
 
 if __name__ == "__main__":

@@ -64,19 +64,35 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
   return out[:m, :n]
 
 
-def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
-  """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...)."""
+def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None):
+  """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
+
+  mode 'kernel': decode in the kernel's main loop (decode regime: each weight byte is
+  read once, so decode cost is per byte read). mode 'predequant': one XLA pass writes
+  bf16 [G, N, K] and the bf16 kernel reads it (prefill: many row tiles per expert
+  would otherwise decode the same weights over and over). None: 'predequant' when the
+  average group has >= 128 rows.
+  """
   m, k = lhs.shape
+  g = group_sizes.shape[0]
   n = ws[0].shape[1]
   if ws[0].shape[2] * 2 != k:
     raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
+  if mode is None:
+    mode = "predequant" if m >= 128 * g else "kernel"
   rn = (-n) % 16
   if rn:
     ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
-  t = _as_tiling(tiling, m, k, n + rn, group_sizes.shape[0], mxfp4=True,
-                 fused=act is not None)
+  if mode == "predequant":
+    wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
+    t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None)
+    fmt = "bf16t"
+  else:
+    wd = ws
+    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None)
+    fmt = "mxfp4"
   x = _pad_rows(lhs, t.bm)
-  out = kn.grouped_matmul(x, ws, group_sizes, fmt="mxfp4", n=n + rn, tiling=t, act=act,
+  out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
                           interpret=interpret)
   return out[:m, :n]
 
@@ -95,14 +111,15 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=Non
 
 
 def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
-              group_sizes: jax.Array, *, interpret=None, tiling=None) -> jax.Array:
+              group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None) -> jax.Array:
   """Grouped matmul with MXFP4 weights decoded inside the kernel.
 
   lhs [M, K] bf16, rhs_packed uint8 [G, N, K/2], rhs_scales uint8 [G, N, K/32]
   (HF [out, in] orientation), group_sizes [G] -> [M, N] = gmm(lhs, dequant(rhs)^T).
+  mode: None (auto), 'kernel' or 'predequant' (see run_mxfp4).
   """
   use, interp = sch.use_kernel(interpret)
   if not use:
     return gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes)
   return run_mxfp4(lhs, (rhs_packed, rhs_scales), group_sizes, tiling=tiling,
-                   interpret=interp)
+                   interpret=interp, mode=mode)

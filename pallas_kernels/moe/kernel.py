@@ -35,9 +35,10 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
-def _kernel(tg_ref, ts_ref, te_ref, x_ref, *refs, fmt, n_w, m, k, g, tiling, act):
+def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, use_asm):
+  x_refs = refs[:n_x]
+  w_refs = refs[n_x:-1]
   o_ref = refs[-1]
-  w_refs = refs[:-1]
   bm, bk, bn = tiling.bm, tiling.bk, tiling.bn
   ni = pl.program_id(0)
   t = pl.program_id(1)
@@ -56,18 +57,27 @@ def _kernel(tg_ref, ts_ref, te_ref, x_ref, *refs, fmt, n_w, m, k, g, tiling, act
   def _compute():
     def body(kk, accs):
       k0 = pl.multiple_of(kk * bk, bk)
-      xb = x_ref[pl.ds(lo, bm), pl.ds(k0, bk)]
+      h0 = pl.multiple_of(kk * (bk // 2), bk // 2)
+      if fmt == "mxfp4":  # x split into even / odd columns: [M, K/2] each
+        xe = x_refs[0][pl.ds(lo, bm), pl.ds(h0, bk // 2)]
+        xo = x_refs[1][pl.ds(lo, bm), pl.ds(h0, bk // 2)]
+      else:
+        xb = x_refs[0][pl.ds(lo, bm), pl.ds(k0, bk)]
       new = []
       for i, acc in enumerate(accs):
-        if fmt == "bf16":
+        if fmt == "bf16":  # w [G, K, N]
           wb = w_refs[i][gid, pl.ds(k0, bk), pl.ds(n0, bn)]
           new.append(acc + plt.dot(xb, wb))
-        else:
-          p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
-          pb = p_ref[gid, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * (bk // 2), bk // 2), bk // 2)]
-          sb = s_ref[gid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
-          wb = mx.decode_block(pb, sb, xb.dtype)
+        elif fmt == "bf16t":  # w [G, N, K]
+          wb = w_refs[i][gid, pl.ds(n0, bn), pl.ds(k0, bk)]
           new.append(acc + plt.dot(xb, wb, trans_b=True))
+        else:  # packed [G, N, K/2], scales [G, N, K/32]
+          p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
+          pb = p_ref[gid, pl.ds(n0, bn), pl.ds(h0, bk // 2)]
+          sb = s_ref[gid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
+          w_even, w_odd = mx.decode_halves(pb, sb, use_asm)
+          acc = acc + plt.dot(xe, w_even, trans_b=True)
+          new.append(acc + plt.dot(xo, w_odd, trans_b=True))
       return tuple(new)
 
     zero = jnp.zeros((bm, bn), jnp.float32)
@@ -85,19 +95,26 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
-  fmt 'bf16': weights = (w [G, K, N], ...); fmt 'mxfp4': weights = (packed [G, N, K/2],
-  scales [G, N, K/32], ...). One weight -> x @ w per group; two -> act(x @ w_a, x @ w_b)
-  (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows past sum(group_sizes)
-  are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the public wrappers pad).
+  fmt 'bf16': weights = (w [G, K, N], ...); 'bf16t': (w [G, N, K], ...); 'mxfp4':
+  (packed [G, N, K/2], scales [G, N, K/32], ...). One weight -> x @ w per group; two ->
+  act(x @ w_a, x @ w_b) (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows
+  past sum(group_sizes) are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the
+  public wrappers pad).
   """
   m, k = x.shape
   g = group_sizes.shape[0]
-  n_w = len(weights) if fmt == "bf16" else len(weights) // 2
+  n_w = len(weights) // 2 if fmt == "mxfp4" else len(weights)
   assert k % tiling.bk == 0 and n % tiling.bn == 0 and m >= tiling.bm, (m, k, n, tiling)
   assert (act is None) == (n_w == 1)
+  if fmt == "mxfp4":  # even / odd columns of x meet the low / high nibbles
+    xs = (x[:, 0::2], x[:, 1::2])
+  else:
+    xs = (x,)
   tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
   grid = (n // tiling.bn, tg.shape[0])
-  kern = functools.partial(_kernel, fmt=fmt, n_w=n_w, m=m, k=k, g=g, tiling=tiling, act=act)
+  kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, g=g,
+                           tiling=tiling, act=act,
+                           use_asm=(not interpret) and mx.USE_ASM)
   return pl.pallas_call(
       kern,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
@@ -106,4 +123,4 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
                                          num_stages=tiling.num_stages),
       interpret=interpret,
       name=f"moe_gmm_{fmt}_{n_w}",
-  )(tg, ts, te, x, *weights)
+  )(tg, ts, te, *xs, *weights)

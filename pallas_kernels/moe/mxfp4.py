@@ -88,25 +88,85 @@ def quantize_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   return packed.astype(jnp.uint8), e[..., 0].astype(jnp.uint8)
 
 
-def decode_block(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
-  """In-kernel decoder: packed uint8 [bn, bk/2], scales uint8 [bn, bk/32] -> [bn, bk].
+def _fp16_code_bits(p, shift_mag, shift_sign):
+  """float16 bits (int32) of v * 2^-14 for the nibble selected by the shifts."""
+  return ((p << shift_mag) & 0x0E00) | ((p << shift_sign) & 0x8000)
 
-  Cheap on GPU (about 5 integer ops per element): the 3 magnitude bits go straight
-  into a float16's exponent/mantissa (value v * 2^-14, fp16 subnormal for 0.5, which
-  the f16->f32 conversion keeps exact), then one f32 multiply by 2^(e-113).
-  Exact for e <= 240 (larger exponents are clamped: |w| < 2^116 in practice).
+
+def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """Cheap elementwise decoder, [..., N, K/2] + [..., N, K/32] -> [..., N, K].
+
+  The 3 magnitude bits go straight into a float16's exponent/mantissa (value v * 2^-14,
+  an fp16 subnormal for 0.5 that the f16->f32 conversion keeps exact), then one f32
+  multiply by 2^(e-113). Equals dequantize_mxfp4 for 1 <= e <= 240 (e = 0 flushes to 0,
+  e > 240 is clamped: |w| < 2^116 in any real checkpoint).
   """
-  bn, half = packed.shape
+  *lead, n, half = packed.shape
   p = packed.astype(jnp.int32)
-  lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
-  hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
   e = jnp.minimum(scales.astype(jnp.int32), 240)
-  sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)  # [bn, bk/32]
-  sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+  sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)
+  sc = jnp.broadcast_to(sc[..., None], (*lead, n, half // 16, 16)).reshape(*lead, n, half)
 
-  def to_f32(bits):
+  def to(bits):
     h = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
     return (h.astype(jnp.float32) * sc).astype(dtype)
 
-  w = jnp.stack([to_f32(lo), to_f32(hi)], axis=-1)
-  return w.reshape(bn, half * 2)
+  w = jnp.stack([to(_fp16_code_bits(p, 9, 12)), to(_fp16_code_bits(p, 5, 8))], axis=-1)
+  return w.reshape(*lead, n, half * 2)
+
+
+# The GPU kernel decodes with inline PTX when True (benchmarks flip it to time the
+# jnp-op decoder); interpret mode always uses jnp ops.
+USE_ASM = True
+
+# PTX for 4 packed bytes -> 4 bf16 (2 x bf16x2): the selected nibble's magnitude bits
+# become a bf16 subnormal/normal equal to v * 2^-126 (sign to bit 15), then
+# x 2^126 and x scale with fma.rn.bf16x2 (exact; bf16 arithmetic keeps subnormals).
+_ASM = """{{
+.reg .b32 t0, t1, a0, a1, b0, b1, c, z, zr;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+mov.b32 zr, 0;
+prmt.b32 t0, $2, zr, 0x4140;
+prmt.b32 t1, $2, zr, 0x4342;
+and.b32 a0, t0, {mmask};
+and.b32 b0, t0, {smask};
+and.b32 a1, t1, {mmask};
+and.b32 b1, t1, {smask};
+shl.b32 a0, a0, {mshift};
+shl.b32 b0, b0, {sshift};
+shl.b32 a1, a1, {mshift};
+shl.b32 b1, b1, {sshift};
+or.b32 a0, a0, b0;
+or.b32 a1, a1, b1;
+fma.rn.bf16x2 a0, a0, c, z;
+fma.rn.bf16x2 a1, a1, c, z;
+fma.rn.bf16x2 $0, a0, $3, z;
+fma.rn.bf16x2 $1, a1, $4, z;
+}}"""
+_ASM_LO = _ASM.format(mmask="0x00070007", smask="0x00080008", mshift=6, sshift=12)
+_ASM_HI = _ASM.format(mmask="0x00700070", smask="0x00800080", mshift=2, sshift=8)
+
+
+def decode_halves(packed: jax.Array, scales: jax.Array, use_asm: bool):
+  """In-kernel decoder: packed uint8 [bn, bk/2], scales uint8 [bn, bk/32] ->
+  (even-k weights, odd-k weights), each bf16 [bn, bk/2].
+
+  Returning the halves separately lets the kernel contract them with the even and odd
+  columns of x (two dots) instead of interleaving registers. use_asm=True (GPU only)
+  decodes with inline PTX, about 4 instructions per element; otherwise jnp ops with the
+  same values (used in interpret mode).
+  """
+  bn, half = packed.shape
+  if not use_asm:
+    w = decode_fast(packed, scales, jnp.bfloat16).reshape(bn, half, 2)
+    return w[:, :, 0], w[:, :, 1]
+  from jax.experimental.pallas import triton as plt  # GPU-only path
+  sc = jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
+  sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+  out = jax.ShapeDtypeStruct((bn, half), jnp.bfloat16)
+  [lo] = plt.elementwise_inline_asm(_ASM_LO, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                    pack=4, result_shape_dtypes=[out])
+  [hi] = plt.elementwise_inline_asm(_ASM_HI, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                    pack=4, result_shape_dtypes=[out])
+  return lo, hi
