@@ -111,16 +111,18 @@ def plan_conversion(ckpt: SafetensorsDir, cfg: ModelConfig, dtype, *, dequantize
     for _, src, _ in in_flat:
         if isinstance(src, Source):
             used.update(src.names)
-        else:   # no complete spelling: report the first (Moonshot) spelling's absent names
+        else:   # no complete spelling: report the first (Moonshot) spelling's absent names;
             missing += [n for n in src[0].names if n not in names]
+            used.update(n for s in src for n in s.names if n in names)   # the rest are not "unexpected"
     unused = sorted(names - used)
     vision = [n for n in unused if VISION.match(n)]
     unexpected = [n for n in unused if not VISION.match(n)]
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)} tensors: {_names(missing)}")
+        problems.append(f"missing tensors ({len(missing)}): {_names(missing)}")
     if unexpected and not allow_unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensors (--allow-unexpected ignores them): {_names(unexpected)}")
+        problems.append(f"unexpected tensors ({len(unexpected)}; --allow-unexpected ignores them): "
+                        f"{_names(unexpected)}")
     if problems:
         raise ConversionError("; ".join(problems))
     if unexpected:
