@@ -17,7 +17,7 @@ from k3jax.presets import TINY_SEED, preset_config, preset_names
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
-           "float16": jnp.float16}
+           "float16": jnp.float16, "float64": jnp.float64}
 
 
 def _dtype(dtype):

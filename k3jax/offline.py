@@ -1,0 +1,67 @@
+"""Offline inference for notebooks and scripts, in the spirit of vLLM's `LLM`:
+
+    from k3jax import LLM, SamplingParams
+    llm = LLM(model="tiny", max_num_seqs=8)
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=16))
+    outs[0].outputs[0].text, outs[0].num_cached_tokens
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+from serving.engine import LLMEngine
+from serving.engine_args import EngineArgs
+from serving.request import RequestOutput
+from serving.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineArgs"]
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    def __init__(self, model="tiny", *, dtype=None, **engine_args):
+        from k3jax.api import Model, load_model
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.engine = LLMEngine(self.model, EngineArgs(**engine_args))
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params=None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); n > 1 gives n completions per prompt."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        groups = []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            ids = [self.engine.add_request(prompt, sp.for_child(j), request_id=f"offline-{id(self)}-{i}-{j}")
+                   for j in range(sp.n)]
+            groups.append((prompt, ids))
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(len(g[1]) for g in groups), desc="generating", unit="seq")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        results = []
+        for prompt, ids in groups:
+            outs = [final[r] for r in ids]
+            comps = [dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+            results.append(RequestOutput(ids[0].rsplit("-", 1)[0], prompt if isinstance(prompt, str) else None,
+                                         outs[0].prompt_token_ids, comps, True, outs[0].num_cached_tokens,
+                                         outs[0].metrics))
+        return results
+
+    def chat(self, messages, sampling_params=None, **template_kwargs) -> RequestOutput:
+        ids = self.model.tokenizer.apply_chat_template(messages, tokenize=True, **template_kwargs)
+        return self.generate([ids], sampling_params)[0]

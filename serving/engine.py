@@ -1,0 +1,178 @@
+"""LLMEngine: requests in, tokens out. Ties the scheduler, the runner, detokenization and stops.
+
+`add_request` validates and queues one sequence; `step` runs one scheduled model step and
+returns a RequestOutput for every request that produced a token (cumulative text and ids, plus
+the new ids of this step). Sequences with n > 1 are expanded by the callers (k3jax.offline, the
+server) into n requests with seeds seed + i.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from k3jax.cache import SeqChunk
+from serving.engine_args import EngineArgs, size_pools
+from serving.request import CompletionOutput, Request, RequestOutput, Status
+from serving.runner import ModelRunner
+from serving.sampling_params import SamplingParams
+from serving.scheduler import Scheduler, SchedulerConfig
+from serving.stop import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(path: Optional[str]):
+    if not path:
+        return
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except Exception as e:  # noqa: BLE001 - an older jax without these flags still serves
+        log.warning("persistent compilation cache not enabled: %s", e)
+
+
+class LLMEngine:
+    def __init__(self, model, args: EngineArgs | None = None):
+        self.args = args = args or EngineArgs()
+        self.model = model
+        c = model.config
+        enable_compilation_cache(args.compilation_cache_dir)
+        self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
+        args.max_model_len = self.max_model_len
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
+        cache_dtype = model.params["embed"].dtype
+        num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
+            enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
+            state_block_size=args.state_block_size), num_pages, num_slots)
+        self.runner = ModelRunner(
+            c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
+            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
+            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+        self.tokenizer = model.tokenizer
+        eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
+        self.eos_ids = [e for e in eos if e is not None]
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(args.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        if args.warmup:
+            self.runner.warmup()
+        self.runner.guard = args.forbid_compile_after_warmup
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, extra_keys=None) -> str:
+        """Queue one sequence (params.n must be 1 here). Raises ValueError on bad input,
+        serving.scheduler.QueueFullError when the waiting queue is full."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("n: the engine takes one sequence per request; expand n first")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = prompt
+        ids = [int(t) for t in self.model.check_tokens(prompt_ids, ndim=1)]
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_model_len}")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(f"max_tokens: {params.max_tokens} + {len(ids)} prompt tokens exceed the context of "
+                             f"{self.max_model_len}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**32)
+        req = Request(rid, ids, params, seed, priority=priority, extra_keys=extra_keys)
+        req.stop = StopChecker(params, self.eos_ids)
+        if self.tokenizer is not None:
+            from k3jax.tokenizer import IncrementalDetokenizer
+            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special=True)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        self.counters["prompt_tokens"] += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
+            return []
+        self.runner.copy_pages(out.page_copies)
+        reqs = [ch.req for ch in out.chunks]
+        chunks = [SeqChunk(r.tokens[ch.start:ch.end], ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst)
+                  for r, ch in zip(reqs, out.chunks)]
+        toks, lps, top_ids, top_vals = self.runner.execute(
+            chunks, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs])
+        self.scheduler.after_step(out)
+        now = time.monotonic()
+        outputs = []
+        for i, ch in enumerate(out.chunks):
+            if ch.sample:
+                outputs.append(self._append(ch.req, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
+        self.counters["steps"] += 1
+        self.counters["step_time"] += time.perf_counter() - t0
+        return outputs
+
+    def _append(self, req: Request, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
+        req.output_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        k = req.params.logprobs
+        if k is not None:
+            req.logprobs.append((lp, {int(t): float(v) for t, v in zip(top_ids[:k], top_vals[:k])}))
+        delta = req.detok.push(tok) if req.detok is not None else ""
+        done = req.stop.append(tok, delta)
+        if done is not None:
+            req.finish_reason, req.stop_reason = done.finish_reason, done.stop_reason
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+        return self.output_of(req, new_ids=[tok])
+
+    def output_of(self, req: Request, new_ids=()) -> RequestOutput:
+        finished = req.status == Status.FINISHED
+        text = req.stop.text if finished or not req.params.stop else req.stop.stream_text()
+        if finished and req.detok is not None and req.finish_reason == "length":
+            text = req.stop.text + req.detok.flush()
+        comp = CompletionOutput(0, text, list(req.output_ids), list(req.logprobs) if req.params.logprobs is not None
+                                else None, req.finish_reason, req.stop_reason)
+        metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "last_token": req.last_token_time,
+                   "new_token_ids": list(new_ids), "num_preemptions": req.num_preemptions}
+        return RequestOutput(req.request_id, None, list(req.prompt_ids), [comp], finished, req.num_cached_tokens, metrics)
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        s.update(self.counters)
+        s["num_compiles"] = self.runner.num_compiles
+        return s

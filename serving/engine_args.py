@@ -1,0 +1,87 @@
+"""Engine arguments: one validated dataclass, and pool sizing from a memory budget."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None           # default: min(model context, 8192)
+    page_size: int = 16
+    prefix_match_unit: int = 16
+    state_block_size: int = 1024                  # periodic KDA checkpoints in long prompts (0 = off)
+    enable_prefix_caching: bool = True
+    memory_fraction: float = 0.85                 # of device memory left after the weights
+    cache_memory_bytes: Optional[int] = None      # explicit cache budget (CPU default: 256 MiB)
+    state_fraction: float = 0.5                   # share of the cache budget for KDA state slots
+    num_pages: Optional[int] = None               # explicit pool sizes override the budget
+    num_slots: Optional[int] = None
+    max_waiting: int = 4096
+    max_logprobs: int = 20
+    seed: int = 0
+    warmup: bool = True
+    forbid_compile_after_warmup: bool = False
+    compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
+    token_buckets: Optional[tuple] = None
+    seq_buckets: Optional[tuple] = None
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.page_size % self.prefix_match_unit:
+            raise ValueError(f"page_size ({self.page_size}) must be a multiple of prefix_match_unit ({self.prefix_match_unit})")
+        if self.state_block_size < 0 or self.state_block_size % self.prefix_match_unit:
+            raise ValueError(f"state_block_size ({self.state_block_size}) must be a non-negative multiple of "
+                             f"prefix_match_unit ({self.prefix_match_unit})")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0 < self.state_fraction < 1:
+            raise ValueError(f"state_fraction must be in (0, 1), got {self.state_fraction}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
+
+
+def _device_free_bytes(weight_bytes: int) -> Optional[int]:
+    try:
+        stats = jax_device_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", weight_bytes)
+
+
+def jax_device_stats():
+    import jax
+    return jax.devices()[0].memory_stats()
+
+
+def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype) -> tuple[int, int]:
+    """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0."""
+    from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
+    per_page = max(pool_bytes_per_page(config, args.page_size, cache_dtype), 1)
+    per_slot = max(pool_bytes_per_slot(config, cache_dtype), 1)
+    budget = args.cache_memory_bytes
+    if budget is None:
+        free = _device_free_bytes(weight_bytes)
+        budget = int(free * args.memory_fraction) if free else 256 << 20
+    slots = args.num_slots or int(budget * args.state_fraction // per_slot)
+    pages = args.num_pages or int(budget * (1 - args.state_fraction) // per_page)
+    min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint
+    max_len = args.max_model_len or 0
+    min_pages = -(-max_len // args.page_size) + 1
+    if slots < min_slots or pages < min_pages:
+        raise ValueError(f"cache budget {budget / 2**20:.0f} MiB gives {pages} pages / {slots} slots; need at least "
+                         f"{min_pages} pages (one max-length sequence) and {min_slots} slots "
+                         f"(max_num_seqs + 2): raise the budget or lower max_num_seqs / max_model_len")
+    log.info("cache pools: %d pages of %d tokens (%.1f MiB), %d KDA state slots (%.1f MiB)", pages, args.page_size,
+             pages * per_page / 2**20, slots, slots * per_slot / 2**20)
+    return pages, slots

@@ -1,0 +1,85 @@
+"""Request state on the host, and what the engine returns for it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Optional
+
+from serving.prefix_cache import Hit
+from serving.sampling_params import SamplingParams
+from serving.stop import StopChecker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence being generated. `tokens` = prompt + generated so far; the model has consumed
+    `num_computed` of them (one shared count for MLA pages and KDA state)."""
+
+    request_id: str
+    prompt_ids: list
+    params: SamplingParams
+    seed: int
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0
+    extra_keys: Optional[list] = None          # per-unit extra hash keys (e.g. image hashes)
+    status: Status = Status.WAITING
+    output_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)     # per token: (logprob, {id: logprob})
+    num_computed: int = 0
+    pages: list = dataclasses.field(default_factory=list)         # block table
+    slot: int = 0                               # working KDA slot (0 = none)
+    hit: Optional[Hit] = None                   # prefix hit whose copy sources are still held
+    hashes: list = dataclasses.field(default_factory=list)       # prompt unit hash chain
+    checkpoints: list = dataclasses.field(default_factory=list)  # planned checkpoint positions
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop: Optional[StopChecker] = None
+    detok: object = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.remaining == 1 and bool(self.output_ids)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    logprobs: Optional[list]
+    finish_reason: Optional[str]
+    stop_reason: object = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    outputs: list
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = dataclasses.field(default_factory=dict)

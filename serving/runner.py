@@ -1,0 +1,132 @@
+"""Model runner: owns the cache pools on the device and the jitted step (model + sampler).
+
+Every step is padded to a shape bucket (tokens, sequences); pages per sequence are fixed by the
+max model length, so the set of compilations is small and known. Pools are donated in and out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.model import forward_step
+from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
+from serving.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class CompileAfterWarmupError(RuntimeError):
+    """A new shape was compiled after warm-up while the compile guard is on."""
+
+
+def _pow2_buckets(lo: int, hi: int) -> list:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 4
+    return out + [hi]
+
+
+def _fit(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _copy_pages(pools, src, dst):
+    return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
+
+
+class ModelRunner:
+    def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
+                 cache_dtype=None, token_buckets=None, seq_buckets=None):
+        self.config, self.params = config, params
+        self.page_size = page_size
+        self.max_pages = -(-max_model_len // page_size)
+        self.max_logprobs = max_logprobs
+        self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
+        self.token_buckets = sorted(token_buckets or _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+        self.seq_buckets = sorted(seq_buckets or _pow2_buckets(min(4, max_num_seqs), max_num_seqs))
+        self.key_data = make_key_data(seed)
+        self.guard = False
+        self._seen: set = set()
+        c = config
+
+        def step(params, pools, batch, sarr, key_data, counters):
+            logits, pools = forward_step(params, c, pools, batch)
+            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters, num_top_logprobs=max_logprobs)
+            return toks, lp, top_ids, top_vals, pools
+
+        self._step = jax.jit(step, donate_argnums=(1,))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self.num_compiles = 0
+
+    # ------------------------------------------------------------------ compile accounting
+    def _note_shape(self, key):
+        if key in self._seen:
+            return
+        if self.guard:
+            raise CompileAfterWarmupError(f"step shape {key} was not compiled during warm-up")
+        self._seen.add(key)
+        self.num_compiles += 1
+
+    @staticmethod
+    def _variant(sarr: SamplingArrays):
+        return tuple(None if x is None else x.shape for x in (sarr.prompt_mask, sarr.output_tokens, sarr.allowed_mask))
+
+    # ------------------------------------------------------------------ execution
+    def copy_pages(self, copies):
+        if not copies:
+            return
+        n = _fit(self.seq_buckets, len(copies))
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self._note_shape(("copy", n))
+        self.pools = self._copy(self.pools, src, dst)
+
+    def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
+                prompt_ids=None, output_ids=None, allowed_masks=None):
+        """Run one step. Returns numpy (tokens [N], logprobs [N], top_ids [N, K], top_vals [N, K])."""
+        T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
+        N = _fit(self.seq_buckets, len(chunks))
+        batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages)
+        sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
+                                     prompt_token_ids=prompt_ids, output_token_ids=output_ids,
+                                     allowed_masks=allowed_masks)
+        cnt = np.zeros(N, np.int32)
+        cnt[:len(counters)] = counters
+        self._note_shape(("step", T, N, self._variant(sarr)))
+        toks, lp, top_ids, top_vals, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, cnt)
+        n = len(chunks)
+        return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
+
+    def warmup(self, progress: bool = True):
+        """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed."""
+        combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
+        it = combos
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(combos, desc="warm-up (compiling step shapes)", unit="shape")
+        t0 = time.perf_counter()
+        for T, N in it:
+            self._run_padding(T, N)
+        self.copy_pages([(0, 0)])
+        log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
+
+    def _run_padding(self, T: int, N: int):
+        # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state.
+        batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], self.page_size, num_tokens=T, num_seqs=N,
+                                max_pages=self.max_pages)
+        sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
+        self._note_shape(("step", T, N, self._variant(sarr)))
+        out = self._step(self.params, self.pools, batch, sarr, self.key_data, np.zeros(N, np.int32))
+        self.pools = out[-1]

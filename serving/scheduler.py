@@ -1,0 +1,261 @@
+"""Continuous-batching scheduler (host side): decides each step's token chunks.
+
+Per step: a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs); decodes go
+first, then running prefills, then new requests (priority, then FCFS); prefill chunks stop at
+planned prefix-cache checkpoints so a KDA state is registered only where the model really
+stopped; pages and slots come from ref-counted allocators, evicting unreferenced cache entries
+and then preempting (by recompute) the lowest-priority running request when they run out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from typing import Optional
+
+from serving.allocator import PageAllocator, SlotAllocator
+from serving.prefix_cache import JunctionTracker, PrefixCacheIndex
+from serving.request import Request, Status
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429/503)."""
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    req: Request
+    start: int           # first token position of the chunk
+    end: int             # one past the last
+    state_src: int       # KDA slot to resume from (-1 = fresh)
+    ckpt_dst: int        # checkpoint slot written after the chunk (0 = none)
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.req.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list
+    page_copies: list            # (src_page, dst_page) copy-on-write copies to issue before the step
+    preempted: list
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    max_model_len: int
+    prefix_match_unit: int
+    enable_prefix_caching: bool = True
+    max_waiting: int = 4096
+    state_block_size: int = 0        # periodic checkpoints inside long prompts (0 = only ends/junctions)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, num_pages: int, num_slots: int, cache_namespace: str = ""):
+        self.cfg = cfg
+        self.pages = PageAllocator(num_pages)
+        self.slots = SlotAllocator(num_slots)
+        self.cache = (PrefixCacheIndex(self.pages, self.slots, cfg.page_size, cfg.prefix_match_unit, cache_namespace)
+                      if cfg.enable_prefix_caching else None)
+        self.junctions = JunctionTracker(cfg.prefix_match_unit)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request):
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests already waiting")
+        # Priority first (lower value first), then arrival order.
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > req.priority:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ resources
+    def _alloc_pages(self, n: int) -> Optional[list]:
+        if n <= 0:
+            return []
+        ids = self.pages.allocate(n)
+        if ids is None and self.cache is not None and self.cache.evict(num_pages_needed=n):
+            ids = self.pages.allocate(n)
+        return ids
+
+    def _alloc_slot(self) -> int:
+        ids = self.slots.allocate(1)
+        if ids is None and self.cache is not None and self.cache.evict(num_slots_needed=1):
+            ids = self.slots.allocate(1)
+        return ids[0] if ids else 0
+
+    def _pages_needed(self, req: Request, end: int) -> int:
+        return -(-end // self.cfg.page_size) - len(req.pages)
+
+    def free(self, req: Request):
+        """Give back everything a request holds (finish, abort or preemption)."""
+        if req.hit is not None and self.cache is not None:
+            self.cache.release_copy_sources(req.hit)
+        req.hit = None
+        if req.pages:
+            self.pages.decref(req.pages)
+        if req.slot:
+            self.slots.decref([req.slot])
+        req.pages, req.slot, req.num_computed = [], 0, 0
+
+    def finish(self, req: Request):
+        self.free(req)
+        req.status = Status.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+
+    def abort(self, req: Request):
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.finish(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput):
+        log.info("preempting %s (recompute %d tokens)", req.request_id, req.num_tokens)
+        self.free(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    # ------------------------------------------------------------------ chunking
+    def _chunk(self, req: Request, budget: int) -> Optional[ScheduledChunk]:
+        start = req.num_computed
+        end = min(req.num_tokens, start + budget)
+        for p in req.checkpoints:            # stop exactly at the next planned checkpoint
+            if start < p < end:
+                end = p
+                break
+        ckpt = 0
+        if self.cache is not None and end in req.checkpoints and not self.cache.has_checkpoint(req.hashes, end):
+            ckpt = self._alloc_slot()
+        if req.hit is not None:
+            src = req.hit.checkpoint_slot
+        else:
+            src = req.slot if start else -1
+        return ScheduledChunk(req, start, end, src, ckpt)
+
+    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
+        """Give a waiting request a slot, its prefix hit and its checkpoint plan."""
+        slot = self._alloc_slot()
+        if not slot:
+            return False
+        req.slot = slot
+        if self.cache is not None:
+            if not req.hashes:
+                req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
+            hit = self.cache.lookup(req.tokens, req.extra_keys, hashes=req.hashes)
+            if hit.num_tokens:
+                self.cache.acquire(hit)
+                req.pages = list(hit.pages)
+                req.hit = hit
+                if hit.partial_page is not None:
+                    private = self._alloc_pages(1)
+                    if private is None:
+                        self.free(req)
+                        return False
+                    out.page_copies.append((hit.partial_page, private[0]))
+                    req.pages += private
+            req.num_computed = hit.num_tokens
+            if not req.output_ids:
+                req.num_cached_tokens = hit.num_tokens
+            junction = self.junctions.common_prefix(req.hashes)
+            self.junctions.add(req.hashes)
+            plan = set(self.cache.suggest_checkpoints(len(req.prompt_ids), req.hashes, hit.num_tokens, junction))
+            b = self.cfg.state_block_size
+            if b:
+                plan |= {p for p in range(b, len(req.prompt_ids), b)
+                         if p > hit.num_tokens and not self.cache.has_checkpoint(req.hashes, p)}
+            req.checkpoints = sorted(plan)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        if self.cache is not None:
+            self.cache.commit_pending()      # last step's registrations are now complete
+        cfg = self.cfg
+        out = SchedulerOutput([], [], [])
+        budget = cfg.max_num_batched_tokens
+        order = sorted(self.running, key=lambda r: (not r.is_decode, r.priority, r.arrival))
+        scheduled = set()
+        while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
+            req = order.pop(0)
+            ch = self._chunk(req, budget)
+            need = self._pages_needed(req, ch.end)
+            new = self._alloc_pages(need)
+            while new is None and order:     # preempt the lowest-priority request not yet scheduled
+                self._preempt(order.pop(), out)
+                new = self._alloc_pages(need)
+            if new is None:
+                if ch.ckpt_dst:
+                    self.slots.decref([ch.ckpt_dst])
+                self._preempt(req, out)
+                continue
+            req.pages += new
+            out.chunks.append(ch)
+            scheduled.add(req.request_id)
+            budget -= ch.end - ch.start
+        while (self.waiting and budget > 0 and len(out.chunks) < cfg.max_num_seqs
+               and len(self.running) < cfg.max_num_seqs):
+            req = self.waiting[0]
+            if not self._admit(req, out):
+                break
+            ch = self._chunk(req, budget)
+            new = self._alloc_pages(self._pages_needed(req, ch.end))
+            if new is None:
+                if ch.ckpt_dst:
+                    self.slots.decref([ch.ckpt_dst])
+                out.page_copies = [c for c in out.page_copies if c[1] not in req.pages]
+                self.free(req)
+                break
+            req.pages += new
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.chunks.append(ch)
+            budget -= ch.end - ch.start
+        return out
+
+    def after_step(self, out: SchedulerOutput):
+        """Advance every scheduled request and register what the step computed in the prefix cache."""
+        for ch in out.chunks:
+            req = ch.req
+            req.num_computed = ch.end
+            if self.cache is None:
+                continue
+            if req.hit is not None:
+                self.cache.release_copy_sources(req.hit)
+                req.hit = None
+            prompt_len = len(req.prompt_ids)
+            if ch.start < prompt_len:
+                self.cache.register_pages(req.hashes, req.pages, min(ch.end, prompt_len))
+            if ch.ckpt_dst:
+                if not self.cache.register_checkpoint(req.hashes, ch.end, ch.ckpt_dst, req.pages):
+                    self.slots.decref([ch.ckpt_dst])
+
+    def stats(self) -> dict:
+        s = {
+            "num_running": len(self.running), "num_waiting": len(self.waiting),
+            "page_usage": self.pages.usage, "slot_usage": self.slots.usage,
+            "num_preemptions": self.num_preemptions,
+        }
+        if self.cache is not None:
+            s["prefix_queried_tokens"] = self.cache.stats["queried_tokens"]
+            s["prefix_hit_tokens"] = self.cache.stats["hit_tokens"]
+        return s

@@ -1,0 +1,138 @@
+"""Serving engine on the tiny model (CPU): prefix caching, copy-on-write, pressure, compile guard.
+
+Runs in float64 so that different chunkings (with and without cache hits) cannot flip a greedy
+argmax through rounding: any difference is a real bug.
+"""
+import numpy as np
+import pytest
+
+import jax
+
+from engine_workloads import make_workload, run_workload
+from k3jax import load_model
+from serving.engine import LLMEngine
+from serving.engine_args import EngineArgs
+from serving.runner import CompileAfterWarmupError
+from serving.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model(x64, tmp_path_factory):
+    return load_model("tiny", dtype="float64")
+
+
+def _engine(model, tmp_path_factory, **kw):
+    args = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, page_size=16, prefix_match_unit=16,
+                state_block_size=64, num_pages=400, num_slots=64, token_buckets=(32, 256), seq_buckets=(16,),
+                compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla"))
+    args.update(kw)
+    return LLMEngine(model, EngineArgs(**args))
+
+
+def _assert_no_leaks(engine):
+    engine.scheduler.cache and engine.scheduler.cache.clear()
+    assert engine.scheduler.pages.num_used == 0 and engine.scheduler.slots.num_used == 0
+
+
+def test_prefix_caching_on_off_identical_outputs(model, tmp_path_factory):
+    work = make_workload(0, 200, model.config.vocab_size)
+    on = _engine(model, tmp_path_factory)
+    off = _engine(model, tmp_path_factory, enable_prefix_caching=False)
+    res_on, res_off = run_workload(on, work), run_workload(off, work)
+    assert set(res_on) == set(res_off) == {w[0] for w in work}
+    for name in res_on:
+        assert res_on[name][0] == res_off[name][0], name
+    hit = sum(v[1] for v in res_on.values())
+    assert hit > 2000 and all(v[1] == 0 for v in res_off.values())
+    assert on.stats()["prefix_hit_tokens"] == hit
+    _assert_no_leaks(on)
+    _assert_no_leaks(off)
+
+
+def test_checkpoint_granularity_finer_than_state_block(model, tmp_path_factory):
+    eng = _engine(model, tmp_path_factory, page_size=64, state_block_size=256, max_model_len=1024)
+    rng = np.random.RandomState(1)
+    first = rng.randint(0, 1024, 700).tolist()
+    second = first + rng.randint(0, 1024, 50).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    eng.add_request(first, params, request_id="a")
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request(second, params, request_id="b")
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    assert outs[0].num_cached_tokens >= 688
+    # A short prompt (less than one page) hits too.
+    short = rng.randint(0, 1024, 40).tolist()
+    for rid in ("c", "d"):
+        eng.add_request(short, params, request_id=rid)
+        while eng.has_unfinished():
+            outs += [o for o in eng.step() if o.finished]
+    assert outs[-1].num_cached_tokens == 32
+
+
+def test_same_step_registration_is_not_reused(model, tmp_path_factory):
+    eng = _engine(model, tmp_path_factory)
+    prompt = np.random.RandomState(2).randint(0, 1024, 100).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    eng.add_request(prompt, params, request_id="x")
+    eng.add_request(prompt, params, request_id="y")
+    first = eng.scheduler.schedule()
+    assert len(first.chunks) == 2 and all(c.start == 0 for c in first.chunks)
+    eng.scheduler.running.clear()       # undo the dry run: put both back
+    for c in first.chunks:
+        eng.scheduler.free(c.req)
+        if c.ckpt_dst:
+            eng.scheduler.slots.decref([c.ckpt_dst])
+    eng.scheduler.waiting.extend(c.req for c in first.chunks)
+    res = {}
+    while eng.has_unfinished():
+        res.update({o.request_id: o for o in eng.step() if o.finished})
+    assert res["x"].num_cached_tokens == 0 and res["y"].num_cached_tokens == 0
+    assert res["x"].outputs[0].token_ids == res["y"].outputs[0].token_ids
+    eng.add_request(prompt, params, request_id="z")
+    while eng.has_unfinished():
+        res.update({o.request_id: o for o in eng.step() if o.finished})
+    assert res["z"].num_cached_tokens == 96
+    assert res["z"].outputs[0].token_ids == res["x"].outputs[0].token_ids
+
+
+def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_factory):
+    work = make_workload(3, 40, model.config.vocab_size)
+    roomy = run_workload(_engine(model, tmp_path_factory), work)
+    tight = _engine(model, tmp_path_factory, num_pages=48, num_slots=12)
+    squeezed = run_workload(tight, work, arrivals_per_step=8)
+    assert {k: v[0] for k, v in squeezed.items()} == {k: v[0] for k, v in roomy.items()}
+    assert tight.stats()["num_preemptions"] > 0
+    _assert_no_leaks(tight)
+
+
+def test_no_compiles_after_warmup(model, tmp_path_factory):
+    eng = _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
+    compiled = eng.runner.num_compiles
+    run_workload(eng, make_workload(4, 30, model.config.vocab_size), arrivals_per_step=5)
+    assert eng.runner.num_compiles == compiled
+    with pytest.raises(CompileAfterWarmupError):
+        eng.runner._note_shape(("step", 3, 3, None))
+
+
+def test_bad_requests_raise_value_error(model, tmp_path_factory):
+    eng = _engine(model, tmp_path_factory, warmup=False, max_model_len=64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="no room"):
+        eng.add_request(list(range(64)), SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        eng.add_request([5000], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    eng.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
