@@ -35,6 +35,7 @@ from pallas_kernels.moe.schedule import Tiling  # noqa: E402
 
 T0 = time.time()
 ROWS: list[tuple] = []
+SAMPLES = [5]  # timed samples per measurement (1 in --smoke)
 
 
 def log(*a):
@@ -48,8 +49,10 @@ def time_fn(fn, *args, reps=None):
   jax.block_until_ready(fn(*args))
   one = time.perf_counter() - t
   reps = reps or max(2, min(50, int(0.05 / max(one, 1e-6))))
+  if SAMPLES[0] == 1:
+    return one
   samples = []
-  for _ in range(5):
+  for _ in range(SAMPLES[0]):
     t = time.perf_counter()
     for _ in range(reps):
       out = fn(*args)
@@ -99,11 +102,11 @@ def _safe(res, name, fn):
     res[name] = float("nan")
 
 
-def check():
+def check(m=4096):
   """GPU kernels vs references at mid shapes (all tilings classes, both formats)."""
   r = np.random.default_rng(0)
-  m, k, n, g = 4096, 512, 512, 24
-  sizes = np.diff(np.sort(np.concatenate([[0, 4000], r.integers(0, 4000, g - 1)]))).astype(np.int32)
+  k, n, g = 512, 512, 24
+  sizes = np.diff(np.sort(np.concatenate([[0, m - 96], r.integers(0, m - 96, g - 1)]))).astype(np.int32)
   sizes[3] = 0
   gs = jnp.asarray(sizes)
   x = jnp.asarray(r.standard_normal((m, k)), jnp.bfloat16)
@@ -113,38 +116,49 @@ def check():
   for t in (Tiling(128, 64, 128, 8, 3), Tiling(16, 128, 64, 4, 4)):
     out = jax.jit(functools.partial(moe.gmm, tiling=t))(x, w, gs)
     res[f"gmm {t}"] = rel_err(out, ref)
-    res[f"gmm {t} tail zero"] = float(np.abs(np.asarray(out[4000:], np.float32)).max())
+    res[f"gmm {t} tail zero"] = float(np.abs(np.asarray(out[m - 96:], np.float32)).max())
   t16 = Tiling(16, 64, 32, 4, 3)  # group sizes not multiples of 16, bk < K, bn < N
-  gs2 = jnp.asarray([7, 0, 333, 1, 500, 100] + [0] * (g - 6), jnp.int32)  # sum 941 < 1000
+  gs2 = jnp.asarray([7, 0, 33, 1, 50, 100] + [0] * (g - 6), jnp.int32)  # sum 191 < 200
   _safe(res, "gmm odd rows", lambda: rel_err(
-      jax.jit(functools.partial(moe.gmm, tiling=t16))(x[:1000], w, gs2),
-      gm.gmm_reference(x[:1000], w, gs2)))
+      jax.jit(functools.partial(moe.gmm, tiling=t16))(x[:200], w, gs2),
+      gm.gmm_reference(x[:200], w, gs2)))
   p, s = moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
   refq = gm.gmm_mxfp4_reference(x, p, s, gs)
-  for t, mode in ((Tiling(16, 256, 64, 4, 3), "kernel"), (Tiling(128, 64, 128, 8, 3), "kernel"),
-                  (Tiling(128, 64, 128, 8, 3), "predequant")):
+  from pallas_kernels.moe import mxfp4 as mxm
+  for t, mode, asm in ((Tiling(16, 256, 64, 4, 3), "kernel", False),
+                       (Tiling(16, 256, 64, 4, 3), "kernel", True),
+                       (Tiling(128, 64, 128, 8, 3), "kernel", True),
+                       (Tiling(128, 64, 128, 8, 3), "predequant", False)):
+    mxm.USE_ASM = asm
     f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
-    _safe(res, f"gmm_mxfp4 {mode} {t}", lambda: rel_err(f(x, p, s, gs), refq))
+    _safe(res, f"gmm_mxfp4 {mode} asm={asm} {t}", lambda: rel_err(f(x, p, s, gs), refq))
+    mxm.USE_ASM = False
   for act in ("situ",):
     f = functools.partial(kn.glu_activation, activation=act)
     ref_h = f(gm.gmm_reference(x, w, gs).astype(jnp.float32),
               gm.gmm_reference(x, w[::-1], gs).astype(jnp.float32))
     fb = jax.jit(lambda x, a, b, gs: gm.run_bf16(x, (a, b), gs, tiling=None, act=f))
-    _safe(res, f"glu bf16 {act}", lambda: rel_err(fb(x, w, w[::-1], gs)[:4000], ref_h[:4000]))
-    fq = jax.jit(lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s), gs, tiling=None, act=f,
-                                                  mode="kernel"))
+    _safe(res, f"glu bf16 {act}", lambda: rel_err(fb(x, w, w[::-1], gs)[:m - 96],
+                                                   ref_h[:m - 96]))
     hq = gm.gmm_mxfp4_reference(x, p, s, gs).astype(jnp.float32)
-    _safe(res, f"glu mxfp4 {act}", lambda: rel_err(fq(x, p, s, gs)[:4000], f(hq, hq)[:4000]))
+    for asm in (False, True):
+      mxm.USE_ASM = asm
+      fq = jax.jit(lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s), gs, tiling=None, act=f,
+                                                    mode="kernel"))
+      _safe(res, f"glu mxfp4 {act} asm={asm}",
+            lambda: rel_err(fq(x, p, s, gs)[:m - 96], f(hq, hq)[:m - 96]))
+      mxm.USE_ASM = False
   # expert_mlp end to end vs its own reference path (jnp ragged_dot)
-  ids = jnp.asarray(r.integers(0, g, (500, 4)), jnp.int32)
-  wts = jnp.asarray(r.random((500, 4)), jnp.float32)
+  nt = m // 8
+  ids = jnp.asarray(r.integers(0, g, (nt, 4)), jnp.int32)
+  wts = jnp.asarray(r.random((nt, 4)), jnp.float32)
   w1, w3 = w[:, :, :256], w[:, :, 256:]
   w2 = w[:, :256, :]  # [E, I=256, D=512]
-  args = (x[:500], ids, wts, w1, w3, w2)
-  from pallas_kernels.moe import expert_mlp as em
+  args = (x[:nt], ids, wts, w1, w3, w2)
+  from pallas_kernels.moe import mlp as em
   act = functools.partial(kn.glu_activation, activation="situ")
   tok, gsm, inv = moe.sort_by_expert(ids, g)
-  ref_m = moe.combine(em._reference_path(x[:500][tok], gsm, w1, w3, w2, act, jnp.bfloat16),
+  ref_m = moe.combine(em._reference_path(x[:nt][tok], gsm, w1, w3, w2, act, jnp.bfloat16),
                       wts, inv)
   _safe(res, "expert_mlp bf16", lambda: rel_err(
       jax.jit(functools.partial(moe.expert_mlp, activation="situ"))(*args), ref_m))
@@ -152,6 +166,13 @@ def check():
     log(f"check {kname}: {v:.2e}")
   return max((v for kk, v in res.items() if "tail" not in kk), default=float("nan"))
 
+
+
+def _force_interpret():
+  from pallas_kernels.moe import mxfp4 as mxm, schedule as sch
+  orig = kn.grouped_matmul
+  sch.use_kernel = lambda interpret: (True, True)
+  gm.kn.grouped_matmul = lambda *a, **k: orig(*a, **{**k, "interpret": True})
 
 
 def mgpu_anchor():
@@ -164,7 +185,7 @@ def mgpu_anchor():
 
 
 def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs, deadline,
-              glu_tilings=(), jnp_decoder=False):
+              glu_tilings=(), asm_decoder=False):
   """One shape: ours bf16 (best tiling), ragged_dot, mgpu anchor, dense, ours mxfp4."""
   g = len(gs_np)
   m = int(gs_np.sum())
@@ -252,14 +273,16 @@ def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs
     if tt:
       row(f"ours mxfp4 {mode} (packed bytes)", tt, wb=wbytes_q,
           note=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}")
-  if jnp_decoder and tilings_q and time.time() - T0 < deadline:
+  if asm_decoder and tilings_q and time.time() - T0 < deadline:
     from pallas_kernels.moe import mxfp4 as mxm
-    mxm.USE_ASM = False
     t, mode = tilings_q[0]
-    f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
-    row("ours mxfp4 kernel, jnp-op decoder", try_time("mxfp4 jnp", f, x, p, s, gs), wb=wbytes_q,
-        note="same tiling, no inline PTX")
-    mxm.USE_ASM = True
+    for tq in (t, Tiling(t.bm, t.bk, 128, 8, t.num_stages)):
+      mxm.USE_ASM = True
+      f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=tq, mode="kernel"))
+      tt = try_time("mxfp4 asm", f, x, p, s, gs)
+      mxm.USE_ASM = False
+      row("ours mxfp4 kernel, PTX decoder (packed bytes)", tt, wb=wbytes_q,
+          note=f"bm{tq.bm} bk{tq.bk} bn{tq.bn} w{tq.num_warps} s{tq.num_stages}")
   if "ours bf16" in res and "mgpu example (anchor)" in res:
     ROWS.append((label, "ours / anchor speedup", res["mgpu example (anchor)"] / res["ours bf16"],
                  None, None, None, None, "target >= 1.3 (prefill)"))
@@ -322,8 +345,10 @@ def main():
   a = ap.parse_args()
   dev = jax.devices()[0].device_kind
   log("device", dev, jax.__version__)
+  if a.smoke and jax.default_backend() == "cpu":
+    _force_interpret()  # script check only: kernels in interpret mode on CPU
   if not a.no_check:
-    log(f"check max rel err {check():.2e}")
+    log(f"check max rel err {check(256 if a.smoke else 4096):.2e}")
   peak_f, peak_bw = peaks(512, 1 << 20) if a.smoke else peaks()
   log(f"peaks {peak_f / 1e12:.0f} TFLOP/s, {peak_bw / 1e12:.2f} TB/s")
   pre_t = [Tiling(128, 64, 256, 8, 3), Tiling(128, 64, 256, 8, 4), Tiling(128, 64, 128, 4, 4)]
@@ -346,9 +371,10 @@ def main():
       ("Kimi decode 64 tok", 64, 2304, 1024, 256, 256, 8, False),
       ("K3-EP8 decode 64 tok", 64, 3584, 3072, 896, 112, 16, False),
   ]
-  if a.smoke:
-    shapes = [(lab, max(8, tok // 64), d // 8, inter // 8, eg, el, k, pre)
-              for lab, tok, d, inter, eg, el, k, pre in shapes]
+  if a.smoke:  # script check on CPU: tiny shapes, one sample
+    SAMPLES[0] = 1
+    shapes = [(lab, max(8, tok // 256), d // 8, inter // 8, eg // 16, max(4, el // 16),
+               k // 2, pre) for lab, tok, d, inter, eg, el, k, pre in shapes]
   for lab, tok, d, inter, eg, el, k, pre in shapes:
     gs = routing(jax.random.key(tok + el), tok, k, eg, el)
     lab2 = f"{lab} ({int(gs.sum())} rows, {d}->{2 * inter})"
@@ -357,7 +383,7 @@ def main():
                           pre_t if pre else dec_t, pre_q if pre else dec_q,
                           pre_mgpu if pre else dec_mgpu, a.deadline,
                           glu_tilings=pre_glu if pre else (),
-                          jnp_decoder=(not pre) and tok == 256)
+                          asm_decoder=True)
     write_table(peak_f, peak_bw, dev)
   for lab, tok, d, inter, eg, el, k, pre in shapes:
     bench_mlp(f"{lab} MLP", tok, d, inter, eg, el, k, peak_bw, None, None, a.deadline + 25)

@@ -1,5 +1,5 @@
 """MoE kernels: grouped matmul (bf16, MXFP4), routing permutation, fused expert MLP."""
-from pallas_kernels.moe.expert_mlp import expert_mlp, expert_mlp_mxfp4
+from pallas_kernels.moe.mlp import expert_mlp, expert_mlp_mxfp4
 from pallas_kernels.moe.grouped import gmm, gmm_mxfp4, gmm_mxfp4_reference, gmm_reference
 from pallas_kernels.moe.kernel import glu_activation
 from pallas_kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4

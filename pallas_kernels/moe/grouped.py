@@ -1,6 +1,8 @@
 """Public grouped matmul entry points (bf16 and MXFP4) with backend dispatch."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -26,13 +28,16 @@ def gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes):
 
 
 def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
+  """Heuristic tiling, or the given one with bk / bn shrunk to powers of two dividing K / N."""
   if tiling is None:
     return sch.choose_tiling(m, k, n, g, **kw)
-  if isinstance(tiling, sch.Tiling):
-    return tiling
   if isinstance(tiling, dict):
-    return sch.Tiling(**tiling)
-  return sch.Tiling(*tiling)
+    tiling = sch.Tiling(**tiling)
+  elif not isinstance(tiling, sch.Tiling):
+    tiling = sch.Tiling(*tiling)
+  floor = 32 if kw.get("mxfp4") else 16
+  return dataclasses.replace(tiling, bk=sch.pow2_divisor(k, tiling.bk, floor),
+                             bn=sch.pow2_divisor(n, tiling.bn))
 
 
 def _pad_rows(x, bm):

@@ -115,9 +115,11 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
   return w.reshape(*lead, n, half * 2)
 
 
-# The GPU kernel decodes with inline PTX when True (benchmarks flip it to time the
-# jnp-op decoder); interpret mode always uses jnp ops.
-USE_ASM = True
+# The GPU kernel decodes with inline PTX when True. Off by default: the PTX decoder
+# lowers (tested on CPU) but has not yet been compiled and checked on a GPU;
+# scripts/bench_moe.py checks it against the reference and times both decoders.
+# Interpret mode always uses jnp ops.
+USE_ASM = False
 
 # PTX for 4 packed bytes -> 4 bf16 (2 x bf16x2): the selected nibble's magnitude bits
 # become a bf16 subnormal/normal equal to v * 2^-126 (sign to bit 15), then
@@ -158,9 +160,17 @@ def decode_halves(packed: jax.Array, scales: jax.Array, use_asm: bool):
   same values (used in interpret mode).
   """
   bn, half = packed.shape
-  if not use_asm:
-    w = decode_fast(packed, scales, jnp.bfloat16).reshape(bn, half, 2)
-    return w[:, :, 0], w[:, :, 1]
+  if not use_asm:  # same ops as decode_fast, but no interleave (no stack/slice in Triton)
+    p = packed.astype(jnp.int32)
+    e = jnp.minimum(scales.astype(jnp.int32), 240)
+    sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)
+    sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+
+    def to(bits):
+      h = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+      return (h.astype(jnp.float32) * sc).astype(jnp.bfloat16)
+
+    return to(_fp16_code_bits(p, 9, 12)), to(_fp16_code_bits(p, 5, 8))
   from jax.experimental.pallas import triton as plt  # GPU-only path
   sc = jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
   sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)

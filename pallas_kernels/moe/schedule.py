@@ -79,7 +79,7 @@ def use_kernel(interpret: bool | None) -> tuple[bool, bool]:
   return False, False
 
 
-def _pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
+def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
   """Largest power of two <= cap dividing n (n is a multiple of `floor`)."""
   b = cap
   while b > floor and n % b:
@@ -100,8 +100,8 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   else:
     bm = 128
   decode = bm <= 32
-  bn = _pow2_divisor(n, 64 if decode else (64 if fused else 128))
-  bk = _pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
+  bn = pow2_divisor(n, 64 if decode else (64 if fused else 128))
+  bk = pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
   warps = 4 if (decode or bm * bn <= 64 * 64) else 8
   stages = 4 if decode else 3
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
