@@ -42,11 +42,19 @@ def _item_key(key: str) -> str:
     return key.replace(".", "__")   # orbax joins tree keys with '.': keep each leaf one flat name
 
 
-def _handler():
+def _handler(for_save: bool = False):
     import orbax.checkpoint as ocp
     kw = {}
-    if "use_compression" in inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters:
+    params = inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters
+    if "use_compression" in params:
         kw["use_compression"] = False   # weights barely compress; zstd would only cost CPU time
+    if for_save and "type_handler_registry" in params:
+        try:   # numpy leaves are never modified after being handed over: skip orbax's defensive copy
+            th = ocp.type_handlers
+            kw["type_handler_registry"] = th.create_type_handler_registry(
+                (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)))
+        except (AttributeError, TypeError):
+            pass
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kw))
 
 
@@ -80,7 +88,7 @@ def save_params_streaming(path: str | os.PathLike, leaves: Iterable[tuple[str, n
     os.makedirs(os.path.join(path, "items"), exist_ok=True)
     if os.listdir(os.path.join(path, "items")):
         raise ValueError(f"{path}: items/ is not empty")
-    ckptr = _handler()
+    ckptr = _handler(for_save=True)
     index = {"format": FORMAT, "items": [], "leaves": {}, **(meta or {})}
     group: dict[str, np.ndarray] = {}
     group_size = 0
