@@ -6,7 +6,7 @@ import numpy as np
 from serving.sampling_params import SamplingParams
 
 
-def make_workload(seed: int, n_requests: int, vocab: int, max_prefix: int = 80):
+def make_workload(seed: int, n_requests: int, vocab: int, max_prefix: int = 80, max_new=(2, 6)):
     """Requests as (name, prompt or (parent_name, extra tokens), max_tokens). Prefix lengths are random."""
     rng = np.random.RandomState(seed)
     bases = [rng.randint(0, vocab, rng.randint(20, max_prefix)).tolist() for _ in range(6)]
@@ -16,12 +16,12 @@ def make_workload(seed: int, n_requests: int, vocab: int, max_prefix: int = 80):
             parent = f"r{rng.randint(0, i)}"
             while any(w[0] == parent and isinstance(w[1], tuple) for w in work):
                 parent = f"r{rng.randint(0, i)}"
-            work.append((f"r{i}", (parent, rng.randint(0, vocab, rng.randint(1, 20)).tolist()), int(rng.randint(2, 6))))
+            work.append((f"r{i}", (parent, rng.randint(0, vocab, rng.randint(1, 20)).tolist()), int(rng.randint(*max_new))))
             continue
         base = bases[rng.randint(len(bases))]
         cut = rng.randint(1, len(base) + 1)
         prompt = base[:cut] + rng.randint(0, vocab, rng.randint(1, 30)).tolist()
-        work.append((f"r{i}", prompt, int(rng.randint(2, 6))))
+        work.append((f"r{i}", prompt, int(rng.randint(*max_new))))
     return work
 
 

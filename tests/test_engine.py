@@ -105,9 +105,9 @@ def test_same_step_registration_is_not_reused(model, tmp_path_factory):
 
 
 def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_factory):
-    work = make_workload(3, 40, model.config.vocab_size)
+    work = make_workload(3, 24, model.config.vocab_size, max_new=(24, 40))
     roomy = run_workload(_engine(model, tmp_path_factory), work)
-    tight = _engine(model, tmp_path_factory, num_pages=48, num_slots=12)
+    tight = _engine(model, tmp_path_factory, num_pages=36, num_slots=10, max_num_seqs=8)
     squeezed = run_workload(tight, work, arrivals_per_step=8)
     assert {k: v[0] for k, v in squeezed.items()} == {k: v[0] for k, v in roomy.items()}
     assert tight.stats()["num_preemptions"] > 0
