@@ -8,6 +8,8 @@ Format (K3 release checkpoint, compressed-tensors `mxfp4-pack-quantized`):
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,7 @@ def _bf16_bits(codes: jax.Array, e: jax.Array) -> jax.Array:
   return bits.astype(jnp.uint16)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize_mxfp4(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   """Dequantize MXFP4 weights: packed uint8 [..., N, K/2], scales uint8 [..., N, K/32] -> [..., N, K].
 
@@ -67,6 +70,7 @@ def dequantize_mxfp4(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -
   return f32.astype(dtype)
 
 
+@jax.jit
 def quantize_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Round-to-nearest MXFP4 quantizer for tests/benchmarks: [..., N, K] -> (packed, scales).
 
@@ -93,6 +97,7 @@ def _fp16_code_bits(p, shift_mag, shift_sign):
   return ((p << shift_mag) & 0x0E00) | ((p << shift_sign) & 0x8000)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   """Cheap elementwise decoder, [..., N, K/2] + [..., N, K/32] -> [..., N, K].
 
