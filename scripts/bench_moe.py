@@ -167,7 +167,6 @@ def check(m=4096):
   return max((v for kk, v in res.items() if "tail" not in kk), default=float("nan"))
 
 
-
 def _force_interpret():
   from pallas_kernels.moe import mxfp4 as mxm, schedule as sch
   orig = kn.grouped_matmul
@@ -362,7 +361,6 @@ def main():
   if a.quick:
     pre_t, pre_q, dec_t, dec_q, pre_mgpu = pre_t[:1], pre_q[:1], dec_t[:1], dec_q[:1], pre_mgpu[:1]
     pre_glu = pre_glu[:1]
-  cfgs = {}
   shapes = [  # label, tokens, d, inter, e_global, e_local, k, prefill
       ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8, True),
       ("K3-EP8 prefill 32k tok", 32768, 3584, 3072, 896, 112, 16, True),
@@ -379,11 +377,9 @@ def main():
     gs = routing(jax.random.key(tok + el), tok, k, eg, el)
     lab2 = f"{lab} ({int(gs.sum())} rows, {d}->{2 * inter})"
     log("==", lab2)
-    cfgs[lab] = bench_gmm(lab2, gs, d, 2 * inter, peak_f, peak_bw,
-                          pre_t if pre else dec_t, pre_q if pre else dec_q,
-                          pre_mgpu if pre else dec_mgpu, a.deadline,
-                          glu_tilings=pre_glu if pre else (),
-                          asm_decoder=True)
+    bench_gmm(lab2, gs, d, 2 * inter, peak_f, peak_bw, pre_t if pre else dec_t,
+              pre_q if pre else dec_q, pre_mgpu if pre else dec_mgpu, a.deadline,
+              glu_tilings=pre_glu if pre else (), asm_decoder=True)
     write_table(peak_f, peak_bw, dev)
   for lab, tok, d, inter, eg, el, k, pre in shapes:
     bench_mlp(f"{lab} MLP", tok, d, inter, eg, el, k, peak_bw, None, None, a.deadline + 25)
