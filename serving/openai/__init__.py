@@ -1,0 +1,1 @@
+"""OpenAI-compatible front end: protocol, server, output parsers (tool calls, reasoning)."""
