@@ -61,7 +61,7 @@ def as_tuples(calls):
     return [(c.id, c.name, c.arguments) for c in calls]
 
 
-def check_streaming(ids, n_random=100, seed=0):
+def check_streaming(ids, n_random=100, seed=0, valid_utf8=True):
     """Every single cut, one id per feed, and random multi-cuts all equal the one-shot parse."""
     content, calls = parse_tool_calls(TOK, ids)
     splits = [[c] for c in range(len(ids) + 1)] + [list(range(1, len(ids)))]
@@ -72,7 +72,7 @@ def check_streaming(ids, n_random=100, seed=0):
         deltas, p = stream(ids, cuts)
         assert accumulate(deltas) == (content, as_tuples(calls)), cuts
         assert p.tool_calls == calls, cuts
-        for d in deltas:  # no partial UTF-8 character is ever emitted (inputs are valid UTF-8)
+        for d in deltas if valid_utf8 else []:  # no partial UTF-8 character is ever emitted
             assert "\ufffd" not in json.dumps(d, ensure_ascii=False)
     return content, calls
 
@@ -184,6 +184,18 @@ def test_multibyte_split_across_tokens():
     ids = E(text) + [SB] + call_ids("functions.weather:0", args) + [SE]
     content, calls = check_streaming(ids, n_random=300)
     assert content == text and calls[0].arguments == args and calls[0].json_valid
+
+
+def test_output_cut_inside_a_character():
+    """A generation stopped mid-character: the held bytes come out at finish() as U+FFFD,
+    exactly as the one-shot decode gives them."""
+    part = E("ok 東")[:-1]
+    assert _cuts_char(TOK.token_bytes(part[-1]))
+    for ids, want in ((part, ("ok \ufffd", [])),
+                      ([SB] + call_ids("functions.f:0", '{"a": "東', end=False)[:-1],
+                       ("", [("functions.f:0", "f", '{"a": "\ufffd')]))):
+        content, calls = check_streaming(ids, valid_utf8=False)
+        assert (content, as_tuples(calls)) == want
 
 
 def _cuts_char(b):
