@@ -158,6 +158,8 @@ def test_thinking_started_from_prompt():
     on = TOK.apply_chat_template(msgs, thinking=True, tokenize=True)
     assert on[-1] == TOK.id_of("<|im_middle|>") and thinking_started_from_prompt(TOK, on) is True
     assert thinking_started_from_prompt(TOK, on + [THINK]) is True
+    assert thinking_started_from_prompt(TOK, on, default=False) is False
+    assert thinking_started_from_prompt(TOK, on + [THINK], default=False) is True
 
 
 _WORDS = ["think", " step", "東京", "🎉😀", "é", "\n", " ", "{", "Ж", "</think>", "1.5"]

@@ -36,16 +36,21 @@ from serving.openai.tool_parser import (Delta, DeltaList, Markers, ToolCall, Too
 _REASONING, _CONTENT, _TOOLS = 0, 1, 2
 
 
-def thinking_started_from_prompt(tok, prompt_ids: Iterable[int]) -> Optional[bool]:
+def thinking_started_from_prompt(tok, prompt_ids: Iterable[int], *, default: Optional[bool] = True
+                                 ) -> Optional[bool]:
     """Prompt ids (before any forced tool prefix) -> thinking_started for the parsers.
 
-    Ends with `</think>` (thinking disabled by the template): None. Otherwise True: Kimi's
-    thinking models start thinking right after `<|im_middle|>` (or after a `<think>`).
+    Ends with `</think>` (thinking disabled by the template): None; with `<think>`: True.
+    Otherwise `default`: True suits Kimi's thinking models, which start thinking right after
+    `<|im_middle|>`; pass False for a model that does not think (e.g. an Instruct model),
+    else its whole answer would be classified as reasoning.
     """
     ids = list(prompt_ids)
     if ids and int(ids[-1]) == tok.id_of("</think>"):
         return None
-    return True
+    if ids and int(ids[-1]) == tok.id_of("<think>"):
+        return True
+    return default
 
 
 class _Router:
