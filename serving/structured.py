@@ -79,6 +79,7 @@ class Grammar:
     warnings: tuple
     vocab_size: int
     stop_ids: tuple
+    tokenizer_vocab_size: int
     _template: Any = field(repr=False)
 
     def matcher(self) -> "GrammarMatcher":
@@ -121,17 +122,21 @@ class GrammarMatcher:
                 words = np.zeros(self._words, np.uint32)
                 for t in self._stop:
                     words[t >> 5] |= np.uint32(1 << (t & 31))
+                self._set_mask(words)
             else:
-                lib = np.frombuffer(self._m.compute_bitmask(), np.uint32)
-                words = np.zeros(self._words, np.uint32)
-                n = min(self._words, lib.size)
-                words[:n] = lib[:n]
-                tail = self.grammar.vocab_size & 31  # clear bits past the vocabulary
-                if tail and n == self._words:
-                    words[-1] &= np.uint32((1 << tail) - 1)
-            words.flags.writeable = False
-            self._mask = words
+                self._set_mask(np.frombuffer(self._m.compute_bitmask(), np.uint32))
         return self._mask
+
+    def _set_mask(self, lib: np.ndarray) -> None:
+        """Cache the library's words, cut or zero-padded to the model's vocabulary width."""
+        words = np.zeros(self._words, np.uint32)
+        n = min(self._words, lib.size)
+        words[:n] = lib[:n]
+        tail = self.grammar.vocab_size & 31  # clear bits past the vocabulary
+        if tail and n == self._words:
+            words[-1] &= np.uint32((1 << tail) - 1)
+        words.flags.writeable = False
+        self._mask = words
 
     def _allowed(self, t: int) -> bool:
         if self._mask is not None:
@@ -259,7 +264,33 @@ class StructuredOutputCompiler:
         m = llg.LLMatcher(self.ll_tokenizer, source, log_level=0)
         if m.is_error():
             raise ValueError(f"response_format: invalid JSON schema: {m.get_error().strip()}")
-        return Grammar(kind, source, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids, m)
+        return Grammar(kind, source, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
+                       self.tokenizer.vocab_size, m)
+
+
+_executor = None
+_executor_lock = threading.Lock()
+
+
+def allowed_masks(matchers) -> list:
+    """allowed_mask() of many matchers (None entries give None), the pending ones computed
+    in parallel by llguidance's thread pool (it drops the GIL): for a batch step with many
+    constrained rows on a large vocabulary. Same masks as calling allowed_mask() on each.
+    All matchers must come from compilers of one tokenizer (one engine)."""
+    global _executor
+    pending = [m for m in matchers if m is not None and m._mask is None and not m.is_terminated()]
+    if len(pending) > 1:
+        llg = _llguidance()
+        with _executor_lock:
+            if _executor is None:
+                _executor = llg.LLExecutor()
+        width = (pending[0].grammar.tokenizer_vocab_size + 31) // 32  # llguidance's mask width
+        buf = np.zeros((len(pending), width), np.int32)
+        _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(pending)], buf.ctypes.data,
+                                          width * 4, len(pending))
+        for m, row in zip(pending, buf.view(np.uint32)):
+            m._set_mask(row)
+    return [None if m is None else m.allowed_mask() for m in matchers]
 
 
 # ------------------------------------------------------------------ tools

@@ -18,7 +18,7 @@ llguidance = pytest.importorskip("llguidance")
 
 from k3jax.tokenizer import KimiTokenizer  # noqa: E402
 from serving.structured import (GrammarMatcher, StructuredOutputCompiler,  # noqa: E402
-                                grammar_for_tool_call)
+                                allowed_masks, grammar_for_tool_call)
 
 try:
     import jsonschema
@@ -255,6 +255,35 @@ def test_accept_agrees_with_mask_for_every_token(comp):
         done.append(len(allowed))
     assert done[0] < 10 and done[2] > 500  # "{" / '{"' at the start, most bytes inside a string
     assert not m.accept(-1) and not m.accept(TOK.vocab_size)
+
+
+def test_batched_masks_equal_single(comp):
+    """allowed_masks (llguidance's parallel executor) == allowed_mask() row by row, at
+    different states, with None rows, a terminated row and a wider model vocabulary."""
+    c = StructuredOutputCompiler(TOK, vocab_size=TOK.vocab_size + 40)
+    g, g2 = c.compile(rf(PERSON)), c.compile({"type": "json_object"})
+    prefixes = ['', '{"name": "a', '{"name": "ab", "age": 4', '{"name":"a","age":1,"role":"user","tags":["x"']
+    def build():
+        ms = []
+        for i, p in enumerate(prefixes):
+            m = (g if i % 2 == 0 else g2).matcher() if i != 3 else g.matcher()
+            for t in TOK.encode(p):
+                assert m.accept(t), p
+            ms.append(m)
+        done = g2.matcher()
+        for t in TOK.encode("{}") + [TOK.eos_id]:
+            assert done.accept(t)
+        return ms[:2] + [None, done] + ms[2:]
+    batch, single = allowed_masks(build()), [None if m is None else m.allowed_mask() for m in build()]
+    assert batch[2] is None and ids_of_any(batch[3]) == STOPS
+    for b, s_ in zip(batch, single):
+        if s_ is not None:
+            np.testing.assert_array_equal(b, s_)
+    assert len({ids_of_any(b).__len__() for b in batch if b is not None}) > 2  # really different states
+
+
+def ids_of_any(mask) -> set:
+    return set(np.flatnonzero(np.unpackbits(np.asarray(mask).view(np.uint8), bitorder="little")).tolist())
 
 
 def test_disallowed_token_keeps_state(comp):
