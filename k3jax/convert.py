@@ -129,9 +129,11 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", dequantize: bool = F
         aux = _copy_aux(src, tmp)
         meta = {"source": src, "dtype": dtype, "expert_format": out_cfg.expert_format,
                 "dequantized": out_cfg.expert_format != cfg.expert_format}
-        kw = {} if group_bytes is None else {"group_bytes": group_bytes}
+        if group_bytes is None:   # groups no bigger than the largest leaf: memory stays ~ that leaf
+            group_bytes = min(orbax_io.GROUP_BYTES, max(largest.nbytes, 16 << 20))
         index = orbax_io.save_params_streaming(os.path.join(tmp, orbax_io.PARAMS_DIR), iter_leaves(ckpt, plans),
-                                               total_bytes=total, progress=progress, meta=meta, **kw)
+                                               total_bytes=total, progress=progress, meta=meta,
+                                               group_bytes=group_bytes, sizes=[p.nbytes for p in plans])
         _replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

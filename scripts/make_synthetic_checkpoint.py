@@ -20,19 +20,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import synthetic_k3  # noqa: E402
 
 
-def wide_config(num_layers: int, hidden: int, experts: int, expert_inter: int, latent: int, vocab: int) -> dict:
-    n = num_layers
-    full = [i for i in range(4, n + 1, 4)] or [n]
-    return synthetic_k3.k3_config_dict(
-        hidden_size=hidden, num_hidden_layers=n, vocab_size=vocab, intermediate_size=2 * hidden,
-        moe_intermediate_size=expert_inter, routed_expert_hidden_size=latent, num_experts=experts,
-        num_attention_heads=8, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-        v_head_dim=64, bos_token_id=768, eos_token_id=770, pad_token_id=1023,
-        linear_attn_config={"full_attn_layers": full, "kda_layers": [i for i in range(1, n + 1) if i not in full],
-                            "head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 4,
-                            "gate_lower_bound": -5.0, "use_full_rank_gate": True})
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -48,10 +35,10 @@ def main(argv=None):
     if os.path.exists(a.out):
         p.error(f"{a.out} exists")
     layers = 2
-    while synthetic_k3.approx_bytes(wide_config(layers + 1, a.hidden, a.experts, a.expert_inter, a.latent, a.vocab)) \
+    while synthetic_k3.approx_bytes(synthetic_k3.wide_config(layers + 1, a.hidden, a.experts, a.expert_inter, a.latent, a.vocab)) \
             <= a.size_gb * 2**30:
         layers += 1
-    raw = wide_config(layers, a.hidden, a.experts, a.expert_inter, a.latent, a.vocab)
+    raw = synthetic_k3.wide_config(layers, a.hidden, a.experts, a.expert_inter, a.latent, a.vocab)
     t = time.time()
     _, _, total = synthetic_k3.write_checkpoint(a.out, raw, seed=a.seed, shard_bytes=int(a.shard_gb * 2**30),
                                                 keep_params=False)

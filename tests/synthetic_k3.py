@@ -51,6 +51,20 @@ def k3_config_dict(quantized: bool = True, top_level_quant: bool = False, **text
     return raw
 
 
+def wide_config(num_layers: int, hidden: int, experts: int, expert_inter: int, latent: int, vocab: int = 1024) -> dict:
+    """A widened tiny K3 (big stacked expert tensors) for memory measurements; a KDA/MLA mix."""
+    n = num_layers
+    full = [i for i in range(4, n + 1, 4)] or [n]
+    return k3_config_dict(
+        hidden_size=hidden, num_hidden_layers=n, vocab_size=vocab, intermediate_size=2 * hidden,
+        moe_intermediate_size=expert_inter, routed_expert_hidden_size=latent, num_experts=experts,
+        num_attention_heads=8, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, linear_attn_config={
+            "full_attn_layers": full, "kda_layers": [i for i in range(1, n + 1) if i not in full],
+            "head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True})
+
+
 def parse(raw: dict) -> ModelConfig:
     """Parse as the converter does (a top-level quantization_config counts for text_config)."""
     r = copy.deepcopy(raw)

@@ -17,7 +17,7 @@ import ctypes
 import inspect
 import json
 import os
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -76,10 +76,13 @@ def _save_args(arr: np.ndarray, chunk_bytes: int):
 
 def save_params_streaming(path: str | os.PathLike, leaves: Iterable[tuple[str, np.ndarray]], *,
                           total_bytes: int | None = None, group_bytes: int = GROUP_BYTES,
-                          chunk_bytes: int = CHUNK_BYTES, progress: bool = True, meta: dict | None = None) -> dict:
+                          chunk_bytes: int = CHUNK_BYTES, progress: bool = True, meta: dict | None = None,
+                          sizes: Sequence[int] | None = None) -> dict:
     """Write (key, numpy array) pairs, one group at a time, into the `k3jax_params` directory `path`.
 
     `leaves` is consumed lazily (a generator that builds each array on demand keeps memory bounded).
+    `sizes` (bytes of each leaf, in order) lets a group be written before a leaf that would overflow
+    it is built; without it a group is written once it reaches `group_bytes`.
     `path` must not exist or be empty. index.json is written last: a directory without it is incomplete.
     Returns the index dict.
     """
@@ -107,7 +110,7 @@ def save_params_streaming(path: str | os.PathLike, leaves: Iterable[tuple[str, n
 
     with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
               desc="converting", smoothing=0.05) as bar:
-        for key, arr in leaves:
+        for n, (key, arr) in enumerate(leaves, start=1):
             arr = np.asarray(arr)
             if key in index["leaves"]:
                 raise ValueError(f"{key}: written twice")
@@ -117,7 +120,8 @@ def save_params_streaming(path: str | os.PathLike, leaves: Iterable[tuple[str, n
                                     "dtype": np.dtype(arr.dtype).name}
             bar.update(arr.nbytes)
             del arr
-            if group_size >= group_bytes:   # flush before the next leaf is built: one big leaf in memory
+            nxt = sizes[n] if sizes is not None and n < len(sizes) else 0    # flush before building it
+            if group_size + nxt > group_bytes if sizes is not None else group_size >= group_bytes:
                 flush()
         flush()
     tmp = os.path.join(path, INDEX + ".tmp")
