@@ -90,7 +90,10 @@ def _replace_dir(tmp: str, dst: str):
     except BaseException:
         os.rename(old, dst)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.remove(old)
 
 
 def convert(src: str, dst: str, *, dtype: str = "bfloat16", dequantize: bool = False, overwrite: bool = False,
@@ -113,9 +116,10 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", dequantize: bool = F
     if dequantize and cfg.expert_format != "mxfp4":
         log.warning("--dequantize: the experts are not quantized; nothing to dequantize")
     ckpt = StreamingSafetensorsDir(src)         # ValueError: bad index JSON, no shards
-    import ml_dtypes
-    out_cfg, plans = plan_conversion(ckpt, cfg, ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype,
-                                     dequantize=dequantize, allow_unexpected=allow_unexpected)
+    import ml_dtypes  # noqa: F401 - registers "bfloat16" with numpy
+    import numpy as np
+    out_cfg, plans = plan_conversion(ckpt, cfg, np.dtype(dtype), dequantize=dequantize,
+                                     allow_unexpected=allow_unexpected)
     total = sum(p.nbytes for p in plans)
     largest = max(plans, key=lambda p: p.nbytes)
     log.info("%s: %d parameters, %.2f GiB to write (largest %s %.2f GiB)", src, len(plans), total / 2**30,
