@@ -11,7 +11,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.model import forward_full
-from k3jax.params import init_params
+from k3jax.params import init_params, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,10 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     config = preset_config(src)
     if src != "tiny" and seed is None:
         raise ValueError(f"preset {src!r} ships no weights: pass seed= for random weights, or a checkpoint path")
-    params = init_params(config, jax.random.key(TINY_SEED if seed is None else seed), dt)
+    if src == "tiny":
+        # The embedded default: the same weights on every platform, made on the host in milliseconds.
+        params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
+    else:
+        params = jax.jit(partial(init_params, config, dtype=dt))(jax.random.key(seed))
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     return Model(config, _place(params, mesh), tokenizer, name=src)

@@ -130,37 +130,82 @@ def is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
-def _init_leaf(leaf: Leaf, key, dtype, std: float):
-    shape, dt = leaf.shape, leaf.dtype(dtype)
+class _JaxRandom:
+    """Random source over one jax key (init under jit, on any device)."""
+    xp = jnp
+
+    def __init__(self, key):
+        self.key = key
+
+    def normal(self, shape):
+        return jax.random.normal(self.key, shape, jnp.float32)
+
+    def uniform(self, shape, lo, hi):
+        return jax.random.uniform(self.key, shape, jnp.float32, lo, hi)
+
+    def randint(self, shape, lo, hi):
+        return jax.random.randint(self.key, shape, lo, hi, jnp.int32)
+
+
+class _NumpyRandom:
+    """Random source over a numpy Generator: instant on a CPU host (XLA compiles of many
+    threefry calls take tens of seconds there), and identical on every platform."""
+    xp = np
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def normal(self, shape):
+        return self.rng.standard_normal(shape, np.float32)
+
+    def uniform(self, shape, lo, hi):
+        return self.rng.uniform(lo, hi, shape).astype(np.float32)
+
+    def randint(self, shape, lo, hi):
+        return self.rng.integers(lo, hi, shape, np.int32)
+
+
+def _init_leaf(leaf: Leaf, r, dtype, std: float):
+    shape, dt, xp = leaf.shape, leaf.dtype(dtype), r.xp
     k = leaf.kind
     if k == "norm":
         # Near one, not exactly one, so that a wrong norm weight shows up in parity tests.
-        return (1.0 + 0.1 * jax.random.normal(key, shape)).astype(dt)
+        return (1.0 + 0.1 * r.normal(shape)).astype(dt)
     if k == "zeros32":
-        return 0.01 * jax.random.normal(key, shape, jnp.float32)
+        return 0.01 * r.normal(shape)
     if k == "A_log":
-        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+        return xp.log(r.uniform(shape, 1.0, 16.0))
     if k == "dt_bias":
-        dt_ = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1)))
-        return dt_ + jnp.log(-jnp.expm1(-dt_))  # inverse softplus
+        dt_ = xp.exp(r.uniform(shape, np.log(1e-3), np.log(1e-1)))
+        return (dt_ + xp.log(-xp.expm1(-dt_))).astype(np.float32)  # inverse softplus
     if k == "conv":
-        return (jax.random.normal(key, shape) * 0.5).astype(dt)
+        return (r.normal(shape) * 0.5).astype(dt)
     if k == "mx_packed":
-        return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        return r.randint(shape, 0, 256).astype(np.uint8)
     if k == "mx_scale":
         # 2^-6 .. 2^-4: MXFP4 values of magnitude <= 6 * 2^-4, like a trained expert's weights.
-        return jax.random.randint(key, shape, 121, 124, jnp.int32).astype(jnp.uint8)
+        return r.randint(shape, 121, 124).astype(np.uint8)
     fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
     scale = std if k == "router" else fan_in ** -0.5
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dt)
+    return (r.normal(shape) * scale).astype(dt)
 
 
 def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
-    """Random parameters with the spec's shapes (deterministic for a given key)."""
+    """Random parameters with the spec's shapes (deterministic for a given key; jit-friendly)."""
     spec = param_spec(c)
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
     keys = jax.random.split(key, len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [_init_leaf(l, k, dtype, std) for l, k in zip(leaves, keys)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [_init_leaf(l, _JaxRandom(k), dtype, std) for l, k in zip(leaves, keys)])
+
+
+def init_params_numpy(c: ModelConfig, seed: int, dtype=jnp.bfloat16, std: float = 0.02):
+    """Host-side random parameters (numpy Generator per leaf), returned as jax arrays."""
+    spec = param_spec(c)
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
+    rngs = np.random.default_rng(seed).spawn(len(leaves))
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(_init_leaf(l, _NumpyRandom(g), dtype, std)) for l, g in zip(leaves, rngs)])
 
 
 def param_shapes(c: ModelConfig, dtype=jnp.bfloat16):

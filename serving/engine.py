@@ -72,9 +72,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, extra_keys=None) -> str:
+                    priority: int = 0, extra_keys=None, matcher=None) -> str:
         """Queue one sequence (params.n must be 1 here). Raises ValueError on bad input,
-        serving.scheduler.QueueFullError when the waiting queue is full."""
+        serving.scheduler.QueueFullError when the waiting queue is full. `matcher` (structured
+        output) gives each step's allowed-token bitmask and is advanced with every sampled token."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; expand n first")
@@ -97,7 +98,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32)
-        req = Request(rid, ids, params, seed, priority=priority, extra_keys=extra_keys)
+        req = Request(rid, ids, params, seed, priority=priority, extra_keys=extra_keys, matcher=matcher)
         req.stop = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             from k3jax.tokenizer import IncrementalDetokenizer
@@ -130,9 +131,11 @@ class LLMEngine:
         reqs = [ch.req for ch in out.chunks]
         chunks = [SeqChunk(r.tokens[ch.start:ch.end], ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst)
                   for r, ch in zip(reqs, out.chunks)]
+        masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None
+                 for r, ch in zip(reqs, out.chunks)]
         toks, lps, top_ids, top_vals = self.runner.execute(
             chunks, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs])
+            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks)
         self.scheduler.after_step(out)
         now = time.monotonic()
         outputs = []
@@ -145,6 +148,8 @@ class LLMEngine:
 
     def _append(self, req: Request, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
         req.output_ids.append(tok)
+        if req.matcher is not None:
+            req.matcher.accept(tok)
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = now

@@ -53,8 +53,12 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
-        self.token_buckets = sorted(token_buckets or _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
-        self.seq_buckets = sorted(seq_buckets or _pow2_buckets(min(4, max_num_seqs), max_num_seqs))
+        on_cpu = jax.default_backend() == "cpu"
+        # CPU: few shapes (compiles dominate start-up there); accelerators: x4 steps (padding costs compute).
+        self.token_buckets = sorted(token_buckets or (
+            sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
+            else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
+        self.seq_buckets = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.model import forward_full, forward_step
-from k3jax.params import init_params
+from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
 PAGE = 8
@@ -21,7 +21,7 @@ BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
 @pytest.fixture(scope="module")
 def model():
     c = preset_config("tiny")
-    params = init_params(c, jax.random.key(11), jnp.float32)
+    params = init_params_numpy(c, 11, jnp.float32)
     full = jax.jit(lambda p, t: forward_full(p, c, t))
     step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b), donate_argnums=1)
     return c, params, full, step

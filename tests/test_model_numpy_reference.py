@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 import numpy_model
 from k3jax.model import forward_full
-from k3jax.params import init_params
+from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
 VARIANTS = {
@@ -29,7 +29,7 @@ def _config(name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_fp32_forward_matches_float64_numpy(name):
     c = _config(name)
-    params = init_params(c, jax.random.key(3), jnp.float32)
+    params = init_params_numpy(c, 3, jnp.float32)
     tokens = np.random.RandomState(4).randint(0, c.vocab_size, 70).astype(np.int32)
     ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(params, tokens[None]))[0]
     ref = numpy_model.forward(jax.device_get(params), c, tokens)
@@ -43,7 +43,7 @@ def float64_run():
     c = _config("k3-all-features")
     tokens = np.random.RandomState(5).randint(0, c.vocab_size, 40).astype(np.int32)
     with jax.enable_x64(True):
-        params = init_params(c, jax.random.key(6), jnp.float64)
+        params = init_params_numpy(c, 6, jnp.float64)
         ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(params, jnp.asarray(tokens[None])))[0]
     assert ours.dtype == np.float64
     return c, jax.device_get(params), tokens, ours

@@ -1,0 +1,105 @@
+"""`python -m k3jax.serve`: the OpenAI-compatible server.
+
+With no arguments it serves the embedded tiny model on 127.0.0.1:8000. `--model PATH` serves a
+converted or Hugging Face checkpoint directory (or a preset name with --seed for random weights).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+log = logging.getLogger("k3jax.serve")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--seed", type=int, default=None, help="random weights for a preset without weights")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prefix-match-unit", type=int, default=16)
+    ap.add_argument("--state-block-size", type=int, default=1024)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--memory-fraction", type=float, default=0.85)
+    ap.add_argument("--cache-memory-mb", type=int, default=None)
+    ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--forbid-compile-after-warmup", action="store_true")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0)
+    ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
+    ap.add_argument("--log-level", default="info")
+    return ap.parse_args(argv)
+
+
+def build_state(args):
+    from k3jax.api import load_model
+    from serving.async_engine import AsyncEngine
+    from serving.engine import LLMEngine
+    from serving.engine_args import EngineArgs
+    from serving.openai.generation import ServerState
+    from serving.openai.metrics import Metrics
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
+    log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
+    eargs = EngineArgs(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
+        state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
+        memory_fraction=args.memory_fraction,
+        cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
+        max_waiting=args.max_waiting, warmup=not args.no_warmup,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup,
+        **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
+    engine = LLMEngine(model, eargs)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
+                                      else args.model)
+    return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
+                       max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
+                       test_hooks=args.enable_test_hooks)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+        from serving.openai.app import build_app
+    except ImportError as e:
+        print(f"error: the server needs fastapi and uvicorn ({e}); pip install -e .", file=sys.stderr)
+        return 2
+    try:
+        state = build_state(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = build_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible)%s", state.model_name, args.host, args.port,
+             " with API key" if args.api_key else "")
+    try:
+        server.run()
+    finally:
+        log.info("shutting down: finishing in-flight requests (up to %.0fs)", args.shutdown_timeout)
+        state.engine.shutdown(args.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

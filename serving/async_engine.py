@@ -1,0 +1,146 @@
+"""AsyncEngine: runs LLMEngine steps on a background thread and streams outputs to asyncio callers.
+
+Submissions and aborts cross into the engine thread through a lock-protected list; outputs come
+back per request through an asyncio.Queue (bounded by the request's max_tokens). The engine is
+only ever touched from its own thread, so it needs no locking itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Optional
+
+from serving.engine import LLMEngine
+from serving.request import RequestOutput
+from serving.sampling_params import SamplingParams
+from serving.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Condition()
+        self._submit: list = []                  # (rid, prompt_ids, params, extras, future, queue, loop)
+        self._aborts: list = []
+        self._streams: dict[str, tuple] = {}     # rid -> (queue, loop)
+        self._stopping = False
+        self._dead: Optional[BaseException] = None
+        self.stats_snapshot: dict = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asyncio side
+    async def generate(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per new token until the request finishes. Cancelling the consumer
+        (client disconnect) aborts the request and frees its cache."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        accepted = loop.create_future()
+        with self._lock:
+            if self._stopping:
+                raise EngineDeadError("server is shutting down")
+            self._submit.append((request_id, prompt_ids, params, extras, accepted, queue, loop))
+            self._lock.notify()
+        await accepted                            # raises ValueError / QueueFullError from add_request
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str):
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def shutdown(self, timeout: float = 30.0):
+        """Stop accepting work, let running requests finish (up to timeout), then abort the rest."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._lock:
+                self._aborts.extend(list(self._streams))
+                self._stopping = "now"
+                self._lock.notify()
+            self._thread.join(5.0)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+    def _deliver(self, rid: str, item):
+        entry = self._streams.get(rid)
+        if entry is None:
+            return
+        queue, loop = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:                      # the caller's loop is gone
+            pass
+        if isinstance(item, BaseException) or getattr(item, "finished", False):
+            self._streams.pop(rid, None)
+
+    def _take_work(self):
+        with self._lock:
+            while not (self._submit or self._aborts or self._stopping or self.engine.has_unfinished()):
+                self._lock.wait()
+            subs, self._submit = self._submit, []
+            aborts, self._aborts = self._aborts, []
+            return subs, aborts
+
+    def _loop(self):
+        eng = self.engine
+        try:
+            while True:
+                subs, aborts = self._take_work()
+                for rid, ids, params, extras, fut, queue, loop in subs:
+                    try:
+                        eng.add_request(ids, params, request_id=rid, **extras)
+                        self._streams[rid] = (queue, loop)
+                        loop.call_soon_threadsafe(_resolve, fut, None)
+                    except (ValueError, QueueFullError) as e:
+                        loop.call_soon_threadsafe(_resolve, fut, e)
+                for rid in aborts:
+                    if eng.abort(rid):
+                        log.info("aborted %s", rid)
+                    self._streams.pop(rid, None)
+                if self._stopping == "now" or (self._stopping and not eng.has_unfinished()):
+                    return
+                if eng.has_unfinished():
+                    for out in eng.step():
+                        self._deliver(out.request_id, out)
+                self.stats_snapshot = eng.stats()
+        except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
+            log.exception("engine loop died")
+            self._dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+
+
+def _resolve(fut, exc):
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

@@ -1,0 +1,200 @@
+"""POST /v1/chat/completions: prompt rendering, tool choice, structured output, output parsing.
+
+Generated ids go through the reasoning parser (`<think>` ... `</think>`) and, when tools are
+offered, the Kimi tool-call parser; both work on ids, so markers never split across deltas.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from serving.openai.errors import APIError, bad_request, from_value_error
+from serving.openai.generation import ServerState, new_id, stream_choices
+from serving.openai.protocol import ChatCompletionRequest
+from serving.openai.reasoning_parser import OutputStreamParser, parse_output, thinking_started_from_prompt
+from serving.openai.sse import DONE, error_event, event
+from serving.openai.tool_parser import forced_tool_prefix, merge_deltas, tool_call_to_openai
+
+
+def _has_images(messages) -> bool:
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                          for p in m["content"]) for m in messages)
+
+
+def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) -> list:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise bad_request(f"messages[{i}]: role must be one of system, user, assistant, tool", param=f"messages.{i}.role")
+    if _has_images(messages) and state.vision is None:
+        raise bad_request("this model does not accept images", param="messages", code="images_not_supported")
+    try:
+        return state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                   **template_kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
+
+
+class _Plan:
+    """Everything decided before generation."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest):
+        tok = state.tokenizer
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.response_format and req.response_format.get("type") != "text":
+            kwargs["thinking"] = False       # the grammar constrains the answer from its first token
+        choice = req.tool_choice
+        tools = req.tools if req.tools and choice != "none" else None
+        self.forced_name: Optional[str] = None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            names = {(t.get("function") or {}).get("name") for t in (req.tools or [])}
+            if not name or name not in names:
+                raise bad_request(f"tool_choice names unknown tool {name!r}", param="tool_choice")
+            self.forced_name = name
+        if choice in ("required",) or isinstance(choice, dict):
+            if not req.tools:
+                raise bad_request("tool_choice requires tools", param="tool_choice")
+        prompt = render_prompt(state, req.messages, tools, kwargs)
+        self.thinking = thinking_started_from_prompt(tok, prompt)
+        self.forced: list = []
+        if choice == "required" or self.forced_name:
+            self.forced = forced_tool_prefix(tok, self.forced_name)
+            self.thinking = None                  # the forced prefix starts the answer itself
+        self.prompt = prompt + self.forced
+        self.parse_tools = tools is not None
+        if len(self.prompt) >= state.max_model_len:
+            raise bad_request(f"prompt has {len(self.prompt)} tokens; the context is {state.max_model_len}",
+                              param="messages", code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= 20:
+            raise bad_request("top_logprobs must be between 0 and 20", param="top_logprobs")
+        try:
+            self.params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise from_value_error(e)
+        self.matcher_factory = None
+        fmt = req.response_format
+        if fmt and fmt.get("type") != "text":
+            try:
+                grammar = state.structured_compiler().compile(fmt)
+            except ImportError as e:
+                raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
+            except ValueError as e:
+                raise bad_request(str(e), param="response_format")
+            self.matcher_factory = grammar.matcher if grammar is not None else None
+        try:
+            self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory
+        except ValueError as e:
+            raise from_value_error(e)
+
+    def parse(self, tok, ids):
+        return parse_output(tok, self.forced + list(ids), thinking_started=self.thinking, tools=self.parse_tools
+                            or bool(self.forced))
+
+    def stream_parser(self, tok):
+        p = OutputStreamParser(tok, thinking_started=self.thinking, tools=self.parse_tools or bool(self.forced))
+        first = p.feed(self.forced) if self.forced else []
+        return p, first
+
+
+def _logprobs(tok, comp) -> Optional[dict]:
+    if comp.logprobs is None:
+        return None
+    content = []
+    for tid, (lp, top) in zip(comp.token_ids, comp.logprobs):
+        text = tok.decode([tid])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())}
+                                         for i, v in top.items()]})
+    return {"content": content}
+
+
+def _truncate_at_stop(text: str, comp, include: bool) -> str:
+    if isinstance(comp.stop_reason, str) and not include:
+        i = text.find(comp.stop_reason)
+        if i >= 0:
+            return text[:i]
+    return text
+
+
+def _finish_reason(comp, calls) -> Optional[str]:
+    if comp.finish_reason == "stop" and calls:
+        return "tool_calls"
+    return comp.finish_reason
+
+
+def _usage(prompt_len: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
+    plan = _Plan(state, req)
+    rid = new_id("chatcmpl")
+    finals = {}
+    async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority):
+        if out.finished:
+            finals[i] = out
+    tok = state.tokenizer
+    choices = []
+    for i in sorted(finals):
+        comp = finals[i].outputs[0]
+        parsed = plan.parse(tok, comp.token_ids)
+        content = _truncate_at_stop(parsed.content, comp, plan.params.include_stop_str_in_output)
+        msg = {"role": "assistant", "content": content if content or not parsed.tool_calls else None}
+        if parsed.reasoning:
+            msg["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            msg["tool_calls"] = [tool_call_to_openai(c) for c in parsed.tool_calls]
+        choices.append({"index": i, "message": msg, "logprobs": _logprobs(tok, comp),
+                        "finish_reason": _finish_reason(comp, parsed.tool_calls), "stop_reason": comp.stop_reason})
+    completion = sum(len(f.outputs[0].token_ids) for f in finals.values())
+    cached = max((f.num_cached_tokens for f in finals.values()), default=0)
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": _usage(len(plan.prompt), completion, cached)}
+
+
+async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    plan = _Plan(state, req)              # request errors surface as a normal 4xx before the stream starts
+    rid = new_id("chatcmpl")
+    created = int(time.time())
+    tok = state.tokenizer
+
+    def chunk(i, delta, finish=None, logprobs=None):
+        return event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                      "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    async def gen():
+        parsers, sent_lp = {}, {}
+        completion, cached = 0, 0
+        try:
+            for i in range(plan.params.n):
+                parsers[i], first = plan.stream_parser(tok)
+                merged = merge_deltas(first) or {}
+                yield chunk(i, {"role": "assistant", "content": "", **merged})
+            async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority):
+                comp = out.outputs[0]
+                p = parsers[i]
+                deltas = p.feed(out.metrics.get("new_token_ids", ()))
+                if out.finished:
+                    deltas += p.finish()
+                delta = merge_deltas(deltas)
+                lp = None
+                if comp.logprobs is not None:
+                    full = _logprobs(tok, comp)["content"]
+                    lp = {"content": full[sent_lp.get(i, 0):]}
+                    sent_lp[i] = len(full)
+                if delta or lp:
+                    yield chunk(i, delta or {}, logprobs=lp)
+                if out.finished:
+                    completion += len(comp.token_ids)
+                    cached = max(cached, out.num_cached_tokens)
+                    yield chunk(i, {}, finish=_finish_reason(comp, p.tool_calls))
+            if req.stream_options and req.stream_options.include_usage:
+                yield event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                             "choices": [], "usage": _usage(len(plan.prompt), completion, cached)})
+        except APIError as e:
+            yield error_event(e)
+        yield DONE
+    return gen()

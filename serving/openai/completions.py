@@ -1,0 +1,115 @@
+"""POST /v1/completions (legacy text completions), streaming and not."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from serving.openai.errors import APIError, bad_request, from_value_error
+from serving.openai.generation import ServerState, new_id, stream_choices
+from serving.openai.protocol import CompletionRequest
+from serving.openai.sse import DONE, error_event, event
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list:
+    p = req.prompt
+    if isinstance(p, str):
+        return [state.tokenizer.encode(p)]
+    if not p:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(x, str) for x in p):
+        return [state.tokenizer.encode(x) for x in p]
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return [list(x) for x in p]
+
+
+def _logprobs(state, out, k):
+    if k is None:
+        return None
+    c = out.outputs[0]
+    toks = [state.tokenizer.decode([t]) for t in c.token_ids]
+    offs, pos = [], 0
+    for t in toks:
+        offs.append(pos)
+        pos += len(t)
+    return {"tokens": toks, "token_logprobs": [lp for lp, _ in c.logprobs],
+            "top_logprobs": [{state.tokenizer.decode([i]): v for i, v in top.items()} for _, top in c.logprobs],
+            "text_offset": offs}
+
+
+def _prepare(state: ServerState, req: CompletionRequest):
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise bad_request("logprobs must be between 0 and 20", param="logprobs")
+    try:
+        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    except ValueError as e:
+        raise from_value_error(e)
+    prompts = _prompts(state, req)
+    for ids in prompts:
+        if len(ids) >= state.max_model_len:
+            raise bad_request(f"prompt has {len(ids)} tokens; the context is {state.max_model_len}", param="prompt",
+                              code="context_length_exceeded")
+    return params, prompts
+
+
+async def complete(state: ServerState, req: CompletionRequest) -> dict:
+    params, prompts = _prepare(state, req)
+    rid = new_id("cmpl")
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for p_i, ids in enumerate(prompts):
+        finals = {}
+        async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority):
+            if out.finished:
+                finals[i] = out
+        usage["prompt_tokens"] += len(ids)
+        usage["cached_tokens"] += max((o.num_cached_tokens for o in finals.values()), default=0)
+        for i in sorted(finals):
+            c = finals[i].outputs[0]
+            usage["completion_tokens"] += len(c.token_ids)
+            text = (state.tokenizer.decode(ids) if req.echo else "") + c.text
+            choices.append({"index": p_i * params.n + i, "text": text, "logprobs": _logprobs(state, finals[i], req.logprobs),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": _usage(usage)}
+
+
+def _usage(u: dict) -> dict:
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIterator[str]:
+    params, prompts = _prepare(state, req)          # errors here become a normal 4xx response
+    rid = new_id("cmpl")
+    created = int(time.time())
+
+    async def gen():
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        try:
+            for p_i, ids in enumerate(prompts):
+                sent = {}
+                usage["prompt_tokens"] += len(ids)
+                async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority):
+                    c = out.outputs[0]
+                    text = c.text[sent.get(i, 0):]
+                    sent[i] = len(c.text)
+                    idx = p_i * params.n + i
+                    if req.echo and not out.metrics.get("echoed") and len(c.token_ids) == 1:
+                        text = state.tokenizer.decode(ids) + text
+                    if text or out.finished:
+                        yield event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                                     "choices": [{"index": idx, "text": text, "logprobs": None,
+                                                  "finish_reason": c.finish_reason if out.finished else None}]})
+                    if out.finished:
+                        usage["completion_tokens"] += len(c.token_ids)
+                        usage["cached_tokens"] = max(usage["cached_tokens"], out.num_cached_tokens)
+            if req.stream_options and req.stream_options.include_usage:
+                yield event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                             "choices": [], "usage": _usage(usage)})
+        except APIError as e:
+            yield error_event(e)
+        yield DONE
+    return gen()

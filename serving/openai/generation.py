@@ -1,0 +1,101 @@
+"""Run the n choices of one API request on the AsyncEngine and merge their streams (with metrics)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import AsyncIterator, Callable, Optional
+
+from serving.openai.errors import APIError, from_value_error
+from serving.sampling_params import SamplingParams
+from serving.scheduler import QueueFullError
+from serving.async_engine import EngineDeadError
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: object                  # AsyncEngine
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    metrics: object
+    api_key: Optional[str] = None
+    test_hooks: bool = False        # honour "k3jax_test_script" (see serving.test_hooks)
+    structured: object = None       # StructuredOutputCompiler, built on first use
+    vision: object = None           # image support (k3jax.vision), when the model has a tower
+
+    def scripted_matcher_factory(self, req):
+        """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
+        script = (req.model_extra or {}).get("k3jax_test_script")
+        if not self.test_hooks or script is None:
+            return None
+        from serving.test_hooks import ScriptedMatcher
+        ids = list(script)
+        if not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise ValueError("k3jax_test_script: expected a list of token ids")
+        return lambda: ScriptedMatcher(ids, self.tokenizer.vocab_size, self.tokenizer.stop_ids)
+
+    def structured_compiler(self):
+        if self.structured is None:
+            from serving.structured import StructuredOutputCompiler
+            self.structured = StructuredOutputCompiler(self.tokenizer)
+        return self.structured
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingParams, request_id: str,
+                         matcher_factory: Optional[Callable] = None, priority: int = 0,
+                         extra_keys=None) -> AsyncIterator[tuple]:
+    """Yield (choice index, RequestOutput) as tokens arrive, for the n choices of one request.
+    Engine-side errors become APIError; leaving early (disconnect) aborts every choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+    model = state.metrics.model
+    start = time.monotonic()
+
+    async def consume(i: int):
+        child = params.for_child(i)
+        last = None
+        try:
+            gen = state.engine.generate(prompt_ids, child, f"{request_id}-{i}", priority=priority, extra_keys=extra_keys,
+                                        matcher=matcher_factory() if matcher_factory else None)
+            async for out in gen:
+                now = time.monotonic()
+                if last is None:
+                    state.metrics.ttft.labels(model).observe(now - start)
+                else:
+                    state.metrics.itl.labels(model).observe(now - last)
+                last = now
+                state.metrics.generation_tokens.labels(model).inc(len(out.metrics.get("new_token_ids", ())))
+                if out.finished:
+                    state.metrics.e2e.labels(model).observe(now - start)
+                    state.metrics.requests.labels(model, out.outputs[0].finish_reason or "unknown").inc()
+                await queue.put((i, out))
+        except ValueError as e:
+            await queue.put(from_value_error(e))
+        except QueueFullError as e:
+            await queue.put(APIError(429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"))
+        except EngineDeadError as e:
+            await queue.put(APIError(503, str(e), type_="server_error", code="engine_unavailable"))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(params.n)]
+    state.metrics.prompt_tokens.labels(model).inc(len(prompt_ids))
+    done = 0
+    try:
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()

@@ -1,0 +1,40 @@
+"""Prometheus metrics (k3jax: prefix) on a registry of the server's own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        self.ttft = Histogram("k3jax:time_to_first_token_seconds", "Time to first token", lab, buckets=_LAT, registry=r)
+        self.itl = Histogram("k3jax:inter_token_latency_seconds", "Time between output tokens", lab, buckets=_LAT, registry=r)
+        self.e2e = Histogram("k3jax:e2e_request_latency_seconds", "End-to-end request latency", lab, buckets=_LAT, registry=r)
+        self.prompt_tokens = Counter("k3jax:prompt_tokens", "Prompt tokens processed", lab, registry=r)
+        self.generation_tokens = Counter("k3jax:generation_tokens", "Tokens generated", lab, registry=r)
+        self.requests = Counter("k3jax:requests", "Finished requests by finish reason", lab + ["finish_reason"], registry=r)
+        self.running = Gauge("k3jax:num_requests_running", "Requests running", lab, registry=r)
+        self.waiting = Gauge("k3jax:num_requests_waiting", "Requests waiting", lab, registry=r)
+        self.page_usage = Gauge("k3jax:page_pool_usage", "Fraction of MLA pages in use", lab, registry=r)
+        self.slot_usage = Gauge("k3jax:state_pool_usage", "Fraction of KDA state slots in use", lab, registry=r)
+        self.prefix_queried = Gauge("k3jax:prefix_cache_queried_tokens", "Prompt tokens looked up", lab, registry=r)
+        self.prefix_hit = Gauge("k3jax:prefix_cache_hit_tokens", "Prompt tokens served from the cache", lab, registry=r)
+        self.prefix_rate = Gauge("k3jax:prefix_cache_hit_rate", "Hit tokens / queried tokens", lab, registry=r)
+        self.preemptions = Gauge("k3jax:num_preemptions", "Preemptions so far", lab, registry=r)
+        self.model = model_name
+
+    def render(self, stats: dict) -> bytes:
+        m = self.model
+        self.running.labels(m).set(stats.get("num_running", 0))
+        self.waiting.labels(m).set(stats.get("num_waiting", 0))
+        self.page_usage.labels(m).set(stats.get("page_usage", 0.0))
+        self.slot_usage.labels(m).set(stats.get("slot_usage", 0.0))
+        q, h = stats.get("prefix_queried_tokens", 0), stats.get("prefix_hit_tokens", 0)
+        self.prefix_queried.labels(m).set(q)
+        self.prefix_hit.labels(m).set(h)
+        self.prefix_rate.labels(m).set(h / q if q else 0.0)
+        self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        return generate_latest(self.registry)

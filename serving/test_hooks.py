@@ -1,0 +1,30 @@
+"""Engine test hook: force a scripted token sequence through the real sampling path.
+
+Enabled only by `python -m k3jax.serve --enable-test-hooks`. A request carrying
+`"k3jax_test_script": [ids]` gets a matcher whose allowed-token mask holds exactly the next
+scripted id (then only the stop ids), so tool-call and reasoning parsing can be driven end to
+end through HTTP with a random-weight model.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class ScriptedMatcher:
+    def __init__(self, script, vocab_size: int, stop_ids):
+        self.script = [int(t) for t in script]
+        self.words = (vocab_size + 31) // 32
+        self.stop_ids = list(stop_ids)
+        self.pos = 0
+
+    def allowed_mask(self) -> np.ndarray:
+        ids = [self.script[self.pos]] if self.pos < len(self.script) else self.stop_ids
+        m = np.zeros(self.words, np.uint32)
+        for t in ids:
+            m[t >> 5] |= np.uint32(1 << (t & 31))
+        return m
+
+    def accept(self, token_id: int) -> bool:
+        ok = self.pos < len(self.script) and token_id == self.script[self.pos]
+        self.pos += 1
+        return ok

@@ -1,0 +1,62 @@
+"""Test helper: run `python -m k3jax.serve` in a subprocess on a free loopback port."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp_dir, *extra_args, timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(tmp_dir, f"server-{self.port}.log")
+        env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "k3jax.serve", "--port", str(self.port), "--max-model-len", "512",
+               "--api-key", API_KEY, "--enable-test-hooks", "--compilation-cache-dir", os.path.join(tmp_dir, "xla"),
+               "--log-level", "warning", *extra_args]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -1,0 +1,203 @@
+"""The OpenAI-compatible server, end to end: a real `python -m k3jax.serve` subprocess on a free
+loopback port, driven by the official `openai` client and raw HTTP."""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from k3jax.tokenizer import KimiTokenizer
+from server_fixture import API_KEY, ServerProcess
+
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv")))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return KimiTokenizer.tiny()
+
+
+def _chat(client, **kw):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0)
+    args.update(kw)
+    return client.chat.completions.create(**args)
+
+
+def test_models_and_chat(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"messages": [{"role": "user", "content": "Hello there"}]}).json()
+    assert _chat(client, max_tokens=1).usage.prompt_tokens == prompt["count"]
+    r = _chat(client, extra_body=NO_THINK)
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_logprobs_and_stop(client):
+    r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert r.usage.completion_tokens == 6 and len(c.logprobs.token_logprobs) == 6
+    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    text = c.text
+    cut = next((i for i in range(1, len(text) - 1) if text[i].isprintable() and text[i] != "\ufffd"), None)
+    if cut is not None:
+        stopped = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
+                                            stop=[text[cut]], extra_body={"ignore_eos": True})
+        assert stopped.choices[0].text == text[:text.index(text[cut])]
+        assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_streaming_with_usage_matches_non_streaming(client):
+    full = _chat(client, extra_body=NO_THINK, max_tokens=10)
+    chunks = list(_chat(client, extra_body=NO_THINK, max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+def test_n2_and_seed_reproducible(client):
+    a = _chat(client, n=2, temperature=1.0, seed=7, max_tokens=12, extra_body=NO_THINK)
+    b = _chat(client, n=2, temperature=1.0, seed=7, max_tokens=12, extra_body=NO_THINK)
+    assert len(a.choices) == 2
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    c = _chat(client, temperature=1.0, seed=8, max_tokens=12, extra_body=NO_THINK)
+    assert c.choices[0].message.content != a.choices[0].message.content
+
+
+def test_chat_logprobs(client):
+    r = _chat(client, logprobs=True, top_logprobs=3, max_tokens=4, extra_body=NO_THINK)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(len(x.top_logprobs) == 3 for x in lp)
+    assert all(x.logprob <= 0 for x in lp)
+
+
+def test_json_schema_output_validates(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = _chat(client, max_tokens=200, temperature=0.7, seed=1, extra_body=NO_THINK,
+              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    data = json.loads(r.choices[0].message.content)
+    jsonschema.validate(data, schema)
+
+
+def _script(tok, text_parts):
+    ids = []
+    for part in text_parts:
+        ids += [tok.special_ids[part]] if part in tok.special_ids else tok.encode(part)
+    return ids
+
+
+def test_scripted_tool_calls_streaming_and_not(client, tok):
+    script = _script(tok, ["Let me check.", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                           "functions.get_weather:0", "<|tool_call_argument_begin|>", '{"city": "Paris"}',
+                           "<|tool_call_end|>", "<|tool_call_begin|>", "functions.get_time:1",
+                           "<|tool_call_argument_begin|>", '{"tz": "CET"}', "<|tool_call_end|>",
+                           "<|tool_calls_section_end|>", "<|im_end|>"])
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("get_weather", "get_time")]
+    extra = {**NO_THINK, "k3jax_test_script": script}
+    r = _chat(client, tools=tools, max_tokens=100, extra_body=extra)
+    m = r.choices[0].message
+    assert m.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+        ("functions.get_weather:0", "get_weather", {"city": "Paris"}), ("functions.get_time:1", "get_time", {"tz": "CET"})]
+    calls, content = {}, ""
+    for ch in _chat(client, tools=tools, max_tokens=100, extra_body=extra, stream=True):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": "", "args": ""})
+            slot["id"] = slot["id"] or tc.id
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["args"] += (tc.function.arguments or "") if tc.function else ""
+    assert content == "Let me check."
+    assert [(c["id"], c["name"], json.loads(c["args"])) for c in calls.values()] == [
+        (t.id, t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
+
+
+def test_scripted_reasoning(client, tok):
+    script = _script(tok, ["Thinking hard", "</think>", "The answer.", "<|im_end|>"])
+    r = _chat(client, max_tokens=50, extra_body={"k3jax_test_script": script})
+    m = r.choices[0].message
+    assert m.content == "The answer." and m.model_extra["reasoning_content"] == "Thinking hard"
+
+
+def test_many_concurrent_streams(server):
+    async def one(ac, i):
+        stream = await ac.completions.create(model="tiny", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage, pieces = None, 0
+        async for ch in stream:
+            pieces += bool(ch.choices)
+            usage = ch.usage or usage
+        return usage
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(ac, i) for i in range(100)))
+
+    usages = asyncio.run(main())
+    assert all(u.completion_tokens == 5 and u.prompt_tokens == 3 for u in usages)
+
+
+def test_disconnect_frees_pages_and_slot(server):
+    base_pages = server.metric("k3jax:page_pool_usage")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data:") for x in got)
+        assert server.metric("k3jax:num_requests_running") >= 1
+    deadline = time.time() + 30
+    while time.time() < deadline and server.metric("k3jax:num_requests_running") > 0:
+        time.sleep(0.2)
+    assert server.metric("k3jax:num_requests_running") == 0
+    assert server.metric("k3jax:page_pool_usage") <= base_pages + 1e-9
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"messages": "not a list"}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 400, "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a"}}],
+      "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+])
+def test_bad_requests_get_4xx_and_server_keeps_serving(server, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or (err["param"] or "").startswith(param))
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_malformed_json_and_auth(server):
+    h = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    assert httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=h).status_code == 400
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert "k3jax:time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
