@@ -203,7 +203,7 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
     first_dense = int(get("first_k_dense_replace", 1))
     mlp_types = tuple("dense" if i < first_dense else "moe" for i in range(n))
 
-    q = get("quantization_config")
+    q = get("quantization_config") or top.get("quantization_config")
     expert_format = "bf16"
     if q:
         fmt = q.get("format") or _first_group_format(q)

@@ -83,3 +83,18 @@ def gmm(lhs, rhs, group_sizes):
         from pallas_kernels import moe
         return moe.gmm(lhs, rhs, group_sizes, interpret=interpret)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, situ_beta: float,
+               situ_linear_beta, reference):
+    """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
+    or MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code."""
+    pallas, interpret = use_pallas()
+    if not pallas:
+        return reference()
+    from pallas_kernels import moe
+    kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
+    if "w1" in experts:
+        return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
+    pair = lambda n: (experts[f"{n}_packed"], experts[f"{n}_scale"])
+    return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, pair("w1"), pair("w3"), pair("w2"), **kw)

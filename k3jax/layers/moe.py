@@ -54,7 +54,14 @@ def sort_by_expert(ids, num_experts: int):
 
 
 def routed_experts(pe, z, weights, ids, c: ModelConfig):
-    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]), accumulated in fp32."""
+    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on accelerators)."""
+    return ops.expert_mlp(z, ids, weights, pe, activation=c.hidden_act, situ_beta=c.situ_beta,
+                          situ_linear_beta=c.situ_linear_beta,
+                          reference=lambda: routed_experts_reference(pe, z, weights, ids, c))
+
+
+def routed_experts_reference(pe, z, weights, ids, c: ModelConfig):
+    """The jnp formula, accumulated in fp32: sort by expert, three grouped matmuls, weighted scatter-add."""
     w1, w3, w2 = expert_weights(pe, z.dtype)
     order, tok, gs = sort_by_expert(ids, c.num_experts)
     xs = z[tok]

@@ -1,0 +1,148 @@
+"""End-to-end engine benchmark on one device (prints tables).
+
+  python scripts/bench_e2e.py check                     # tiny model: Pallas kernels vs reference, through the engine
+  python scripts/bench_e2e.py serve --model kimi-linear-48b-a3b --layers 8 --concurrency 16 --input 1024 --output 128
+
+`serve` uses random bf16 weights (preset + seed), prefill with chunked batches, then decode with
+`concurrency` sequences; it reports output tok/s, TTFT and the median decode step time next to the
+physical floor of that step: the expert bytes the step must read (expected number of distinct
+experts touched by concurrency x top-k random routes) plus every other weight, the KDA states and
+the MLA cache, at the copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * x.size * 4 / statistics.median(ts)
+
+
+def check(args):
+    """Same prompts, greedy, through the engine with reference ops and with the Pallas kernels."""
+    from k3jax.api import load_model
+    from k3jax.offline import LLM, SamplingParams
+    from pallas_kernels import ops
+    model = load_model("tiny", dtype="bfloat16")
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 1000, n).tolist() for n in (5, 40, 130, 300)]
+    outs = {}
+    for mode in ("reference", "pallas"):
+        ops.set_kernel_mode(mode)
+        llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, token_buckets=(16, 256),
+                  seq_buckets=(4,))
+        t = time.perf_counter()
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        outs[mode] = [r.outputs[0].token_ids for r in res]
+        print(f"{mode}: {time.perf_counter() - t:.1f}s")
+    same = sum(a == b for ra, rb in zip(outs["reference"], outs["pallas"]) for a, b in zip(ra, rb))
+    first = [next((i for i, (a, b) in enumerate(zip(ra, rb)) if a != b), len(ra)) for ra, rb in zip(outs["reference"], outs["pallas"])]
+    print(f"| engine check (tiny, bf16) | tokens equal {same}/{sum(map(len, outs['reference']))} | first divergence per prompt {first} |")
+
+
+def floor_bytes(c, concurrency: int, context: int) -> dict:
+    """Bytes one decode step must read: touched experts + other weights + KDA states + MLA cache."""
+    from k3jax.info import model_info
+    info = model_info(c)
+    n_moe = sum(t == "moe" for t in c.mlp_types)
+    bytes_per_param = 2 if c.expert_format == "bf16" else 0.5 + 1 / 32          # MXFP4: nibble + scale share
+    per_expert = info["routed_expert_params"] * bytes_per_param / (c.num_experts * n_moe)
+    touched = c.num_experts * (1 - (1 - c.num_experts_per_token / c.num_experts) ** concurrency)
+    experts = touched * per_expert * n_moe
+    other = (info["total_params"] - info["routed_expert_params"] - c.vocab_size * c.hidden_size) * 2
+    states = concurrency * info["kda_state_bytes_per_sequence"] * 2                 # read + write
+    cache = concurrency * context * info["mla_cache_bytes_per_token"]
+    return {"experts": experts, "other": other, "states": states, "cache": cache, "touched": touched}
+
+
+def serve(args):
+    import jax
+    from k3jax.api import load_model
+    from k3jax.offline import LLM, SamplingParams
+    from k3jax.presets import preset_config_dict
+    from k3jax.config import ModelConfig
+    import k3jax.presets as presets
+    if args.layers:
+        d = preset_config_dict(args.model)
+        t = d.get("text_config", d)
+        t["num_hidden_layers"] = args.layers
+        lac = t["linear_attn_config"]
+        lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= args.layers]
+        lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= args.layers]
+        name = f"{args.model}-{args.layers}l"
+        presets._PRESETS[name] = lambda d=d: d
+        args.model = name
+    bw = copy_bandwidth()
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype="bfloat16", seed=0)
+    jax.block_until_ready(model.params)
+    t_load = time.perf_counter() - t0
+    c = model.config
+    llm = LLM(model, max_num_seqs=args.concurrency, max_num_batched_tokens=args.budget,
+              max_model_len=args.input + args.output + 16, page_size=64, prefix_match_unit=64,
+              enable_prefix_caching=False, token_buckets=(args.concurrency, args.budget), seq_buckets=(args.concurrency,))
+    t_warm = time.perf_counter() - t0 - t_load
+    eng = llm.engine
+    rng = np.random.RandomState(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
+    for i in range(args.concurrency):
+        eng.add_request(rng.randint(0, c.vocab_size, args.input).tolist(), params, request_id=f"b{i}")
+    steps, first_tok, start = [], {}, time.perf_counter()
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        all_decoding = len(first_tok) == args.concurrency
+        for o in outs:
+            first_tok.setdefault(o.request_id, time.perf_counter() - start)
+        steps.append((dt, len(outs), all_decoding))
+    total = time.perf_counter() - start
+    decode = [dt for dt, n, dec in steps if dec and n == args.concurrency]
+    gen = args.concurrency * args.output
+    fb = floor_bytes(c, args.concurrency, args.input + args.output // 2)
+    floor_s = sum(v for k, v in fb.items() if k != "touched") / bw
+    med = statistics.median(decode) if decode else float("nan")
+    dev = jax.devices()[0]
+    print(f"\n# bench_e2e serve  {datetime.date.today()}  {dev.device_kind}  model={args.model} (random bf16)")
+    print(f"load {t_load:.1f}s, warm-up {t_warm:.1f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| concurrency | in/out | output tok/s | mean TTFT s | median decode step ms | floor ms | step/floor | experts touched/layer |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {args.concurrency} | {args.input}/{args.output} | {gen / total:.1f} | {statistics.mean(first_tok.values()):.2f} | "
+          f"{med * 1e3:.2f} | {floor_s * 1e3:.2f} | {med / floor_s:.2f} | {fb['touched']:.0f} |")
+    print(f"decode-only output tok/s: {args.concurrency / med:.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["check", "serve"])
+    ap.add_argument("--model", default="kimi-linear-48b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (same pattern)")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input", type=int, default=1024)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    args = ap.parse_args()
+    (check if args.what == "check" else serve)(args)
+
+
+if __name__ == "__main__":
+    main()
