@@ -1,0 +1,209 @@
+"""`python -m k3jax.plan`: does a model fit a mesh of devices, and how many sequences of what context?
+
+  python -m k3jax.plan --model kimi-k3 --mesh data=8,expert=64 --device h200 [--page-size 64] [--context 131072]
+
+Per-device bytes are computed from shapes only (jax.eval_shape: `param_shapes`, `pool_shapes`)
+and the partition rules of `sharding.rules` (per-device shard shapes from the same specs that
+place the real arrays), so the plan and the allocation cannot drift. Activations are an
+estimate (see `activation_bytes`). Nothing is allocated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.cache import pool_shapes
+from k3jax.config import ModelConfig
+from k3jax.params import param_shapes
+
+GiB = 1 << 30
+# Nominal HBM per device (GiB). Usable memory is a little lower: --mem-fraction covers it.
+DEVICES = {"h100": 80, "h200": 141, "b200": 192, "tpu-v5p": 95, "tpu-v6e": 32}
+
+
+def _tree_device_bytes(tree, specs, sizes) -> int:
+    """Bytes one device holds of a tree placed with specs (shards are equal: the rules divide evenly)."""
+    from sharding.rules import shard_shape
+    leaves = jax.tree_util.tree_leaves(tree)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return sum(int(np.prod(shard_shape(x.shape, s, sizes))) * jnp.dtype(x.dtype).itemsize
+               for x, s in zip(leaves, spec_leaves))
+
+
+def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
+    """Per-device parameter bytes on a mesh of these axis sizes."""
+    from sharding.rules import param_specs
+    return _tree_device_bytes(param_shapes(c, dtype), param_specs(c, sizes), sizes)
+
+
+def pool_bytes(c: ModelConfig, sizes: dict, num_pages: int, page_size: int, num_slots: int,
+               dtype=jnp.bfloat16) -> dict:
+    """Per-device bytes of the cache pools: {"mla": ..., "kda": ...} (ids 0 included)."""
+    from sharding.rules import pool_specs
+    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype)
+    specs = pool_specs(shapes, sizes)
+    mla = _tree_device_bytes(shapes.mla_kv, specs.mla_kv, sizes)
+    kda = _tree_device_bytes([shapes.kda_state, shapes.kda_conv], [specs.kda_state, specs.kda_conv], sizes)
+    return {"mla": mla, "kda": kda}
+
+
+def activation_bytes(c: ModelConfig, sizes: dict, step_tokens: int, max_seqs: int, dtype=jnp.bfloat16) -> int:
+    """Estimate of one step's peak activations per device (not exact: XLA's buffer reuse varies).
+
+    Tokens are split over data*expert. Resident across layers: the AttnRes block sums (fp32).
+    Peak inside one layer: the larger of attention (q/k/v/gate fp32, per-head chunk temporaries)
+    and MoE (dropless all-to-all buffers, grouped-matmul rows, dequantized local MXFP4 experts),
+    plus the logits of max_seqs rows.
+    """
+    b = jnp.dtype(dtype).itemsize
+    dp, n, t = sizes["data"] * sizes["expert"], sizes["expert"], sizes["tensor"]
+    T = -(-step_tokens // dp)
+    D, Dp = c.hidden_size, c.expert_hidden
+    blocks = (c.num_layers // c.attn_res_block_size + 2) if c.attn_res_block_size else 2
+    resident = blocks * T * D * 4
+    heads = max(c.kda_num_heads * c.kda_head_dim, c.mla_num_heads * (c.qk_head_dim + c.v_head_dim)) // t
+    attn = T * heads * 4 * 6 + T * (c.kda_num_heads // t) * c.kda_head_dim * 64 * 4
+    rows = n * T * c.num_experts_per_token                    # dropless receive buffer rows
+    I_local = c.moe_intermediate_size // t if c.moe_intermediate_size % t == 0 else c.moe_intermediate_size
+    moe = 4 * rows * Dp * b + 3 * rows * I_local * b
+    if c.expert_format == "mxfp4" and c.num_experts % n == 0:
+        moe += 3 * (c.num_experts // n) * Dp * I_local * b   # local experts dequantized per layer
+    mlp = T * (c.intermediate_size // t) * b * 3
+    logits = max_seqs * (-(-c.vocab_size // t)) * 4
+    return resident + max(attn, moe, mlp) + logits
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_size: int = 64,
+         context: int = 131072, batch: int | None = None, dtype=jnp.bfloat16, mem_fraction: float = 0.9,
+         memory_gib: float | None = None, step_tokens: int = 8192, extra_slots: int = 0) -> dict:
+    """Per-device memory plan. Returns a dict of bytes and the largest batch/context that fit.
+
+    mesh_spec: "data=8,expert=64" / dict (sizes must be explicit; the product is the device count).
+    batch None: find the largest batch at `context`; else also report pools for that batch.
+    extra_slots: KDA checkpoint slots kept for prefix caching (on top of one per sequence).
+    """
+    from sharding.mesh import parse_mesh_spec
+    if isinstance(mesh_spec, str):
+        given = {k: int(v) for k, v in (p.split("=") for p in mesh_spec.replace(" ", "").split(",") if p)}
+    else:
+        given = dict(mesh_spec or {})
+    sizes = parse_mesh_spec(given, math.prod(given.values()) if given else 1)
+    if memory_gib is None:
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)} (or memory_gib=)")
+        memory_gib = DEVICES[device]
+    budget = int(memory_gib * GiB * mem_fraction)
+    split = sizes["data"] * sizes["expert"]                    # pages and slots split over these
+    w = weight_bytes(config, sizes, dtype)
+
+    def seqs_fit(B: int, L: int) -> tuple[int, dict, int, int]:
+        pages = _round_up(B * -(-L // page_size) + 1, split)
+        slots = _round_up(B + extra_slots + 1, split)
+        pb = pool_bytes(config, sizes, pages, page_size, slots, dtype)
+        act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
+        return w + act + pb["mla"] + pb["kda"], pb, pages, slots
+
+    def largest(fn, hi: int) -> int:
+        """Largest x in [0, hi] with fn(x) true (fn monotone decreasing)."""
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fn(mid) else (lo, mid - 1)
+        return lo
+
+    act1 = activation_bytes(config, sizes, step_tokens, 1, dtype)
+    fixed_fits = w + act1 <= budget
+    max_batch = largest(lambda B: seqs_fit(B, context)[0] <= budget, 1 << 20) if fixed_fits else 0
+    b_ctx = batch or 1
+    max_ctx_pages = largest(lambda p: seqs_fit(b_ctx, p * page_size)[0] <= budget,
+                            -(-config.max_position_embeddings // page_size)) if fixed_fits else 0
+    B = batch if batch is not None else max_batch
+    total, pb, pages, slots = seqs_fit(B, context)
+    act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
+    per_seq = pool_bytes(config, sizes, -(-context // page_size) * split, page_size, split, dtype)
+    return {
+        "model_layers": config.num_layers, "mesh": sizes, "devices": math.prod(sizes.values()),
+        "device": device, "device_bytes": int(memory_gib * GiB), "budget_bytes": budget,
+        "page_size": page_size, "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
+        "weights_bytes": w, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
+        "activations_bytes": act, "total_bytes": total, "headroom_bytes": budget - total,
+        "fits": bool(total <= budget), "fixed_fits": bool(fixed_fits),
+        "per_sequence_bytes": {"mla": per_seq["mla"] // split, "kda": per_seq["kda"] // split},
+        "max_batch_at_context": max_batch, "max_context_at_batch": max_ctx_pages * page_size,
+        "context_batch": b_ctx,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:9.2f} GiB" if abs(n) >= GiB or n == 0 else f"{n / (1 << 20):9.2f} MiB"
+
+
+def format_plan(r: dict) -> str:
+    m = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+    lines = [
+        f"mesh {m} ({r['devices']} devices of {r['device']}, {r['device_bytes'] / GiB:.0f} GiB; "
+        f"budget {r['budget_bytes'] / GiB:.1f} GiB per device)",
+        f"  weights            {_gib(r['weights_bytes'])}",
+        f"  MLA pages          {_gib(r['mla_pages_bytes'])}   ({r['num_pages']} pages of {r['page_size']} tokens)",
+        f"  KDA states         {_gib(r['kda_states_bytes'])}   ({r['num_slots']} slots)",
+        f"  activations (est.) {_gib(r['activations_bytes'])}",
+        f"  total              {_gib(r['total_bytes'])}   headroom {_gib(r['headroom_bytes'])}",
+        f"  per sequence of {r['context']} tokens: MLA {_gib(r['per_sequence_bytes']['mla'])}, "
+        f"KDA {_gib(r['per_sequence_bytes']['kda'])} (per device, spread over data*expert)",
+    ]
+    if not r["fixed_fits"]:
+        lines.append("DOES NOT FIT: weights + activations exceed the per-device budget; "
+                     "use more devices (expert/tensor) or a bigger device")
+    else:
+        lines.append(f"largest batch at context {r['context']}: {r['max_batch_at_context']} sequences")
+        lines.append(f"largest context at batch {r['context_batch']}: {r['max_context_at_batch']} tokens")
+        if not r["fits"]:
+            lines.append(f"DOES NOT FIT: batch {r['batch']} at context {r['context']} exceeds the budget")
+        elif r["max_batch_at_context"] == 0:
+            lines.append(f"DOES NOT FIT: not even one sequence of {r['context']} tokens")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m k3jax.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="kimi-k3", help="preset name or checkpoint directory")
+    ap.add_argument("--mesh", required=True, help="axis sizes, e.g. data=8,expert=64 (product = devices)")
+    ap.add_argument("--device", default="h200", help=f"one of {', '.join(DEVICES)}")
+    ap.add_argument("--memory-gib", type=float, default=None, help="override the device's memory")
+    ap.add_argument("--mem-fraction", type=float, default=0.9, help="usable fraction of device memory")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--context", type=int, default=131072, help="tokens per sequence")
+    ap.add_argument("--batch", type=int, default=None, help="sequences (default: the largest that fits)")
+    ap.add_argument("--step-tokens", type=int, default=8192, help="tokens per engine step (activations)")
+    ap.add_argument("--extra-slots", type=int, default=0, help="KDA checkpoint slots for prefix caching")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import os
+    from k3jax.presets import preset_config
+    try:
+        if os.path.isdir(args.model):
+            cfg = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
+        else:
+            cfg = preset_config(args.model)
+        r = plan(cfg, args.mesh, args.device, page_size=args.page_size, context=args.context, batch=args.batch,
+                 mem_fraction=args.mem_fraction, memory_gib=args.memory_gib, step_tokens=args.step_tokens,
+                 extra_slots=args.extra_slots)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r) if args.json else format_plan(r))
+    return 0 if r["fits"] and r["fixed_fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Multi-host runtime: JAX's multi-controller model (every process runs the same program).
+
+Process 0 is the coordinator: it alone serves HTTP and schedules; each step it broadcasts the
+host-side batch to all processes, which then all enter the same jitted step with the same
+shapes. CPU processes talk through gloo (set here before the backend starts), which is what
+the tests use over 127.0.0.1.
+
+Environment fallbacks for `initialize()` (set by scripts/launch_*.sh):
+  K3JAX_COORDINATOR=host:port  K3JAX_NUM_PROCESSES=N  K3JAX_PROCESS_ID=i
+With none of them set, jax.distributed.initialize() auto-detects (TPU pods, SLURM, ...).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, local_device_ids=None, cpu_collectives: str | None = "gloo", timeout_s: int = 300) -> None:
+    """Start the multi-process runtime; call before anything touches a JAX device.
+
+    coordinator "host:port" of process 0; num_processes; process_id (0-based). Missing values
+    come from K3JAX_* env vars, then from JAX's cluster auto-detection. A single process
+    (num_processes == 1) is a no-op. cpu_collectives: "gloo" (CPU processes need it for any
+    cross-process collective) or None to leave JAX's setting alone.
+    """
+    coordinator = coordinator or os.environ.get("K3JAX_COORDINATOR")
+    if num_processes is None and os.environ.get("K3JAX_NUM_PROCESSES"):
+        num_processes = int(os.environ["K3JAX_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("K3JAX_PROCESS_ID"):
+        process_id = int(os.environ["K3JAX_PROCESS_ID"])
+    if num_processes == 1:
+        return
+    if cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    kw = {}
+    if local_device_ids is not None:
+        kw["local_device_ids"] = local_device_ids
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=timeout_s, **kw)
+
+
+def is_coordinator() -> bool:
+    return jax.process_index() == 0
+
+
+def broadcast_fixed(tree):
+    """Process 0's value of a tree whose structure and shapes every process already knows."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree, is_source=is_coordinator())
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two byte buckets: few distinct shapes, so the broadcast compiles only a few times."""
+    return max(1024, 1 << (n - 1).bit_length())
+
+
+def broadcast_host_tree(tree=None):
+    """Process 0's host pytree (any structure: a StepBatch of numpy arrays) on every process.
+
+    Process 0 passes the tree; the others pass None (ignored). Two collectives: the pickled
+    size, then the bytes padded to a power of two. The sender is the same program (trusted).
+    """
+    if jax.process_count() == 1:
+        return tree
+    if is_coordinator():
+        blob = np.frombuffer(pickle.dumps(jax.device_get(tree), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    else:
+        blob = np.zeros(0, np.uint8)
+    size = int(broadcast_fixed(np.array([blob.size], np.int32))[0])
+    buf = np.zeros(_bucket(size), np.uint8)
+    buf[:blob.size] = blob
+    buf = np.asarray(broadcast_fixed(buf))
+    return pickle.loads(buf[:size].tobytes())
+
+
+def replicate(tree, mesh):
+    """Host arrays -> global arrays replicated over the mesh (valid jit inputs in every process)."""
+    sharding = NamedSharding(mesh, P())
+
+    def one(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree_util.tree_map(one, tree)
+
+
+def step_input(batch, mesh):
+    """The per-step batch as every process must feed it: broadcast from process 0, replicated."""
+    return replicate(broadcast_host_tree(batch if is_coordinator() else None), mesh)
