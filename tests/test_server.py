@@ -133,6 +133,20 @@ def test_scripted_tool_calls_streaming_and_not(client, tok):
         (t.id, t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
 
 
+def test_named_tool_choice_constrains_arguments(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]
+    r = _chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "forecast"}},
+              max_tokens=120, temperature=0.8, seed=3)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "forecast" and call.id == "functions.forecast:0"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
 def test_scripted_reasoning(client, tok):
     script = _script(tok, ["Thinking hard", "</think>", "The answer.", "<|im_end|>"])
     r = _chat(client, max_tokens=50, extra_body={"k3jax_test_script": script})

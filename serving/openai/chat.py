@@ -75,6 +75,14 @@ class _Plan:
             raise from_value_error(e)
         self.matcher_factory = None
         fmt = req.response_format
+        if self.forced_name:
+            # Named tool choice: the forced prefix ends at <|tool_call_argument_begin|>, so the grammar of
+            # that tool's parameters constrains the arguments from the first generated token.
+            from serving.structured import grammar_for_tool_call
+            try:
+                fmt = grammar_for_tool_call(req.tools, self.forced_name)
+            except ValueError as e:
+                raise bad_request(str(e), param="tools")
         if fmt and fmt.get("type") != "text":
             try:
                 grammar = state.structured_compiler().compile(fmt)
