@@ -20,6 +20,26 @@ from jax.sharding import Mesh
 AXES = ("data", "expert", "tensor")
 
 
+def spec_items(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """{"data": 2, "expert": 4} from "data=2,expert=4" (format checks only) or a dict (copied)."""
+    if not isinstance(spec, str):
+        return {k: int(v) for k, v in dict(spec).items()}
+    items: dict[str, int] = {}
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"mesh spec {spec!r}: expected 'axis=size' items like 'data=2,expert=4', got {part!r}")
+        name, val = part.split("=", 1)
+        if name in items:
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
+        try:
+            items[name] = int(val)
+        except ValueError:
+            raise ValueError(f"mesh spec {spec!r}: size of {name!r} is not an integer: {val!r}") from None
+    return items
+
+
 def parse_mesh_spec(spec: str | Mapping[str, int] | None, num_devices: int,
                     local_devices: int | None = None) -> dict[str, int]:
     """Axis sizes {data, expert, tensor} from "data=2,expert=4", a dict, or None (default).
@@ -33,22 +53,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, num_devices: int,
         per_host = local_devices or num_devices
         t = math.gcd(math.gcd(num_devices, per_host), 8)
         return {"data": 1, "expert": num_devices // t, "tensor": t}
-    if isinstance(spec, str):
-        items = {}
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            if "=" not in part:
-                raise ValueError(f"mesh spec {spec!r}: expected 'axis=size' items like 'data=2,expert=4', got {part!r}")
-            name, val = part.split("=", 1)
-            if name in items:
-                raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
-            try:
-                items[name] = int(val)
-            except ValueError:
-                raise ValueError(f"mesh spec {spec!r}: size of {name!r} is not an integer: {val!r}") from None
-    else:
-        items = dict(spec)
+    items = spec_items(spec)
     unknown = sorted(set(items) - set(AXES))
     if unknown:
         raise ValueError(f"mesh spec {spec!r}: unknown axes {unknown}; allowed: {', '.join(AXES)}")

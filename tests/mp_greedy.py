@@ -8,7 +8,8 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + os.environ.get("MP_LOCAL_DEVICES", "4")
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=" + os.environ.get("MP_LOCAL_DEVICES", "4")
+                           + " " + os.environ.get("MP_XLA_EXTRA", ""))
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
@@ -24,7 +25,7 @@ def main():
 
     import k3jax.layers.moe as moe_mod
     from k3jax.cache import make_pools
-    from k3jax.params import init_params
+    from k3jax.params import init_params_numpy
     from k3jax.presets import TINY_SEED, preset_config
     from sharding import moe_ep
     from sharding.mesh import make_mesh
@@ -36,7 +37,7 @@ def main():
     assert jax.process_count() == nproc and len(jax.devices()) == nproc * jax.local_device_count()
     c = preset_config("tiny")
     mesh = make_mesh(mesh_spec)
-    params = shard_params(init_params(c, jax.random.key(TINY_SEED), jnp.float32), mesh, c)
+    params = shard_params(init_params_numpy(c, TINY_SEED, jnp.float32), mesh, c)
     pools = shard_pools(make_pools(c, POOL["num_pages"], POOL["page_size"], POOL["num_slots"], jnp.float32), mesh)
     step = sharded_step(c, mesh, pools)
     logits = []
@@ -45,7 +46,8 @@ def main():
     if pid == 0:
         with open(out, "w") as f:
             json.dump({"tokens": toks, "logits0": np.asarray(logits[0]).tolist(),
-                       "devices": len(jax.devices()), "processes": jax.process_count()}, f)
+                       "devices": len(jax.devices()), "processes": jax.process_count(),
+                       "expert_axis_processes": sorted({d.process_index for d in mesh.devices[0, :, 0]})}, f)
     jax.distributed.shutdown()
 
 

@@ -1,0 +1,142 @@
+"""Mesh construction and partition rules: every leaf has a rule, specs fit the mesh, arrays land there."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax.cache import make_pools, pool_shapes
+from k3jax.params import init_params_numpy, param_shapes
+from k3jax.presets import preset_config
+from sharding import rules
+from sharding.mesh import make_mesh, parse_mesh_spec
+
+
+def _configs():
+    tiny = preset_config("tiny")
+    return {
+        "tiny": tiny,
+        "tiny-bf16-tied": tiny.replace(expert_format="bf16", tie_word_embeddings=True, attn_res_block_size=None),
+        "tiny-no-qlora-lowrank-gate": tiny.replace(q_lora_rank=None, kda_full_rank_gate=False, mla_output_gate=False,
+                                                   routed_expert_hidden_size=None, latent_moe_norm=False,
+                                                   num_shared_experts=0),
+        "kimi-linear-48b-a3b": preset_config("kimi-linear-48b-a3b"),
+        "kimi-k3": preset_config("kimi-k3"),
+    }
+
+
+# ---- mesh -----------------------------------------------------------------
+def test_mesh_axes_and_sizes():
+    m = make_mesh("data=2,expert=4")
+    assert m.axis_names == ("data", "expert", "tensor")
+    assert dict(m.shape) == {"data": 2, "expert": 4, "tensor": 1}
+    assert sorted(d.id for d in m.devices.flat) == sorted(d.id for d in jax.devices())
+    assert dict(make_mesh({"tensor": 2, "expert": 4}).shape) == {"data": 1, "expert": 4, "tensor": 2}
+    assert dict(make_mesh("tensor=2,data=-1").shape) == {"data": 4, "expert": 1, "tensor": 2}
+    # default: heads inside the host (8 local devices -> tensor 8)
+    assert dict(make_mesh(None).shape) == {"data": 1, "expert": 1, "tensor": 8}
+    assert parse_mesh_spec(None, 64, 8) == {"data": 1, "expert": 8, "tensor": 8}
+    assert dict(make_mesh("expert=2", devices=jax.devices()[:2]).shape)["expert"] == 2
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("data=2,expert=2", "product of the axis sizes must equal the device count"),
+    ("data=3", "= 3 devices, but 8 are available"),
+    ("pipeline=8", "unknown axes"),
+    ("data=2,data=4", "given twice"),
+    ("data=x", "not an integer"),
+    ("data", "axis=size"),
+    ("data=-1,expert=-1", "at most one axis"),
+    ("data=0,expert=8", "must be >= 1"),
+    ("data=-1,expert=3", "not divisible"),
+])
+def test_mesh_spec_errors(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        make_mesh(spec)
+
+
+# ---- rule coverage ----------------------------------------------------------
+@pytest.mark.parametrize("name", list(_configs()))
+def test_every_leaf_has_an_explicit_rule(name):
+    c = _configs()[name]
+    pshapes, poshapes = param_shapes(c), pool_shapes(c, 16, 16, 16)
+    shapes = {rules.path_str(p): x.shape for t in (pshapes, poshapes)
+              for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+    for mesh in (None, {"data": 2, "expert": 4, "tensor": 1}, {"data": 1, "expert": 4, "tensor": 2}):
+        params = rules.explain(pshapes, mesh, config=c)
+        pools = rules.explain(poshapes, mesh, rules=rules.POOL_RULES)
+        assert len(params) == len(shapes) - len(pools) and len(params) > 10
+        assert len(pools) == len(c.mla_layers) + 2 * len(c.kda_layers)
+        for path, rule, spec in params + pools:
+            assert rule and isinstance(spec, P) and len(spec) == len(shapes[path]), path
+        # inferring head counts from shapes gives the same specs as reading them from the config
+        assert [s for *_, s in rules.explain(pshapes, mesh)] == [s for *_, s in params]
+
+
+def test_unmatched_leaf_and_wrong_rank_raise():
+    c = preset_config("tiny")
+    shapes = param_shapes(c)
+    shapes["layers"][2]["attn"]["new_proj"] = jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)
+    with pytest.raises(KeyError, match="layers.2.attn.new_proj"):
+        rules.tree_specs(shapes, None, config=c)
+    shapes = param_shapes(c)
+    shapes["layers"][2]["attn"]["o_proj"] = jax.ShapeDtypeStruct((4, 4, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="has shape"):
+        rules.tree_specs(shapes, None, config=c)
+
+
+def test_specs_of_representative_leaves():
+    c = preset_config("kimi-k3")
+    specs = rules.param_specs(c, {"data": 8, "expert": 8, "tensor": 8})
+    L = specs["layers"]
+    assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
+    assert L[0]["attn"]["q_proj"] == P(None, "tensor") and L[0]["attn"]["o_proj"] == P("tensor", None)
+    assert L[0]["attn"]["A_log"] == P("tensor")
+    assert L[3]["attn"]["kv_b_proj"] == P(None, "tensor") and L[3]["attn"]["kv_a_proj"] == P(None, None)
+    assert L[0]["mlp"]["gate"] == P(None, "tensor") and L[0]["mlp"]["down"] == P("tensor", None)
+    e = L[1]["mlp"]["experts"]
+    assert e["w1_packed"] == P("expert", "tensor", None) and e["w2_scale"] == P("expert", None, "tensor")
+    assert L[1]["mlp"]["router"] == P(None, None) and L[1]["mlp"]["shared"]["down"] == P("tensor", None)
+    pools = rules.pool_specs(pool_shapes(c, 128, 64, 64), {"data": 8, "expert": 8, "tensor": 8})
+    assert pools.mla_kv[0] == P(("data", "expert"), None, None)
+    assert pools.kda_state[0] == P(("data", "expert"), "tensor", None, None)
+    assert pools.kda_conv[0] == P(("data", "expert"), None, None)
+
+
+def test_indivisible_dims_fall_back_with_a_note(caplog):
+    c = preset_config("tiny")               # 4 KDA/MLA heads, 16 experts, I/32 = 2 MXFP4 blocks
+    rules._noted.clear()
+    with caplog.at_level(logging.WARNING, logger="sharding.rules"):
+        specs = rules.param_specs(c, {"data": 1, "expert": 1, "tensor": 8})
+        pspecs = rules.pool_specs(pool_shapes(c, 12, 16, 6), {"data": 2, "expert": 4, "tensor": 1})
+    a = specs["layers"][0]["attn"]
+    assert a["q_proj"] == P(None, None) and a["A_log"] == P(None)       # 4 heads cannot split 8 ways
+    assert specs["layers"][1]["mlp"]["experts"]["w2_packed"] == P("expert", None, None)
+    assert specs["embed"] == P("tensor", None)                          # 1024 rows do split
+    assert pspecs.mla_kv[0] == P("expert", None, None)                  # 12 pages: not 8, but 4
+    assert pspecs.kda_state[0] == P("data", "tensor", None, None)        # 6 slots: only data=2
+    text = caplog.text
+    assert "heads (4 units) not divisible by tensor=8: replicated" in text
+    assert "split over expert=4" in text and "split over data=2" in text
+    # head-aligned: 4 heads on tensor=2 split, even though the column count would allow 8
+    assert rules.param_specs(c, {"data": 1, "expert": 1, "tensor": 2})["layers"][0]["attn"]["q_proj"] == P(None, "tensor")
+
+
+def test_shard_params_and_pools_place_arrays():
+    c = preset_config("tiny")
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    params = init_params_numpy(c, 0, jnp.float32)
+    sharded = rules.shard_params(params, mesh)                   # no config: heads inferred
+    want = rules.param_shardings(c, mesh)
+    for (path, x), y, s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(sharded),
+                               jax.tree_util.tree_leaves(want)):
+        assert y.sharding.is_equivalent_to(s, x.ndim), rules.path_str(path)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    e = sharded["layers"][1]["mlp"]["experts"]["w1_packed"]           # [16, 64, 32] -> [8, 32, 32] per device
+    assert {sh.data.shape for sh in e.addressable_shards} == {(8, 32, 32)}
+    pools = rules.shard_pools(make_pools(c, 8, 16, 8, jnp.float32), mesh)
+    assert {sh.data.shape for sh in pools.kda_state[0].addressable_shards} == {(2, 2, 32, 32)}
+    assert {sh.data.shape for sh in pools.mla_kv[0].addressable_shards} == {(2, 16, c.mla_cache_dim)}
+    assert rules.shard_shape((8, 4, 32, 32), rules.pool_specs(pools, mesh).kda_state[0], mesh) == (2, 2, 32, 32)
