@@ -7,7 +7,8 @@ the tests use over 127.0.0.1.
 
 Environment fallbacks for `initialize()` (set by scripts/launch_*.sh):
   K3JAX_COORDINATOR=host:port  K3JAX_NUM_PROCESSES=N  K3JAX_PROCESS_ID=i
-With none of them set, jax.distributed.initialize() auto-detects (TPU pods, SLURM, ...).
+  K3JAX_DISTRIBUTED=auto       none of the above: let JAX auto-detect the cluster (TPU pods)
+With nothing set, the program stays a single process.
 """
 from __future__ import annotations
 
@@ -21,21 +22,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               *, local_device_ids=None, cpu_collectives: str | None = "gloo", timeout_s: int = 300) -> None:
+               *, local_device_ids=None, auto: bool | None = None, cpu_collectives: str | None = "gloo",
+               timeout_s: int = 300) -> bool:
     """Start the multi-process runtime; call before anything touches a JAX device.
 
     coordinator "host:port" of process 0; num_processes; process_id (0-based). Missing values
-    come from K3JAX_* env vars, then from JAX's cluster auto-detection. A single process
-    (num_processes == 1) is a no-op. cpu_collectives: "gloo" (CPU processes need it for any
-    cross-process collective) or None to leave JAX's setting alone.
+    come from K3JAX_* env vars; with none given, auto=True (or K3JAX_DISTRIBUTED=auto) lets JAX
+    detect the cluster (TPU pods, SLURM), otherwise nothing happens (single process).
+    cpu_collectives: "gloo" (CPU processes need it for cross-process collectives) or None to
+    leave JAX's setting alone. Returns whether the distributed runtime was started.
     """
     coordinator = coordinator or os.environ.get("K3JAX_COORDINATOR")
     if num_processes is None and os.environ.get("K3JAX_NUM_PROCESSES"):
         num_processes = int(os.environ["K3JAX_NUM_PROCESSES"])
     if process_id is None and os.environ.get("K3JAX_PROCESS_ID"):
         process_id = int(os.environ["K3JAX_PROCESS_ID"])
-    if num_processes == 1:
-        return
+    if auto is None:
+        auto = os.environ.get("K3JAX_DISTRIBUTED", "") == "auto"
+    if num_processes == 1 or (coordinator is None and num_processes is None and process_id is None and not auto):
+        return False
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     kw = {}
@@ -43,6 +48,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         kw["local_device_ids"] = local_device_ids
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s, **kw)
+    return True
 
 
 def is_coordinator() -> bool:
