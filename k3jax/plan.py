@@ -37,6 +37,14 @@ def _tree_device_bytes(tree, specs, sizes) -> int:
 
 
 _weights_cache: dict = {}
+_shapes_cache: dict = {}
+
+
+def _param_shapes(c: ModelConfig, dtype):
+    key = (repr(c), jnp.dtype(dtype).name)
+    if key not in _shapes_cache:
+        _shapes_cache[key] = param_shapes(c, dtype)
+    return _shapes_cache[key]
 
 
 def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
@@ -44,7 +52,7 @@ def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
     from sharding.rules import tree_specs
     key = (repr(c), tuple(sorted(sizes.items())), jnp.dtype(dtype).name)
     if key not in _weights_cache:
-        shapes = param_shapes(c, dtype)
+        shapes = _param_shapes(c, dtype)
         _weights_cache[key] = _tree_device_bytes(shapes, tree_specs(shapes, sizes, config=c), sizes)
     return _weights_cache[key]
 
