@@ -33,8 +33,9 @@ def _dtype(dtype):
 class Model:
     """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer."""
 
-    def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = ""):
+    def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None):
         self.config = config
+        self.mesh = mesh
         self.params = params
         self.tokenizer = tokenizer
         self.name = name
@@ -83,29 +84,38 @@ def _load_tokenizer(path: str | None):
     return None
 
 
-def _place(params, mesh):
+def _place(params, mesh, config):
+    """Put every parameter on the mesh by the partition rules (sharding/rules.py)."""
     if mesh is None:
         return params
-    try:
-        from sharding.rules import shard_params
-    except ImportError:  # partition rules not available: replicate over the mesh
-        from jax.sharding import NamedSharding, PartitionSpec
-        return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    return shard_params(params, mesh)
+    from sharding.rules import shard_params
+    return shard_params(params, mesh, config)
+
+
+def _mesh(mesh):
+    """A jax Mesh, a spec string like "data=2,expert=4", or None."""
+    if mesh is None or not isinstance(mesh, str):
+        return mesh
+    from sharding.mesh import make_mesh
+    return make_mesh(mesh)
 
 
 def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None) -> Model:
     """Load a preset name ("tiny"), a converted k3jax checkpoint or a Hugging Face checkpoint directory.
 
+    mesh: a jax Mesh or a spec like "data=2,expert=4": parameters are placed by the partition rules
+    and the serving engine shards its pools and runs MoE expert-parallel on it.
+
     Presets other than "tiny" have no weights: `seed=` gives them random weights (benchmarks).
     """
     dt = _dtype(dtype)
+    mesh = _mesh(mesh)
     src = os.fspath(path_or_preset)
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
-        return Model(config, _place(params, mesh), _load_tokenizer(src),
-                     name=os.path.basename(os.path.normpath(src)))
+        return Model(config, _place(params, mesh, config), _load_tokenizer(src),
+                     name=os.path.basename(os.path.normpath(src)), mesh=mesh)
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
     config = preset_config(src)
@@ -117,4 +127,4 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     else:
         params = jax.jit(partial(init_params, config, dtype=dt))(jax.random.key(seed))
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
-    return Model(config, _place(params, mesh), tokenizer, name=src)
+    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh)

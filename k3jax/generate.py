@@ -31,13 +31,14 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
+    ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
     args = ap.parse_args(argv)
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
-        model = load_model(args.model, dtype=args.dtype)
+        model = load_model(args.model, dtype=args.dtype, mesh=args.mesh)
         tok = model.tokenizer
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer")

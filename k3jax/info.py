@@ -57,14 +57,9 @@ def main(argv=None):
     ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
-    import os
-    from k3jax.config import ModelConfig
-    from k3jax.presets import preset_config
+    from k3jax.presets import resolve_config
     try:
-        if os.path.isdir(args.model):
-            cfg = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
-        else:
-            cfg = preset_config(args.model)
+        cfg = resolve_config(args.model)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,9 +21,10 @@ Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
-    def __init__(self, model="tiny", *, dtype=None, **engine_args):
+    def __init__(self, model="tiny", *, dtype=None, mesh=None, **engine_args):
+        """mesh: a jax Mesh or a spec like "data=2,expert=4" (parameters, pools and MoE sharded on it)."""
         from k3jax.api import Model, load_model
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, mesh=mesh)
         self.engine = LLMEngine(self.model, EngineArgs(**engine_args))
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params=None, *,

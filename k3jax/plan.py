@@ -202,13 +202,9 @@ def main(argv=None):
     ap.add_argument("--extra-slots", type=int, default=0, help="KDA checkpoint slots for prefix caching")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    import os
-    from k3jax.presets import preset_config
+    from k3jax.presets import resolve_config
     try:
-        if os.path.isdir(args.model):
-            cfg = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
-        else:
-            cfg = preset_config(args.model)
+        cfg = resolve_config(args.model)
         r = plan(cfg, args.mesh, args.device, page_size=args.page_size, context=args.context, batch=args.batch,
                  mem_fraction=args.mem_fraction, memory_gib=args.memory_gib, step_tokens=args.step_tokens,
                  extra_slots=args.extra_slots)

@@ -23,6 +23,7 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
     ap.add_argument("--seed", type=int, default=None, help="random weights for a preset without weights")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -52,7 +53,7 @@ def build_state(args):
     from serving.openai.metrics import Metrics
 
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)

@@ -49,6 +49,10 @@ class LLMEngine:
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         cache_dtype = model.params["embed"].dtype
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype)
+        mesh = getattr(model, "mesh", None)
+        if mesh is not None:           # pages and slots split evenly over the data x expert shards
+            shards = mesh.shape["data"] * mesh.shape["expert"]
+            num_pages, num_slots = (-(-n // shards) * shards for n in (num_pages, num_slots))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
@@ -58,7 +62,7 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]

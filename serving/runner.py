@@ -5,6 +5,7 @@ max model length, so the set of compilations is small and known. Pools are donat
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Sequence
@@ -47,7 +48,7 @@ def _copy_pages(pools, src, dst):
 class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None):
+                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
         self.config, self.params = config, params
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
@@ -64,13 +65,26 @@ class ModelRunner:
         self._seen: set = set()
         c = config
 
+        step_kw, copy_kw, ep = {}, {}, contextlib.nullcontext
+        if mesh is not None:
+            # Pools sharded by the partition rules and kept there; MoE traced expert-parallel.
+            from sharding.moe_ep import expert_parallel
+            from sharding.rules import pool_shardings, replicated, shard_pools
+            self.pools = shard_pools(self.pools, mesh)
+            ps = pool_shardings(config, mesh, self.pools)
+            rep = replicated(mesh)
+            step_kw = dict(out_shardings=(rep, rep, rep, rep, ps))
+            copy_kw = dict(out_shardings=ps)
+            ep = lambda: expert_parallel(mesh)
+
         def step(params, pools, batch, sarr, key_data, counters):
-            logits, pools = forward_step(params, c, pools, batch)
+            with ep():
+                logits, pools = forward_step(params, c, pools, batch)
             toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters, num_top_logprobs=max_logprobs)
             return toks, lp, top_ids, top_vals, pools
 
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self._step = jax.jit(step, donate_argnums=(1,), **step_kw)
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
         self.num_compiles = 0
 
     # ------------------------------------------------------------------ compile accounting

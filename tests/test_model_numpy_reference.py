@@ -35,7 +35,7 @@ def test_fp32_forward_matches_float64_numpy(name):
     ref = numpy_model.forward(jax.device_get(params), c, tokens)
     per_token = np.abs(ours - ref).max(-1) / np.abs(ref).max()
     # fp32 rounding, amplified by softmaxes on a few tokens; the float64 test below is the tight one.
-    assert np.median(per_token) <= 5e-5 and per_token.max() <= 2e-3, per_token
+    assert np.median(per_token) <= 5e-5 and per_token.max() <= 5e-3, per_token
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,23 @@ def routed_experts_reference(pe, z, weights, ids, c: ModelConfig):
     return jnp.zeros(z.shape, y.dtype).at[tok].add(y).astype(z.dtype)
 
 
+def _routed(pe, z, weights, ids, c: ModelConfig):
+    """Expert-parallel (shard_map + all-to-all) while a step is traced under
+    `sharding.moe_ep.expert_parallel(mesh)`, else the single-device path."""
+    from sharding.moe_ep import active_mesh, routed_experts_ep   # lazy: sharding imports this module
+    mesh = active_mesh()
+    if mesh is None:
+        return routed_experts(pe, z, weights, ids, c)
+    return routed_experts_ep(pe, z, weights, ids, c, mesh)
+
+
 def moe(p, x, c: ModelConfig):
     """Full MoE block. x [..., D] -> [..., D]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, ids = route(p, x2, c)
     z = x2 @ p["latent_down"] if "latent_down" in p else x2
-    y = routed_experts(p["experts"], z, weights, ids, c)
+    y = _routed(p["experts"], z, weights, ids, c)
     if "latent_norm" in p:
         y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
     if "latent_up" in p:

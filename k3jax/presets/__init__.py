@@ -81,3 +81,10 @@ def preset_config_dict(name: str) -> dict:
 
 def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(preset_config_dict(name))
+
+
+def resolve_config(model: str) -> ModelConfig:
+    """A preset name or a checkpoint directory (its config.json) -> ModelConfig."""
+    if os.path.isdir(model):
+        return ModelConfig.from_json_file(os.path.join(model, "config.json"))
+    return preset_config(model)
