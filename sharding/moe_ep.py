@@ -16,6 +16,7 @@ which changes results when routing is unbalanced. Tests use the dropless default
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -23,8 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import dense_mlp, glu_act, rms_norm, upcast
-from k3jax.layers.moe import expert_weights, route, routed_experts
+from k3jax.layers.common import glu_act, upcast
+from k3jax.layers.moe import expert_weights, moe, routed_experts
 from pallas_kernels import ops
 from sharding.mesh import axis_sizes
 
@@ -149,15 +150,4 @@ def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_fac
 
 def moe_ep(p, x, c: ModelConfig, mesh, *, capacity_factor: float | None = None):
     """`k3jax.layers.moe.moe` with expert-parallel routed experts. x [..., D] -> [..., D]."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    weights, ids = route(p, x2, c)
-    z = x2 @ p["latent_down"] if "latent_down" in p else x2
-    y = routed_experts_ep(p["experts"], z, weights, ids, c, mesh, capacity_factor=capacity_factor)
-    if "latent_norm" in p:
-        y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
-    if "latent_up" in p:
-        y = y @ p["latent_up"]
-    if "shared" in p:
-        y = y + dense_mlp(p["shared"], x2, c)
-    return y.reshape(shape)
+    return moe(p, x, c, routed=functools.partial(routed_experts_ep, mesh=mesh, capacity_factor=capacity_factor))

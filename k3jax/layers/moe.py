@@ -80,13 +80,13 @@ def _routed(pe, z, weights, ids, c: ModelConfig):
     return routed_experts_ep(pe, z, weights, ids, c, mesh)
 
 
-def moe(p, x, c: ModelConfig):
-    """Full MoE block. x [..., D] -> [..., D]."""
+def moe(p, x, c: ModelConfig, routed=None):
+    """Full MoE block. x [..., D] -> [..., D]. routed: override for the routed-experts call."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, ids = route(p, x2, c)
     z = x2 @ p["latent_down"] if "latent_down" in p else x2
-    y = _routed(p["experts"], z, weights, ids, c)
+    y = (routed or _routed)(p["experts"], z, weights, ids, c)
     if "latent_norm" in p:
         y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
     if "latent_up" in p:
