@@ -215,3 +215,31 @@ def test_malformed_json_and_auth(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/health").status_code == 200
     assert "k3jax:time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(tmp_path_factory):
+    """SIGTERM while a stream is running: the stream is finished or cut cleanly (it still ends with [DONE],
+    no broken connection), then the process exits."""
+    import signal
+    import threading
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "60")
+    lines = []
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
+
+    def consume():
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            lines.extend(x for x in r.iter_lines() if x)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and s.metric("k3jax:num_requests_running") < 1:
+        time.sleep(0.1)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown: exit by that signal is clean.
+    assert s.proc.wait(120) in (0, -signal.SIGTERM)
+    s.log.close()
+    assert lines[-1] == "data: [DONE]"
+    assert sum(1 for x in lines if x.startswith("data: {")) >= 1
