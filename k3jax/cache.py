@@ -77,6 +77,8 @@ class StepBatch:
     state_dst [N]         KDA slot receiving the state after the chunk (0 for padding sequences)
     ckpt_dst [N]          extra slot that also receives it (a prefix-cache checkpoint; 0 = none)
     logits_indices [N]    flat index of the token whose logits each sequence needs
+    decode_only           static: every real sequence feeds one token and continues in its own
+                          slot (no checkpoint), so KDA runs the fused decode kernel on the pool
     """
     tokens: jax.Array
     slot_mapping: jax.Array
@@ -87,6 +89,7 @@ class StepBatch:
     state_dst: jax.Array
     ckpt_dst: jax.Array
     logits_indices: jax.Array
+    decode_only: bool = struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass
@@ -135,5 +138,7 @@ def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: i
         start += m
         cu[n + 1] = start
     cu[len(chunks) + 1:] = start
+    decode_only = bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
+                                       for ch in chunks)
     return StepBatch(tokens=tokens, slot_mapping=slot, cu_seqlens=cu, kv_lens=kv_lens, block_tables=bt,
-                     state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx)
+                     state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx, decode_only=decode_only)

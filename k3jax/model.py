@@ -70,7 +70,7 @@ def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch):
     seq, local = _token_meta(batch.cu_seqlens, T)
     meta = dict(cu_seqlens=batch.cu_seqlens, token_seq=seq, token_local=local, state_src=batch.state_src,
                 state_dst=batch.state_dst, ckpt_dst=batch.ckpt_dst, slot_mapping=batch.slot_mapping,
-                block_tables=batch.block_tables, kv_lens=batch.kv_lens)
+                block_tables=batch.block_tables, kv_lens=batch.kv_lens, decode_only=batch.decode_only)
     mla_kv, kda_state, kda_conv = list(pools.mla_kv), list(pools.kda_state), list(pools.kda_conv)
     kda_index = {layer: j for j, layer in enumerate(c.kda_layers)}
     mla_index = {layer: j for j, layer in enumerate(c.mla_layers)}

@@ -61,6 +61,23 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     return ref(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
 
 
+def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
+    """One token per sequence against the state pool, updated in place (donate it).
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_indices [N] (negative = padding, skipped)."""
+    pallas, interpret = use_pallas()
+    if pallas:
+        from pallas_kernels import kda
+        return kda.fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, scale=scale,
+                                       interpret=interpret)
+    idx = state_indices.astype(jnp.int32)
+    ok = idx >= 0
+    s0 = state_pool[jnp.maximum(idx, 0)]
+    o, s1 = kda_ref.recurrent_kda_reference(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                            scale=scale, initial_state=s0)
+    pool = state_pool.at[jnp.where(ok, idx, state_pool.shape[0])].set(s1.astype(state_pool.dtype), mode="drop")
+    return jnp.where(ok[:, None, None], o[:, 0], 0).astype(v.dtype), pool
+
+
 # ---- MLA -------------------------------------------------------------------
 write_kv_pages = mla_ref.write_kv_pages
 

@@ -122,7 +122,7 @@ class ModelRunner:
                                      allowed_masks=allowed_masks)
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
-        self._note_shape(("step", T, N, self._variant(sarr)))
+        self._note_shape(("step", T, N, batch.decode_only, self._variant(sarr)))
         toks, lp, top_ids, top_vals, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, cnt)
         n = len(chunks)
         return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
@@ -130,21 +130,24 @@ class ModelRunner:
     def warmup(self, progress: bool = True):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed."""
         combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
+        # (each bucket compiles twice: mixed steps and decode-only steps)
         it = combos
         if progress:
             from tqdm import tqdm
             it = tqdm(combos, desc="warm-up (compiling step shapes)", unit="shape")
         t0 = time.perf_counter()
         for T, N in it:
-            self._run_padding(T, N)
+            self._run_padding(T, N, decode=False)
+            self._run_padding(T, N, decode=True)
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
 
-    def _run_padding(self, T: int, N: int):
-        # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state.
-        batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], self.page_size, num_tokens=T, num_seqs=N,
-                                max_pages=self.max_pages)
+    def _run_padding(self, T: int, N: int, decode: bool):
+        # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
+        # resuming from slot 0 gives the decode-only variant of the same bucket.
+        batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0)], self.page_size, num_tokens=T,
+                                num_seqs=N, max_pages=self.max_pages)
         sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
-        self._note_shape(("step", T, N, self._variant(sarr)))
+        self._note_shape(("step", T, N, batch.decode_only, self._variant(sarr)))
         out = self._step(self.params, self.pools, batch, sarr, self.key_data, np.zeros(N, np.int32))
         self.pools = out[-1]

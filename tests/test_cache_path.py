@@ -101,3 +101,23 @@ def test_padding_sequences_do_not_touch_real_slots(model):
         assert not np.array_equal(b_[2], a_[2])
     for b_, a_ in zip(before.mla_kv, after.mla_kv):
         np.testing.assert_array_equal(np.delete(b_, [0, 3], axis=0), np.delete(a_, [0, 3], axis=0))
+
+
+def test_decode_only_steps_use_the_pool_in_place_and_match(model):
+    """Several sequences decoding one token each (the fused decode path) == full forward."""
+    c, params, full, step = model
+    rng = np.random.RandomState(3)
+    seqs = [rng.randint(0, c.vocab_size, n).astype(np.int32) for n in (20, 33, 9)]
+    refs = [np.asarray(full(params, s[None]))[0] for s in seqs]
+    pools = make_pools(c, 32, PAGE, 6, jnp.float32)
+    tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13]]
+    prefill = [SeqChunk(s[:-3], 0, t, -1, slot) for s, t, slot in zip(seqs, tables, (4, 2, 5))]
+    _, pools = step(params, pools, make_step_batch(prefill, PAGE, **BUCKET))
+    for back in (3, 2, 1):
+        chunks = [SeqChunk(s[-back:len(s) - back + 1], len(s) - back, t, slot, slot)
+                  for s, t, slot in zip(seqs, tables, (4, 2, 5))]
+        batch = make_step_batch(chunks, PAGE, **BUCKET)
+        assert batch.decode_only
+        logits, pools = step(params, pools, batch)
+        for n, s in enumerate(seqs):
+            assert _rel(np.asarray(logits[n]), refs[n][len(s) - back]) <= 1e-4

@@ -33,8 +33,10 @@ def test_step_with_pallas_kernels_matches_reference(restore_mode):
         pools = make_pools(c, 16, 16, 4, jnp.float32)
         step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
         logits = []
-        for chunks in steps:
-            lg, pools = step(params, pools, make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4))
+        for i, chunks in enumerate(steps):
+            batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)
+            assert batch.decode_only == (i == 1)        # the second step runs the fused decode op
+            lg, pools = step(params, pools, batch)
             logits.append(np.asarray(lg[:2]))
         out[mode] = logits
     for ref, ker in zip(out["reference"], out["pallas"]):

@@ -110,6 +110,8 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
     checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
     """
+    if meta.get("decode_only"):
+        return _decode_step(p, x, c, state_pool, conv_pool, meta)
     src = meta["state_src"]
     x_in = _qkv_in(p, x)
     conv0 = _gather_state(conv_pool, src)
@@ -122,3 +124,27 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
         state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
         conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
     return _output(p, x, o[0], c), state_pool, conv_pool
+
+
+def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
+    """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
+    runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter)."""
+    cu = meta["cu_seqlens"]
+    n = cu.shape[0] - 1
+    valid = cu[1:] > cu[:-1]
+    slots = jnp.where(valid, meta["state_src"], -1)
+    xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
+    x_in = _qkv_in(p, xs)
+    conv0 = conv_pool[jnp.maximum(slots, 0)]                            # [N, Kc-1, C]
+    w = _conv_weights(p)
+    # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
+    conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
+    window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
+    q, k, v, g, beta = _core(p, xs, conv_out, c)
+    o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5)
+    conv_pool = conv_pool.at[jnp.where(valid, meta["state_dst"], conv_pool.shape[0])].set(
+        window[:, 1:].astype(conv_pool.dtype), mode="drop")
+    out = _output(p, xs, o, c)                                          # [N, D]
+    tok_seq = meta["token_seq"]
+    tok_ok = jnp.arange(x.shape[0]) < cu[n]
+    return jnp.where(tok_ok[:, None], out[tok_seq], 0).astype(out.dtype), state_pool, conv_pool
