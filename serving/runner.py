@@ -130,7 +130,7 @@ class ModelRunner:
     def warmup(self, progress: bool = True):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed."""
         combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
-        # (each bucket compiles twice: mixed steps and decode-only steps)
+        # (small-token buckets also compile a decode-only variant)
         it = combos
         if progress:
             from tqdm import tqdm
@@ -138,7 +138,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for T, N in it:
             self._run_padding(T, N, decode=False)
-            self._run_padding(T, N, decode=True)
+            if T <= _fit(self.token_buckets, N):       # a decode-only step has at most N tokens
+                self._run_padding(T, N, decode=True)
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
 
