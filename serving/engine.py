@@ -12,10 +12,9 @@ import itertools
 import logging
 import random
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
-import numpy as np
 
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, size_pools

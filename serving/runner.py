@@ -11,7 +11,6 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
