@@ -79,11 +79,17 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     vision: Mapping[str, Any] | None = None
+    model_type: str = ""                  # "kimi_k3" (a thinking model) | "kimi_linear" | ...
 
     def __post_init__(self):
         _validate(self)
 
     # ---- derived quantities -------------------------------------------------
+    @property
+    def thinks_by_default(self) -> bool:
+        """K3 starts its answer with reasoning; Kimi Linear (Instruct) answers directly."""
+        return self.model_type == "kimi_k3"
+
     @property
     def kda_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "kda")
@@ -261,6 +267,7 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         eos_token_id=eos,
         pad_token_id=get("pad_token_id", top.get("pad_token_id")),
         vision=dict(vision) if vision else None,
+        model_type=str(top.get("model_type", "")),
     )
     unknown = sorted(set(text) - used - _IGNORED_FIELDS - {"text_config", "vision_config"})
     if unknown:

@@ -37,6 +37,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0)
+    ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
+                    help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
     ap.add_argument("--log-level", default="info")
@@ -70,7 +72,8 @@ def build_state(args):
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
-                       test_hooks=args.enable_test_hooks)
+                       test_hooks=args.enable_test_hooks,
+                       thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default))
 
 
 def main(argv=None):

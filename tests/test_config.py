@@ -22,6 +22,7 @@ def test_k3_layout_from_published_config():
     assert c.hidden_act == "situ" and c.situ_beta == 4.0 and c.situ_linear_beta == 25.0
     assert c.attn_res_block_size == 12 and c.q_lora_rank == 1536 and c.num_experts == 896
     assert c.vision == {"patch_size": 14, "vt_hidden_size": 1152}
+    assert c.model_type == "kimi_k3" and c.thinks_by_default
 
 
 def test_kimi_linear_layout():
@@ -29,6 +30,7 @@ def test_kimi_linear_layout():
     assert c.mla_layers == (3, 7, 11, 15, 19, 23, 26)
     assert c.q_lora_rank is None and c.gate_lower_bound is None and not c.kda_full_rank_gate
     assert c.routed_scaling_factor == 2.446 and c.expert_format == "bf16" and c.attn_res_block_size is None
+    assert not c.thinks_by_default           # Kimi-Linear Instruct answers directly
 
 
 def test_unknown_field_warns(caplog):

@@ -55,7 +55,7 @@ class _Plan:
             if not req.tools:
                 raise bad_request("tool_choice requires tools", param="tool_choice")
         prompt = render_prompt(state, req.messages, tools, kwargs)
-        self.thinking = thinking_started_from_prompt(tok, prompt)
+        self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
         self.forced: list = []
         if choice == "required" or self.forced_name:
             self.forced = forced_tool_prefix(tok, self.forced_name)

@@ -22,6 +22,7 @@ class ServerState:
     metrics: object
     api_key: Optional[str] = None
     test_hooks: bool = False        # honour "k3jax_test_script" (see serving.test_hooks)
+    thinks_by_default: bool = True  # output starts inside reasoning unless the prompt says otherwise
     structured: object = None       # StructuredOutputCompiler, built on first use
     vision: object = None           # image support (k3jax.vision), when the model has a tower
 
