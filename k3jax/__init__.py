@@ -1,7 +1,7 @@
 """k3jax: a JAX/XLA serving stack for Kimi K3 and the Kimi Linear family."""
 from k3jax.config import ModelConfig
 
-__all__ = ["ModelConfig", "load_model", "Model"]
+__all__ = ["ModelConfig", "load_model", "Model", "LLM", "SamplingParams"]
 
 
 def __getattr__(name):
