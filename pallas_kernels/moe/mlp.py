@@ -25,6 +25,16 @@ def _reference_path(xs, gs, w1, w3, w2, act, dtype):
   return gm.gmm_reference(h, w2, gs)
 
 
+def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret):
+  """Shared frame of both expert MLPs: sort token copies by expert, run `kernel(xs, gs, interp)`
+  (or `reference(xs, gs)` off-accelerator), combine the weighted rows back to token order."""
+  tok, gs, inv = routing.sort_by_expert(topk_ids, num_experts)
+  xs = x[tok]
+  use, interp = sch.use_kernel(interpret)
+  y = kernel(xs, gs, interp) if use else reference(xs, gs)
+  return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
+
+
 def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
                interpret=None, tiling=None):
@@ -35,18 +45,15 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
   Returns [T, D] in x.dtype.
   """
-  e = w1.shape[0]
-  tok, gs, inv = routing.sort_by_expert(topk_ids, e)
-  xs = x[tok]
   act = _act(activation, situ_beta, situ_linear_beta)
-  use, interp = sch.use_kernel(interpret)
-  if use:
-    t_up, t_down = tiling if tiling is not None else (None, None)
+  t_up, t_down = tiling if tiling is not None else (None, None)
+
+  def kernel(xs, gs, interp):
     h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp)
-    y = gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp)
-  else:
-    y = _reference_path(xs, gs, w1, w3, w2, act, x.dtype)
-  return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
+    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp)
+
+  return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel,
+                     lambda xs, gs: _reference_path(xs, gs, w1, w3, w2, act, x.dtype), interpret)
 
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
@@ -54,16 +61,13 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      interpret=None, tiling=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D]."""
-  e = w1[0].shape[0]
-  tok, gs, inv = routing.sort_by_expert(topk_ids, e)
-  xs = x[tok]
   act = _act(activation, situ_beta, situ_linear_beta)
-  use, interp = sch.use_kernel(interpret)
-  if use:
-    t_up, t_down = tiling if tiling is not None else (None, None)
+  t_up, t_down = tiling if tiling is not None else (None, None)
+  deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
+
+  def kernel(xs, gs, interp):
     h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp)
-    y = gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp)
-  else:
-    deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
-    y = _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype)
-  return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp)
+
+  return _routed_mlp(x, topk_ids, topk_weights, w1[0].shape[0], kernel,
+                     lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype), interpret)
