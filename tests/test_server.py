@@ -86,6 +86,9 @@ def test_chat_logprobs(client):
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens and all(len(x.top_logprobs) == 3 for x in lp)
     assert all(x.logprob <= 0 for x in lp)
+    streamed = [e for ch in _chat(client, logprobs=True, top_logprobs=3, max_tokens=4, extra_body=NO_THINK, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in lp]
 
 
 def test_json_schema_output_validates(client):

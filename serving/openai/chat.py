@@ -106,16 +106,19 @@ class _Plan:
         return p, first
 
 
+def _logprob_entries(tok, token_ids, logprobs) -> list:
+    """OpenAI chat logprob entries for (token id, (logprob, {top id: logprob})) pairs."""
+    def entry(tid, lp):
+        text = tok.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return [{**entry(tid, lp), "top_logprobs": [entry(i, v) for i, v in top.items()]}
+            for tid, (lp, top) in zip(token_ids, logprobs)]
+
+
 def _logprobs(tok, comp) -> Optional[dict]:
     if comp.logprobs is None:
         return None
-    content = []
-    for tid, (lp, top) in zip(comp.token_ids, comp.logprobs):
-        text = tok.decode([tid])
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())}
-                                         for i, v in top.items()]})
-    return {"content": content}
+    return {"content": _logprob_entries(tok, comp.token_ids, comp.logprobs)}
 
 
 def _truncate_at_stop(text: str, comp, include: bool) -> str:
@@ -189,10 +192,10 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                     deltas += p.finish()
                 delta = merge_deltas(deltas)
                 lp = None
-                if comp.logprobs is not None:
-                    full = _logprobs(tok, comp)["content"]
-                    lp = {"content": full[sent_lp.get(i, 0):]}
-                    sent_lp[i] = len(full)
+                if comp.logprobs is not None:               # only the entries not sent yet
+                    start = sent_lp.get(i, 0)
+                    lp = {"content": _logprob_entries(tok, comp.token_ids[start:], comp.logprobs[start:])}
+                    sent_lp[i] = len(comp.logprobs)
                 if delta or lp:
                     yield chunk(i, delta or {}, logprobs=lp)
                 if out.finished:
