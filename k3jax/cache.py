@@ -8,7 +8,7 @@ Pools (donated through the step so XLA updates them in place):
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,8 @@ class StepBatch:
     logits_indices [N]    flat index of the token whose logits each sequence needs
     decode_only           static: every real sequence feeds one token and continues in its own
                           slot (no checkpoint), so KDA runs the fused decode kernel on the pool
+    mm_embeds [T, D]      optional: input embeddings replacing the token embedding where mm_mask
+    mm_mask [T]           is set (image placeholders); None on text-only steps (own compiled variant)
     """
     tokens: jax.Array
     slot_mapping: jax.Array
@@ -90,6 +92,8 @@ class StepBatch:
     ckpt_dst: jax.Array
     logits_indices: jax.Array
     decode_only: bool = struct.field(pytree_node=False, default=False)
+    mm_embeds: Optional[jax.Array] = None
+    mm_mask: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass
@@ -101,11 +105,13 @@ class SeqChunk:
     state_src: int              # KDA slot to resume from (-1 = fresh)
     state_dst: int              # KDA slot to write
     ckpt_dst: int = 0           # extra checkpoint slot (0 = none)
+    mm: Sequence = ()           # (offset in the chunk, embeddings [m, D]) replacing token embeddings
 
 
 def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: int | None = None,
                     num_seqs: int | None = None, max_pages: int | None = None) -> StepBatch:
-    """Lay chunks out flat (numpy), padded to num_tokens / num_seqs / max_pages (shape buckets)."""
+    """Lay chunks out flat (numpy), padded to num_tokens / num_seqs / max_pages (shape buckets).
+    Multimodal rows (SeqChunk.mm) are laid out at their tokens' flat positions."""
     lens = [len(ch.tokens) for ch in chunks]
     T = num_tokens or max(sum(lens), 1)
     N = num_seqs or len(chunks)
@@ -138,7 +144,19 @@ def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: i
         start += m
         cu[n + 1] = start
     cu[len(chunks) + 1:] = start
-    decode_only = bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
+    mm_embeds = mm_mask = None
+    rows = [(start_n + off, e) for start_n, ch in zip(cu[:len(chunks)], chunks) for off, e in ch.mm]
+    if rows:
+        dim = rows[0][1].shape[-1]
+        mm_embeds = np.zeros((T, dim), rows[0][1].dtype)
+        mm_mask = np.zeros(T, bool)
+        for at, e in rows:
+            if at < 0 or at + len(e) > cu[len(chunks)]:
+                raise ValueError(f"multimodal rows at {at}..{at + len(e)} fall outside their chunk")
+            mm_embeds[at:at + len(e)] = e
+            mm_mask[at:at + len(e)] = True
+    decode_only = not rows and bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
                                        for ch in chunks)
     return StepBatch(tokens=tokens, slot_mapping=slot, cu_seqlens=cu, kv_lens=kv_lens, block_tables=bt,
-                     state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx, decode_only=decode_only)
+                     state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx, decode_only=decode_only,
+                     mm_embeds=mm_embeds, mm_mask=mm_mask)

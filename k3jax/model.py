@@ -1,6 +1,6 @@
 """The decoder: embedding, hybrid KDA/MLA layers with MLP/MoE, Attention Residuals, LM head.
 
-forward_full(params, c, tokens [B, T]) -> logits [B, T, V]      no cache
+forward_full(params, c, tokens [B, T], mm_embeds?, mm_mask?) -> logits [B, T, V]   no cache
 forward_step(params, c, pools, batch) -> (logits [N, V], pools)  ragged chunks over cache pools
 Both share `_decoder`; only the attention call differs.
 """
@@ -48,11 +48,20 @@ def _lm_head(params, h):
     return jnp.dot(h, w, preferred_element_type=upcast(h).dtype)
 
 
-def forward_full(params, c: ModelConfig, tokens):
-    """tokens int32 [B, T] -> logits fp32 [B, T, V]; every sequence starts empty."""
+def _embed(params, tokens, mm_embeds=None, mm_mask=None):
+    """Token embeddings, replaced by multimodal (image) embeddings where mm_mask is set."""
+    x = params["embed"][tokens]
+    if mm_embeds is None:
+        return x
+    return jnp.where(mm_mask[..., None], mm_embeds.astype(x.dtype), x)
+
+
+def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None):
+    """tokens int32 [B, T] -> logits fp32 [B, T, V]; every sequence starts empty.
+    mm_embeds [B, T, D] / mm_mask [B, T]: optional image embeddings at placeholder positions."""
     def attention(i, p, x):
         return kda_full(p, x, c) if c.layer_types[i] == "kda" else mla_full(p, x, c)
-    h = _decoder(params, c, params["embed"][tokens], attention)
+    h = _decoder(params, c, _embed(params, tokens, mm_embeds, mm_mask), attention)
     return _lm_head(params, h)
 
 
@@ -83,6 +92,6 @@ def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch):
             out, mla_kv[j] = mla_step(p, x, c, mla_kv[j], meta)
         return out
 
-    h = _decoder(params, c, params["embed"][batch.tokens], attention)
+    h = _decoder(params, c, _embed(params, batch.tokens, batch.mm_embeds, batch.mm_mask), attention)
     logits = _lm_head(params, h[batch.logits_indices])
     return logits, CachePools(mla_kv=mla_kv, kda_state=kda_state, kda_conv=kda_conv)

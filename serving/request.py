@@ -30,6 +30,7 @@ class Request:
     priority: int = 0
     extra_keys: Optional[list] = None          # per-unit extra hash keys (e.g. image hashes)
     matcher: object = None                     # structured output: allowed_mask() / accept(token)
+    images: list = dataclasses.field(default_factory=list)       # serving.multimodal.ImageInput, placed
     status: Status = Status.WAITING
     output_ids: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)     # per token: (logprob, {id: logprob})

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Optional
 
 from serving.allocator import PageAllocator, SlotAllocator
+from serving.multimodal import images_in
 from serving.prefix_cache import JunctionTracker, PrefixCacheIndex
 from serving.request import Request, Status
 
@@ -42,6 +43,7 @@ class SchedulerOutput:
     chunks: list
     page_copies: list            # (src_page, dst_page) copy-on-write copies to issue before the step
     preempted: list
+    encode: list = dataclasses.field(default_factory=list)   # images to run through the vision tower first
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +60,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 4096
     state_block_size: int = 0        # periodic checkpoints inside long prompts (0 = only ends/junctions)
+    encoder_budget: int = 0          # image tokens the vision tower may produce per step (0 = no limit)
 
 
 class Scheduler:
@@ -71,6 +74,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.is_encoded = lambda digest: False   # the engine's encoder-output cache answers this
+        self._encode: dict = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request):
@@ -137,12 +142,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ chunking
     def _chunk(self, req: Request, budget: int) -> Optional[ScheduledChunk]:
+        """The request's next chunk within `budget` tokens; None when it must wait for the encoder."""
         start = req.num_computed
         end = min(req.num_tokens, start + budget)
         for p in req.checkpoints:            # stop exactly at the next planned checkpoint
             if start < p < end:
                 end = p
                 break
+        if req.images:
+            end = self._fit_encoder(req, start, end)
+            if end <= start:
+                return None
         ckpt = 0
         if self.cache is not None and end in req.checkpoints and not self.cache.has_checkpoint(req.hashes, end):
             ckpt = self._alloc_slot()
@@ -151,6 +161,19 @@ class Scheduler:
         else:
             src = req.slot if start else -1
         return ScheduledChunk(req, start, end, src, ckpt)
+
+    def _fit_encoder(self, req: Request, start: int, end: int) -> int:
+        """Shorten [start, end) to the images the encoder budget allows this step (the first image of a
+        step always fits, so a large image still makes progress)."""
+        cap = self.cfg.encoder_budget
+        for img in images_in(req.images, start, end):
+            if img.digest in self._encode or self.is_encoded(img.digest):
+                continue
+            used = sum(i.num_tokens for i in self._encode.values())
+            if cap and used and used + img.num_tokens > cap:
+                return max(img.offset, start)
+            self._encode[img.digest] = img
+        return end
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Give a waiting request a slot, its prefix hit and its checkpoint plan."""
@@ -191,12 +214,15 @@ class Scheduler:
             self.cache.commit_pending()      # last step's registrations are now complete
         cfg = self.cfg
         out = SchedulerOutput([], [], [])
+        self._encode = {}
         budget = cfg.max_num_batched_tokens
         order = sorted(self.running, key=lambda r: (not r.is_decode, r.priority, r.arrival))
         scheduled = set()
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)
             ch = self._chunk(req, budget)
+            if ch is None:
+                continue
             need = self._pages_needed(req, ch.end)
             new = self._alloc_pages(need)
             while new is None and order:     # preempt the lowest-priority request not yet scheduled
@@ -217,9 +243,9 @@ class Scheduler:
             if not self._admit(req, out):
                 break
             ch = self._chunk(req, budget)
-            new = self._alloc_pages(self._pages_needed(req, ch.end))
+            new = None if ch is None else self._alloc_pages(self._pages_needed(req, ch.end))
             if new is None:
-                if ch.ckpt_dst:
+                if ch is not None and ch.ckpt_dst:
                     self.slots.decref([ch.ckpt_dst])
                 out.page_copies = [c for c in out.page_copies if c[1] not in req.pages]
                 self.free(req)
@@ -230,6 +256,7 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ch)
             budget -= ch.end - ch.start
+        out.encode = list(self._encode.values())
         return out
 
     def after_step(self, out: SchedulerOutput):
