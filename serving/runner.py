@@ -121,13 +121,14 @@ class ModelRunner:
                                      allowed_masks=allowed_masks)
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
-        self._note_shape(("step", T, N, batch.decode_only, self._variant(sarr)))
+        self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None, self._variant(sarr)))
         toks, lp, top_ids, top_vals, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, cnt)
         n = len(chunks)
         return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
 
-    def warmup(self, progress: bool = True):
-        """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed."""
+    def warmup(self, progress: bool = True, multimodal: bool = False):
+        """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
+        multimodal: also the variant of each bucket that takes image embeddings."""
         combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
         # (small-token buckets also compile a decode-only variant)
         it = combos
@@ -139,15 +140,18 @@ class ModelRunner:
             self._run_padding(T, N, decode=False)
             if T <= _fit(self.token_buckets, N):       # a decode-only step has at most N tokens
                 self._run_padding(T, N, decode=True)
+            if multimodal:
+                self._run_padding(T, N, decode=False, mm=True)
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
 
-    def _run_padding(self, T: int, N: int, decode: bool):
+    def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False):
         # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
         # resuming from slot 0 gives the decode-only variant of the same bucket.
-        batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0)], self.page_size, num_tokens=T,
-                                num_seqs=N, max_pages=self.max_pages)
+        rows = [(0, np.zeros((1, self.config.hidden_size), self.params["embed"].dtype))] if mm else ()
+        batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], self.page_size,
+                                num_tokens=T, num_seqs=N, max_pages=self.max_pages)
         sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
-        self._note_shape(("step", T, N, batch.decode_only, self._variant(sarr)))
+        self._note_shape(("step", T, N, batch.decode_only, mm, self._variant(sarr)))
         out = self._step(self.params, self.pools, batch, sarr, self.key_data, np.zeros(N, np.int32))
         self.pools = out[-1]
