@@ -1,6 +1,7 @@
 """Notebook-friendly entry point: `load_model` and the `Model` it returns."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from functools import cached_property, partial
@@ -30,15 +31,33 @@ def _dtype(dtype):
     return jnp.dtype(dtype).type
 
 
-class Model:
-    """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer."""
+@dataclasses.dataclass
+class VisionModel:
+    """The image side of a multimodal model: tower + projector weights, image preprocessing,
+    and the placeholder id whose embeddings the tower's output replaces."""
+    config: object               # k3jax.vision.config.VisionConfig
+    params: dict
+    processor: object            # k3jax.vision.preprocess.ImageProcessorConfig
+    pad_id: int                  # <|media_pad|>
 
-    def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None):
+    @property
+    def max_patches(self) -> int:
+        """Most patches one preprocessed image can have (the encoder's largest bucket)."""
+        return self.processor.max_patches
+
+
+class Model:
+    """A loaded model: config, parameters (a pytree of jax arrays), tokenizer, and the vision
+    side (`vision`, None for text-only models)."""
+
+    def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None,
+                 vision: VisionModel | None = None):
         self.config = config
         self.mesh = mesh
         self.params = params
         self.tokenizer = tokenizer
         self.name = name
+        self.vision = vision
 
     @property
     def dtype(self):
@@ -127,4 +146,26 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     else:
         params = jax.jit(partial(init_params, config, dtype=dt))(jax.random.key(seed))
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
-    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh)
+    vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
+    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision)
+
+
+def _media_pad_id(config: ModelConfig, tokenizer) -> int:
+    if tokenizer is not None:
+        return tokenizer.id_of("<|media_pad|>")
+    from k3jax.tokenizer import vocab
+    return config.vocab_size - vocab.NUM_SPECIAL + vocab.SPECIAL_OFFSETS["<|media_pad|>"]
+
+
+def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) -> VisionModel | None:
+    """Random (numpy-seeded) tower weights for presets that declare a full vision_config."""
+    if not config.vision or name not in ("tiny",):
+        return None
+    from k3jax.presets import TINY_IMAGE_PROCESSOR
+    from k3jax.vision.config import VisionConfig
+    from k3jax.vision.preprocess import ImageProcessorConfig
+    from k3jax.vision.tower import init_vision_params_numpy
+    vcfg = VisionConfig.from_dict(config.vision, text_hidden_size=config.hidden_size)
+    params = init_vision_params_numpy(vcfg, seed + 1, config.hidden_size, dtype)
+    return VisionModel(vcfg, params, ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
+                       _media_pad_id(config, tokenizer))

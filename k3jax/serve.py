@@ -39,6 +39,12 @@ def parse_args(argv=None):
     ap.add_argument("--shutdown-timeout", type=float, default=30.0)
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
+    ap.add_argument("--allow-remote-images", action="store_true",
+                    help="fetch http(s) image URLs (off: only data URLs and local files are accepted)")
+    ap.add_argument("--image-dir", default=None, help="local image paths must lie under this directory")
+    ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted")
+    ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
+    ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
     ap.add_argument("--log-level", default="info")
@@ -65,7 +71,7 @@ def build_state(args):
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
-        forbid_compile_after_warmup=args.forbid_compile_after_warmup,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
@@ -73,7 +79,17 @@ def build_state(args):
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
                        test_hooks=args.enable_test_hooks,
-                       thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default))
+                       thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
+                       vision=_image_loader(model, args))
+
+
+def _image_loader(model, args):
+    if model.vision is None:
+        return None
+    from serving.image_inputs import ImageLoader, ImagePolicy
+    return ImageLoader(model.vision, ImagePolicy(
+        allow_remote=args.allow_remote_images, max_bytes=int(args.max_image_mb * 2**20),
+        timeout_s=args.image_fetch_timeout, local_dir=args.image_dir))
 
 
 def main(argv=None):

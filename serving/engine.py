@@ -18,6 +18,7 @@ import jax
 
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, size_pools
+from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.request import CompletionOutput, Request, RequestOutput, Status
 from serving.runner import ModelRunner
 from serving.sampling_params import SamplingParams
@@ -56,7 +57,8 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
-            state_block_size=args.state_block_size), num_pages, num_slots)
+            state_block_size=args.state_block_size,
+            encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -69,16 +71,28 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        self.encoder = None
+        if getattr(model, "vision", None) is not None:
+            from serving.vision_encoder import VisionEncoder
+            self.encoder = VisionEncoder(model.vision, cache_bytes=args.encoder_cache_bytes,
+                                         out_dtype=cache_dtype, mesh=mesh)
+            self.scheduler.is_encoded = self.encoder.cache.__contains__
         if args.warmup:
-            self.runner.warmup()
+            self.runner.warmup(multimodal=self.encoder is not None)
+            if self.encoder is not None:
+                self.encoder.warmup()
         self.runner.guard = args.forbid_compile_after_warmup
+        if self.encoder is not None:
+            self.encoder.guard = args.forbid_compile_after_warmup
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, extra_keys=None, matcher=None) -> str:
+                    priority: int = 0, extra_keys=None, matcher=None, images=()) -> str:
         """Queue one sequence (params.n must be 1 here). Raises ValueError on bad input,
         serving.scheduler.QueueFullError when the waiting queue is full. `matcher` (structured
-        output) gives each step's allowed-token bitmask and is advanced with every sampled token."""
+        output) gives each step's allowed-token bitmask and is advanced with every sampled token.
+        `images` (serving.multimodal.ImageInput, in prompt order) pair with the prompt's
+        `<|media_pad|>` placeholders, one each; each pad is widened to the image's token count."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; expand n first")
@@ -89,6 +103,12 @@ class LLMEngine:
         else:
             prompt_ids = prompt
         ids = [int(t) for t in self.model.check_tokens(prompt_ids, ndim=1)]
+        placed = []
+        if images:
+            if self.encoder is None:
+                raise ValueError("images: this model has no vision tower")
+            ids, placed = expand_image_placeholders(ids, images, self.encoder.pad_id)
+            extra_keys = _merge_keys(extra_keys, image_extra_keys(placed, self.args.prefix_match_unit))
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_model_len}")
@@ -101,7 +121,8 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32)
-        req = Request(rid, ids, params, seed, priority=priority, extra_keys=extra_keys, matcher=matcher)
+        req = Request(rid, ids, params, seed, priority=priority, extra_keys=extra_keys, matcher=matcher,
+                      images=placed)
         req.stop = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             from k3jax.tokenizer import IncrementalDetokenizer
@@ -131,8 +152,11 @@ class LLMEngine:
                 raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
             return []
         self.runner.copy_pages(out.page_copies)
+        if out.encode:
+            self.encoder.encode(out.encode)
         reqs = [ch.req for ch in out.chunks]
-        chunks = [SeqChunk(r.tokens[ch.start:ch.end], ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst)
+        chunks = [SeqChunk(r.tokens[ch.start:ch.end], ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst,
+                           mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images else ())
                   for r, ch in zip(reqs, out.chunks)]
         masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None
                  for r, ch in zip(reqs, out.chunks)]
@@ -183,4 +207,16 @@ class LLMEngine:
         s = self.scheduler.stats()
         s.update(self.counters)
         s["num_compiles"] = self.runner.num_compiles
+        if self.encoder is not None:
+            s.update(self.encoder.stats())
         return s
+
+
+def _merge_keys(user, images: dict) -> dict:
+    """Per-unit extra keys of the caller (mapping or sequence) plus the images' keys."""
+    if user is None:
+        return images
+    merged = dict(user) if isinstance(user, dict) else {u: tuple(k or ()) for u, k in enumerate(user)}
+    for u, keys in images.items():
+        merged[u] = tuple(merged.get(u, ())) + tuple(keys)
+    return merged

@@ -31,6 +31,8 @@ class EngineArgs:
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
     token_buckets: Optional[tuple] = None
     seq_buckets: Optional[tuple] = None
+    encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
+    encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
@@ -45,6 +47,10 @@ class EngineArgs:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0 < self.state_fraction < 1:
             raise ValueError(f"state_fraction must be in (0, 1), got {self.state_fraction}")
+        if self.encoder_budget is not None and self.encoder_budget < 1:
+            raise ValueError(f"encoder_budget must be a positive int, got {self.encoder_budget!r}")
+        if self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
 

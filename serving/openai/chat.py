@@ -5,6 +5,7 @@ offered, the Kimi tool-call parser; both work on ids, so markers never split acr
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Optional
 
@@ -16,22 +17,58 @@ from serving.openai.sse import DONE, error_event, event
 from serving.openai.tool_parser import forced_tool_prefix, merge_deltas, tool_call_to_openai
 
 
-def _has_images(messages) -> bool:
-    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
-                                                          for p in m["content"]) for m in messages)
+def _image_part(part) -> bool:
+    # The same test the chat renderer uses to emit an image placeholder.
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url")
+                                       or (part.get("type") is None and ("image" in part or "image_url" in part)))
+
+
+def image_sources(messages) -> list:
+    """(message index, part index, url) of every image part, in prompt order."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not _image_part(part):
+                continue
+            src = part.get("image_url", part.get("image"))
+            if isinstance(src, dict):
+                src = src.get("url")
+            if not isinstance(src, str) or not src:
+                raise bad_request(f"messages[{i}].content[{j}]: an image part needs image_url.url",
+                                  param=f"messages.{i}.content.{j}")
+            out.append((i, j, src))
+    return out
 
 
 def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) -> list:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise bad_request(f"messages[{i}]: role must be one of system, user, assistant, tool", param=f"messages.{i}.role")
-    if _has_images(messages) and state.vision is None:
-        raise bad_request("this model does not accept images", param="messages", code="images_not_supported")
     try:
         return state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                    **template_kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
+
+
+def _load_images(state: ServerState, messages) -> list:
+    sources = image_sources(messages)
+    if not sources:
+        return []
+    if state.vision is None:
+        raise bad_request("this model does not accept images", param="messages", code="images_not_supported")
+    from k3jax.vision.media import ImageInputError
+    images = []
+    for i, j, src in sources:
+        try:
+            images.append(state.vision.load(src))
+        except ImageInputError as e:
+            raise bad_request(f"messages[{i}].content[{j}]: {e}", param=f"messages.{i}.content.{j}",
+                              code="invalid_image")
+    return images
 
 
 class _Plan:
@@ -55,6 +92,7 @@ class _Plan:
             if not req.tools:
                 raise bad_request("tool_choice requires tools", param="tool_choice")
         prompt = render_prompt(state, req.messages, tools, kwargs)
+        self.images = _load_images(state, req.messages)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
         self.forced: list = []
         if choice == "required" or self.forced_name:
@@ -62,8 +100,10 @@ class _Plan:
             self.thinking = None                  # the forced prefix starts the answer itself
         self.prompt = prompt + self.forced
         self.parse_tools = tools is not None
-        if len(self.prompt) >= state.max_model_len:
-            raise bad_request(f"prompt has {len(self.prompt)} tokens; the context is {state.max_model_len}",
+        # each image's single placeholder becomes num_tokens placeholders in the engine
+        self.num_prompt_tokens = len(self.prompt) + sum(img.num_tokens - 1 for img in self.images)
+        if self.num_prompt_tokens >= state.max_model_len:
+            raise bad_request(f"prompt has {self.num_prompt_tokens} tokens; the context is {state.max_model_len}",
                               param="messages", code="context_length_exceeded")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs
@@ -140,11 +180,19 @@ def _usage(prompt_len: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+async def _make_plan(state: ServerState, req: ChatCompletionRequest) -> _Plan:
+    # Decoding and resizing images is CPU work: keep it off the event loop that streams other requests.
+    if any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in req.messages):
+        return await asyncio.to_thread(_Plan, state, req)
+    return _Plan(state, req)
+
+
 async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
-    plan = _Plan(state, req)
+    plan = await _make_plan(state, req)
     rid = new_id("chatcmpl")
     finals = {}
-    async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority):
+    async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority,
+                                          images=plan.images):
         if out.finished:
             finals[i] = out
     tok = state.tokenizer
@@ -163,11 +211,11 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
     completion = sum(len(f.outputs[0].token_ids) for f in finals.values())
     cached = max((f.num_cached_tokens for f in finals.values()), default=0)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": _usage(len(plan.prompt), completion, cached)}
+            "choices": choices, "usage": _usage(plan.num_prompt_tokens, completion, cached)}
 
 
 async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIterator[str]:
-    plan = _Plan(state, req)              # request errors surface as a normal 4xx before the stream starts
+    plan = await _make_plan(state, req)   # request errors surface as a normal 4xx before the stream starts
     rid = new_id("chatcmpl")
     created = int(time.time())
     tok = state.tokenizer
@@ -184,7 +232,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                 parsers[i], first = plan.stream_parser(tok)
                 merged = merge_deltas(first) or {}
                 yield chunk(i, {"role": "assistant", "content": "", **merged})
-            async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority):
+            async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority,
+                                          images=plan.images):
                 comp = out.outputs[0]
                 p = parsers[i]
                 deltas = p.feed(out.metrics.get("new_token_ids", ()))
@@ -204,7 +253,7 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                     yield chunk(i, {}, finish=_finish_reason(comp, p.tool_calls))
             if req.stream_options and req.stream_options.include_usage:
                 yield event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                             "choices": [], "usage": _usage(len(plan.prompt), completion, cached)})
+                             "choices": [], "usage": _usage(plan.num_prompt_tokens, completion, cached)})
         except APIError as e:
             yield error_event(e)
         yield DONE

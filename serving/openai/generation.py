@@ -24,7 +24,7 @@ class ServerState:
     test_hooks: bool = False        # honour "k3jax_test_script" (see serving.test_hooks)
     thinks_by_default: bool = True  # output starts inside reasoning unless the prompt says otherwise
     structured: object = None       # StructuredOutputCompiler, built on first use
-    vision: object = None           # image support (k3jax.vision), when the model has a tower
+    vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
 
     def scripted_matcher_factory(self, req):
         """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
@@ -50,7 +50,7 @@ def new_id(prefix: str) -> str:
 
 async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingParams, request_id: str,
                          matcher_factory: Optional[Callable] = None, priority: int = 0,
-                         extra_keys=None) -> AsyncIterator[tuple]:
+                         extra_keys=None, images=()) -> AsyncIterator[tuple]:
     """Yield (choice index, RequestOutput) as tokens arrive, for the n choices of one request.
     Engine-side errors become APIError; leaving early (disconnect) aborts every choice."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -62,7 +62,7 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
         last = None
         try:
             gen = state.engine.generate(prompt_ids, child, f"{request_id}-{i}", priority=priority, extra_keys=extra_keys,
-                                        matcher=matcher_factory() if matcher_factory else None)
+                                        matcher=matcher_factory() if matcher_factory else None, images=images)
             async for out in gen:
                 now = time.monotonic()
                 if last is None:
@@ -85,7 +85,7 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
             await queue.put(None)
 
     tasks = [asyncio.create_task(consume(i)) for i in range(params.n)]
-    state.metrics.prompt_tokens.labels(model).inc(len(prompt_ids))
+    state.metrics.prompt_tokens.labels(model).inc(len(prompt_ids) + sum(img.num_tokens - 1 for img in images))
     done = 0
     try:
         while done < len(tasks):
