@@ -296,3 +296,31 @@ def test_config_spellings_and_errors():
         prepare_vision_batch(moon, [[5, 4, 4]])
     with pytest.raises(ValueError, match="pad_patches_to"):
         prepare_vision_batch(moon, [[1, 4, 4]], pad_patches_to=8)
+
+
+def test_bf16_params_and_rmsnorm_dtype_eps(k25_ref):
+    """bf16 params run end to end close to the fp32 reference. K3's RMSNorm is torch.nn.RMSNorm(eps=None):
+    torch then adds the eps of its fp32 compute type even for bf16 inputs (not bf16's 2^-7, which
+    the docs suggest and which would change small activations a lot)."""
+    from k3jax.vision.tower import _norm_apply
+
+    tower, proj, sd, vcfg = k25_ref
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), load_vision_params(sd, vcfg))
+    px = _pixels(48, 9)
+    out, _ = _ours(params, vcfg, px, [GRID_A], jit=True)
+    err = _rel(out.astype(np.float32), _reference(tower, proj, px, [GRID_A]))
+    print(f"bf16 params vs fp32 reference: max rel err {err:.2e}")
+    assert np.isfinite(out.astype(np.float32)).all() and err <= 5e-2
+
+    g = torch.Generator().manual_seed(0)
+    x = (0.05 * torch.randn(8, 64, generator=g)).to(torch.bfloat16)
+    norm = torch.nn.RMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(64, generator=g))
+        ref = norm(x).float().numpy()
+    rms = VisionConfig.from_dict({**MOON_VISION, "norm_type": "rmsnorm"})
+    p = {"w": jnp.asarray(norm.weight.detach().float().numpy(), jnp.bfloat16)}
+    xj = jnp.asarray(x.float().numpy(), jnp.bfloat16)
+    ours = np.asarray(_norm_apply(rms, p, xj, rms.norm_eps), np.float32)
+    assert _rel(ours, ref) <= 1e-2
+    assert _rel(np.asarray(_norm_apply(rms, p, xj, 2.0 ** -7), np.float32), ref) > 0.5

@@ -73,7 +73,7 @@ class VisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"     # "gelu_pytorch_tanh" | "gelu"
     rope_theta: float = 10000.0
     norm: str = "layernorm"                   # "layernorm" | "rmsnorm" (K3)
-    norm_eps: float | None = 1e-5             # None: eps of the activation dtype (torch RMSNorm default)
+    norm_eps: float | None = 1e-5             # None: torch RMSNorm's default, finfo(fp32 compute).eps = 1.19e-7
     attn_bias: bool = True
     mlp_bias: bool = True
     patch_bias: bool = True
@@ -138,7 +138,7 @@ def _validate(c: VisionConfig):
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm_type", c.norm, "supported: 'layernorm', 'rmsnorm'")
     if c.norm_eps is not None and not c.norm_eps > 0:
-        _fail("norm_eps", c.norm_eps, "must be positive (or None for the dtype's eps)")
+        _fail("norm_eps", c.norm_eps, "must be positive (or None for torch RMSNorm's default)")
     if c.projector not in ("patchmerger", "patchmergerv2"):
         _fail("mm_projector_type", c.projector, "supported: 'patchmerger', 'patchmergerv2'")
     if not c.projector_eps > 0:
@@ -186,8 +186,8 @@ def _parse(raw: dict, top: dict, text_hidden_arg: int | None) -> VisionConfig:
         kw["pos_interp"] = take("pos_emb_interpolation_mode")
     if "norm_type" in raw:
         kw["norm"] = take("norm_type")
-        # Moonshot's tower builds nn.LayerNorm(D) (eps 1e-5) or nn.RMSNorm(D) (eps None: the
-        # activation dtype's eps); the K3 reference keeps that default on purpose.
+        # Moonshot's tower builds nn.LayerNorm(D) (eps 1e-5) or nn.RMSNorm(D) (eps None); torch
+        # then uses the eps of its compute type (fp32 for bf16 inputs), not the 2^-7 of bf16.
         kw["norm_eps"] = 1e-5 if kw["norm"] == "layernorm" else None
     for key, ours in (("attn_bias", "attn_bias"), ("linear_bias", "mlp_bias"),
                       ("patch_embed_proj_bias", "patch_bias")):

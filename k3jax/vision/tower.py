@@ -106,8 +106,8 @@ def _linear(p, x):
 def _norm_apply(c: VisionConfig, p, x, eps):
     """LayerNorm / RMSNorm in fp32, weights applied in fp32, result in x's dtype."""
     xf = upcast(x)
-    if eps is None:                                       # torch RMSNorm default: the input dtype's eps
-        eps = float(jnp.finfo(x.dtype).eps)
+    if eps is None:          # torch.nn.RMSNorm(eps=None): eps of the fp32-or-wider compute type, even for bf16
+        eps = float(jnp.finfo(xf.dtype).eps)
     if "b" in p:
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
