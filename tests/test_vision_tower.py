@@ -221,6 +221,12 @@ def test_moonshot_spelling_loads_the_same_tree(k25_ref):
     a = load_vision_params(sd, vcfg, dtype=np.float32)
     b = load_vision_params(moon, VisionConfig.from_dict(MOON_VISION), dtype=np.float32)
     jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+    # Kimi-VL's projector spelling reads the same weights.
+    vl = {k.replace("mm_projector.", "multi_modal_projector.").replace("proj.0", "linear_1").replace("proj.2", "linear_2"): v
+          for k, v in moon.items()}
+    assert "multi_modal_projector.linear_2.weight" in vl
+    c = load_vision_params(vl, VisionConfig.from_dict(MOON_VISION), dtype=np.float32)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, a, c)
 
 
 def test_sources_dry_run_shapes(k25_ref):

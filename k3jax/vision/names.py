@@ -10,6 +10,7 @@ transformers' `kimi_k25` (in memory / save_pretrained of Kimi_K25ForConditionalG
   model.vision_tower.patch_embed.proj.*, model.vision_tower.patch_embed.pos_emb.position_embeddings,
   model.vision_tower.layers.{i}.{norm1,norm2,attn.q_proj,attn.k_proj,attn.v_proj,attn.proj,mlp.fc1,mlp.fc2}.*,
   model.vision_tower.final_layernorm.*, model.mm_projector.{pre_norm,in_proj,out_proj}.*
+Kimi-VL's `multi_modal_projector.{pre_norm,linear_1,linear_2}` is accepted for the projector too.
 transformers splits the fused `wqkv` and permutes q/k rows per head from interleaved rope pairs
 to rotate-half order (its PermuteForRope); we keep Moonshot's fused, interleaved layout, so the
 transformers spelling is fused back and un-permuted here. The prefixes before `patch_embed.` and
@@ -30,7 +31,7 @@ from k3jax.vision.config import VisionConfig
 from k3jax.vision.tower import vision_param_spec
 
 _TOWER = re.compile(r"^(.*?)patch_embed\.proj\.weight$")
-_PROJ = re.compile(r"^(.*?mm_projector\.)")
+_PROJ = re.compile(r"^(.*?(?:mm_projector|multi_modal_projector)\.)")
 
 
 def _t(a):
@@ -62,14 +63,14 @@ def _fused_qkv(c: VisionConfig, L: str, suffix: str) -> Source:
     return Source(names, build)
 
 
-def _lin(moon: str | None, hf: str | None, suffix: str):
+def _lin(spellings, suffix: str):
     fn = _t if suffix == "weight" else (lambda a: a)
-    return [_one(f"{n}.{suffix}", fn) for n in (moon, hf) if n is not None]
+    return [_one(f"{n}.{suffix}", fn) for n in spellings]
 
 
-def _pair(moon: str | None, hf: str | None) -> dict:
-    """{w, b} options for a linear or norm that both spellings name."""
-    return {"w": _lin(moon, hf, "weight"), "b": _lin(moon, hf, "bias")}
+def _pair(*spellings: str) -> dict:
+    """{w, b} options for a linear named differently by each spelling (first found wins)."""
+    return {"w": _lin(spellings, "weight"), "b": _lin(spellings, "bias")}
 
 
 def _norm_pair(moon: str | None, hf: str | None) -> dict:
@@ -112,8 +113,9 @@ def _options(c: VisionConfig, tower: str, proj: str) -> dict:
         "final_norm": _norm_pair(tower + "encoder.final_layernorm", tower + "final_layernorm"),
         "projector": {
             "pre_norm": _norm_pair(proj + "pre_norm", None),
-            "proj0": _pair(proj + "proj.0", proj + "in_proj"),
-            "proj2": _pair(proj + "proj.2", proj + "out_proj"),
+            # Moonshot, transformers, Kimi-VL (multi_modal_projector.linear_1/2, same math)
+            "proj0": _pair(proj + "proj.0", proj + "in_proj", proj + "linear_1"),
+            "proj2": _pair(proj + "proj.2", proj + "out_proj", proj + "linear_2"),
             "post_norm": {"w": [_one(proj + "post_norm.weight")]},
         },
     }
@@ -143,7 +145,7 @@ def vision_sources(c: VisionConfig, names: Iterable[str], text_hidden_size: int 
 
 def is_vision_name(name: str) -> bool:
     """Checkpoint names this module reads (any prefix before vision_tower / mm_projector)."""
-    return bool(re.match(r"^(language_model\.)?(model\.)?(vision_tower|mm_projector)\.", name))
+    return bool(re.match(r"^(language_model\.)?(model\.)?(vision_tower|mm_projector|multi_modal_projector)\.", name))
 
 
 def load_vision_params(tensors: Mapping[str, np.ndarray], c: VisionConfig, text_hidden_size: int | None = None,
