@@ -5,7 +5,7 @@ init, encode_images), names.py (checkpoint names -> param tree). Image decoding 
 live in preprocess.py / media.py (imported lazily by the server path, not here).
 """
 from k3jax.vision.config import VisionConfig
-from k3jax.vision.names import is_vision_name, load_vision_params, vision_sources
+from k3jax.vision.names import load_vision_params, vision_sources
 from k3jax.vision.positions import (VisionBatch, pad_pixel_values, prepare_vision_batch,
                                     tokens_per_image)
 from k3jax.vision.tower import (encode_images, init_vision_params, init_vision_params_numpy,
@@ -14,5 +14,5 @@ from k3jax.vision.tower import (encode_images, init_vision_params, init_vision_p
 __all__ = [
     "VisionConfig", "VisionBatch", "prepare_vision_batch", "pad_pixel_values", "tokens_per_image",
     "vision_param_spec", "init_vision_params", "init_vision_params_numpy", "stack_blocks",
-    "vision_tower", "encode_images", "vision_sources", "load_vision_params", "is_vision_name",
+    "vision_tower", "encode_images", "vision_sources", "load_vision_params",
 ]

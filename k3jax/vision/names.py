@@ -143,11 +143,6 @@ def vision_sources(c: VisionConfig, names: Iterable[str], text_hidden_size: int 
     return [(path, _first_available(o, names), leaf) for (path, leaf), o in zip(spec_flat, opt_flat)], treedef
 
 
-def is_vision_name(name: str) -> bool:
-    """Checkpoint names this module reads (any prefix before vision_tower / mm_projector)."""
-    return bool(re.match(r"^(language_model\.)?(model\.)?(vision_tower|mm_projector|multi_modal_projector)\.", name))
-
-
 def load_vision_params(tensors: Mapping[str, np.ndarray], c: VisionConfig, text_hidden_size: int | None = None,
                        dtype=np.float32):
     """Vision param tree from an in-memory {name: array} (numpy, or anything np.asarray takes).

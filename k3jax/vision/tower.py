@@ -16,8 +16,6 @@ layer instead of num_layers).
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,8 +101,8 @@ def _linear(p, x):
     return y + p["b"].astype(x.dtype) if "b" in p else y
 
 
-def _norm_apply(c: VisionConfig, p, x, eps):
-    """LayerNorm / RMSNorm in fp32, weights applied in fp32, result in x's dtype."""
+def _norm_apply(p, x, eps):
+    """LayerNorm when the norm has a bias, else RMSNorm; fp32 math, result in x's dtype."""
     xf = upcast(x)
     if eps is None:          # torch.nn.RMSNorm(eps=None): eps of the fp32-or-wider compute type, even for bf16
         eps = float(jnp.finfo(xf.dtype).eps)
@@ -168,12 +166,12 @@ def _attention(q, k, v, seg, q_block: int):
 def _block(c: VisionConfig, p, x, cos, sin, seg, q_block):
     n = x.shape[0]
     H, hd, Q = c.num_heads, c.head_dim, c.qkv_dim
-    y = _norm_apply(c, p["norm0"], x, c.norm_eps)
+    y = _norm_apply(p["norm0"], x, c.norm_eps)
     qkv = _linear(p["wqkv"], y)
     q, k, v = (qkv[:, i * Q:(i + 1) * Q].reshape(n, H, hd) for i in range(3))
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     x = x + _linear(p["wo"], _attention(q, k, v, seg, q_block).reshape(n, Q))
-    y = _norm_apply(c, p["norm1"], x, c.norm_eps)
+    y = _norm_apply(p["norm1"], x, c.norm_eps)
     return x + _linear(p["fc1"], _gelu(_linear(p["fc0"], y), c.hidden_act))
 
 
@@ -202,7 +200,7 @@ def vision_tower(params, c: VisionConfig, pixel_values, vb: VisionBatch, *, q_bl
             x = _block(c, p, x, cos, sin, seg, q_block)
     else:
         x, _ = jax.lax.scan(lambda h, p: (_block(c, p, h, cos, sin, seg, q_block), None), x, blocks)
-    return _norm_apply(c, params["final_norm"], x, c.norm_eps)
+    return _norm_apply(params["final_norm"], x, c.norm_eps)
 
 
 def merge_patches(c: VisionConfig, x, vb: VisionBatch):
@@ -220,11 +218,11 @@ def project(params, c: VisionConfig, merged):
     p = params["projector"]
     m = merged.shape[0]
     if c.projector == "patchmerger":
-        merged = _norm_apply(c, p["pre_norm"], merged, c.projector_eps)
+        merged = _norm_apply(p["pre_norm"], merged, c.projector_eps)
     h = _gelu(_linear(p["proj0"], merged.reshape(m, -1)), c.projector_act)
     h = _linear(p["proj2"], h)
     if c.projector == "patchmergerv2":
-        h = _norm_apply(c, p["post_norm"], h, c.projector_eps)
+        h = _norm_apply(p["post_norm"], h, c.projector_eps)
     return h
 
 
@@ -237,10 +235,3 @@ def encode_images(params, c: VisionConfig, pixel_values, vb: VisionBatch, *, q_b
     x = vision_tower(params, c, pixel_values, vb, q_block=q_block)
     return project(params, c, merge_patches(c, x, vb))
 
-
-def vision_flops(c: VisionConfig, num_patches: int, text_hidden_size: int) -> int:
-    """Rough matmul FLOPs of one encode_images call (for throughput reports)."""
-    D, Q, I, k = c.hidden_size, c.qkv_dim, c.intermediate_size, c.merge_size
-    per_layer = 2 * num_patches * (D * 3 * Q + Q * D + 2 * D * I) + 4 * num_patches * num_patches * Q
-    proj = 2 * (num_patches // k) * (k * D * k * D + k * D * text_hidden_size)
-    return int(c.num_layers * per_layer + 2 * num_patches * c.patch_dim * D + proj)
