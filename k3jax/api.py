@@ -166,6 +166,7 @@ def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) 
     from k3jax.vision.preprocess import ImageProcessorConfig
     from k3jax.vision.tower import init_vision_params_numpy
     vcfg = VisionConfig.from_dict(config.vision, text_hidden_size=config.hidden_size)
+    # (the text weights come from `seed`; the tower's own stream keeps them unchanged)
     params = init_vision_params_numpy(vcfg, seed + 1, config.hidden_size, dtype)
     return VisionModel(vcfg, params, ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
                        _media_pad_id(config, tokenizer))

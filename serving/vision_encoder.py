@@ -33,7 +33,7 @@ def patch_buckets(largest: int, merge: int, smallest: int = 64) -> list:
 
 class VisionEncoder:
     def __init__(self, vision, *, cache_bytes: int, out_dtype, mesh=None, max_patches: int | None = None):
-        from k3jax.vision.tower import encode_images
+        from k3jax.vision.tower import encode_images, stack_blocks
         self.vision = vision
         self.config = cfg = vision.config
         self.pad_id = vision.pad_id
@@ -41,7 +41,7 @@ class VisionEncoder:
         self.cache = EncoderCache(cache_bytes)
         largest = max_patches or vision.max_patches
         self.buckets = patch_buckets(largest, cfg.merge_size)
-        self.params = vision.params
+        self.params = stack_blocks(vision.params)     # the layers run under one scan: one compiled block
         if mesh is not None:     # the tower is small next to the LLM: replicate it
             from sharding.rules import replicated
             self.params = jax.device_put(self.params, replicated(mesh))

@@ -52,7 +52,20 @@ TINY = {
             "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True,
         },
     },
+    # A tiny K3-style tower (RMSNorm, no biases, qkv width != hidden, patchmergerv2 projector).
+    "vision_config": {
+        "patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 4,
+        "vt_intermediate_size": 128, "qkv_hidden_size": 96, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
+        "init_pos_emb_time": 4, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bicubic", "norm_type": "rmsnorm",
+        "mlp_type": "mlp2", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+        "mm_projector_type": "patchmergerv2", "mm_hidden_size": 64, "text_hidden_size": 128,
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+    },
 }
+
+# Its image preprocessing: at most 256 patches (64 image tokens) per image keeps CPU runs fast.
+TINY_IMAGE_PROCESSOR = {"patch_size": 14, "merge_size": 2, "max_patches": 256, "max_patches_per_side": 32}
 
 TINY_SEED = 0
 

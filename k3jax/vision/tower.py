@@ -207,9 +207,9 @@ def merge_patches(c: VisionConfig, x, vb: VisionBatch):
     """[N, D] -> [N // k, k, D]: kh x kw neighbours side by side, frames averaged (fp32 sums)."""
     k = c.merge_size
     rows = (vb.segment_ids.shape[0] // k) * k
-    acc = jnp.zeros((rows, x.shape[-1]), jnp.float32)
+    acc = jnp.zeros((rows, x.shape[-1]), upcast(x).dtype)
     acc = acc.at[jnp.asarray(vb.merge_dest)].add(
-        upcast(x) * jnp.asarray(vb.merge_weight, jnp.float32)[:, None], mode="drop")
+        upcast(x) * jnp.asarray(vb.merge_weight, upcast(x).dtype)[:, None], mode="drop")
     return acc.reshape(rows // k, k, -1).astype(x.dtype)
 
 

@@ -1,0 +1,141 @@
+"""Images through the engine (tiny model with its tiny tower, CPU, float64).
+
+The reference is independent of the engine: the tower called directly, its rows written over
+the placeholder embeddings, and a full forward pass (no cache, no chunking) per generated token.
+"""
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from k3jax import load_model
+from k3jax.model import forward_full
+from k3jax.vision.positions import prepare_vision_batch
+from k3jax.vision.tower import encode_images
+from serving.engine import LLMEngine
+from serving.engine_args import EngineArgs
+from serving.image_inputs import ImageLoader
+from serving.multimodal import expand_image_placeholders
+from serving.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model(x64):
+    return load_model("tiny", dtype="float64")
+
+
+def picture(seed, w, h):
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def image_input(model, seed, w, h):
+    img = picture(seed, w, h)
+    from k3jax.vision.media import image_digest
+    return ImageLoader(model.vision).from_pil(img, image_digest(img))
+
+
+def engine(model, tmp_path_factory, **kw):
+    args = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, page_size=16, prefix_match_unit=16,
+                state_block_size=64, num_pages=200, num_slots=32, token_buckets=(32, 256), seq_buckets=(8,),
+                forbid_compile_after_warmup=True, compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla"))
+    args.update(kw)
+    return LLMEngine(model, EngineArgs(**args))
+
+
+def chat_ids(model, n_images, text="What is in the picture?"):
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}] * n_images + [{"type": "text", "text": text}]
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=True,
+                                               add_generation_prompt=True)
+
+
+def run(eng, prompts, max_tokens=4):
+    """prompts: {name: (ids, images)} -> {name: (tokens, logprobs, cached)}"""
+    for name, (ids, images) in prompts.items():
+        eng.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0), request_id=name,
+                        images=images)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, [lp for lp, _ in c.logprobs], out.num_cached_tokens)
+    return done
+
+
+def reference(model, ids, images, max_tokens=4):
+    """Greedy tokens and their logprobs from the tower + a full forward pass per token."""
+    ids, placed = expand_image_placeholders(ids, images, model.vision.pad_id)
+    vb = prepare_vision_batch(model.vision.config, [im.grid_thw for im in placed])
+    px = np.concatenate([im.pixel_values for im in placed])
+    rows = np.asarray(encode_images(model.vision.params, model.vision.config, px, vb))
+    emb = np.zeros((len(ids) + max_tokens, model.config.hidden_size))
+    mask = np.zeros(len(ids) + max_tokens, bool)
+    for im, at in zip(placed, vb.token_offsets):
+        emb[im.offset:im.end] = rows[at:at + im.num_tokens]
+        mask[im.offset:im.end] = True
+    toks, lps = list(ids), []
+    for _ in range(max_tokens):
+        n = len(toks)
+        logits = np.asarray(forward_full(model.params, model.config, np.asarray([toks]), emb[None, :n],
+                                         mask[None, :n]))[0, -1]
+        t = int(np.argmax(logits))
+        lps.append(float(logits[t] - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()))
+        toks.append(t)
+    return toks[len(ids):], lps
+
+
+def test_engine_with_images_matches_tower_plus_full_forward(model, tmp_path_factory):
+    a, b = image_input(model, 0, 90, 60), image_input(model, 1, 40, 130)
+    assert a.num_tokens != b.num_tokens
+    ids1, ids2 = chat_ids(model, 1), chat_ids(model, 2, "Compare them.")
+    # small steps: the images are split over several prefill chunks and packed into shared tower calls
+    for budget in (256, 32):
+        eng = engine(model, tmp_path_factory, max_num_batched_tokens=budget, token_buckets=(32, budget) if budget > 32
+                     else (32,), enable_prefix_caching=False)
+        got = run(eng, {"one": (ids1, [a]), "two": (ids2, [b, a])})
+        for name, (ids, imgs) in {"one": (ids1, [a]), "two": (ids2, [b, a])}.items():
+            toks, lps = reference(model, ids, imgs)
+            assert got[name][0] == toks, (budget, name)
+            np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
+        assert eng.stats()["encoded_images"] == 2          # `a` encoded once for both requests
+
+
+def test_images_change_the_output(model, tmp_path_factory):
+    eng = engine(model, tmp_path_factory, enable_prefix_caching=False)
+    ids = chat_ids(model, 1)
+    got = run(eng, {"a": (ids, [image_input(model, 0, 90, 60)]), "c": (ids, [image_input(model, 2, 90, 60)])},
+              max_tokens=2)
+    assert got["a"][1] != got["c"][1]
+
+
+def test_prefix_cache_hits_only_with_the_same_image(model, tmp_path_factory):
+    eng = engine(model, tmp_path_factory)
+    text = "Describe the image in detail, please, with every colour and shape you can find in it. " * 3
+    ids = chat_ids(model, 1, text)
+    a, a2, c = image_input(model, 0, 90, 60), image_input(model, 0, 90, 60), image_input(model, 3, 90, 60)
+    assert a.digest == a2.digest and a.digest != c.digest
+    first = run(eng, {"first": (ids, [a])})
+    _, placed = expand_image_placeholders(ids, [a], model.vision.pad_id)
+    img_start = placed[0].offset
+    same = run(eng, {"same": (ids, [a2])})
+    other = run(eng, {"other": (ids, [c])})
+    assert same["same"][0] == first["first"][0]
+    assert same["same"][2] > placed[0].end                 # the hit reaches past the image
+    assert other["other"][2] <= img_start                   # never past the first differing image token
+    assert eng.stats()["encoded_images"] == 2              # `same` needed no encoding at all
+
+
+def test_text_requests_and_bad_image_requests(model, tmp_path_factory):
+    eng = engine(model, tmp_path_factory)
+    ids = chat_ids(model, 1)
+    with pytest.raises(ValueError, match="1 image placeholders for 2 images"):
+        eng.add_request(ids, SamplingParams(max_tokens=2), images=[image_input(model, 0, 30, 30)] * 2)
+    got = run(eng, {"text": (model.tokenizer.encode("plain text"), ())}, max_tokens=3)
+    assert len(got["text"][0]) == 3
