@@ -2,6 +2,10 @@
 
 With no arguments it serves the embedded tiny model on 127.0.0.1:8000. `--model PATH` serves a
 converted or Hugging Face checkpoint directory (or a preset name with --seed for random weights).
+
+Multi-host: start the same command on every process with --coordinator/--num-processes/--process-id
+(or the K3JAX_* variables the launch scripts set). Process 0 serves HTTP and schedules; the others
+load the model and follow process 0's steps (serving/multihost.py), exiting when it shuts down.
 """
 from __future__ import annotations
 
@@ -48,7 +52,35 @@ def parse_args(argv=None):
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
     ap.add_argument("--log-level", default="info")
+    mh = ap.add_argument_group("multi-host (default: K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID)")
+    mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
+    mh.add_argument("--num-processes", type=int, default=None)
+    mh.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; others follow its steps")
     return ap.parse_args(argv)
+
+
+def _start_distributed(args) -> bool:
+    """jax.distributed from the flags / K3JAX_* env (no-op for one process). True when multi-process."""
+    from sharding import distributed
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+    if jax.process_count() == 1:
+        return False
+    if args.mesh is None:            # the model must span every process's devices
+        args.mesh = ""
+        log.info("multi-host: no --mesh given, using the default layout over all %d devices", jax.device_count())
+    return True
+
+
+def follow(args) -> int:
+    """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
+    from k3jax.api import load_model
+    from serving import multihost
+    from serving.engine import enable_compilation_cache
+    from serving.engine_args import EngineArgs
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+    enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
+    return multihost.exit_follower(multihost.follow(model))
 
 
 def build_state(args):
@@ -88,13 +120,26 @@ def _image_loader(model, args):
         return None
     from serving.image_inputs import ImageLoader, ImagePolicy
     return ImageLoader(model.vision, ImagePolicy(
-        allow_remote=args.allow_remote_images, max_bytes=int(args.max_image_mb * 2**20),
+        allow_remote=args.allow_remote_images, allow_local=args.image_dir is not None, max_bytes=int(args.max_image_mb * 2**20),
         timeout_s=args.image_fetch_timeout, local_dir=args.image_dir))
 
 
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _start_distributed(args):
+        import jax
+        if jax.process_index() != 0:
+            return follow(args)
+        from serving import multihost
+        try:
+            return _serve(args)
+        finally:           # also after a start-up error: followers waiting for the runner must exit
+            multihost.shutdown_followers()
+    return _serve(args)
+
+
+def _serve(args):
     try:
         import uvicorn
         from serving.openai.app import build_app

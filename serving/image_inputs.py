@@ -14,6 +14,7 @@ from serving.multimodal import ImageInput
 @dataclasses.dataclass(frozen=True)
 class ImagePolicy:
     allow_remote: bool = False          # http(s) URLs are fetched only when allowed
+    allow_local: bool = True            # file paths (the server allows them only under local_dir)
     max_bytes: int = 20 << 20           # encoded size (data URL payload, file, download)
     max_pixels: int = 64 << 20          # decoded width x height (decompression bombs)
     timeout_s: float = 10.0             # remote fetch
@@ -26,8 +27,11 @@ class ImageLoader:
         self.policy = policy
 
     def load(self, source: str) -> ImageInput:
-        from k3jax.vision.media import image_digest, load_image
+        from k3jax.vision.media import ImageInputError, image_digest, load_image
         p = self.policy
+        if not p.allow_local and not source.lstrip()[:5].lower() in ("data:", "http:", "https"):
+            raise ImageInputError("local image paths are disabled on this server (start it with --image-dir DIR "
+                                  "to serve files from DIR); send the image inline as a data: URL")
         img = load_image(source, allow_remote=p.allow_remote, max_bytes=p.max_bytes, max_pixels=p.max_pixels,
                          timeout_s=p.timeout_s, local_dir=p.local_dir)
         return self.from_pil(img, image_digest(img))

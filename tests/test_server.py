@@ -16,7 +16,7 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv")))
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv")), "--max-image-mb", "0.5")
     yield s
     s.stop()
 
@@ -246,3 +246,59 @@ def test_graceful_shutdown_finishes_in_flight_requests(tmp_path_factory):
     s.log.close()
     assert lines[-1] == "data: [DONE]"
     assert sum(1 for x in lines if x.startswith("data: {")) >= 1
+
+
+# ---------------------------------------------------------------------------- images (tiny tower)
+def _data_url(w, h, seed=0, fmt="PNG"):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_msg(*urls, text="What is this?"):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def test_chat_with_one_and_two_images(client, server):
+    one = _chat(client, messages=_image_msg(_data_url(90, 60)), max_tokens=4, extra_body=NO_THINK)
+    two = _chat(client, messages=_image_msg(_data_url(90, 60), _data_url(40, 130, seed=1)), max_tokens=4,
+                extra_body=NO_THINK)
+    text_only = _chat(client, messages=_image_msg(text="What is this?")[:1], max_tokens=1)
+    assert one.usage.completion_tokens == two.usage.completion_tokens == 4
+    # each image adds its placeholder tokens (a grid of 28-px cells after padding) to the prompt
+    assert two.usage.prompt_tokens > one.usage.prompt_tokens > text_only.usage.prompt_tokens
+    again = _chat(client, messages=_image_msg(_data_url(90, 60)), max_tokens=4, extra_body=NO_THINK)
+    assert again.choices[0].message.content == one.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    stream = client.chat.completions.create(model="tiny", messages=_image_msg(_data_url(90, 60)), max_tokens=4,
+                                            temperature=0, stream=True, extra_body=NO_THINK)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == one.choices[0].message.content
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("data:image/png;base64," + "iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB" + "A" * 40, "image"),      # truncated PNG
+    ("data:image/svg+xml;base64,PHN2ZyB4bWxucz0iaHR0cDovL3d3dy53My5vcmcvMjAwMC9zdmciLz4=", "format"),
+    ("data:image/png;base64,!!!notbase64", "base64"),
+    ("https://example.com/cat.png", "remote"),
+    ("/etc/passwd", "local"),
+])
+def test_bad_images_get_400(server, url, needle):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": _image_msg(url), "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"].lower() and err["param"] == "messages.0.content.0", err
+
+
+def test_oversized_image_gets_400(server):
+    big = _data_url(500, 400, fmt="BMP")        # 600 kB of raw pixels, over the server's 0.5 MB limit
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": _image_msg(big), "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 400 and "too large" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health").status_code == 200
