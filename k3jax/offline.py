@@ -4,6 +4,14 @@
     llm = LLM(model="tiny", max_num_seqs=8)
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=16))
     outs[0].outputs[0].text, outs[0].num_cached_tokens
+
+Images (models with a vision tower): chat messages with image parts (data URLs or local paths),
+
+    llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
+                                            {"type": "text", "text": "What is this?"}]}])
+
+or a prompt dict {"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": [...]}}
+whose text holds one `<|media_pad|>` per image (PIL images or sources).
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from serving.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineArgs"]
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]
 
 
 class LLM:
@@ -30,7 +38,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params=None, *,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); n > 1 gives n completions per prompt."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -38,7 +46,9 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         groups = []
         for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            ids = [self.engine.add_request(prompt, sp.for_child(j), request_id=f"offline-{id(self)}-{i}-{j}")
+            tokens, images = self._split(prompt)
+            ids = [self.engine.add_request(tokens, sp.for_child(j), request_id=f"offline-{id(self)}-{i}-{j}",
+                                           images=images)
                    for j in range(sp.n)]
             groups.append((prompt, ids))
         final: dict[str, RequestOutput] = {}
@@ -58,11 +68,41 @@ class LLM:
         for prompt, ids in groups:
             outs = [final[r] for r in ids]
             comps = [dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
-            results.append(RequestOutput(ids[0].rsplit("-", 1)[0], prompt if isinstance(prompt, str) else None,
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+            results.append(RequestOutput(ids[0].rsplit("-", 1)[0], text,
                                          outs[0].prompt_token_ids, comps, True, outs[0].num_cached_tokens,
                                          outs[0].metrics))
         return results
 
     def chat(self, messages, sampling_params=None, **template_kwargs) -> RequestOutput:
         ids = self.model.tokenizer.apply_chat_template(messages, tokenize=True, **template_kwargs)
-        return self.generate([ids], sampling_params)[0]
+        from serving.openai.chat import image_sources
+        images = [src for _, _, src in image_sources(messages)]
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        return self.generate([prompt], sampling_params)[0]
+
+    def _split(self, prompt):
+        """(text or token ids, [ImageInput]) of one prompt."""
+        if not isinstance(prompt, dict):
+            return prompt, ()
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        items = (prompt.get("multi_modal_data") or {}).get("image", [])
+        items = items if isinstance(items, (list, tuple)) else [items]
+        tokens = prompt.get("prompt_token_ids")
+        if tokens is None:       # placeholders are special tokens: parse them in the text
+            if self.model.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids")
+            tokens = self.model.tokenizer.encode(prompt["prompt"], allow_special=bool(items))
+        return tokens, [self._image(x) for x in items]
+
+    def _image(self, item):
+        if self.model.vision is None:
+            raise ValueError("images: this model has no vision tower")
+        from serving.image_inputs import ImageLoader
+        loader = ImageLoader(self.model.vision)
+        if isinstance(item, str):
+            return loader.load(item)
+        from k3jax.vision.media import image_digest, to_rgb
+        rgb = to_rgb(item)
+        return loader.from_pil(rgb, image_digest(rgb))

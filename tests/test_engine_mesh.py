@@ -34,3 +34,23 @@ def test_generate_cli_with_mesh():
     bad = subprocess.run([sys.executable, "-m", "k3jax.generate", "--mesh", "data=3"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and ("data=3" in bad.stderr or "device" in bad.stderr)
+
+
+def test_image_chat_on_mesh_matches_one_device(tmp_path):
+    """LLM.chat with a local image file (offline API) on 8 devices equals one device."""
+    from PIL import Image
+    path = tmp_path / "pic.png"
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (70, 100, 3), dtype=np.uint8)).save(path)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    outs = []
+    for mesh in (None, "data=2,expert=4"):
+        llm = LLM("tiny", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
+                  warmup=False)
+        out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), thinking=False)
+        text_only = llm.chat([{"role": "user", "content": "What is it?"}],
+                             SamplingParams(temperature=0, max_tokens=1), thinking=False)
+        assert len(out.prompt_token_ids) > len(text_only.prompt_token_ids) + 4
+        assert llm.engine.stats()["encoded_images"] == 1
+        outs.append(out.outputs[0].token_ids)
+    assert outs[0] == outs[1]
