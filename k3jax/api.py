@@ -132,9 +132,11 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     src = os.fspath(path_or_preset)
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
+        from k3jax.checkpoint.vision_ckpt import load_vision
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
-        return Model(config, _place(params, mesh, config), _load_tokenizer(src),
-                     name=os.path.basename(os.path.normpath(src)), mesh=mesh)
+        tokenizer = _load_tokenizer(src)
+        return Model(config, _place(params, mesh, config), tokenizer, name=os.path.basename(os.path.normpath(src)),
+                     mesh=mesh, vision=load_vision(src, config, tokenizer, dt))
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
     config = preset_config(src)

@@ -26,7 +26,7 @@ log = logging.getLogger("k3jax.convert")
 DTYPES = ("bfloat16", "float16", "float32")
 # Tokenizer and generation files copied verbatim when present (plus any *.jinja template).
 AUX_FILES = ("tiktoken.model", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-             "chat_template.json", "chat_template.jinja", "generation_config.json")
+             "chat_template.json", "chat_template.jinja", "generation_config.json", "preprocessor_config.json")
 
 
 def _load_raw_config(src: str) -> dict:
@@ -138,12 +138,17 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", dequantize: bool = F
         index = orbax_io.save_params_streaming(os.path.join(tmp, orbax_io.PARAMS_DIR), iter_leaves(ckpt, plans),
                                                total_bytes=total, progress=progress, meta=meta,
                                                group_bytes=group_bytes, sizes=[p.nbytes for p in plans])
+        from k3jax.checkpoint.vision_ckpt import convert_vision
+        vision_bytes = convert_vision(ckpt, cfg, raw, tmp, np.dtype(dtype))
+        if vision_bytes:
+            log.info("vision tower: %.1f MiB", vision_bytes / 2**20)
         _replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     summary = {"dst": dst, "params": len(plans), "bytes": total, "items": len(index["items"]),
                "largest_param": largest.key, "largest_bytes": largest.nbytes, "aux_files": aux,
+               "vision_bytes": vision_bytes,
                "seconds": time.time() - t0,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     log.info("wrote %s: %.2f GiB in %d orbax items, %.1f s, peak RSS %.2f GiB", dst, total / 2**30,

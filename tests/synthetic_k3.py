@@ -38,7 +38,7 @@ def k3_config_dict(quantized: bool = True, top_level_quant: bool = False, **text
     text.pop("quantization_config", None)
     text.update(text_overrides)
     raw["architectures"] = ["KimiK3ForConditionalGeneration"]
-    raw["vision_config"] = {"patch_size": 14, "hidden_size": 32, "num_hidden_layers": 1}
+    # (the tiny preset's K3-style vision_config is kept: the tower below matches it)
     if quantized:
         (raw if top_level_quant else text)["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
@@ -159,14 +159,41 @@ def hf_tensors(c: ModelConfig, key: str, a: np.ndarray, rng: np.random.Generator
     raise KeyError(key)
 
 
-def _vision_tensors(rng):
-    return [("vision_tower.patch_embed.proj.weight", rng.standard_normal((32, 3, 14, 14), np.float32).astype(BF16)),
-            ("vision_tower.blocks.0.norm1.weight", np.ones(32, BF16)),
-            ("mm_projector.proj.0.weight", rng.standard_normal((128, 128), np.float32).astype(BF16))]
+def _vision_tensors(raw: dict, rng, out: dict | None):
+    """A complete tower in Moonshot's spelling (K3-style config: no biases, RMSNorm, patchmergerv2),
+    written from the names alone; `out` receives the same weights in k3jax's layout ([in, out])."""
+    v = raw["vision_config"]
+    D, Q, I, p = v["vt_hidden_size"], v["qkv_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+    T, M = raw["text_config"]["hidden_size"], D * 4                       # 2x2 merge
+    r = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.2).astype(BF16)
+    ones = lambda n: (1 + r(n).astype(np.float32) * 0.5).astype(BF16)
+    t = {"vision_tower.patch_embed.proj.weight": r(D, 3, p, p),
+         "vision_tower.patch_embed.pos_emb.weight": r(v["init_pos_emb_height"], v["init_pos_emb_width"], D),
+         "vision_tower.encoder.final_layernorm.weight": ones(D),
+         "mm_projector.proj.0.weight": r(M, M), "mm_projector.proj.2.weight": r(T, M),
+         "mm_projector.post_norm.weight": ones(T)}
+    ours = {"patch_embed": {"w": t["vision_tower.patch_embed.proj.weight"].reshape(D, -1).T},
+            "pos_emb": t["vision_tower.patch_embed.pos_emb.weight"],
+            "final_norm": {"w": t["vision_tower.encoder.final_layernorm.weight"]},
+            "projector": {"proj0": {"w": t["mm_projector.proj.0.weight"].T},
+                          "proj2": {"w": t["mm_projector.proj.2.weight"].T},
+                          "post_norm": {"w": t["mm_projector.post_norm.weight"]}}, "blocks": []}
+    for i in range(v["vt_num_hidden_layers"]):
+        B = f"vision_tower.encoder.blocks.{i}."
+        blk = {B + "norm0.weight": ones(D), B + "norm1.weight": ones(D), B + "wqkv.weight": r(3 * Q, D),
+               B + "wo.weight": r(D, Q), B + "mlp.fc0.weight": r(I, D), B + "mlp.fc1.weight": r(D, I)}
+        t.update(blk)
+        ours["blocks"].append({"norm0": {"w": blk[B + "norm0.weight"]}, "norm1": {"w": blk[B + "norm1.weight"]},
+                               "wqkv": {"w": blk[B + "wqkv.weight"].T}, "wo": {"w": blk[B + "wo.weight"].T},
+                               "fc0": {"w": blk[B + "mlp.fc0.weight"].T}, "fc1": {"w": blk[B + "mlp.fc1.weight"].T}})
+    if out is not None:
+        out.update(ours)
+    return list(t.items())
 
 
 def write_checkpoint(path, raw: dict | None = None, *, seed: int = 0, shard_bytes: int = 1 << 20,
-                     vision: bool = True, tokenizer: bool = True, keep_params: bool = True):
+                     vision: bool = True, tokenizer: bool = True, keep_params: bool = True,
+                     vision_out: dict | None = None):
     """Write a K3-format HF checkpoint dir: config.json, sharded safetensors + index, tokenizer files.
 
     Generates and writes parameter by parameter (memory ~ one shard + one parameter).
@@ -206,7 +233,7 @@ def write_checkpoint(path, raw: dict | None = None, *, seed: int = 0, shard_byte
             leaves.append(a)
         del a
     if vision:
-        add(_vision_tensors(rng))
+        add(_vision_tensors(raw, rng, vision_out))
     flush()
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

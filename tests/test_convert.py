@@ -50,8 +50,8 @@ def _flat(tree):
 def test_layout_and_aux_files(k3, converted):
     src, cfg, _ = k3
     dst = converted["bf16"]
-    assert sorted(os.listdir(dst)) == ["chat_template.jinja", "config.json", "k3jax_params", "tiktoken.model",
-                                       "tokenizer_config.json"]
+    assert sorted(os.listdir(dst)) == ["chat_template.jinja", "config.json", "k3jax_params", "k3jax_vision.safetensors",
+                                       "tiktoken.model", "tokenizer_config.json"]
     assert (dst / "tiktoken.model").read_bytes() == (src / "tiktoken.model").read_bytes()
     index = orbax_io.read_index(dst)
     assert index["expert_format"] == "mxfp4" and not index["dequantized"]

@@ -26,7 +26,7 @@ import jax
 
 log = logging.getLogger(__name__)
 
-# Vision weights ship in K3 checkpoints; the text model does not use them (warn, never fail).
+# Vision weights ship in K3 checkpoints; they are converted on their own (checkpoint/vision_ckpt.py).
 VISION = re.compile(r"^(language_model\.)?(model\.)?(vision_tower|mm_projector|multi_modal_projector)\.")
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 _VOID = np.dtype([])        # zero-byte elements: run a Source's reshapes/transposes on shapes only
@@ -128,7 +128,8 @@ def plan_conversion(ckpt: SafetensorsDir, cfg: ModelConfig, dtype, *, dequantize
     if unexpected:
         log.warning("ignoring %d unexpected tensors: %s", len(unexpected), _names(unexpected, 5))
     if vision:
-        log.warning("ignoring %d vision tensors (the text model does not use them), e.g. %s", len(vision), vision[0])
+        log.info("%d vision tensors (converted with the tower when the config has a vision_config), e.g. %s",
+                 len(vision), vision[0])
 
     heads = {n: _header(ckpt, n) for n in sorted(used)}
     by_key = {path_str(p): (src, leaf) for p, src, leaf in in_flat}

@@ -59,7 +59,7 @@ TINY = {
         "init_pos_emb_time": 4, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
         "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bicubic", "norm_type": "rmsnorm",
         "mlp_type": "mlp2", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
-        "mm_projector_type": "patchmergerv2", "mm_hidden_size": 64, "text_hidden_size": 128,
+        "mm_projector_type": "patchmergerv2", "mm_hidden_size": 64,
         "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
     },
 }
