@@ -25,7 +25,7 @@ import numpy as np
 
 import jax
 
-from k3jax.checkpoint.hf_names import Source, _first_available, path_str
+from k3jax.checkpoint.hf_names import Source, _first_available, _select, path_str
 from k3jax.params import is_leaf
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.tower import vision_param_spec
@@ -119,14 +119,6 @@ def _options(c: VisionConfig, tower: str, proj: str) -> dict:
             "post_norm": {"w": [_one(proj + "post_norm.weight")]},
         },
     }
-
-
-def _select(spec, options):
-    if is_leaf(spec):
-        return options
-    if isinstance(spec, list):
-        return [_select(s, o) for s, o in zip(spec, options)]
-    return {k: _select(v, options[k]) for k, v in spec.items()}
 
 
 def vision_sources(c: VisionConfig, names: Iterable[str], text_hidden_size: int | None = None):
