@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -157,6 +158,9 @@ def _serve(args):
     server = uvicorn.Server(config)
     log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible)%s", state.model_name, args.host, args.port,
              " with API key" if args.api_key else "")
+    # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the
+    # `finally` below; exit through it instead (multi-host: process 0 must still stop the followers).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run()
     finally:

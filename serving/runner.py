@@ -15,6 +15,7 @@ import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.model import forward_step
+from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ def _copy_pages(pools, src, dst):
 
 
 class ModelRunner:
+    @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
@@ -108,7 +110,7 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self._note_shape(("copy", n))
-        self.pools = self._copy(self.pools, src, dst)
+        self._call("copy", src, dst)
 
     def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
                 prompt_ids=None, output_ids=None, allowed_masks=None):
@@ -122,7 +124,7 @@ class ModelRunner:
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
         self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None, self._variant(sarr)))
-        toks, lp, top_ids, top_vals, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, cnt)
+        toks, lp, top_ids, top_vals = self._call("step", batch, sarr, cnt)
         n = len(chunks)
         return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
 
@@ -153,5 +155,20 @@ class ModelRunner:
                                 num_tokens=T, num_seqs=N, max_pages=self.max_pages)
         sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
         self._note_shape(("step", T, N, batch.decode_only, mm, self._variant(sarr)))
-        out = self._step(self.params, self.pools, batch, sarr, self.key_data, np.zeros(N, np.int32))
-        self.pools = out[-1]
+        self._call("step", batch, sarr, np.zeros(N, np.int32))
+
+    # ---- multi-host hook: the one dispatch point of the jitted functions. In a multi-process run
+    # process 0 first broadcasts (control, host args) and the followers make this same call
+    # (serving/multihost.py); args must be host values (numpy / pytrees of numpy).
+    def _call(self, control: str, *args):
+        with multihost.leading(control, args):
+            if control == "step":
+                batch, sarr, counters = args
+                *outs, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, counters)
+                return outs
+            if control == "copy":
+                src, dst = args
+                self.pools = self._copy(self.pools, src, dst)
+                return None
+            raise ValueError(f"unknown runner call {control!r}")
+    # ---- end of the multi-host hook

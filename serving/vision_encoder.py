@@ -42,7 +42,9 @@ class VisionEncoder:
         largest = max_patches or vision.max_patches
         self.buckets = patch_buckets(largest, cfg.merge_size)
         self.params = stack_blocks(vision.params)     # the layers run under one scan: one compiled block
-        if mesh is not None:     # the tower is small next to the LLM: replicate it
+        # The tower is small next to the LLM: replicate it. Multi-host: it runs on process 0's own
+        # device only, and its embeddings reach the other processes in the step batch (serving/multihost.py).
+        if mesh is not None and jax.process_count() == 1:
             from sharding.rules import replicated
             self.params = jax.device_put(self.params, replicated(mesh))
         self._fn = jax.jit(lambda p, px, vb: encode_images(p, cfg, px, vb))

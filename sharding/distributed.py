@@ -41,6 +41,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         auto = os.environ.get("K3JAX_DISTRIBUTED", "") == "auto"
     if num_processes == 1 or (coordinator is None and num_processes is None and process_id is None and not auto):
         return False
+    if is_initialized():       # e.g. `python -m sharding.launch k3jax.serve`: the launcher already did it
+        return True
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     kw = {}
@@ -49,6 +51,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s, **kw)
     return True
+
+
+def is_initialized() -> bool:
+    """Whether jax.distributed is running in this process."""
+    if hasattr(jax.distributed, "is_initialized"):
+        return bool(jax.distributed.is_initialized())
+    from jax._src import distributed as _d     # older JAX
+    return _d.global_state.client is not None
 
 
 def is_coordinator() -> bool:
