@@ -35,10 +35,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
+    from serving import multihost
+    # Multi-host (K3JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID): process 0 generates, the others follow.
+    args.mesh = multihost.start(mesh=args.mesh)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
         model = load_model(args.model, dtype=args.dtype, mesh=args.mesh)
+        if multihost.is_multiprocess() and not multihost.is_leader():
+            return multihost.exit_follower(multihost.follow(model))
         tok = model.tokenizer
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer")
@@ -53,6 +58,8 @@ def main(argv=None):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        multihost.shutdown_followers()     # no-op unless this is process 0 of a multi-process run
     dt = time.perf_counter() - t0
     print(out.text)
     print(f"[{len(ids)} prompt tokens, {len(out.token_ids)} generated in {dt:.2f}s, "

@@ -60,19 +60,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _start_distributed(args) -> bool:
-    """jax.distributed from the flags / K3JAX_* env (no-op for one process). True when multi-process."""
-    from sharding import distributed
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    import jax
-    if jax.process_count() == 1:
-        return False
-    if args.mesh is None:            # the model must span every process's devices
-        args.mesh = ""
-        log.info("multi-host: no --mesh given, using the default layout over all %d devices", jax.device_count())
-    return True
-
-
 def follow(args) -> int:
     """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
     from k3jax.api import load_model
@@ -128,11 +115,11 @@ def _image_loader(model, args):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if _start_distributed(args):
-        import jax
-        if jax.process_index() != 0:
+    from serving import multihost
+    args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh)
+    if multihost.is_multiprocess():
+        if not multihost.is_leader():
             return follow(args)
-        from serving import multihost
         try:
             return _serve(args)
         finally:           # also after a start-up error: followers waiting for the runner must exit

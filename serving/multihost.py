@@ -61,6 +61,20 @@ def is_leader() -> bool:
     return jax.process_count() > 1 and jax.process_index() == 0
 
 
+def start(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+          mesh=None):
+    """Start jax.distributed from the arguments or K3JAX_* env (no-op for one process, or when
+    `sharding.launch` already did). Returns the mesh to load the model on: a multi-process run needs
+    one spanning every process's devices, so None becomes the default layout ("")."""
+    from sharding import distributed
+    distributed.initialize(coordinator, num_processes, process_id)
+    if is_multiprocess() and mesh is None:
+        import jax
+        log.info("multi-host: no mesh given, using the default layout over all %d devices", jax.device_count())
+        return ""
+    return mesh
+
+
 # ---------------------------------------------------------------------- encoding
 
 def encode(tree) -> tuple[bytes, list[np.ndarray]]:
