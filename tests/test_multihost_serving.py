@@ -131,3 +131,29 @@ def test_two_process_server_matches_one_device(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_follower_exits_when_process0_dies(tmp_path):
+    """SIGKILL process 0 of an idle 2-process server: the follower, waiting for the next step inside a
+    collective, must exit non-zero within seconds (its own log line, or JAX's coordination service
+    ending it), not hang."""
+    coord, port = f"127.0.0.1:{free_port()}", free_port()
+    group = [_start(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4", "--no-warmup",
+                                           "--coordinator", coord, "--num-processes", "2", "--process-id", str(i),
+                                           *SERVE], _env(4))
+             for i in range(2)]
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", group, 100)
+        group[0][0].kill()
+        t = time.time()
+        code = group[1][0].wait(60)
+        log = _tail(group[1][1], 100000)
+        assert code != 0, log
+        assert "lost process 0" in log or "JAX distributed service detected fatal errors" in log, log
+        print(f"follower exited with {code} {time.time() - t:.1f}s after process 0 was killed")
+    finally:
+        for p, _ in group:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
