@@ -8,7 +8,8 @@ the tests use over 127.0.0.1.
 Environment fallbacks for `initialize()` (set by scripts/launch_*.sh):
   K3JAX_COORDINATOR=host:port  K3JAX_NUM_PROCESSES=N  K3JAX_PROCESS_ID=i
   K3JAX_DISTRIBUTED=auto       none of the above: let JAX auto-detect the cluster (TPU pods)
-With nothing set, the program stays a single process.
+With nothing set, the program stays a single process. Serving's per-step broadcast to follower
+processes lives in serving/multihost.py.
 """
 from __future__ import annotations
 
