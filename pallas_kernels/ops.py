@@ -114,8 +114,11 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
     if "w1" in experts:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
-    # MXFP4: dequantize, then the bf16 fused kernel. The in-kernel MXFP4 decode path gave a relative
-    # error of 1.26 at K3 shapes (T=512, 3584 -> 3072, E=112, k=16) on the H200 on 2026-11-29
-    # (scripts/check_kernels_gpu.py), while the bf16 kernel checked out; use it until that is fixed.
-    deq = lambda n: jnp.swapaxes(moe.dequantize_mxfp4(experts[f"{n}_packed"], experts[f"{n}_scale"], x.dtype), -1, -2)
-    return moe.expert_mlp(x, topk_ids, topk_weights, deq("w1"), deq("w3"), deq("w2"), **kw)
+    # MXFP4: the in-kernel decode path (expert_mlp_mxfp4 picks per call: decode in the kernel's main
+    # loop when the average expert has < 128 rows, else one XLA decode pass + the bf16 kernel).
+    # H200, 2026-11-29 (scripts/bench_moe.py): 435-673 us per decode MoE layer where dequantizing all
+    # experts first and running the bf16 kernel took 25-59 ms. (The "rel err 1.26 at K3 shapes" that
+    # once made this path suspect was a wrong reference in scripts/check_kernels_gpu.py.)
+    return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, (experts["w1_packed"], experts["w1_scale"]),
+                                (experts["w3_packed"], experts["w3_scale"]),
+                                (experts["w2_packed"], experts["w2_scale"]), **kw)

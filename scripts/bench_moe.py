@@ -32,6 +32,9 @@ from pallas_kernels import moe  # noqa: E402
 from pallas_kernels.moe import grouped as gm  # noqa: E402
 from pallas_kernels.moe import kernel as kn  # noqa: E402
 from pallas_kernels.moe.schedule import Tiling  # noqa: E402
+from pallas_kernels.moe import mxfp4 as _mxm  # noqa: E402
+
+ASM_DEFAULT = _mxm.USE_ASM  # rows below name their decoder; each variant restores this default
 
 T0 = time.time()
 ROWS: list[tuple] = []
@@ -132,7 +135,7 @@ def check(m=4096):
     mxm.USE_ASM = asm
     f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
     _safe(res, f"gmm_mxfp4 {mode} asm={asm} {t}", lambda: rel_err(f(x, p, s, gs), refq))
-    mxm.USE_ASM = False
+    mxm.USE_ASM = ASM_DEFAULT
   for act in ("situ",):
     f = functools.partial(kn.glu_activation, activation=act)
     ref_h = f(gm.gmm_reference(x, w, gs).astype(jnp.float32),
@@ -147,7 +150,7 @@ def check(m=4096):
                                                     mode="kernel"))
       _safe(res, f"glu mxfp4 {act} asm={asm}",
             lambda: rel_err(fq(x, p, s, gs)[:m - 96], f(hq, hq)[:m - 96]))
-      mxm.USE_ASM = False
+      mxm.USE_ASM = ASM_DEFAULT
   # expert_mlp end to end vs its own reference path (jnp ragged_dot)
   nt = m // 8
   ids = jnp.asarray(r.integers(0, g, (nt, 4)), jnp.int32)
@@ -266,20 +269,27 @@ def bench_gmm(label, gs_np, k, n, peak_f, peak_bw, tilings, tilings_q, mgpu_cfgs
   for t, mode in tilings_q:
     if time.time() - T0 > deadline:
       break
+    _mxm.USE_ASM = False  # the jnp decoder (the PTX one has its own rows below)
     f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=t, mode=mode))
     tt = try_time(f"mxfp4 {t} {mode}", f, x, p, s, gs)
+    _mxm.USE_ASM = ASM_DEFAULT
     log(f"{label} mxfp4 {t} {mode}: {tt and tt * 1e6}")
     if tt:
-      row(f"ours mxfp4 {mode} (packed bytes)", tt, wb=wbytes_q,
+      row(f"ours mxfp4 {mode}{', jnp decoder' if mode == 'kernel' else ''} (packed bytes)", tt, wb=wbytes_q,
           note=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}")
   if asm_decoder and tilings_q and time.time() - T0 < deadline:
     from pallas_kernels.moe import mxfp4 as mxm
     t, mode = tilings_q[0]
-    for tq in (t, Tiling(t.bm, t.bk, 128, 8, t.num_stages)):
+    asm_t = [t, Tiling(t.bm, t.bk, 128, 8, t.num_stages)]
+    if t.bm <= 32:  # decode: deeper K tiles / pipelines keep more weight bytes in flight
+      asm_t += [Tiling(t.bm, 512, 64, 4, 3), Tiling(t.bm, t.bk, 64, 4, 5)]
+    for tq in asm_t:
+      if time.time() - T0 > deadline:
+        break
       mxm.USE_ASM = True
       f = jax.jit(functools.partial(moe.gmm_mxfp4, tiling=tq, mode="kernel"))
       tt = try_time("mxfp4 asm", f, x, p, s, gs)
-      mxm.USE_ASM = False
+      mxm.USE_ASM = ASM_DEFAULT
       row("ours mxfp4 kernel, PTX decoder (packed bytes)", tt, wb=wbytes_q,
           note=f"bm{tq.bm} bk{tq.bk} bn{tq.bn} w{tq.num_warps} s{tq.num_stages}")
   if "ours bf16" in res and "mgpu example (anchor)" in res:
@@ -310,12 +320,34 @@ def bench_mlp(label, tokens, d, inter, e_global, e_local, k, peak_bw, t_up, t_do
   q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
   q1, q3, q2 = q(w1), q(w3), q(w2)
   del w1, w3, w2
-  fq = jax.jit(functools.partial(moe.expert_mlp_mxfp4, activation="situ"))
-  tq = try_time("mlp mxfp4", fq, x, ids, wts, q1, q3, q2)
   wq = touched * 3 * d * inter * (0.5 + 1 / 32)
-  if tq:
-    ROWS.append((label, "expert_mlp mxfp4 (situ)", tq * 1e6, flops / tq / 1e12, wq / tq / 1e12,
-                 None, wq / tq / peak_bw, "packed bytes"))
+  from pallas_kernels.moe import mxfp4 as mxm
+  for asm in (False, True):
+    mxm.USE_ASM = asm  # read at trace time: a fresh jit per setting
+    fq = jax.jit(functools.partial(moe.expert_mlp_mxfp4, activation="situ"))
+    tq = try_time(f"mlp mxfp4 asm={asm}", fq, x, ids, wts, q1, q3, q2)
+    mxm.USE_ASM = ASM_DEFAULT
+    if tq:
+      ROWS.append((label, f"expert_mlp mxfp4 in-kernel (situ, {'PTX' if asm else 'jnp'} decoder)",
+                   tq * 1e6, flops / tq / 1e12, wq / tq / 1e12, None, wq / tq / peak_bw,
+                   "packed bytes"))
+  if tokens <= 256:  # the heuristic sizes tiles from all T*k rows, foreign ones included: force decode tiles
+    td16 = Tiling(16, 256, 64, 4, 3)
+    fq = jax.jit(functools.partial(moe.expert_mlp_mxfp4, activation="situ", tiling=(td16, td16)))
+    tq = try_time("mlp mxfp4 decode tiles", fq, x, ids, wts, q1, q3, q2)
+    if tq:
+      ROWS.append((label, f"expert_mlp mxfp4 in-kernel, PTX={ASM_DEFAULT}, tiles bm16 bk256 bn64",
+                   tq * 1e6, flops / tq / 1e12, wq / tq / 1e12, None, wq / tq / peak_bw,
+                   "packed bytes"))
+  # what ops.expert_mlp did while the in-kernel path was suspect: dequantize all experts, bf16 kernel
+  deq = lambda w: jnp.swapaxes(moe.dequantize_mxfp4(w[0], w[1], jnp.bfloat16), 1, 2)
+  fd = jax.jit(lambda x, ids, wts, q1, q3, q2: moe.expert_mlp(
+      x, ids, wts, deq(q1), deq(q3), deq(q2), activation="situ"))
+  td = try_time("mlp mxfp4 dequant+bf16", fd, x, ids, wts, q1, q3, q2)
+  if td:
+    ROWS.append((label, "expert_mlp mxfp4 dequantize all + bf16 kernel", td * 1e6, flops / td / 1e12,
+                 wq / td / 1e12, None, wq / td / peak_bw, "packed bytes"))
+  log(f"{label}: " + ", ".join(f"{r[1]} {r[2]:.1f} us" for r in ROWS if r[0] == label and r[2]))
 
 
 def table(peak_f, peak_bw, dev):
@@ -341,6 +373,8 @@ def main():
   ap.add_argument("--no-check", action="store_true")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU script check)")
+  ap.add_argument("--only", default="", help="comma-separated label substrings (e.g. 'decode')")
+  ap.add_argument("--no-mlp", action="store_true", help="skip the whole-expert-MLP rows")
   a = ap.parse_args()
   dev = jax.devices()[0].device_kind
   log("device", dev, jax.__version__)
@@ -373,6 +407,8 @@ def main():
     SAMPLES[0] = 1
     shapes = [(lab, max(8, tok // 256), d // 8, inter // 8, eg // 16, max(4, el // 16),
                k // 2, pre) for lab, tok, d, inter, eg, el, k, pre in shapes]
+  if a.only:
+    shapes = [sh for sh in shapes if any(o in sh[0] for o in a.only.split(","))]
   for lab, tok, d, inter, eg, el, k, pre in shapes:
     gs = routing(jax.random.key(tok + el), tok, k, eg, el)
     lab2 = f"{lab} ({int(gs.sum())} rows, {d}->{2 * inter})"
@@ -381,7 +417,7 @@ def main():
               pre_q if pre else dec_q, pre_mgpu if pre else dec_mgpu, a.deadline,
               glu_tilings=pre_glu if pre else (), asm_decoder=True)
     write_table(peak_f, peak_bw, dev)
-  for lab, tok, d, inter, eg, el, k, pre in shapes:
+  for lab, tok, d, inter, eg, el, k, pre in ([] if a.no_mlp else shapes):
     bench_mlp(f"{lab} MLP", tok, d, inter, eg, el, k, peak_bw, None, None, a.deadline + 25)
     write_table(peak_f, peak_bw, dev)
   print(write_table(peak_f, peak_bw, dev), flush=True)

@@ -323,3 +323,41 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
   # both round h and the expert outputs to bf16 (at slightly different points): a few
   # bf16 ulps apart; each is within ~0.6% of the float64 loop (the tests above)
   _close(out, ref, rel=1.5e-2)
+
+
+# ------------------------------------- regression: "expert_mlp_mxfp4 wrong at K3 shapes"
+
+def test_gmm_rejects_group_count_mismatch():
+  """ragged_dot semantics: one group size per weight group. Before, the kernels silently used
+  only the first len(group_sizes) experts (this made check_kernels_gpu.py's reference wrong)."""
+  x = _bf16(np.ones((8, 64)))
+  w = _bf16(np.ones((5, 64, 32)))
+  gs = jnp.asarray([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="group_sizes"):
+    moe.gmm(x, w, gs, interpret=True)
+  p, s = moe.quantize_mxfp4(jnp.swapaxes(w.astype(jnp.float32), 1, 2))
+  with pytest.raises(ValueError, match="group_sizes"):
+    moe.gmm_mxfp4(x, p, s, gs, interpret=True)
+
+
+def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
+  """The shape class that 'failed' on the H200 (E=112 > the tiny config's 16 experts, k=16),
+  reduced: E=40, k=8, several row tiles per expert. In-kernel MXFP4 (interpret) vs the model's
+  routed_experts_reference with num_experts = E. With the old check's config (16 experts) the
+  same comparison gives a relative error ~2 (measured on CPU, 2026-11-30): the kernel was right."""
+  import dataclasses
+  layer = pytest.importorskip("k3jax.layers.moe")
+  from k3jax.presets import preset_config
+  r = np.random.RandomState(2)
+  t, d, i, e, k = 48, 128, 64, 40, 8
+  x = _bf16(r.randn(t, d))
+  ids = jnp.asarray(np.stack([r.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+  w = jnp.asarray(r.rand(t, k), jnp.float32)
+  packs = [moe.quantize_mxfp4(jnp.asarray(r.randn(e, b, a) / np.sqrt(a), jnp.float32))
+           for a, b in ((d, i), (d, i), (i, d))]
+  out = moe.expert_mlp_mxfp4(x, ids, w, *packs, activation="situ", interpret=True,
+                             tiling=(Tiling(16, 64, 32), Tiling(16, 32, 64)))
+  c = dataclasses.replace(preset_config("tiny"), num_experts=e)
+  pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
+  pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
+  _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)
