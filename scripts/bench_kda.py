@@ -219,12 +219,146 @@ def sweep(T=16384, H=32, N=256):
     print(f"# chosen: chunk {cp.CONFIG}, decode {rp.CONFIG}")
 
 
+def _log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _fla_stages(torch, fla, T, H, reps, res):
+    """FLA chunk_kda in total and its four stages (cumsum, intra, state, output), B=1."""
+    try:
+        from fla.ops.kda.chunk_fwd import (chunk_gated_delta_rule_fwd_h, chunk_gla_fwd_o_gk,
+                                           chunk_kda_fwd_intra, chunk_local_cumsum)
+        from fla.ops.utils.constant import RCP_LN2
+        K, C = 128, 64
+        tq, tk, tv, tg, tb = torch_inputs(torch, 1, T, H)
+        sc = K ** -0.5
+
+        def tt(label, fn):
+            t = time_torch(torch, fn, reps=reps)
+            _log(f"  FLA {label:40s} {t*1e3:8.3f} ms")
+            res[f"FLA {label}"] = t
+        tt("chunk_kda total", lambda: fla[0](tq, tk, tv, tg, tb, output_final_state=True))
+        gcs = chunk_local_cumsum(g=tg, scale=RCP_LN2, chunk_size=C)
+        tt("cumsum", lambda: chunk_local_cumsum(g=tg, scale=RCP_LN2, chunk_size=C))
+        ikw = dict(q=tq, k=tk, v=tv, gk=gcs, beta=tb, scale=sc, cu_seqlens=None, chunk_size=C)
+        w_, u_, qg_, kg_, Aqk, Akk = chunk_kda_fwd_intra(**ikw)
+        tt("intra (chunk_kda_fwd_intra)", lambda: chunk_kda_fwd_intra(**ikw))
+        hkw = dict(k=kg_, w=w_, u=u_, gk=gcs, initial_state=None, output_final_state=True,
+                   cu_seqlens=None, chunk_size=C)
+        h_, vn_, _ = chunk_gated_delta_rule_fwd_h(**hkw)
+        tt("state (chunk_gated_delta_rule_fwd_h)", lambda: chunk_gated_delta_rule_fwd_h(**hkw))
+        okw = dict(q=tq, v=vn_, g=gcs, A=Aqk, h=h_, scale=sc, cu_seqlens=None, chunk_size=C)
+        tt("out (chunk_gla_fwd_o_gk)", lambda: chunk_gla_fwd_o_gk(**okw))
+        del tq, tk, tv, tg, tb, gcs, w_, u_, qg_, kg_, Aqk, Akk, h_, vn_
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001 - the anchor's internals change between versions
+        _log(f"  FLA stages failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+# (diag, prec, inv) of the intra kernel: precision of its fp32-operand dots and the 16x16 inverse
+# (the first version, loop/highest/loop, took 19.7 ms at T=32768 H=32 on the H200, 2026-11-29)
+INTRA_VARIANTS = [("loop", "highest", "loop"), ("loop", "highest", "power"), ("loop", "tf32", "loop"), ("loop", "tf32", "power"),
+                  ("loop", "bf16x3", "power"), ("mid", "tf32", "power")]
+TOTAL_VARIANTS = [dict(intra_prec="tf32", inv="power"), dict(intra_prec="bf16x3", inv="power"),
+                  dict(intra_prec="tf32", inv="power", safe_gate=True)]
+
+
+def precision_check(T=1024, H=4):
+    """Each intra precision on the GPU, bf16 inputs (and fp32 once) vs the fp32 token-serial
+    reference: rel RMS of o and of the final state (the bf16 target is <= 5e-3)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    saved = dict(cp.CONFIG)
+    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, T, H)
+    h0 = jax.random.normal(jax.random.PRNGKey(6), (1, H, 128, 128)) * 0.1
+    o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
+        q, k, v.astype(jnp.float32), g, beta)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o3, S3 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
+        f32(q), f32(k), f32(v), g, f32(beta))
+    for prec, inv, dt in (("highest", "loop", jnp.bfloat16), ("tf32", "loop", jnp.bfloat16),
+                          ("tf32", "power", jnp.bfloat16), ("bf16x3", "power", jnp.bfloat16),
+                          ("highest", "power", jnp.float32)):
+        cp.CONFIG.update(intra_prec=prec, inv=inv)
+        try:
+            args = (q, k, v, g, beta) if dt == jnp.bfloat16 else (f32(q), f32(k), f32(v), g, f32(beta))
+            o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(*args)
+            ro, rs = (o2, S2) if dt == jnp.bfloat16 else (o3, S3)
+            _log(f"  precision {jnp.dtype(dt).name} intra {prec}/{inv} inter {cp.CONFIG['inter']}: "
+                 f"o {rel(o, ro):.2e} state {rel(S, rs):.2e}  (T={T} H={H})")
+        except Exception as e:  # noqa: BLE001
+            _log(f"  precision {prec}/{inv} FAILED {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+    cp.CONFIG.clear()
+    cp.CONFIG.update(saved)
+
+
+def stages(torch, fla, T=32768, H=32, reps=5, parts=("fla", "total", "intra", "inter")):
+    """Where prefill time goes: FLA's four stages, ours per stage and variant, B=1.
+    Prints each figure as soon as it is measured (a run cut short still reports)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    K = V = 128
+    C = 64
+    _log(f"# stages, B=1 T={T} H={H} K=V=128 bf16 (ms per call, median); CONFIG {cp.CONFIG}")
+    res = {}
+    if fla is not None and "fla" in parts:
+        _fla_stages(torch, fla, T, H, reps, res)
+    batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
+    q, k, v, g, beta = (x[0] for x in batched)
+    ik = {} if jax.default_backend() == "gpu" else dict(interpret=True, backend="interpret")
+    ci = {} if jax.default_backend() == "gpu" else dict(interpret=True)
+
+    def tm(label, fn, *args):
+        t = _try_time(label, fn, *args, reps=reps)
+        res[label] = t
+        return t
+
+    saved = dict(cp.CONFIG)
+    if "total" in parts:
+        tm("chunk_kda total (CONFIG)", jax.jit(lambda *a: chunk_kda(*a, **ci)), *batched)
+    for tv in (TOTAL_VARIANTS if "total" in parts else []):
+        tv = dict(tv)
+        sg = tv.pop("safe_gate", False)
+        cp.CONFIG.update(tv)
+        tm(f"chunk_kda total {tv} safe_gate={sg}",
+           jax.jit(lambda *a, sg=sg: chunk_kda(*a, safe_gate=sg, **ci)), *batched)
+        cp.CONFIG.clear()
+        cp.CONFIG.update(saved)
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    b32 = beta.astype(jnp.float32)
+    ones = jnp.ones((T,), jnp.float32)
+    a0, dt0 = jnp.zeros((H,)), jnp.zeros((H, K))
+    tm("prologue (scale q, casts)", jax.jit(lambda q, k, b: ((q.astype(jnp.float32) * K ** -0.5)
+                                                              .astype(jnp.bfloat16), k, b.astype(jnp.float32))),
+       q, k, beta)
+    gc = cp.chunk_cumsum(g, ones, a0, dt0, **ik)
+    tm("cumsum", lambda *x: cp.chunk_cumsum(*x, **ik), g, ones, a0, dt0)
+    for diag, prec, inv in (INTRA_VARIANTS if "intra" in parts else []):
+        tm(f"intra diag={diag} prec={prec} inv={inv}",
+           lambda *x, d=diag, p=prec, i=inv: cp.chunk_intra(*x, diag=d, prec=p, inv=i, **ik),
+           qs, k, v, gc, b32)
+    if "inter" not in parts:
+        return res
+    w, qg, kd, u, A = cp.chunk_intra(qs, k, v, gc, b32, diag="mid", **ik)
+    cs = jnp.array([0, T // C], jnp.int32)
+    h0 = jnp.zeros((1, H, K, V))
+    tm("state (two_pass) block_v=32 warps=4 stages=3",
+       lambda *x: cp.chunk_state(*x, block_v=32, num_warps=4, num_stages=3, **ik), w, kd, u, gc, cs, h0)
+    hc, vn, _ = cp.chunk_state(w, kd, u, gc, cs, h0, **ik)
+    tm("out (two_pass) warps=4", lambda *x: cp.chunk_out(*x, out_dtype=jnp.bfloat16, **ik), qg, hc, A, vn)
+    del w, qg, kd, u, A, hc, vn
+    _log(f"# stages done (T={T}): " + "; ".join(f"{kk} {vv*1e3:.3f} ms" for kk, vv in res.items() if vv))
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline", type=float, default=170.0, help="stop starting new cases after (s)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time kernel variants, keep the fastest")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--stages", action="store_true", help="time each prefill stage (ours and FLA's)")
+    ap.add_argument("--stages-only", action="store_true", help="--stages, then exit")
+    ap.add_argument("--stage-shape", type=int, nargs=2, default=(32768, 32), help="T H")
+    ap.add_argument("--stage-parts", default="precision,fla,total,intra,inter")
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     args = ap.parse_args()
@@ -232,6 +366,13 @@ def main():
     torch, fla, why = _torch_fla()
     if fla is None:
         print(f"# FLA anchor unavailable ({why}): anchor columns n/a")
+    if args.stages or args.stages_only:
+        parts = args.stage_parts.split(",")
+        if "precision" in parts:
+            precision_check()
+        stages(torch, fla, *args.stage_shape, parts=parts)
+        if args.stages_only:
+            return
     if args.sweep:
         sweep(*args.sweep_shape)
     if args.check:

@@ -144,3 +144,28 @@ def test_decode_bf16_and_donated_jit():
     assert o.dtype == jnp.bfloat16 and P.dtype == jnp.float32
     assert _rel(o, o2) < 5e-3 and _rel(P, P2) < 1e-5
     np.testing.assert_array_equal(np.asarray(P)[[1, 4]], before[[1, 4]])
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(inter="fused", split=True, inv="loop", intra_prec="highest"),  # the first kernel version
+    dict(inter="two_pass", inv="power", intra_prec="bf16x3"),
+    dict(inter="two_pass", inv="loop", intra_prec="tf32", diag="reg"),
+])
+def test_chunk_kernel_variants(cfg, monkeypatch):
+    """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:
+    fused vs two-pass inter stage, row-loop vs Neumann-product inverse, dot precisions (CPU
+    interpret mode computes every precision in fp32: the GPU precision check is in bench_kda)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    for k_, v_ in cfg.items():
+        monkeypatch.setitem(cp.CONFIG, k_, v_)
+    B, T, H, K, V = 1, 100, 2, 16, 32
+    q, k, v, g, beta = _inputs(11, B, T, H, K, V)
+    h0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, V))
+    o, S = _chunk(q, k, v, g, beta, initial_state=h0)
+    o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0)
+    assert _rel(o, o2) < 1e-5 and _rel(S, S2) < 1e-5
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    o, S = _chunk(bf(q), bf(k), bf(v), g, bf(beta), initial_state=h0)
+    o2, S2 = recurrent_kda_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta),
+                                     initial_state=h0)
+    assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
