@@ -92,15 +92,18 @@ def serve(args):
         presets._PRESETS[name] = lambda d=d: d
         args.model = name
     bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     model = load_model(args.model, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
     t_load = time.perf_counter() - t0
+    print(f"load {t_load:.1f}s", flush=True)
     c = model.config
     llm = LLM(model, max_num_seqs=args.concurrency, max_num_batched_tokens=args.budget,
               max_model_len=args.input + args.output + 16, page_size=64, prefix_match_unit=64,
               enable_prefix_caching=False, token_buckets=(args.concurrency, args.budget), seq_buckets=(args.concurrency,))
     t_warm = time.perf_counter() - t0 - t_load
+    print(f"warm-up {t_warm:.1f}s", flush=True)
     eng = llm.engine
     rng = np.random.RandomState(0)
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
@@ -115,6 +118,8 @@ def serve(args):
         for o in outs:
             first_tok.setdefault(o.request_id, time.perf_counter() - start)
         steps.append((dt, len(outs), all_decoding))
+        if len(steps) % 16 == 0:
+            print(f"  step {len(steps)}: {dt * 1e3:.2f} ms ({len(outs)} outputs)", flush=True)
     total = time.perf_counter() - start
     decode = [dt for dt, n, dec in steps if dec and n == args.concurrency]
     gen = args.concurrency * args.output
