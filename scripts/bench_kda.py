@@ -349,6 +349,104 @@ def stages(torch, fla, T=32768, H=32, reps=5, parts=("fla", "total", "intra", "i
     return res
 
 
+def split_run(torch, fla, deadline, shapes=((32768, 32), (4096, 32), (4096, 96)), prec_shape=(1024, 4)):
+    """The split intra stage (CONFIG intra="split") in one GPU call, most important first:
+    (a) rel RMS of chunk_kda vs the fp32 token-serial reference at T=1024 H=4 (bf16 and fp32 inputs);
+    (b) per shape: FLA chunk_kda (and its intra stage) vs ours in total, ours per intra kernel;
+    (c) variants of the split kernels at the first shape, while time is left (deadline, s)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    saved = dict(cp.CONFIG)
+    _log(f"# split intra run; CONFIG {cp.CONFIG}")
+    T, H = prec_shape
+    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, T, H)
+    h0 = jax.random.normal(jax.random.PRNGKey(6), (1, H, 128, 128)) * 0.1
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
+        q, k, f32(v), g, beta)
+    o3, S3 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
+        f32(q), f32(k), f32(v), g, f32(beta))
+    for label, over, dt in (("bf16 split (t, u fp32)", {}, jnp.bfloat16),
+                            ("bf16 split (t, u bf16)", dict(t_dtype="sd", u_dtype="sd"), jnp.bfloat16),
+                            ("fp32 split", {}, jnp.float32)):
+        cp.CONFIG.update(over)
+        try:
+            args = (q, k, v, g, beta) if dt == jnp.bfloat16 else (f32(q), f32(k), f32(v), g, f32(beta))
+            o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(*args)
+            ro, rs = (o2, S2) if dt == jnp.bfloat16 else (o3, S3)
+            _log(f"  precision {label}: o {rel(o, ro):.2e} state {rel(S, rs):.2e} (T={T} H={H})")
+        except Exception as e:  # noqa: BLE001
+            _log(f"  precision {label} FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        cp.CONFIG.clear()
+        cp.CONFIG.update(saved)
+    del q, k, v, g, beta, o2, S2, o3, S3
+    res = {}
+    for si, (T, H) in enumerate(shapes):
+        if time.time() - T0 > deadline:
+            _log(f"  T={T} H={H}: skipped (deadline)")
+            continue
+        _log(f"# T={T} H={H} B=1 bf16")
+        if fla is not None:
+            tq = torch_inputs(torch, 1, T, H)
+            t = time_torch(torch, lambda: fla[0](*tq, output_final_state=True), reps=5)
+            res[T, H, "fla"] = t
+            _log(f"  FLA chunk_kda total {t*1e3:8.3f} ms")
+            del tq
+            torch.cuda.empty_cache()
+            if si == 0:
+                _fla_stages(torch, fla, T, H, 5, {})
+        batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
+        t = _try_time("ours chunk_kda total (CONFIG, split intra)",
+                      jax.jit(lambda *a: chunk_kda(*a)), *batched)
+        res[T, H, "ours"] = t
+        if t and (T, H, "fla") in res:
+            _log(f"  ratio FLA/ours {res[T, H, 'fla'] / t:.2f}x  ({T / t / 1e6:.2f} M tok/s)")
+        if si != 0:
+            continue
+        q, k, v, g, beta = (x[0] for x in batched)
+        K = q.shape[-1]
+        qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+        b32 = beta.astype(jnp.float32)
+        gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+        c = cp.CONFIG
+        sw, sst = c["split_warps"], c["split_stages"]
+        _try_time("intra split (3 kernels, CONFIG)", lambda *x: cp.chunk_intra_split(
+            *x, bk=c["split_bk"], prec="tf32", inv=c["inv"], warps=sw, stages=sst), qs, k, v, gc, b32)
+        dq, dk = cp.intra_diag(qs, k, gc, b32, num_warps=sw[0])
+        _try_time(f"  diag warps={sw[0]}", lambda *x: cp.intra_diag(*x, num_warps=sw[0]), qs, k, gc, b32)
+        a, tt = cp.intra_solve(qs, k, gc, b32, dq, dk, bk=c["split_bk"], prec="tf32", inv=c["inv"],
+                               num_warps=sw[1])
+        _try_time(f"  solve bk={c['split_bk']} warps={sw[1]} inv={c['inv']}", lambda *x: cp.intra_solve(
+            *x, bk=c["split_bk"], prec="tf32", inv=c["inv"], num_warps=sw[1]), qs, k, gc, b32, dq, dk)
+        _try_time(f"  wu bk={c['split_bk']} warps={sw[2]} stages={sst[2]}", lambda *x: cp.intra_wu(
+            *x, bk=c["split_bk"], prec="tf32", num_warps=sw[2], num_stages=sst[2]),
+            qs, k, v, gc, b32, tt)
+        cp.CONFIG.update(t_dtype="sd", u_dtype="sd")
+        _try_time("ours chunk_kda total, t/u bf16", jax.jit(lambda *a: chunk_kda(*a)), *batched)
+        cp.CONFIG.clear()
+        cp.CONFIG.update(saved)
+        variants = [("solve", dict(num_warps=2)), ("solve", dict(num_warps=1)),
+                    ("solve", dict(bk=64, num_warps=2)), ("solve", dict(inv="loop", num_warps=2)),
+                    ("diag", dict(num_warps=2)), ("diag", dict(num_warps=8)),
+                    ("wu", dict(num_warps=8, num_stages=2)), ("wu", dict(bk=64, num_warps=4)),
+                    ("wu", dict(num_warps=4, num_stages=3))]
+        for kind, kw in variants:
+            if time.time() - T0 > deadline:
+                _log(f"  {kind} {kw}: skipped (deadline)")
+                continue
+            if kind == "diag":
+                _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(*x, **kw), qs, k, gc, b32)
+            elif kind == "solve":
+                kw2 = dict(dict(bk=c["split_bk"], inv=c["inv"]), **kw)
+                _try_time(f"  solve {kw2}", lambda *x, kw2=kw2: cp.intra_solve(*x, prec="tf32", **kw2),
+                          qs, k, gc, b32, dq, dk)
+            else:
+                kw2 = dict(dict(bk=c["split_bk"]), **kw)
+                _try_time(f"  wu {kw2}", lambda *x, kw2=kw2: cp.intra_wu(*x, prec="tf32", **kw2),
+                          qs, k, v, gc, b32, tt)
+        del q, k, v, g, beta, qs, b32, gc, dq, dk, a, tt, batched
+    _log("# split run done: " + "; ".join(f"{kk} {vv*1e3:.3f} ms" for kk, vv in res.items() if vv))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline", type=float, default=170.0, help="stop starting new cases after (s)")
@@ -360,12 +458,17 @@ def main():
     ap.add_argument("--stage-shape", type=int, nargs=2, default=(32768, 32), help="T H")
     ap.add_argument("--stage-parts", default="precision,fla,total,intra,inter")
     ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--split", action="store_true",
+                    help="split intra stage: precision, totals vs FLA, per-kernel times; then exit")
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     args = ap.parse_args()
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
     torch, fla, why = _torch_fla()
     if fla is None:
         print(f"# FLA anchor unavailable ({why}): anchor columns n/a")
+    if args.split:
+        split_run(torch, fla, args.deadline)
+        return
     if args.stages or args.stages_only:
         parts = args.stage_parts.split(",")
         if "precision" in parts:

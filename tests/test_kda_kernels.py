@@ -147,13 +147,15 @@ def test_decode_bf16_and_donated_jit():
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(inter="fused", split=True, inv="loop", intra_prec="highest"),  # the first kernel version
-    dict(inter="two_pass", inv="power", intra_prec="bf16x3"),
-    dict(inter="two_pass", inv="loop", intra_prec="tf32", diag="reg"),
+    dict(intra="fused", inter="fused", split=True, inv="loop", intra_prec="highest"),  # first version
+    dict(intra="fused", inter="two_pass", inv="power", intra_prec="bf16x3"),
+    dict(intra="fused", inter="two_pass", inv="loop", intra_prec="tf32", diag="reg"),
+    # split intra with bf16 inverse / u (FLA's storage) and 16-wide K slices
+    dict(intra="split", split_bk=16, t_dtype="sd", u_dtype="sd", inv="loop"),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:
-    fused vs two-pass inter stage, row-loop vs Neumann-product inverse, dot precisions (CPU
+    fused vs split intra stage, fused vs two-pass inter stage, row-loop vs Neumann-product inverse, dot precisions (CPU
     interpret mode computes every precision in fp32: the GPU precision check is in bench_kda)."""
     from pallas_kernels.kda import chunk_pallas as cp
     for k_, v_ in cfg.items():

@@ -163,6 +163,116 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
         u_ref[pl.ds(I * bc, bc), :] = u.astype(u_ref.dtype)
 
 
+# ---- Split intra stage (FLA's structure): three kernels, each with a small register footprint ----
+# 1. `_diag_kernel`, parallel over (16-row sub-chunk, head): the exact diagonal 16x16 blocks of
+#    A_qk and beta * A_kk, column by column (exp(gc_i - gc_j) only where i >= j).
+# 2. `_solve_kernel`, parallel over (chunk, head): the off-diagonal blocks by dots over K slices of
+#    width bk (gates anchored at the first row of the later block: every factor <= 1), the full
+#    causal A_qk written out, and T = (I + StrictTril(diag(beta) A_kk))^-1 by 16x16 inverses and
+#    block forward substitution, written as one [C, C] matrix.
+# 3. `_wu_kernel`, parallel over (chunk, head): w = T (beta exp(gc) k), u = T (beta v) as [C, C] x
+#    [C, bk] dots, plus qg = q exp(gc) and kd = k exp(g_last - gc).
+
+
+def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref):
+    """One (sub-chunk, head). q, k, g [bc, K]; beta [bc]; outputs dq (A_qk diagonal block, i >= j)
+    and dk (beta_i A_kk, i > j) [bc, bc] fp32."""
+    bc, K = q_ref.shape
+    row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
+    col = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
+    row_k = lax.broadcasted_iota(jnp.int32, (bc, K), 0)
+    qI, kI, gI = (r[...].astype(_F32) for r in (q_ref, k_ref, g_ref))
+
+    def body(j, carry):
+        akk, aqk = carry
+        kj = k_ref[j, :].astype(_F32)
+        gj = g_ref[j, :]
+        ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
+        ck = jnp.sum(kI * ekj, axis=1)
+        cq = jnp.sum(qI * ekj, axis=1)
+        akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
+        aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
+        return akk, aqk
+
+    zero = jnp.zeros((bc, bc), _F32)
+    akk, aqk = lax.fori_loop(0, bc, body, (zero, zero))
+    dk_ref[...] = akk * b_ref[...].astype(_F32)[:, None]
+    dq_ref[...] = aqk
+
+
+def _solve_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, a_ref, t_ref, *, bc, bk, prec, inv):
+    """One (chunk, head). q, k, g [C, K]; beta [C]; dq, dk [C, bc] (diagonal blocks from
+    `_diag_kernel`). Writes a = causal A_qk [C, C] fp32 and t = (I + L)^-1 [C, C] (t_ref dtype)."""
+    pr = _PREC[prec]
+    C, K = q_ref.shape
+    nc = C // bc
+    row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
+    col = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
+    zero = jnp.zeros((bc, bc), _F32)
+    L, Aq = {}, {}
+    for s in range(K // bk):  # K slices keep the live tiles at [bc, bk]
+        ks = pl.ds(s * bk, bk)
+        kgJ = {}  # earlier blocks' k scaled to each later block's anchor, built per (I, J)
+        kJ = [k_ref[pl.ds(J * bc, bc), ks].astype(_F32) for J in range(nc - 1)]
+        gJ = [g_ref[pl.ds(J * bc, bc), ks] for J in range(nc - 1)]
+        for I in range(1, nc):
+            gI = g_ref[pl.ds(I * bc, bc), ks]
+            gn = g_ref[I * bc, ks]
+            eI = jnp.exp(gI - gn[None, :])  # <= 1
+            qgI = q_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
+            kgI = k_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
+            for J in range(I):
+                kgJ = kJ[J] * jnp.exp(gn[None, :] - gJ[J])  # <= 1
+                dl, dq = _dot_nt(kgI, kgJ, pr), _dot_nt(qgI, kgJ, pr)
+                L[I, J] = dl if s == 0 else L[I, J] + dl
+                Aq[I, J] = dq if s == 0 else Aq[I, J] + dq
+    for I in range(nc):
+        r = pl.ds(I * bc, bc)
+        bI = b_ref[r].astype(_F32)[:, None]
+        L[I, I] = dk_ref[r, :]
+        for J in range(I):
+            L[I, J] = L[I, J] * bI
+        for J in range(nc):
+            blk = dq_ref[r, :] if J == I else (Aq[I, J] if J < I else zero)
+            a_ref[r, pl.ds(J * bc, bc)] = blk.astype(a_ref.dtype)
+    T = {}
+    for I in range(nc):
+        T[I, I] = (_unit_tril_inv_power(L[I, I], row, col, pr) if inv == "power"
+                   else _unit_tril_inv(L[I, I], row, col))
+        for J in range(I - 1, -1, -1):  # T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ
+            acc = _dot(L[I, J], T[J, J], pr)
+            for M in range(J + 1, I):
+                acc = acc + _dot(L[I, M], T[M, J], pr)
+            T[I, J] = -_dot(T[I, I], acc, pr)
+    for I in range(nc):
+        for J in range(nc):
+            t_ref[pl.ds(I * bc, bc), pl.ds(J * bc, bc)] = (T[I, J] if J <= I else zero).astype(t_ref.dtype)
+
+
+def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, kd_ref, *, bk, bv,
+               prec):
+    """One (chunk, head): w = T (beta exp(gc) k), u = T (beta v), qg = q exp(gc),
+    kd = k exp(g_last - gc). A bf16 T means bf16 operands (FLA's choice); fp32 T uses `prec`."""
+    pr = _PREC[prec]
+    C, K = k_ref.shape
+    V = v_ref.shape[1]
+    T = t_ref[...]
+    od = T.dtype  # dot operand dtype
+    b = b_ref[...].astype(_F32)[:, None]
+    for s in range(K // bk):
+        ks = pl.ds(s * bk, bk)
+        glast = g_ref[C - 1, ks]
+        g = g_ref[:, ks]
+        eg = jnp.exp(g)
+        kk = k_ref[:, ks].astype(_F32)
+        w_ref[:, ks] = _dot(T, (kk * b * eg).astype(od), pr).astype(w_ref.dtype)
+        qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * eg).astype(qg_ref.dtype)
+        kd_ref[:, ks] = (kk * jnp.exp(glast[None, :] - g)).astype(kd_ref.dtype)
+    for s in range(V // bv):
+        vs = pl.ds(s * bv, bv)
+        u_ref[:, vs] = _dot(T, (v_ref[:, vs].astype(_F32) * b).astype(od), pr).astype(u_ref.dtype)
+
+
 def _cumsum_kernel(g_ref, m_ref, a_ref, dt_ref, o_ref, *, gate, lower_bound):
     """Chunk-local cumulative log decay of one (chunk, head) [C, K], optionally applying the
     KDA gate to the raw f first (a_log [H] full ref, dt_bias [K]). m [C]: 1 for real tokens,
@@ -297,6 +407,87 @@ def chunk_intra(q, k, v, g, beta, *, chunk_size=64, bc=16, diag="loop", num_warp
     return w, qg, kd, u, a
 
 
+def _rows(n, D):
+    return pl.BlockSpec((n, None, D), lambda c, h: (c, h, 0))
+
+
+def _brow(n):
+    return pl.BlockSpec((n, None), lambda c, h: (c, h))
+
+
+@functools.partial(jax.jit, static_argnames=("bc", "num_warps", "interpret", "backend"))
+def intra_diag(q, k, g, beta, *, bc=16, num_warps=4, interpret=False, backend="triton"):
+    """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32."""
+    R, H, K = q.shape
+    return pl.pallas_call(
+        _diag_kernel, grid=(R // bc, H),
+        in_specs=[_rows(bc, K), _rows(bc, K), _rows(bc, K), _brow(bc)],
+        out_specs=[_rows(bc, bc), _rows(bc, bc)],
+        out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
+        interpret=interpret, name="kda_intra_diag", **_tp(backend, num_warps, 1),
+    )(q, k, g, beta)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "bk", "prec", "inv", "t_dtype",
+                                             "num_warps", "num_stages", "interpret", "backend"))
+def intra_solve(q, k, g, beta, dq, dk, *, chunk_size=64, bk=32, prec="highest", inv="loop",
+                t_dtype=_F32, num_warps=4, num_stages=1, interpret=False, backend="triton"):
+    """Split stage 1b: causal A_qk [R, H, C] fp32 and T = (I + L)^-1 [R, H, C] in t_dtype."""
+    R, H, K = q.shape
+    C, bc = chunk_size, dq.shape[-1]
+    bk = min(bk, K)
+    if K % bk or C % bc:
+        raise ValueError(f"K={K} must be a multiple of bk={bk}, C={C} of bc={bc}")
+    return pl.pallas_call(
+        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv), grid=(R // C, H),
+        in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C), _rows(C, bc), _rows(C, bc)],
+        out_specs=[_rows(C, C), _rows(C, C)],
+        out_shape=[jax.ShapeDtypeStruct((R, H, C), _F32), jax.ShapeDtypeStruct((R, H, C), t_dtype)],
+        interpret=interpret, name="kda_intra_solve", **_tp(backend, num_warps, num_stages),
+    )(q, k, g, beta, dq, dk)
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "prec", "u_dtype", "num_warps", "num_stages",
+                                             "interpret", "backend"))
+def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_warps=4,
+             num_stages=2, interpret=False, backend="triton"):
+    """Split stage 1c: w, qg, kd [R, H, K] (q.dtype), u [R, H, V] (u_dtype)."""
+    R, H, K = q.shape
+    V = v.shape[-1]
+    C = t.shape[-1]
+    bk, bv = min(bk, K), min(bk, V)
+    if K % bk or V % bv:
+        raise ValueError(f"K={K}, V={V} must be multiples of bk={bk}")
+    sd = q.dtype
+    w, u, qg, kd = pl.pallas_call(
+        functools.partial(_wu_kernel, bk=bk, bv=bv, prec=prec), grid=(R // C, H),
+        in_specs=[_rows(C, K), _rows(C, K), _rows(C, V), _rows(C, K), _brow(C), _rows(C, C)],
+        out_specs=[_rows(C, K), _rows(C, V), _rows(C, K), _rows(C, K)],
+        out_shape=[jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, V), u_dtype),
+                   jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, K), sd)],
+        interpret=interpret, name="kda_intra_wu", **_tp(backend, num_warps, num_stages),
+    )(q, k, v, g, beta, t)
+    return w, qg, kd, u
+
+
+def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
+                      t_dtype="f32", u_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
+                      interpret=False, backend="triton"):
+    """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
+    `chunk_intra` (u in u_dtype: "f32" or "sd" = the dot dtype). t_dtype: the stored inverse and
+    the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for bf16 inputs, FLA's)."""
+    sd = q.dtype
+    kw = dict(interpret=interpret, backend=backend)
+    dq, dk = intra_diag(q, k, g, beta, bc=bc, num_warps=warps[0], **kw)
+    a, t = intra_solve(q, k, g, beta, dq, dk, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
+                       t_dtype=_F32 if t_dtype == "f32" else sd, num_warps=warps[1],
+                       num_stages=stages[1], **kw)
+    w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=bk, prec=prec,
+                            u_dtype=_F32 if u_dtype == "f32" else sd, num_warps=warps[2],
+                            num_stages=stages[2], **kw)
+    return w, qg, kd, u, a
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "block_v", "num_warps", "split",
                                              "out_dtype", "interpret", "backend"))
 def chunk_inter(w, qg, kd, u, a, g, cs, h0, *, chunk_size=64, block_v=32, num_warps=4, split=True,
@@ -381,7 +572,12 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # 4 warps, 3 stages) + 0.46 (out) ms.
 # Same run, whole chunk_kda: intra in IEEE fp32 with the row-loop inverse 21.5 ms; tf32 dots with the
 # Neumann-product inverse 14.1 ms (rel RMS vs the fp32 reference 3.32e-3, IEEE: 3.31e-3).
-CONFIG = dict(diag="loop", intra_warps=4, intra_prec="tf32", inv="power", block_v=32,
+# intra: "split" = chunk_intra_split (diag / solve / wu kernels, FLA's structure; split_* are its
+# K-slice width, (warps) and (stages) per kernel, t_dtype / u_dtype "f32" or "sd" for bf16 inputs);
+# "fused" = the one-kernel chunk_intra (diag, intra_warps).
+CONFIG = dict(intra="split", split_bk=32, split_warps=(4, 4, 4), split_stages=(1, 1, 2),
+              t_dtype="f32", u_dtype="f32",
+              diag="loop", intra_warps=4, intra_prec="tf32", inv="power", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
 
 
@@ -393,9 +589,16 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
     diag = "mid" if safe_gate else cfg["diag"]
     # fp32 inputs keep IEEE fp32 dots (the 1e-5 path); bf16 inputs use cfg["intra_prec"]
     prec = "highest" if q.dtype == _F32 else cfg["intra_prec"]
-    w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
-                                  num_warps=cfg["intra_warps"], prec=prec, inv=cfg["inv"],
-                                  interpret=interpret, backend=backend)
+    if cfg["intra"] == "split":
+        w, qg, kd, u, a = chunk_intra_split(
+            q, k, v, g, beta, chunk_size=chunk_size, bk=cfg["split_bk"], prec=prec, inv=cfg["inv"],
+            t_dtype="f32" if q.dtype == _F32 else cfg["t_dtype"],
+            u_dtype="f32" if q.dtype == _F32 else cfg["u_dtype"], warps=cfg["split_warps"],
+            stages=cfg["split_stages"], interpret=interpret, backend=backend)
+    else:
+        w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
+                                      num_warps=cfg["intra_warps"], prec=prec, inv=cfg["inv"],
+                                      interpret=interpret, backend=backend)
     if cfg["inter"] == "two_pass":
         h, vn, ht = chunk_state(w, kd, u, g, cs, h0, chunk_size=chunk_size, block_v=cfg["block_v"],
                                 num_warps=cfg["inter_warps"], num_stages=cfg["state_stages"],
