@@ -155,7 +155,7 @@ class LLMEngine:
         if out.encode:
             self.encoder.encode(out.encode)
         reqs = [ch.req for ch in out.chunks]
-        chunks = [SeqChunk(r.tokens[ch.start:ch.end], ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst,
+        chunks = [SeqChunk(r.token_slice(ch.start, ch.end), ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst,
                            mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images else ())
                   for r, ch in zip(reqs, out.chunks)]
         masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None
@@ -201,7 +201,9 @@ class LLMEngine:
                                 else None, req.finish_reason, req.stop_reason)
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "last_token": req.last_token_time,
                    "new_token_ids": list(new_ids), "num_preemptions": req.num_preemptions}
-        return RequestOutput(req.request_id, None, list(req.prompt_ids), [comp], finished, req.num_cached_tokens, metrics)
+        # The prompt list is shared, not copied: it never changes, and a copy per step per request
+        # costs milliseconds at long contexts.
+        return RequestOutput(req.request_id, None, req.prompt_ids, [comp], finished, req.num_cached_tokens, metrics)
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

@@ -53,6 +53,15 @@ class Request:
     def tokens(self) -> list:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list:
+        """tokens[start:end] without building the whole prompt + output list (long prompts)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
