@@ -447,6 +447,87 @@ def split_run(torch, fla, deadline, shapes=((32768, 32), (4096, 32), (4096, 96))
     _log("# split run done: " + "; ".join(f"{kk} {vv*1e3:.3f} ms" for kk, vv in res.items() if vv))
 
 
+def split_sweep(torch, fla, deadline, T=32768, H=32):
+    """Second split-intra call: precision of the "quad" diagonal, then each split kernel's variants
+    at B=1 T H (fastest kept in CONFIG), then chunk_kda totals with the chosen CONFIG."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, 1024, 4)
+    h0 = jax.random.normal(jax.random.PRNGKey(6), (1, 4, 128, 128)) * 0.1
+    saved = dict(cp.CONFIG)
+    cp.CONFIG.update(split_diag="quad")
+    for dt in (jnp.bfloat16, jnp.float32):
+        args = (q, k, v, g, beta) if dt == jnp.bfloat16 else (f32(q), f32(k), f32(v), g, f32(beta))
+        o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
+            *[f32(x) if dt == jnp.float32 else x for x in args[:2]], f32(args[2]), g, args[4])
+        try:
+            o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(*args)
+            _log(f"  precision {jnp.dtype(dt).name} split diag=quad: o {rel(o, o2):.2e} "
+                 f"state {rel(S, S2):.2e} (T=1024 H=4)")
+        except Exception as e:  # noqa: BLE001
+            _log(f"  precision quad FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    cp.CONFIG.clear()
+    cp.CONFIG.update(saved)
+    batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
+    q, k, v, g, beta = (x[0] for x in batched)
+    K = q.shape[-1]
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    b32 = beta.astype(jnp.float32)
+    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    _log(f"# split kernel variants, B=1 T={T} H={H}")
+    best = {}
+
+    def pick(kind, kw, t):
+        if t is not None and (kind not in best or t < best[kind][1]):
+            best[kind] = (kw, t)
+    for kw in (dict(mode="quad", num_warps=4), dict(mode="quad", num_warps=2),
+               dict(mode="quad", num_warps=1), dict(mode="loop", num_warps=2),
+               dict(mode="loop", num_warps=1), dict(mode="quad", num_warps=8)):
+        if time.time() - T0 < deadline:
+            pick("diag", kw, _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(
+                *x, prec="tf32", **kw), qs, k, gc, b32))
+    dq, dk = cp.intra_diag(qs, k, gc, b32)
+    for kw in (dict(num_warps=2), dict(num_warps=1), dict(inv="loop", num_warps=2),
+               dict(inv="loop", num_warps=4), dict(bk=64, num_warps=2), dict(inv="loop", num_warps=1)):
+        kw2 = dict(dict(bk=32, inv="power"), **kw)
+        if time.time() - T0 < deadline:
+            pick("solve", kw2, _try_time(f"  solve {kw2}", lambda *x, kw2=kw2: cp.intra_solve(
+                *x, prec="tf32", **kw2), qs, k, gc, b32, dq, dk))
+    a, tt = cp.intra_solve(qs, k, gc, b32, dq, dk)
+    for kw in (dict(num_warps=8), dict(bk=64, num_warps=4), dict(num_warps=4, num_stages=3),
+               dict(bk=64, num_warps=8)):
+        kw2 = dict(dict(bk=32), **kw)
+        if time.time() - T0 < deadline:
+            pick("wu", kw2, _try_time(f"  wu {kw2}", lambda *x, kw2=kw2: cp.intra_wu(
+                *x, prec="tf32", **kw2), qs, k, v, gc, b32, tt))
+    del dq, dk, a, tt, q, k, v, g, beta, qs, b32, gc
+    _log(f"  best per kernel: {best}")
+    c = cp.CONFIG
+    w, st = list(c["split_warps"]), list(c["split_stages"])
+    if "diag" in best:
+        c["split_diag"], w[0] = best["diag"][0]["mode"], best["diag"][0]["num_warps"]
+    if "solve" in best:
+        c["inv"], w[1] = best["solve"][0]["inv"], best["solve"][0]["num_warps"]
+        c["split_bk"] = best["solve"][0]["bk"]
+    if "wu" in best:
+        w[2], st[2] = best["wu"][0]["num_warps"], best["wu"][0].get("num_stages", 2)
+        wu_bk = best["wu"][0]["bk"]
+        if wu_bk != c["split_bk"]:
+            _log(f"  note: wu prefers bk={wu_bk}, solve bk={c['split_bk']} (one knob; solve's kept)")
+    c["split_warps"], c["split_stages"] = tuple(w), tuple(st)
+    _log(f"# chosen CONFIG {c}")
+    for TT, HH in ((T, H), (4096, 32), (4096, 96)):
+        if time.time() - T0 > deadline + 40:
+            _log(f"  total T={TT} H={HH}: skipped (deadline)")
+            continue
+        bt = batched if (TT, HH) == (T, H) else make_inputs(jax.random.PRNGKey(2), 1, TT, HH)
+        _try_time(f"ours chunk_kda total T={TT} H={HH}", jax.jit(lambda *a: chunk_kda(*a)), *bt)
+        cp.CONFIG.update(t_dtype="sd", u_dtype="sd")
+        _try_time(f"ours chunk_kda total T={TT} H={HH} t/u bf16", jax.jit(lambda *a: chunk_kda(*a)), *bt)
+        cp.CONFIG.update(t_dtype="f32", u_dtype="f32")
+        del bt
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline", type=float, default=170.0, help="stop starting new cases after (s)")
@@ -460,6 +541,8 @@ def main():
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--split", action="store_true",
                     help="split intra stage: precision, totals vs FLA, per-kernel times; then exit")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="split intra kernels' variants (fastest kept), then totals; then exit")
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     args = ap.parse_args()
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
@@ -468,6 +551,9 @@ def main():
         print(f"# FLA anchor unavailable ({why}): anchor columns n/a")
     if args.split:
         split_run(torch, fla, args.deadline)
+        return
+    if args.split_sweep:
+        split_sweep(torch, fla, args.deadline)
         return
     if args.stages or args.stages_only:
         parts = args.stage_parts.split(",")

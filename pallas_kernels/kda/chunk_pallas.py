@@ -174,14 +174,50 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
 #    [C, bk] dots, plus qg = q exp(gc) and kd = k exp(g_last - gc).
 
 
-def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref):
+def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, *, mode="loop", prec="highest"):
     """One (sub-chunk, head). q, k, g [bc, K]; beta [bc]; outputs dq (A_qk diagonal block, i >= j)
-    and dk (beta_i A_kk, i > j) [bc, bc] fp32."""
+    and dk (beta_i A_kk, i > j) [bc, bc] fp32.
+
+    mode "loop": 16 column steps. "quad" (bc = 16): the cross-half quadrant (rows 8-15, cols 0-7)
+    and the two cross-quarter ones (rows 4-7 x cols 0-3, rows 12-15 x cols 8-11) as three masked
+    dots anchored at rows 8 / 4 / 12 (every exponent <= 0, still exact for any g), then the four
+    4x4 diagonal blocks in 4 column steps (all four at once)."""
     bc, K = q_ref.shape
     row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
     col = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
     row_k = lax.broadcasted_iota(jnp.int32, (bc, K), 0)
     qI, kI, gI = (r[...].astype(_F32) for r in (q_ref, k_ref, g_ref))
+    if mode == "quad":
+        assert bc == 16, bc
+        pr = _PREC[prec]
+        akk = aqk = None
+        for a, rhi, clo in ((8, 16, 0), (4, 8, 0), (12, 16, 8)):  # rows [a, rhi) x cols [clo, a)
+            ga = g_ref[a, :][None, :]
+            er = jnp.exp(jnp.where((row_k >= a) & (row_k < rhi), gI - ga, -jnp.inf))
+            kc = kI * jnp.exp(jnp.where((row_k >= clo) & (row_k < a), ga - gI, -jnp.inf))
+            dk_, dq_ = _dot_nt(kI * er, kc, pr), _dot_nt(qI * er, kc, pr)
+            akk = dk_ if akk is None else akk + dk_
+            aqk = dq_ if aqk is None else aqk + dq_
+        blk_k = lax.shift_right_logical(row_k, 2)  # 4-row block of each row
+        sub_k = lax.bitwise_and(row_k, 3)
+        blk = lax.shift_right_logical(row, 2)
+        sub = lax.bitwise_and(row, 3)
+        for j in range(4):  # column 4 * blk + j of every 4x4 diagonal block at once
+            kj = gj = None
+            for b4 in range(4):
+                kr = jnp.broadcast_to(k_ref[4 * b4 + j, :].astype(_F32)[None, :], (bc, K))
+                gr = jnp.broadcast_to(g_ref[4 * b4 + j, :][None, :], (bc, K))
+                kj = kr if kj is None else jnp.where(blk_k == b4, kr, kj)
+                gj = gr if gj is None else jnp.where(blk_k == b4, gr, gj)
+            ekj = jnp.exp(jnp.where(sub_k >= j, gI - gj, -jnp.inf)) * kj
+            ck = jnp.sum(kI * ekj, axis=1)
+            cq = jnp.sum(qI * ekj, axis=1)
+            at = col == blk * 4 + j
+            akk = jnp.where(at & (sub > j), ck[:, None], akk)
+            aqk = jnp.where(at & (sub >= j), cq[:, None], aqk)
+        dk_ref[...] = akk * b_ref[...].astype(_F32)[:, None]
+        dq_ref[...] = aqk
+        return
 
     def body(j, carry):
         akk, aqk = carry
@@ -415,12 +451,14 @@ def _brow(n):
     return pl.BlockSpec((n, None), lambda c, h: (c, h))
 
 
-@functools.partial(jax.jit, static_argnames=("bc", "num_warps", "interpret", "backend"))
-def intra_diag(q, k, g, beta, *, bc=16, num_warps=4, interpret=False, backend="triton"):
-    """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32."""
+@functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "interpret",
+                                             "backend"))
+def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, interpret=False,
+               backend="triton"):
+    """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32 (see _diag_kernel)."""
     R, H, K = q.shape
     return pl.pallas_call(
-        _diag_kernel, grid=(R // bc, H),
+        functools.partial(_diag_kernel, mode=mode, prec=prec), grid=(R // bc, H),
         in_specs=[_rows(bc, K), _rows(bc, K), _rows(bc, K), _brow(bc)],
         out_specs=[_rows(bc, bc), _rows(bc, bc)],
         out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
@@ -472,13 +510,13 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
 
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
-                      interpret=False, backend="triton"):
+                      diag_mode="loop", interpret=False, backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype: "f32" or "sd" = the dot dtype). t_dtype: the stored inverse and
     the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for bf16 inputs, FLA's)."""
     sd = q.dtype
     kw = dict(interpret=interpret, backend=backend)
-    dq, dk = intra_diag(q, k, g, beta, bc=bc, num_warps=warps[0], **kw)
+    dq, dk = intra_diag(q, k, g, beta, bc=bc, mode=diag_mode, prec=prec, num_warps=warps[0], **kw)
     a, t = intra_solve(q, k, g, beta, dq, dk, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=_F32 if t_dtype == "f32" else sd, num_warps=warps[1],
                        num_stages=stages[1], **kw)
@@ -576,6 +614,7 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # K-slice width, (warps) and (stages) per kernel, t_dtype / u_dtype "f32" or "sd" for bf16 inputs);
 # "fused" = the one-kernel chunk_intra (diag, intra_warps).
 CONFIG = dict(intra="split", split_bk=32, split_warps=(4, 4, 4), split_stages=(1, 1, 2),
+              split_diag="loop",
               t_dtype="f32", u_dtype="f32",
               diag="loop", intra_warps=4, intra_prec="tf32", inv="power", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
@@ -594,6 +633,7 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             q, k, v, g, beta, chunk_size=chunk_size, bk=cfg["split_bk"], prec=prec, inv=cfg["inv"],
             t_dtype="f32" if q.dtype == _F32 else cfg["t_dtype"],
             u_dtype="f32" if q.dtype == _F32 else cfg["u_dtype"], warps=cfg["split_warps"],
+            diag_mode=cfg["split_diag"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
