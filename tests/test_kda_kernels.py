@@ -151,7 +151,8 @@ def test_decode_bf16_and_donated_jit():
     dict(intra="fused", inter="two_pass", inv="power", intra_prec="bf16x3"),
     dict(intra="fused", inter="two_pass", inv="loop", intra_prec="tf32", diag="reg"),
     # split intra with bf16 inverse / u (FLA's storage) and 16-wide K slices
-    dict(intra="split", split_bk=16, t_dtype="sd", u_dtype="sd", inv="loop"),
+    dict(intra="split", split_bk=16, wu_bk=16, t_dtype="sd", u_dtype="sd", inv="power",
+         split_diag="loop"),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:

@@ -1,4 +1,4 @@
-"""Chunked KDA prefill as two Pallas kernels (written for the Triton backend, run in interpret mode on CPU).
+"""Chunked KDA prefill as Pallas kernels (written for the Triton backend, run in interpret mode on CPU).
 
 Stages (as in flash-linear-attention's chunk_kda):
   0. XLA prologue (see ops.py): optional l2norm, sequences laid out so each starts on a chunk
@@ -9,6 +9,8 @@ Stages (as in flash-linear-attention's chunk_kda):
      diagonal blocks exactly, token by token. Block forward substitution gives
      T = (I + StrictTril(diag(beta) A_kk))^-1, then w = T diag(beta) (exp(gc) k), u = T diag(beta) v.
      Also writes qg = q exp(gc), kd = k exp(g_last - gc) and the causal A_qk.
+     Default (CONFIG intra="split"): the same stage as three smaller kernels, FLA's structure
+     (`intra_diag`, `intra_solve`, `intra_wu`; see the comment above `_diag_kernel`).
   2. `_inter_kernel`, parallel over (sequence, head, V block), sequential over chunks: state
      recurrence fused with the output:  v' = u - w S;  o = qg S + A_qk v';  S = exp(g_last) S + kd^T v'.
 """
@@ -510,7 +512,7 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
 
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
-                      diag_mode="loop", interpret=False, backend="triton"):
+                      diag_mode="loop", wu_bk=None, interpret=False, backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype: "f32" or "sd" = the dot dtype). t_dtype: the stored inverse and
     the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for bf16 inputs, FLA's)."""
@@ -520,7 +522,7 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
     a, t = intra_solve(q, k, g, beta, dq, dk, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=_F32 if t_dtype == "f32" else sd, num_warps=warps[1],
                        num_stages=stages[1], **kw)
-    w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=bk, prec=prec,
+    w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=wu_bk or bk, prec=prec,
                             u_dtype=_F32 if u_dtype == "f32" else sd, num_warps=warps[2],
                             num_stages=stages[2], **kw)
     return w, qg, kd, u, a
@@ -610,13 +612,19 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # 4 warps, 3 stages) + 0.46 (out) ms.
 # Same run, whole chunk_kda: intra in IEEE fp32 with the row-loop inverse 21.5 ms; tf32 dots with the
 # Neumann-product inverse 14.1 ms (rel RMS vs the fp32 reference 3.32e-3, IEEE: 3.31e-3).
-# intra: "split" = chunk_intra_split (diag / solve / wu kernels, FLA's structure; split_* are its
-# K-slice width, (warps) and (stages) per kernel, t_dtype / u_dtype "f32" or "sd" for bf16 inputs);
-# "fused" = the one-kernel chunk_intra (diag, intra_warps).
-CONFIG = dict(intra="split", split_bk=32, split_warps=(4, 4, 4), split_stages=(1, 1, 2),
-              split_diag="loop",
+# intra: "split" = chunk_intra_split (diag / solve / wu kernels, FLA's structure; split_bk / wu_bk
+# the K-slice widths of solve / wu, split_warps and split_stages per kernel, split_diag the diagonal
+# method, t_dtype / u_dtype "f32" or "sd" (bf16) for bf16 inputs); "fused" = the one-kernel
+# chunk_intra (diag, intra_warps).
+# H200, 2026-11-29, B=1 T=32768 H=32 bf16 (bench_kda --split / --split-sweep): fused intra 12.35 ms;
+# split with 4 warps everywhere 10.37 ms (diag 2.43, solve 6.60, wu 1.43); per-kernel best: diag
+# quad 2 warps 2.30, solve row-loop inverse 1 warp 2.31, wu bk 64 4 warps 1.20. chunk_kda total
+# 14.1 -> 7.63 ms (wu bk 32; FLA 3.97). t/u in bf16 (FLA's storage): 7.28 ms, rel RMS 3.69e-3 vs
+# 3.32e-3, kept off for the margin to the 5e-3 target.
+CONFIG = dict(intra="split", split_bk=32, wu_bk=64, split_warps=(2, 1, 4), split_stages=(1, 1, 2),
+              split_diag="quad",
               t_dtype="f32", u_dtype="f32",
-              diag="loop", intra_warps=4, intra_prec="tf32", inv="power", block_v=32,
+              diag="loop", intra_warps=4, intra_prec="tf32", inv="loop", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
 
 
@@ -633,7 +641,7 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             q, k, v, g, beta, chunk_size=chunk_size, bk=cfg["split_bk"], prec=prec, inv=cfg["inv"],
             t_dtype="f32" if q.dtype == _F32 else cfg["t_dtype"],
             u_dtype="f32" if q.dtype == _F32 else cfg["u_dtype"], warps=cfg["split_warps"],
-            diag_mode=cfg["split_diag"],
+            diag_mode=cfg["split_diag"], wu_bk=cfg["wu_bk"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
