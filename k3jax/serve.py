@@ -50,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
     ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache")
+    ap.add_argument("--no-vision", action="store_true",
+                    help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
     ap.add_argument("--log-level", default="info")
@@ -92,6 +94,7 @@ def build_state(args):
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
+        vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
@@ -104,7 +107,7 @@ def build_state(args):
 
 
 def _image_loader(model, args):
-    if model.vision is None:
+    if model.vision is None or args.no_vision:
         return None
     from serving.image_inputs import ImageLoader, ImagePolicy
     return ImageLoader(model.vision, ImagePolicy(

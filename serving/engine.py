@@ -72,7 +72,7 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
         self.encoder = None
-        if getattr(model, "vision", None) is not None:
+        if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
             self.encoder = VisionEncoder(model.vision, cache_bytes=args.encoder_cache_bytes,
                                          out_dtype=cache_dtype, mesh=mesh)
@@ -106,7 +106,8 @@ class LLMEngine:
         placed = []
         if images:
             if self.encoder is None:
-                raise ValueError("images: this model has no vision tower")
+                raise ValueError("images: this model has no vision tower" if getattr(self.model, "vision", None)
+                                 is None else "images: the engine was started without vision (text only)")
             ids, placed = expand_image_placeholders(ids, images, self.encoder.pad_id)
             extra_keys = _merge_keys(extra_keys, image_extra_keys(placed, self.args.prefix_match_unit))
         room = self.max_model_len - len(ids)

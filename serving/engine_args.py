@@ -31,6 +31,8 @@ class EngineArgs:
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
     token_buckets: Optional[tuple] = None
     seq_buckets: Optional[tuple] = None
+    vision: bool = True                           # accept images when the model has a tower (False: text only,
+                                                  # no tower warm-up or encoder cache)
     encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
 

@@ -30,7 +30,7 @@ def model(x64, tmp_path_factory):
 def _engine(model, tmp_path_factory, **kw):
     args = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, page_size=16, prefix_match_unit=16,
                 state_block_size=64, num_pages=400, num_slots=64, token_buckets=(32, 256), seq_buckets=(16,),
-                compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla"))
+                compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla"), vision=False)
     args.update(kw)
     return LLMEngine(model, EngineArgs(**args))
 

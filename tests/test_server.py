@@ -225,7 +225,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(tmp_path_factory):
     no broken connection), then the process exits."""
     import signal
     import threading
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "60")
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "60", "--no-vision")
     lines = []
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
 
