@@ -57,6 +57,20 @@ def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
     return _weights_cache[key]
 
 
+def vision_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
+    """Per-device bytes of the vision tower (0 for text-only configs), by sharding.rules.VISION_RULES."""
+    if not c.vision:
+        return 0
+    from k3jax.vision.config import VisionConfig
+    from k3jax.vision.tower import vision_param_spec
+    from k3jax.params import is_leaf
+    from sharding.rules import VISION_RULES, tree_specs
+    spec = vision_param_spec(VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size), c.hidden_size)
+    shapes = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype(dtype)), spec,
+                                    is_leaf=is_leaf)
+    return _tree_device_bytes(shapes, tree_specs(shapes, sizes, rules=VISION_RULES), sizes)
+
+
 def pool_bytes(c: ModelConfig, sizes: dict, num_pages: int, page_size: int, num_slots: int,
                dtype=jnp.bfloat16) -> dict:
     """Per-device bytes of the cache pools: {"mla": ..., "kda": ...} (ids 0 included)."""
@@ -119,13 +133,14 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     budget = int(memory_gib * GiB * mem_fraction)
     split = sizes["data"] * sizes["expert"]                    # pages and slots split over these
     w = weight_bytes(config, sizes, dtype)
+    vis = vision_bytes(config, sizes, dtype)
 
     def seqs_fit(B: int, L: int) -> tuple[int, dict, int, int]:
         pages = _round_up(B * -(-L // page_size) + 1, split)
         slots = _round_up(B + extra_slots + 1, split)
         pb = pool_bytes(config, sizes, pages, page_size, slots, dtype)
         act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
-        return w + act + pb["mla"] + pb["kda"], pb, pages, slots
+        return w + vis + act + pb["mla"] + pb["kda"], pb, pages, slots
 
     def largest(fn, hi: int) -> int:
         """Largest x in [0, hi] with fn(x) true (fn monotone decreasing)."""
@@ -136,7 +151,7 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
         return lo
 
     act1 = activation_bytes(config, sizes, step_tokens, 1, dtype)
-    fixed_fits = w + act1 <= budget
+    fixed_fits = w + vis + act1 <= budget
     max_batch = largest(lambda B: seqs_fit(B, context)[0] <= budget, 1 << 20) if fixed_fits else 0
     b_ctx = batch or 1
     max_ctx_pages = largest(lambda p: seqs_fit(b_ctx, p * page_size)[0] <= budget,
@@ -149,7 +164,7 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
         "model_layers": config.num_layers, "mesh": sizes, "devices": math.prod(sizes.values()),
         "device": device, "device_bytes": int(memory_gib * GiB), "budget_bytes": budget,
         "page_size": page_size, "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
-        "weights_bytes": w, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
+        "weights_bytes": w, "vision_bytes": vis, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
         "activations_bytes": act, "total_bytes": total, "headroom_bytes": budget - total,
         "fits": bool(total <= budget), "fixed_fits": bool(fixed_fits),
         "per_sequence_bytes": {"mla": per_seq["mla"] // split, "kda": per_seq["kda"] // split},
@@ -168,6 +183,7 @@ def format_plan(r: dict) -> str:
         f"mesh {m} ({r['devices']} devices of {r['device']}, {r['device_bytes'] / GiB:.0f} GiB; "
         f"budget {r['budget_bytes'] / GiB:.1f} GiB per device)",
         f"  weights            {_gib(r['weights_bytes'])}",
+        f"  vision tower       {_gib(r['vision_bytes'])}   (replicated)",
         f"  MLA pages          {_gib(r['mla_pages_bytes'])}   ({r['num_pages']} pages of {r['page_size']} tokens)",
         f"  KDA states         {_gib(r['kda_states_bytes'])}   ({r['num_slots']} slots)",
         f"  activations (est.) {_gib(r['activations_bytes'])}",

@@ -45,8 +45,8 @@ class VisionEncoder:
         # The tower is small next to the LLM: replicate it. Multi-host: it runs on process 0's own
         # device only, and its embeddings reach the other processes in the step batch (serving/multihost.py).
         if mesh is not None and jax.process_count() == 1:
-            from sharding.rules import replicated
-            self.params = jax.device_put(self.params, replicated(mesh))
+            from sharding.rules import shard_vision
+            self.params = shard_vision(self.params, mesh)
         self._fn = jax.jit(lambda p, px, vb: encode_images(p, cfg, px, vb))
         self.guard = False
         self._seen: set = set()

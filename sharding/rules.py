@@ -83,6 +83,18 @@ POOL_RULES: tuple[tuple[str, tuple], ...] = (
     (r"kda_conv\.\d+", ("batch", None, None)),
 )
 
+# Vision tower (k3jax/vision; paths inside model.vision.params): replicated. It is small next to
+# the LLM (~0.4 B parameters for K3) and each process encodes its own requests' images, so
+# sharding it would only add communication. Stacked blocks (one scan over layers) add a leading L.
+VISION_RULES: tuple[tuple[str, tuple], ...] = (
+    (r"(patch_embed|projector\.(proj0|proj2))\.w|blocks\.\d+\.(wqkv|wo|fc0|fc1)\.w", (None, None)),
+    (r"pos_emb", (None, None, None)),
+    (r"blocks\.(wqkv|wo|fc0|fc1)\.w", (None, None, None)),
+    (r"blocks\.\d+\.\w+\.[wb]|(patch_embed|final_norm|projector\.\w+)\.b"
+     r"|(final_norm|projector\.(pre_norm|post_norm))\.w", (None,)),
+    (r"blocks\.\w+\.[wb]", (None, None)),
+)
+
 _noted: set = set()
 
 
@@ -244,6 +256,11 @@ def pool_shardings(config, mesh, pools):
 def shard_pools(pools, mesh):
     """Cache pools placed by the rules."""
     return place(pools, _named(mesh, pool_specs(pools, mesh)))
+
+
+def shard_vision(params, mesh):
+    """The vision tower's parameters placed by VISION_RULES (replicated)."""
+    return place(params, _named(mesh, tree_specs(params, mesh, rules=VISION_RULES)))
 
 
 def replicated(mesh):

@@ -37,7 +37,16 @@ def test_plan_matches_allocated_shards(spec):
         assert abs(got - want) <= 0.05 * want, (spec, got, want)
     assert r["num_pages"] >= 3 * 7 + 1 and r["num_slots"] >= 4          # 3 sequences of 100 tokens
     # replication is accounted for: tensor=8 cannot split the 4 heads, so attention is whole per device
-    assert r["total_bytes"] == r["weights_bytes"] + r["mla_pages_bytes"] + r["kda_states_bytes"] + r["activations_bytes"]
+    assert r["total_bytes"] == (r["weights_bytes"] + r["vision_bytes"] + r["mla_pages_bytes"] + r["kda_states_bytes"]
+                                + r["activations_bytes"])
+    # the tiny tower, placed by the vision rules the way the engine places it, costs what the plan says
+    from k3jax import load_model
+    from sharding.rules import shard_vision
+    from k3jax.vision.tower import stack_blocks
+    tower = load_model("tiny").vision.params
+    for tree in (tower, stack_blocks(tower)):
+        v = _bytes_per_device(shard_vision(tree, mesh))
+        assert len(v) == 8 and set(v.values()) == {r["vision_bytes"]}
 
 
 def _routed_bytes(c) -> int:

@@ -140,3 +140,17 @@ def test_shard_params_and_pools_place_arrays():
     assert {sh.data.shape for sh in pools.kda_state[0].addressable_shards} == {(2, 2, 32, 32)}
     assert {sh.data.shape for sh in pools.mla_kv[0].addressable_shards} == {(2, 16, c.mla_cache_dim)}
     assert rules.shard_shape((8, 4, 32, 32), rules.pool_specs(pools, mesh).kda_state[0], mesh) == (2, 2, 32, 32)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-k3"])
+def test_every_vision_leaf_has_a_replicated_rule(preset):
+    from k3jax.params import is_leaf
+    from k3jax.vision.config import VisionConfig
+    from k3jax.vision.tower import stack_blocks, vision_param_spec
+    c = preset_config(preset)
+    spec = vision_param_spec(VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size), c.hidden_size)
+    shapes = jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(l.shape, jnp.bfloat16), spec, is_leaf=is_leaf)
+    for tree in (shapes, jax.eval_shape(stack_blocks, shapes)):       # per-layer and scanned layouts
+        flat = rules.explain(tree, {"data": 2, "expert": 4, "tensor": 2}, rules=rules.VISION_RULES)
+        assert len(flat) == len(jax.tree_util.tree_leaves(tree))
+        assert all(all(d is None for d in spec_) for _, _, spec_ in flat)
