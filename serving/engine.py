@@ -189,7 +189,7 @@ class LLMEngine:
         done = req.stop.append(tok, delta)
         if done is not None:
             req.finish_reason, req.stop_reason = done.finish_reason, done.stop_reason
-            self.scheduler.finish(req)
+            self.scheduler.finish(req, keep_state=True)
             self.requests.pop(req.request_id, None)
         return self.output_of(req, new_ids=[tok])
 

@@ -70,3 +70,12 @@ def chain_hashes(token_ids, unit: int, extra_keys: ExtraKeys = None,
         h = m.digest()
         out.append(h)
     return out
+
+
+def tail_hash(parent: bytes, tokens) -> bytes:
+    """Key of a prefix that ends inside a unit: the chain hash of its complete units (`parent`)
+    plus its remaining 1..unit-1 tokens. Distinct from every unit hash (its own tag)."""
+    m = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+    m.update(b"\xfet")
+    m.update(np.asarray(tokens, dtype="<u4").reshape(-1).tobytes())
+    return m.digest()

@@ -3,8 +3,10 @@
 Two kinds of entries, keyed by chained unit hashes (serving.hashing):
 - page entry: a full MLA page, keyed by the hash of the prefix ending at its last token;
   parent = the page before it.
-- checkpoint entry: a KDA state slot holding the state after exactly N tokens (N any
-  multiple of match_unit), keyed by the hash at N; parent = the last full page before N.
+- checkpoint entry: a KDA state slot holding the state after exactly N tokens, keyed by the
+  hash at N; parent = the last full page before N. N is a multiple of match_unit, or (a
+  "tail" checkpoint: the state a finished generation ends with) any length past the first
+  unit, keyed by serving.hashing.tail_hash(hash of its complete units, remaining tokens).
   When N is not a page multiple it also holds the page with rows [N//ps*ps, N) (the
   "partial page", copied, never shared, by a request that reuses the checkpoint).
 
@@ -28,7 +30,7 @@ from collections import Counter, deque
 from typing import Dict, List, Optional, Sequence
 
 from serving.allocator import PageAllocator, SlotAllocator
-from serving.hashing import ExtraKeys, chain_hashes
+from serving.hashing import ExtraKeys, chain_hashes, tail_hash
 
 
 @dataclasses.dataclass
@@ -84,6 +86,7 @@ class _Entry:
     page_hashes: tuple = ()    # ckpt: keys of its full pages
     partial_page: Optional[int] = None
     children: int = 0
+    tail_of: Optional[bytes] = None  # tail checkpoint: the unit hash it hangs off
     visible: bool = False
     stamp: int = 0             # last use (logical clock)
     evictable: bool = False
@@ -108,6 +111,7 @@ class PrefixCacheIndex:
         # Per kind, (stamp, seq, entry) eviction candidates; stale items skipped lazily.
         self._heaps = {"page": [], "ckpt": []}
         self._clock = 0
+        self._tails: Counter = Counter()    # unit hash -> tail checkpoints hanging off it
         self.stats = Counter()
         pages.set_listener(lambda ids: self._on_last_ref(self._by_page_id, ids))
         slots.set_listener(lambda ids: self._on_last_ref(self._by_slot, ids))
@@ -119,9 +123,9 @@ class PrefixCacheIndex:
 
     def lookup(self, token_ids, extra_keys: ExtraKeys = None, *, hashes=None,
                record: bool = True) -> Hit:
-        """Longest N (multiple of match_unit, 0 < N < len(token_ids)) with a visible checkpoint
-        at N and visible pages for [0, N). hashes: precomputed self.hashes(token_ids, ...).
-        record: count this lookup in stats (do it once per scheduled request)."""
+        """Longest N (0 < N < len(token_ids)) with a visible checkpoint at N and visible pages for
+        [0, N): N a multiple of match_unit, or a tail checkpoint's length. hashes: precomputed
+        self.hashes(token_ids, ...). record: count this lookup in stats (once per request)."""
         n = len(token_ids)
         max_units = max(0, (n - 1) // self.unit)
         if hashes is None:
@@ -135,7 +139,10 @@ class PrefixCacheIndex:
             full += 1
         hit = Hit()
         for m in range(min(max_units, (full + 1) * self.upp - 1), 0, -1):
-            c = self._ckpt.get(hashes[m - 1])
+            # (m + 1) units end within page `full`, so a tail after unit m has all its full pages
+            c = self._tail_at(hashes[m - 1], token_ids, m * self.unit, n) if hashes[m - 1] in self._tails else None
+            if c is None:
+                c = self._ckpt.get(hashes[m - 1])
             if c is not None and c.visible:
                 k = c.num_tokens // self.page_size
                 hit = Hit(c.num_tokens, [self._page[h].id for h in c.page_hashes[:k]],
@@ -144,6 +151,14 @@ class PrefixCacheIndex:
         if record:
             self.stats.update(lookups=1, queried_tokens=n, hit_tokens=hit.num_tokens)
         return hit
+
+    def _tail_at(self, parent: bytes, token_ids, base: int, n: int) -> Optional[_Entry]:
+        """The longest visible tail checkpoint after `base` tokens that leaves a token to compute."""
+        for r in range(min(self.unit - 1, n - 1 - base), 0, -1):
+            c = self._ckpt.get(tail_hash(parent, token_ids[base:base + r]))
+            if c is not None and c.visible:
+                return c
+        return None
 
     def acquire(self, hit: Hit) -> None:
         """Pin a hit: one more reference on each shared page (they join the request's block
@@ -202,18 +217,21 @@ class PrefixCacheIndex:
         return 0 < m <= len(hashes) and hashes[m - 1] in self._ckpt
 
     def register_checkpoint(self, hashes: Sequence[bytes], num_tokens: int, slot: int,
-                            block_table: Sequence[int]) -> bool:
+                            block_table: Sequence[int], tokens: Optional[Sequence[int]] = None) -> bool:
         """Index `slot` as the KDA state after exactly num_tokens tokens of this prefix. Call
-        only where the scheduler stopped at num_tokens (the copy into `slot` is issued this
-        step). The cache takes over the caller's reference on `slot`. All full pages before
-        num_tokens must be registered. Returns False (nothing taken; the caller frees the
-        slot) if a checkpoint already exists there or a page entry is missing."""
-        if num_tokens <= 0 or num_tokens % self.unit or num_tokens // self.unit > len(hashes):
-            raise ValueError(f"num_tokens: must be a positive multiple of {self.unit} "
-                             f"within the hashed prefix, got {num_tokens}")
+        only where the model stopped at num_tokens (the write into `slot` is issued by now).
+        The cache takes over the caller's reference on `slot`. All full pages before
+        num_tokens must be registered. num_tokens not a multiple of the unit (a tail
+        checkpoint) needs the prefix's `tokens`. Returns False (nothing taken; the caller
+        frees the slot) if a checkpoint already exists there or a page entry is missing."""
+        u = num_tokens // self.unit
+        tail = num_tokens % self.unit
+        if u < 1 or u > len(hashes) or (tail and (tokens is None or len(tokens) < num_tokens)):
+            raise ValueError(f"num_tokens: must be at least {self.unit} within the hashed prefix (and come with "
+                             f"its tokens when not a multiple of {self.unit}), got {num_tokens}")
         if slot in self._by_slot:
             raise ValueError(f"slot: {slot} already holds a checkpoint")
-        key = hashes[num_tokens // self.unit - 1]
+        key = tail_hash(hashes[u - 1], tokens[u * self.unit:num_tokens]) if tail else hashes[u - 1]
         k = num_tokens // self.page_size
         page_keys = tuple(hashes[(j + 1) * self.upp - 1] for j in range(k))
         if key in self._ckpt or any(h not in self._page for h in page_keys):
@@ -222,7 +240,9 @@ class PrefixCacheIndex:
         if partial is not None:
             self.pages.incref([partial])
         e = _Entry(key, "ckpt", int(slot), page_keys[-1] if k else None, num_tokens,
-                   page_keys, partial)
+                   page_keys, partial, tail_of=hashes[u - 1] if tail else None)
+        if e.tail_of is not None:
+            self._tails[e.tail_of] += 1
         self._add(e, self._by_slot)
         return True
 
@@ -276,6 +296,10 @@ class PrefixCacheIndex:
             self.pages.decref([e.id])
         else:
             del self._ckpt[e.key], self._by_slot[e.id]
+            if e.tail_of is not None:
+                self._tails[e.tail_of] -= 1
+                if not self._tails[e.tail_of]:
+                    del self._tails[e.tail_of]
             self.slots.watch([e.id], False)
             self.slots.decref([e.id])
             if e.partial_page is not None:

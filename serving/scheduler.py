@@ -14,6 +14,7 @@ from collections import deque
 from typing import Optional
 
 from serving.allocator import PageAllocator, SlotAllocator
+from serving.hashing import chain_hashes
 from serving.multimodal import images_in
 from serving.prefix_cache import JunctionTracker, PrefixCacheIndex
 from serving.request import Request, Status
@@ -119,11 +120,32 @@ class Scheduler:
             self.slots.decref([req.slot])
         req.pages, req.slot, req.num_computed = [], 0, 0
 
-    def finish(self, req: Request):
+    def finish(self, req: Request, keep_state: bool = False):
+        """Retire a request. keep_state (a normal finish): its final KDA state and pages join the
+        prefix cache first, so a follow-up turn that repeats this conversation resumes at its end."""
+        if keep_state and self.cache is not None:
+            self._cache_final_state(req)
         self.free(req)
         req.status = Status.FINISHED
         if req in self.running:
             self.running.remove(req)
+
+    def _cache_final_state(self, req: Request):
+        n, unit = req.num_computed, self.cfg.prefix_match_unit
+        if n < unit or not req.slot or req.hit is not None or req.status != Status.RUNNING:
+            return
+        tokens = req.tokens[:n]
+        hashes = req.hashes
+        if len(hashes) < n // unit:     # extend the prompt's chain over the generated tokens
+            hashes = hashes + chain_hashes(tokens[len(hashes) * unit:n // unit * unit], unit, req.extra_keys,
+                                           parent=hashes[-1] if hashes else None, start_unit=len(hashes),
+                                           namespace=self.cache.namespace)
+        self.cache.register_pages(hashes, req.pages, n)
+        if self.cache.register_checkpoint(hashes[:n // unit], n, req.slot, req.pages, tokens=tokens):
+            req.slot = 0                 # the cache holds it now
+        # Every write behind these entries was issued by the steps already run, and the next
+        # schedule() would commit them anyway: commit now, so they are evictable even if none comes.
+        self.cache.commit_pending()
 
     def abort(self, req: Request):
         if req in self.waiting:

@@ -78,6 +78,39 @@ def test_checkpoint_granularity_finer_than_state_block(model, tmp_path_factory):
     assert outs[-1].num_cached_tokens == 32
 
 
+def test_follow_up_turn_resumes_at_the_end_of_the_previous_generation(model, tmp_path_factory):
+    """A finished request's final KDA state is cached (a tail checkpoint, not unit-aligned): the next
+    turn, which repeats prompt + answer, resumes exactly where the generation stopped."""
+    rng = np.random.RandomState(7)
+    prompt = rng.randint(0, 768, 50).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        eng = _engine(model, tmp_path_factory, enable_prefix_caching=caching)
+        first = _run_one(eng, prompt, params, "a")
+        answer = first.outputs[0].token_ids
+        follow = prompt + answer + rng.randint(0, 768, 9).tolist() if caching else results["follow"]
+        second = _run_one(eng, follow, SamplingParams(temperature=0.0, max_tokens=4), "b")
+        branch = prompt + answer[:5] + [answer[5] ^ 1] + answer[6:] if caching else results["branch"]
+        third = _run_one(eng, branch, SamplingParams(temperature=0.0, max_tokens=4), "c")
+        results.update({caching: (answer, second.outputs[0].token_ids, third.outputs[0].token_ids),
+                        "follow": follow, "branch": branch, f"cached{caching}": (second.num_cached_tokens,
+                                                                                  third.num_cached_tokens)})
+        _assert_no_leaks(eng)
+    assert results[True] == results[False]
+    n = len(prompt) + 21 - 1                          # the last sampled token was never fed back
+    assert n % 16 and results["cachedTrue"][0] == n
+    assert results["cachedTrue"][1] == 48             # diverges inside the answer: the prompt's checkpoint
+
+
+def _run_one(eng, prompt, params, rid):
+    eng.add_request(prompt, params, request_id=rid)
+    done = None
+    while eng.has_unfinished():
+        done = next((o for o in eng.step() if o.finished), done)
+    return done
+
+
 def test_same_step_registration_is_not_reused(model, tmp_path_factory):
     eng = _engine(model, tmp_path_factory)
     prompt = np.random.RandomState(2).randint(0, 1024, 100).tolist()

@@ -315,3 +315,25 @@ def test_page_shortage_evicts_pages_past_the_last_checkpoint_first():
     assert sim.idx.evict(num_pages_needed=59)      # pages 6, 5 are leaves; then the checkpoint
     assert sim.idx.num_entries() == {"pages": 4, "checkpoints": 0}
     sim.assert_empty_after_clear()
+
+
+def test_tail_checkpoint_hits_only_the_same_tail_and_is_evicted_cleanly():
+    """A checkpoint at a length inside a unit (a finished generation's final state)."""
+    sim = Sim()
+    t = toks(150, 40)
+    req = sim.prefill(t)                                  # pages for [0, 128)
+    n = 141                                               # 8 units + 13 tokens, page 2 partial
+    slot = sim.slots.allocate(1)[0]
+    with pytest.raises(ValueError, match="tokens"):
+        sim.idx.register_checkpoint(req["h"], n, slot, req["bt"])
+    assert sim.idx.register_checkpoint(req["h"], n, slot, req["bt"], tokens=t)
+    sim.idx.commit_pending()
+    sim.finish(req)
+    hit = sim.idx.lookup(t[:n] + toks(5, 41))
+    assert (hit.num_tokens, hit.copy_rows, hit.checkpoint_slot) == (n, n - 2 * PS, slot)
+    assert hit.pages == req["bt"][:2] and hit.partial_page == req["bt"][2]
+    other = t[:n - 1] + [t[n - 1] + 1] + toks(5, 41)      # last tail token differs
+    assert sim.idx.lookup(other).num_tokens == 0
+    assert sim.idx.lookup(t[:n]).num_tokens == 0          # no token left to compute after it
+    sim.assert_empty_after_clear()
+    assert not sim.idx._tails
