@@ -18,6 +18,8 @@ class EngineArgs:
     prefix_match_unit: int = 16
     state_block_size: int = 1024                  # periodic KDA checkpoints in long prompts (0 = off)
     enable_prefix_caching: bool = True
+    cache_finished_state: bool = True             # a finished request's final state stays cached (follow-up turns
+                                                  # resume at its end; one KDA slot each until evicted)
     memory_fraction: float = 0.85                 # of device memory left after the weights
     cache_memory_bytes: Optional[int] = None      # explicit cache budget (CPU default: 256 MiB)
     state_fraction: float = 0.5                   # share of the cache budget for KDA state slots

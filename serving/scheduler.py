@@ -62,6 +62,7 @@ class SchedulerConfig:
     max_waiting: int = 4096
     state_block_size: int = 0        # periodic checkpoints inside long prompts (0 = only ends/junctions)
     encoder_budget: int = 0          # image tokens the vision tower may produce per step (0 = no limit)
+    cache_finished_state: bool = True  # keep a finished request's final state (see finish)
 
 
 class Scheduler:
@@ -123,7 +124,7 @@ class Scheduler:
     def finish(self, req: Request, keep_state: bool = False):
         """Retire a request. keep_state (a normal finish): its final KDA state and pages join the
         prefix cache first, so a follow-up turn that repeats this conversation resumes at its end."""
-        if keep_state and self.cache is not None:
+        if keep_state and self.cache is not None and self.cfg.cache_finished_state:
             self._cache_final_state(req)
         self.free(req)
         req.status = Status.FINISHED
