@@ -2,7 +2,6 @@
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import jax
@@ -13,7 +12,7 @@ import pytest
 from k3jax.cache import make_pools
 from k3jax.params import init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config
-from mp_common import GEN, MAX_NEW, POOL, PROMPTS
+from mp_common import GEN, MAX_NEW, POOL, PROMPTS, run_all
 from sharding.step import greedy, sharded_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,18 +42,9 @@ def test_two_processes_match_one_device(tmp_path, mesh):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["MP_LOCAL_DEVICES"] = "4"
     env["MP_XLA_EXTRA"] = "--xla_backend_optimization_level=0"   # halves CPU compile time here
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_greedy.py"), coord, "2", str(i), mesh, str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        ref_toks, ref_logits0 = _single_device()        # computed while the two processes compile
-        logs = [p.communicate(timeout=200)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    cmds = [[sys.executable, os.path.join(HERE, "mp_greedy.py"), coord, "2", str(i), mesh, str(out)] for i in range(2)]
+    # the single-device reference is computed while the two processes compile
+    _, (ref_toks, ref_logits0) = run_all(cmds, env, before_wait=_single_device)
     got = json.loads(out.read_text())
     assert got["processes"] == 2 and got["devices"] == 8 and got["expert_axis_processes"] == [0, 1]
     assert got["tokens"] == ref_toks

@@ -12,10 +12,11 @@ all of it, so the measurement can tell the two apart.
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
+
+from mp_common import run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MESH = "expert=8"
@@ -111,16 +112,7 @@ def test_each_process_reads_only_its_shards(converted, tmp_path):
     out = str(tmp_path / "bytes.json")
     coord = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), coord, str(i), str(converted), out],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=200)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    run_all([[sys.executable, os.path.abspath(__file__), coord, str(i), str(converted), out] for i in range(2)], env)
     got = [json.loads(open(f"{out}.{i}").read()) for i in range(2)]
     # expert=8 spans both processes: each holds 8 of the 16 experts, different ones
     assert [g["local_experts"] for g in got] == [list(range(0, 8)), list(range(8, 16))]
