@@ -156,7 +156,7 @@ class LLMEngine:
         if out.encode:
             self.encoder.encode(out.encode)
         reqs = [ch.req for ch in out.chunks]
-        chunks = [SeqChunk(r.token_slice(ch.start, ch.end), ch.start, r.pages, ch.state_src, r.slot, ch.ckpt_dst,
+        chunks = [SeqChunk(r.token_slice(ch.start, ch.end), ch.start, r.page_array(), ch.state_src, r.slot, ch.ckpt_dst,
                            mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images else ())
                   for r, ch in zip(reqs, out.chunks)]
         masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None

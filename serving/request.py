@@ -6,6 +6,8 @@ import enum
 import time
 from typing import Optional
 
+import numpy as np
+
 from serving.prefix_cache import Hit
 from serving.sampling_params import SamplingParams
 from serving.stop import StopChecker
@@ -48,6 +50,21 @@ class Request:
     stop_reason: object = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    _page_array: tuple = (None, None)           # (the pages list it mirrors, int32 array)
+
+    def page_array(self) -> np.ndarray:
+        """The block table as int32 numpy, extended by the new pages only: converting a long-context
+        block table from a list every step costs milliseconds. The scheduler only appends to a
+        running request's list (`pages += new`) or replaces it (admission, preemption); a
+        replaced list is converted afresh."""
+        owner, arr = self._page_array
+        pages = self.pages
+        if owner is not pages or len(arr) > len(pages) or (len(arr) and arr[-1] != pages[len(arr) - 1]):
+            arr = np.asarray(pages, np.int32)
+        elif len(arr) < len(pages):
+            arr = np.concatenate([arr, np.asarray(pages[len(arr):], np.int32)])
+        self._page_array = (pages, arr)
+        return arr
 
     @property
     def tokens(self) -> list:
