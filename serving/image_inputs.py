@@ -26,6 +26,10 @@ class ImageLoader:
         self.vision = vision
         self.policy = policy
 
+    @property
+    def pad_id(self) -> int:
+        return self.vision.pad_id
+
     def load(self, source: str) -> ImageInput:
         from k3jax.vision.media import ImageInputError, image_digest, load_image
         p = self.policy

@@ -273,6 +273,9 @@ def test_chat_with_one_and_two_images(client, server):
     assert one.usage.completion_tokens == two.usage.completion_tokens == 4
     # each image adds its placeholder tokens (a grid of 28-px cells after padding) to the prompt
     assert two.usage.prompt_tokens > one.usage.prompt_tokens > text_only.usage.prompt_tokens
+    counted = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"messages": _image_msg(_data_url(90, 60))}).json()["count"]
+    assert counted == _chat(client, messages=_image_msg(_data_url(90, 60)), max_tokens=1).usage.prompt_tokens
     again = _chat(client, messages=_image_msg(_data_url(90, 60)), max_tokens=4, extra_body=NO_THINK)
     assert again.choices[0].message.content == one.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0

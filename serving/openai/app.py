@@ -1,6 +1,7 @@
 """The FastAPI application: routes, API-key check, error bodies."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
@@ -86,6 +87,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             ids = chat.render_prompt(state, req.messages, None, {})
+            images = await asyncio.to_thread(chat.load_images, state, req.messages)
+            if images:                   # each image's placeholder widened to its token count
+                from serving.multimodal import expand_image_placeholders
+                ids, _ = expand_image_placeholders(ids, images, state.vision.pad_id)
         else:
             ids = state.tokenizer.encode(req.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

@@ -54,7 +54,8 @@ def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) ->
         raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
 
 
-def _load_images(state: ServerState, messages) -> list:
+def load_images(state: ServerState, messages) -> list:
+    """The request's images (ImageInput, prompt order); bad images are a 400 naming the part."""
     sources = image_sources(messages)
     if not sources:
         return []
@@ -92,7 +93,7 @@ class _Plan:
             if not req.tools:
                 raise bad_request("tool_choice requires tools", param="tool_choice")
         prompt = render_prompt(state, req.messages, tools, kwargs)
-        self.images = _load_images(state, req.messages)
+        self.images = load_images(state, req.messages)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
         self.forced: list = []
         if choice == "required" or self.forced_name:
