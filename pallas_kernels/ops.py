@@ -3,6 +3,8 @@
 Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
   "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
   "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
+GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
+kernel (pallas_kernels/moe/tpu.py); KDA and MLA take the references until Mosaic versions exist.
 The model's call sites only ever call the functions below.
 """
 from __future__ import annotations
@@ -32,6 +34,11 @@ def kernel_mode() -> str:
     if mode not in _MODES:
         raise ValueError(f"K3JAX_KERNELS={mode!r}: expected one of {_MODES}")
     return mode
+
+
+def _platform() -> str:
+    """The backend the kernels target (a function so tests can route CPU runs through TPU code)."""
+    return jax.default_backend()
 
 
 def use_pallas() -> tuple[bool, bool]:
@@ -97,6 +104,9 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
 def gmm(lhs, rhs, group_sizes):
     """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""
     pallas, interpret = use_pallas()
+    if pallas and _platform() == "tpu":
+        from pallas_kernels.moe.tpu import gmm_tpu
+        return gmm_tpu(lhs, rhs, group_sizes, interpret=interpret)
     if pallas:
         from pallas_kernels import moe
         return moe.gmm(lhs, rhs, group_sizes, interpret=interpret)
@@ -108,7 +118,7 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
     """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
     or MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code."""
     pallas, interpret = use_pallas()
-    if not pallas:
+    if not pallas or _platform() == "tpu":      # TPU: the model's composition, its gmm calls on megablox
         return reference()
     from pallas_kernels import moe
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
