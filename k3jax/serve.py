@@ -45,8 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
     ap.add_argument("--allow-remote-images", action="store_true",
-                    help="fetch http(s) image URLs (off: only data URLs and local files are accepted)")
-    ap.add_argument("--image-dir", default=None, help="local image paths must lie under this directory")
+                    help="fetch http(s) image URLs (off: data URLs, and files under --image-dir, only)")
+    ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")
     ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
     ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache")
