@@ -35,6 +35,17 @@ _PREC = {"highest": _HI, "tf32": lax.Precision.DEFAULT,
          "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
 
 
+def _diag_column(j, kj, gj, qI, kI, gI, row, col, row_k, akk, aqk):
+    """Column j of a diagonal block's A_kk (strictly below the diagonal) and A_qk (on and below),
+    from key row j: exp(g_i - g_j) is taken only where i >= j (elsewhere it could overflow)."""
+    ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
+    ck = jnp.sum(kI * ekj, axis=1)
+    cq = jnp.sum(qI * ekj, axis=1)
+    akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
+    aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
+    return akk, aqk
+
+
 def _dot(a, b, prec=_HI):
     return jnp.dot(a, b, precision=prec, preferred_element_type=_F32)
 
@@ -125,13 +136,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
                 else:
                     kj = k_ref[I * bc + j, :].astype(_F32)
                     gj = g_ref[I * bc + j, :]
-                # exp(gc_i - gc_j) only where i >= j (elsewhere it could overflow)
-                ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
-                ck = jnp.sum(kI * ekj, axis=1)
-                cq = jnp.sum(qI * ekj, axis=1)
-                akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
-                aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
-                return akk, aqk
+                return _diag_column(j, kj, gj, qI, kI, gI, row, col, row_k, akk, aqk)
 
             akk, aqk = lax.fori_loop(0, bc, diag_col, (zero, zero))
         L[I, I] = akk * bI[:, None]
@@ -223,14 +228,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, *, mode="loop", pre
 
     def body(j, carry):
         akk, aqk = carry
-        kj = k_ref[j, :].astype(_F32)
-        gj = g_ref[j, :]
-        ekj = jnp.exp(jnp.where(row_k >= j, gI - gj[None, :], -jnp.inf)) * kj[None, :]
-        ck = jnp.sum(kI * ekj, axis=1)
-        cq = jnp.sum(qI * ekj, axis=1)
-        akk = jnp.where((col == j) & (row > j), ck[:, None], akk)
-        aqk = jnp.where((col == j) & (row >= j), cq[:, None], aqk)
-        return akk, aqk
+        return _diag_column(j, k_ref[j, :].astype(_F32), g_ref[j, :], qI, kI, gI, row, col, row_k, akk, aqk)
 
     zero = jnp.zeros((bc, bc), _F32)
     akk, aqk = lax.fori_loop(0, bc, body, (zero, zero))
