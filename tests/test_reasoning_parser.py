@@ -6,20 +6,11 @@ import random
 
 import pytest
 
-from k3jax.tokenizer import KimiTokenizer
 from serving.openai.reasoning_parser import (OutputStreamParser, ReasoningStreamParser, parse_output,
                                              parse_reasoning, thinking_started_from_prompt)
 from serving.openai.tool_parser import forced_tool_prefix
 
-TOK = KimiTokenizer.tiny()
-SB = TOK.id_of("<|tool_calls_section_begin|>")
-SE = TOK.id_of("<|tool_calls_section_end|>")
-CB = TOK.id_of("<|tool_call_begin|>")
-AB = TOK.id_of("<|tool_call_argument_begin|>")
-CE = TOK.id_of("<|tool_call_end|>")
-THINK, UNTHINK = TOK.id_of("<think>"), TOK.id_of("</think>")
-EOS, IM_END = TOK.eos_id, TOK.im_end_id
-E = TOK.encode
+from kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
 
 
 def call_ids(header, args):

@@ -9,19 +9,10 @@ import random
 
 import pytest
 
-from k3jax.tokenizer import KimiTokenizer
 from serving.openai.tool_parser import (ToolCall, ToolCallStreamParser, forced_tool_prefix, merge_deltas,
                                         parse_tool_calls, tool_call_to_openai)
 
-TOK = KimiTokenizer.tiny()
-SB = TOK.id_of("<|tool_calls_section_begin|>")
-SE = TOK.id_of("<|tool_calls_section_end|>")
-CB = TOK.id_of("<|tool_call_begin|>")
-AB = TOK.id_of("<|tool_call_argument_begin|>")
-CE = TOK.id_of("<|tool_call_end|>")
-EOS, IM_END = TOK.eos_id, TOK.im_end_id
-THINK, UNTHINK = TOK.id_of("<think>"), TOK.id_of("</think>")
-E = TOK.encode
+from kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
 
 
 def call_ids(header, args, end=True):

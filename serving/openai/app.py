@@ -66,19 +66,20 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "k3jax", "max_model_len": state.max_model_len}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+    async def respond(req, raw: Request, stream, whole):
+        """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
         _check_model(req.model)
         if req.stream:
-            return StreamingResponse(await chat.chat_stream(state, req), media_type="text/event-stream")
-        return await _until_disconnect(raw, chat.chat(state, req))
+            return StreamingResponse(await stream(state, req), media_type="text/event-stream")
+        return await _until_disconnect(raw, whole(state, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await respond(req, raw, chat.chat_stream, chat.chat)
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, raw: Request):
-        _check_model(req.model)
-        if req.stream:
-            return StreamingResponse(await completions.complete_stream(state, req), media_type="text/event-stream")
-        return await _until_disconnect(raw, completions.complete(state, req))
+        return await respond(req, raw, completions.complete_stream, completions.complete)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
