@@ -269,14 +269,16 @@ def test_expert_mlp_mxfp4_matches_numpy(activation):
 
 # ------------------------------------------------- Triton lowering smoke (no GPU)
 
-@pytest.mark.parametrize("fmt,fused,asm", [("bf16", False, False), ("bf16", True, False),
-                                           ("mxfp4", False, False), ("mxfp4", True, False),
-                                           ("mxfp4", True, True)])
-def test_kernels_lower_to_triton(fmt, fused, asm, monkeypatch):
-  """The kernels (MXFP4: with its inline-PTX decoder) lower through Pallas' Triton
-  backend for CUDA on CPU; compiling the Triton IR needs the GPU (scripts/bench_moe.py)."""
+@pytest.mark.parametrize("fmt,fused,decoder,swap", [
+    ("bf16", False, "jnp", False), ("bf16", True, "jnp", False), ("mxfp4", False, "jnp", False),
+    ("mxfp4", True, "jnp", False), ("mxfp4", True, "ptx4", False), ("mxfp4", False, "ptx8", False),
+    ("mxfp4", True, "ptx8", True)])
+def test_kernels_lower_to_triton(fmt, fused, decoder, swap, monkeypatch):
+  """The kernels (MXFP4: with each decoder, weights as either MMA operand) lower through
+  Pallas' Triton backend for CUDA on CPU; compiling the Triton IR needs the GPU
+  (scripts/bench_moe.py)."""
   from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "USE_ASM", asm)
+  monkeypatch.setattr(mxm, "DECODER", decoder)
   m, k, n, g = 256, 256, 128, 8
   act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -288,12 +290,163 @@ def test_kernels_lower_to_triton(fmt, fused, asm, monkeypatch):
   else:
     p = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
     s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
+    t = Tiling(16, 128, 64, 2, 3, swap_ab=swap)
     f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused else (p, s), gs,
-                                         tiling=None, act=act, mode="kernel")
+                                         tiling=t, act=act, mode="kernel")
     args = (x, p, s, gs)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "xla.gpu.triton" in text
-  assert ("fma.rn.bf16x2" in text) == asm  # the PTX decoder is in the Triton IR iff chosen
+  # the PTX decoders are in the Triton IR iff chosen (the IR is bytecode: look for the bytes)
+  assert ("0x7E807E80" in text) == (decoder == "ptx4")
+  assert ("mul.lo.u32" in text) == (decoder == "ptx8")
+
+
+# ------------------------------- the ptx8 decoder's recipe, interpreted in numpy
+
+def _interpret_ptx8(ops, words, s01, s23):
+  """Run one of mxfp4.PTX8_EVEN / PTX8_ODD (the op lists its inline PTX is rendered from) on
+  uint32 words, as the PTX instructions define them. Returns (out01, out23) uint32 bf16x2."""
+  import ml_dtypes
+  regs = {"w": words.astype(np.uint64), "s01": s01.astype(np.uint64),
+          "s23": s23.astype(np.uint64)}
+  mask32 = np.uint64(0xFFFFFFFF)
+
+  def bf16_val(bits):  # uint64 holding 16 bits -> float64, subnormals kept
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+  for kind, d, a, b in ops:
+    a = regs[a]
+    if kind == "and":
+      regs[d] = a & np.uint64(b)
+    elif kind == "mul":  # mul.lo.u32
+      regs[d] = (a * np.uint64(b)) & mask32
+    elif kind == "prmt":  # prmt.b32 d, a, 0, sel: byte i <- byte sel[i] of (0:a)
+      out = np.zeros_like(a)
+      for i in range(4):
+        sel = (b >> (4 * i)) & 0xF
+        assert sel < 8, "msb-replicate mode is not used"
+        byte = (a >> np.uint64(8 * sel)) & np.uint64(0xFF) if sel < 4 else np.zeros_like(a)
+        out |= byte << np.uint64(8 * i)
+      regs[d] = out
+    elif kind == "fma":  # fma.rn.bf16x2 d, a, s, -0.0 per 16-bit half
+      s = regs[b]
+      halves = []
+      for sh in (0, 16):
+        sh = np.uint64(sh)
+        prod = bf16_val((a >> sh) & np.uint64(0xFFFF)) * bf16_val((s >> sh) & np.uint64(0xFFFF))
+        prod = prod + (-0.0)
+        bits = prod.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+        halves.append(bits.astype(np.uint64) << sh)
+      regs[d] = halves[0] | halves[1]
+    else:
+      raise AssertionError(kind)
+  return regs["out01"], regs["out23"]
+
+
+def test_ptx8_recipe_equals_dequantize_in_its_window():
+  """Every byte value in every position of the 4-byte word, per-element scales across the
+  documented exact window 59 <= e <= 192 (its ends included): decoded * 2^64 is bit-for-bit
+  dequantize_mxfp4, for the even (low-nibble) and the odd (high-nibble) block."""
+  from pallas_kernels.moe import mxfp4 as mxm
+  r = _rng(11)
+  n = 1024
+  b = np.stack([np.roll(np.tile(np.arange(256), n // 256), j) for j in range(4)], 1)
+  b = b.astype(np.uint8)                                        # [n, 4]: all bytes, all slots
+  e = r.integers(59, 193, (n, 4)).astype(np.uint8)
+  e[:8] = [[59, 192, 59, 192]] * 8
+  words = (b.astype(np.uint64) << (8 * np.arange(4, dtype=np.uint64))).sum(1)
+  sbits = np.asarray(mxm.folded_scale_bits(jnp.asarray(e))).astype(np.uint64)
+  s01 = sbits[:, 0] | (sbits[:, 1] << np.uint64(16))
+  s23 = sbits[:, 2] | (sbits[:, 3] << np.uint64(16))
+  for ops, nib in ((mxm.PTX8_EVEN, b & 0xF), (mxm.PTX8_ODD, b >> 4)):
+    o01, o23 = _interpret_ptx8(ops, words, s01, s23)
+    got = np.stack([o01 & 0xFFFF, o01 >> 16, o23 & 0xFFFF, o23 >> 16], 1).astype(np.uint16)
+    got = (got.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0 ** mxm.PTX8_SHIFT
+    # reference: each element as its own [1, 32] block whose first code is the nibble
+    packed = np.zeros((n * 4, 16), np.uint8)
+    packed[:, 0] = nib.reshape(-1)
+    ref = np.asarray(moe.dequantize_mxfp4(packed, e.reshape(-1, 1), jnp.float32))[:, 0]
+    np.testing.assert_array_equal(got.reshape(-1), ref.astype(np.float64))
+    np.testing.assert_array_equal(np.signbit(got.reshape(-1)), np.signbit(ref))
+  assert np.any(nib == 1) and np.any(nib == 9)  # +-0.5: the subnormal path is exercised
+
+
+def test_ptx8_asm_is_rendered_from_the_recipe():
+  from pallas_kernels.moe import mxfp4 as mxm
+  for asm, ops in ((mxm._ASM8_EVEN, mxm.PTX8_EVEN), (mxm._ASM8_ODD, mxm.PTX8_ODD)):
+    body = [l for l in asm.splitlines() if l.split(" ")[0] in ("and.b32", "prmt.b32", "mul.lo.u32",
+                                                                "fma.rn.bf16x2")]
+    assert len(body) == len(ops) == 9
+    assert asm.count("$0") == asm.count("$1") == 1 and "$2" in asm and "$4" in asm
+
+
+# ----------------------- MXFP4 kernel variants in interpret mode (x shift, swapped operands)
+
+@pytest.mark.parametrize("decoder", ["jnp", "ptx8"])   # x shift 0 / 64 (interpret: jnp decode)
+@pytest.mark.parametrize("swap", [False, True])
+def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
+  from pallas_kernels.moe import mxfp4 as mxm
+  monkeypatch.setattr(mxm, "DECODER", decoder)
+  r = _rng(12)
+  m, k, n, sizes = 50, 128, 64, [7, 0, 30, 5]
+  x = _bf16(r.standard_normal((m, k)))
+  packed = jnp.asarray(r.integers(0, 256, (len(sizes), n, k // 2), dtype=np.uint8))
+  scales = jnp.asarray(r.integers(110, 135, (len(sizes), n, k // 32), dtype=np.uint8))
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tiling(16, 64, 32, 2, 3, swap_ab=swap)
+  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel")
+  ref = moe.gmm_mxfp4_reference(x, packed, scales, gs)
+  _close(out, ref)
+  assert np.all(np.asarray(out[42:], np.float32) == 0.0)
+  act = lambda a, b: kn.glu_activation(a, b, "situ")
+  out2 = gm.run_mxfp4(x, (packed, scales, packed[::-1], scales[::-1]), gs, tiling=t, act=act,
+                      interpret=True, mode="kernel")
+  ref2 = act(ref.astype(jnp.float32),
+             moe.gmm_mxfp4_reference(x, packed[::-1], scales[::-1], gs).astype(jnp.float32))
+  _close(out2[:42], ref2[:42])
+
+
+# ------------------------------------- expert parallelism: tiles from the local row count
+
+def test_choose_tiling_avg_rows_hint():
+  from pallas_kernels.moe import schedule as sch
+  # K3-EP8 decode, 256 tokens: 4096 rows, 112 local experts, ~4.6 rows per local expert
+  assert sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True).bm == 64
+  t = sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True, avg_rows=4096 / 896)
+  assert t == sch.DECODE_MXFP4  # 3584 and 6144 keep its bk / bn
+  assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16
+
+
+def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
+  """Under expert parallelism most rows belong to other devices' experts: num_experts_total
+  sizes the tiles from the local rows (bm 16 here, bm 64 without it); same result either way
+  (the float64 loop over the local experts)."""
+  seen = []
+  orig = kn.grouped_matmul
+  monkeypatch.setattr(gm.kn, "grouped_matmul",
+                      lambda *a, **kw: seen.append(kw["tiling"]) or orig(*a, **kw))
+  r = _rng(13)
+  t, d, i, e_loc, e_tot, k = 32, 64, 32, 4, 32, 8
+  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[0, 0] = 1
+  x = _bf16(r.standard_normal((t, d)))
+  wts = r.random((t, k)).astype(np.float32)
+  ws = [jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32)
+        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
+  q1, q3, q2 = (moe.quantize_mxfp4(w) for w in ws)
+  deq = lambda q: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
+  local = np.where(ids < e_loc, ids, -1)
+  wl = np.where(local >= 0, wts, 0.0)
+  ref = _np_moe(x, np.maximum(local, 0), wl, deq(q1), deq(q3), deq(q2), "silu")
+  for total, bm in ((None, 64), (e_tot, 16)):
+    seen.clear()
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2,
+                               activation="silu", interpret=True, num_experts_total=total)
+    assert [tl.bm for tl in seen] == [bm, bm]
+    _close(out, ref, rel=2e-2)
+  with pytest.raises(ValueError, match="num_experts_total"):
+    moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2,
+                         activation="silu", interpret=True, num_experts_total=2)
 
 
 # ------------------------------------------- equality with the model's MoE layer

@@ -35,6 +35,7 @@ def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
     tiling = sch.Tiling(**tiling)
   elif not isinstance(tiling, sch.Tiling):
     tiling = sch.Tiling(*tiling)
+  kw.pop("avg_rows", None)
   floor = 32 if kw.get("mxfp4") else 16
   return dataclasses.replace(tiling, bk=sch.pow2_divisor(k, tiling.bk, floor),
                              bn=sch.pow2_divisor(n, tiling.bn))
@@ -61,8 +62,9 @@ def _check_groups(group_sizes, w):
                      f"number of weight groups")
 
 
-def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
-  """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed."""
+def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None):
+  """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
+  avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling)."""
   m, k = lhs.shape
   _check_groups(group_sizes, ws[0])
   if ws[0].shape[1] != k:
@@ -74,21 +76,23 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False):
     ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
   ws = tuple(_pad_last(w, 16) for w in ws)
   np_ = ws[0].shape[-1]
-  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None)
+  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None,
+                 avg_rows=avg_rows)
   x = _pad_rows(lhs, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
                           interpret=interpret)
   return out[:m, :n]
 
 
-def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None):
+def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
+              avg_rows=None):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
   mode 'kernel': decode in the kernel's main loop (decode regime: each weight byte is
   read once, so decode cost is per byte read). mode 'predequant': one XLA pass writes
   bf16 [G, N, K] and the bf16 kernel reads it (prefill: many row tiles per expert
   would otherwise decode the same weights over and over). None: 'predequant' when the
-  average group has >= 128 rows.
+  average group has >= 128 rows (avg_rows, else M / G).
   """
   m, k = lhs.shape
   g = group_sizes.shape[0]
@@ -96,18 +100,20 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   if ws[0].shape[2] * 2 != k:
     raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
   _check_groups(group_sizes, ws[0])
+  avg = m / g if avg_rows is None else avg_rows
   if mode is None:
-    mode = "predequant" if m >= 128 * g else "kernel"
+    mode = "predequant" if avg >= 128 else "kernel"
   rn = (-n) % 16
   if rn:
     ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
   if mode == "predequant":
     wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
-    t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None)
+    t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None, avg_rows=avg_rows)
     fmt = "bf16t"
   else:
     wd = ws
-    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None)
+    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
+                   avg_rows=avg_rows)
     fmt = "mxfp4"
   x = _pad_rows(lhs, t.bm)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,

@@ -35,7 +35,7 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
-def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, use_asm):
+def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, decoder, shift):
   x_refs = refs[:n_x]
   w_refs = refs[n_x:-1]
   o_ref = refs[-1]
@@ -52,6 +52,8 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, 
   mask = (rows >= start) & (rows < end)
   n0 = pl.multiple_of(ni * bn, bn)
   out_view = o_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)]
+
+  swap = tiling.swap_ab and fmt == "mxfp4"
 
   @pl.when((end > start) & (gid < g))
   def _compute():
@@ -75,14 +77,20 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, 
           p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
           pb = p_ref[gid, pl.ds(n0, bn), pl.ds(h0, bk // 2)]
           sb = s_ref[gid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
-          w_even, w_odd = mx.decode_halves(pb, sb, use_asm)
-          acc = acc + plt.dot(xe, w_even, trans_b=True)
-          new.append(acc + plt.dot(xo, w_odd, trans_b=True))
+          w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
+          if swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
+            acc = acc + plt.dot(w_even, xe, trans_b=True)
+            new.append(acc + plt.dot(w_odd, xo, trans_b=True))
+          else:
+            acc = acc + plt.dot(xe, w_even, trans_b=True)
+            new.append(acc + plt.dot(xo, w_odd, trans_b=True))
       return tuple(new)
 
-    zero = jnp.zeros((bm, bn), jnp.float32)
+    zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
     accs = jax.lax.fori_loop(0, k // bk, body, (zero,) * n_w)
     out = accs[0] if act is None else act(*accs)
+    if swap:
+      out = out.T
     plt.store(out_view, out.astype(o_ref.dtype), mask=mask)
 
   @pl.when((end > start) & (gid == g))
@@ -106,15 +114,18 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   n_w = len(weights) // 2 if fmt == "mxfp4" else len(weights)
   assert k % tiling.bk == 0 and n % tiling.bn == 0 and m >= tiling.bm, (m, k, n, tiling)
   assert (act is None) == (n_w == 1)
+  decoder = "jnp" if interpret else mx.DECODER
+  shift = mx.x_shift(mx.DECODER)  # interpret mode: the jnp decoder with the GPU decoder's shift
   if fmt == "mxfp4":  # even / odd columns of x meet the low / high nibbles
     xs = (x[:, 0::2], x[:, 1::2])
+    if shift:  # the decoder returns w * 2^-shift: x * 2^shift keeps every product (exact)
+      xs = tuple(xi * jnp.asarray(2.0 ** shift, xi.dtype) for xi in xs)
   else:
     xs = (x,)
   tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
   grid = (n // tiling.bn, tg.shape[0])
   kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, g=g,
-                           tiling=tiling, act=act,
-                           use_asm=(not interpret) and mx.USE_ASM)
+                           tiling=tiling, act=act, decoder=decoder, shift=shift)
   return pl.pallas_call(
       kern,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),

@@ -25,6 +25,14 @@ def _reference_path(xs, gs, w1, w3, w2, act, dtype):
   return gm.gmm_reference(h, w2, gs)
 
 
+def _avg_rows(topk_ids, num_experts, num_experts_total):
+  """Expected rows per local expert for the tile heuristic: T*k / (experts over all devices).
+  Without num_experts_total (no expert parallelism) it is T*k / E_local, as gmm assumes."""
+  if num_experts_total is not None and num_experts_total < num_experts:
+    raise ValueError(f"num_experts_total={num_experts_total} < local experts {num_experts}")
+  return topk_ids.size / (num_experts_total or num_experts)
+
+
 def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret):
   """Shared frame of both expert MLPs: sort token copies by expert, run `kernel(xs, gs, interp)`
   (or `reference(xs, gs)` off-accelerator), combine the weighted rows back to token order."""
@@ -37,20 +45,23 @@ def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, inter
 
 def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-               interpret=None, tiling=None):
+               interpret=None, tiling=None, num_experts_total=None):
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
   topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]).
   activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
-  Returns [T, D] in x.dtype.
+  num_experts_total: experts over all devices under expert parallelism (ids of other devices'
+  experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
+  expert instead of T*k / E. Returns [T, D] in x.dtype.
   """
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
+  avg = _avg_rows(topk_ids, w1.shape[0], num_experts_total)
 
   def kernel(xs, gs, interp):
-    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp)
-    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp)
+    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg)
+    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp, avg_rows=avg)
 
   return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel,
                      lambda xs, gs: _reference_path(xs, gs, w1, w3, w2, act, x.dtype), interpret)
@@ -58,16 +69,17 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                     interpret=None, tiling=None):
+                     interpret=None, tiling=None, num_experts_total=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D]."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
+  avg = _avg_rows(topk_ids, w1[0].shape[0], num_experts_total)
 
   def kernel(xs, gs, interp):
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp)
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, avg_rows=avg)
 
   return _routed_mlp(x, topk_ids, topk_weights, w1[0].shape[0], kernel,
                      lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype), interpret)

@@ -120,16 +120,30 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
   return w.reshape(*lead, n, half * 2)
 
 
-# The GPU kernel decodes with inline PTX when True. Checked on the H200 (2026-11-29,
-# scripts/bench_moe.py): same error vs the dequantized reference as the jnp decoder
-# (1.9e-4), and 1.6x its speed (2.0-2.1 vs 1.23-1.30 TB/s of packed weights at decode).
-# Interpret mode always uses jnp ops.
-USE_ASM = True
+# ------------------------------------------------------------------ in-kernel decoders
+# The GPU kernel's decoder. "ptx8" (default): inline PTX, 8 weights per asm block, scale folded
+# into one multiply. "ptx4": the first PTX decoder (4 weights per block, two multiplies), kept so
+# scripts/bench_moe.py can time old against new. "jnp": plain ops. Interpret mode always runs the
+# jnp decoder, with the x shift of the chosen decoder (so CPU tests exercise that wiring too).
+DECODER = "ptx8"
 
-# PTX for 4 packed bytes -> 4 bf16 (2 x bf16x2): the selected nibble's magnitude bits
-# become a bf16 subnormal/normal equal to v * 2^-126 (sign to bit 15), then
-# x 2^126 and x scale with fma.rn.bf16x2 (exact; bf16 arithmetic keeps subnormals).
-_ASM = """{{
+# log2 of the factor by which a decoder's output is SMALLER than the true weight. The kernel
+# multiplies x by 2^shift (exact in bf16), so each product x * w -- exact in the fp32 MMA either
+# way -- is unchanged. ptx8 needs it to fold its 2^126 renormalization into the scale multiply.
+X_SHIFT = {"jnp": 0, "ptx4": 0, "ptx8": 64}
+
+
+def x_shift(decoder: str) -> int:
+  if decoder not in X_SHIFT:
+    raise ValueError(f"unknown MXFP4 decoder {decoder!r}; one of {sorted(X_SHIFT)}")
+  return X_SHIFT[decoder]
+
+
+# ptx4: 4 packed bytes -> 4 bf16 of one nibble (call once for low, once for high nibbles): the
+# nibble's magnitude bits become a bf16 equal to v * 2^-126 (subnormal for 0.5), sign to bit 15,
+# then x 2^126 and x scale with fma.rn.bf16x2 (exact; bf16 arithmetic keeps subnormals).
+# H200 2026-11-29: 1.96-2.09 TB/s of packed weights at decode (docs/bench_moe.md, run 2).
+_ASM4 = """{{
 .reg .b32 t0, t1, a0, a1, b0, b1, c, z, zr;
 mov.b32 c, 0x7E807E80;
 mov.b32 z, 0x80008000;
@@ -151,37 +165,135 @@ fma.rn.bf16x2 a1, a1, c, z;
 fma.rn.bf16x2 $0, a0, $3, z;
 fma.rn.bf16x2 $1, a1, $4, z;
 }}"""
-_ASM_LO = _ASM.format(mmask="0x00070007", smask="0x00080008", mshift=6, sshift=12)
-_ASM_HI = _ASM.format(mmask="0x00700070", smask="0x00800080", mshift=2, sshift=8)
+_ASM4_LO = _ASM4.format(mmask="0x00070007", smask="0x00080008", mshift=6, sshift=12)
+_ASM4_HI = _ASM4.format(mmask="0x00700070", smask="0x00800080", mshift=2, sshift=8)
+
+# ptx8: per 4 packed bytes w = [b3 b2 b1 b0] (8 weights), one block for the 4 even weights (low
+# nibbles) and one for the 4 odd ones (high nibbles), 9 instructions each = 18 per 8 weights
+# (ptx4: 28, plus its scale handling). Per output pair (bf16x2):
+#   an and keeps the block's nibbles; prmt spreads two bytes into the 16-bit halves
+#   ([0, b1, 0, b0]); one integer multiply puts the nibble at bits 9..6 and at 15..12 of each
+#   half at once (x * (2^6 + 2^12); high nibbles sit 4 bits higher: x * (2^2 + 2^8)); the two
+#   copies are 6 bits apart, so no carries mix them; one and keeps sign -> bit 15 and the 3
+#   magnitude bits -> bits 8..6: the bf16 of v * 2^-126 (0.5 -> the subnormal 0x0040);
+#   one fma by S = 2^(e - 1 - shift) (bf16, built once per scale outside the block) gives
+#   w * 2^-shift exactly: one multiply where ptx4 does x 2^126 then x 2^(e-127).
+# Exact (equal to dequantize_mxfp4 * 2^-64) for 59 <= e <= 192, i.e. 32-blocks with
+# 6 * 2^-68 <= max|w| <= 6 * 2^65 (real checkpoints: e ~ 100-130); outside it the result is
+# not defined (no clamp, no NaN scale: see folded_scale_bits). ptx4 was exact for 1 <= e <= 254.
+# The recipe is data: tests/test_moe_kernels.py interprets these same lists in numpy.
+PTX8_SHIFT = 64
+_M = 0x81C081C0  # sign bits 31, 15 and magnitude bits 24..22, 8..6 of a bf16x2
 
 
-def decode_halves(packed: jax.Array, scales: jax.Array, use_asm: bool):
+def _ptx8_ops(nibble_mask: int, mult: int):
+  return (
+      ("and", "t", "w", nibble_mask),
+      ("prmt", "p01", "t", 0x4140),    # [0, b1, 0, b0]
+      ("prmt", "p23", "t", 0x4342),    # [0, b3, 0, b2]
+      ("mul", "p01", "p01", mult),
+      ("mul", "p23", "p23", mult),
+      ("and", "p01", "p01", _M),
+      ("and", "p23", "p23", _M),
+      ("fma", "out01", "p01", "s01"),
+      ("fma", "out23", "p23", "s23"),
+  )
+
+
+PTX8_EVEN = _ptx8_ops(0x0F0F0F0F, (1 << 6) + (1 << 12))
+PTX8_ODD = _ptx8_ops(0xF0F0F0F0, (1 << 2) + (1 << 8))
+# asm operands: the result's 2 bf16x2 registers, then packed (4 bytes), then 2 bf16x2 scales
+_PTX8_OPERANDS = {"out01": "$0", "out23": "$1", "w": "$2", "s01": "$3", "s23": "$4"}
+
+
+def _render_ptx8(ops) -> str:
+  name = lambda r: _PTX8_OPERANDS.get(r, r)
+  temps = sorted({op[1] for op in ops} - set(_PTX8_OPERANDS))
+  lines = ["{", f".reg .b32 {', '.join(temps)}, zr, z;", "mov.b32 zr, 0;",
+           "mov.b32 z, 0x80008000;"]  # fma addend -0.0: keeps the sign of a zero product
+  for kind, d, a, b in ops:
+    if kind == "and":
+      lines.append(f"and.b32 {name(d)}, {name(a)}, {b:#010x};")
+    elif kind == "prmt":
+      lines.append(f"prmt.b32 {name(d)}, {name(a)}, zr, {b:#06x};")
+    elif kind == "mul":
+      lines.append(f"mul.lo.u32 {name(d)}, {name(a)}, {b};")
+    elif kind == "fma":
+      lines.append(f"fma.rn.bf16x2 {name(d)}, {name(a)}, {name(b)}, z;")
+    else:
+      raise ValueError(kind)
+  return "\n".join(lines + ["}"])
+
+
+_ASM8_EVEN = _render_ptx8(PTX8_EVEN)
+_ASM8_ODD = _render_ptx8(PTX8_ODD)
+
+
+def folded_scale_bits(e: jax.Array, shift: int = PTX8_SHIFT) -> jax.Array:
+  """uint16 bf16 bits of S = 2^(e - 1 - shift) (ptx8's one multiplier), e uint8 [...].
+
+  Valid for 59 <= e <= 192 with shift 64 (the exact window above): one add and one shift per
+  scale value in the kernel (Triton keeps ~16 scale values per thread per K step, so a clamp
+  and a NaN select here cost more than the whole decode of a byte). Outside the window the
+  bits are garbage: e = 193 gives inf, e > 193 wraps into the sign bit."""
+  return (e.astype(jnp.uint16) + jnp.uint16(126 - shift)) << 7
+
+
+def _decode_jnp(packed, scales, shift):
+  """Same values as decode_fast (times 2^-shift), without the interleave (no stack/slice in
+  Triton): (even, odd) bf16 [bn, bk/2]. Exact for 1 <= e <= 240 (shift 0) / 65 <= e <= 240."""
+  bn, half = packed.shape
+  p = packed.astype(jnp.int32)
+  e = jnp.minimum(scales.astype(jnp.int32), 240)
+  sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)
+  if shift:
+    sc = sc * jnp.float32(2.0 ** -shift)
+  sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+
+  def to(bits):
+    h = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return (h.astype(jnp.float32) * sc).astype(jnp.bfloat16)
+
+  return to(_fp16_code_bits(p, 9, 12)), to(_fp16_code_bits(p, 5, 8))
+
+
+def _per_weight(s, bn, half):
+  """[bn, bk/32] -> [bn, bk/2] (one value per packed byte, 16 bytes per scale)."""
+  return jnp.broadcast_to(s[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
+
+
+def decode_halves(packed: jax.Array, scales: jax.Array, decoder: str, shift: int | None = None):
   """In-kernel decoder: packed uint8 [bn, bk/2], scales uint8 [bn, bk/32] ->
-  (even-k weights, odd-k weights), each bf16 [bn, bk/2].
+  (even-k weights, odd-k weights), each bf16 [bn, bk/2], both times 2^-shift
+  (shift = X_SHIFT[decoder] unless given; the kernel multiplies x by 2^shift).
 
   Returning the halves separately lets the kernel contract them with the even and odd
-  columns of x (two dots) instead of interleaving registers. use_asm=True (GPU only)
-  decodes with inline PTX, about 4 instructions per element; otherwise jnp ops with the
-  same values (used in interpret mode).
+  columns of x (two dots) instead of interleaving registers. "ptx4" / "ptx8" are inline
+  PTX (GPU only); "jnp" runs anywhere (interpret mode).
   """
+  shift = x_shift(decoder) if shift is None else shift
   bn, half = packed.shape
-  if not use_asm:  # same ops as decode_fast, but no interleave (no stack/slice in Triton)
-    p = packed.astype(jnp.int32)
-    e = jnp.minimum(scales.astype(jnp.int32), 240)
-    sc = jax.lax.bitcast_convert_type((e + 14) << 23, jnp.float32)
-    sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
-
-    def to(bits):
-      h = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-      return (h.astype(jnp.float32) * sc).astype(jnp.bfloat16)
-
-    return to(_fp16_code_bits(p, 9, 12)), to(_fp16_code_bits(p, 5, 8))
+  if decoder == "jnp":
+    return _decode_jnp(packed, scales, shift)
   from jax.experimental.pallas import triton as plt  # GPU-only path
-  sc = jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
-  sc = jnp.broadcast_to(sc[:, :, None], (bn, half // 16, 16)).reshape(bn, half)
   out = jax.ShapeDtypeStruct((bn, half), jnp.bfloat16)
-  [lo] = plt.elementwise_inline_asm(_ASM_LO, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                    pack=4, result_shape_dtypes=[out])
-  [hi] = plt.elementwise_inline_asm(_ASM_HI, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                    pack=4, result_shape_dtypes=[out])
-  return lo, hi
+  if decoder == "ptx4":
+    assert shift == 0, shift
+    sc = jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
+    sc = _per_weight(sc, bn, half)
+    [lo] = plt.elementwise_inline_asm(_ASM4_LO, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                      pack=4, result_shape_dtypes=[out])
+    [hi] = plt.elementwise_inline_asm(_ASM4_HI, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                      pack=4, result_shape_dtypes=[out])
+    return lo, hi
+  if decoder == "ptx8":
+    assert shift == PTX8_SHIFT, shift
+    sc = jax.lax.bitcast_convert_type(folded_scale_bits(scales), jnp.bfloat16)
+    sc = _per_weight(sc, bn, half)
+    # two single-result blocks (Pallas lowers one result per asm op); they share no work
+    [even] = plt.elementwise_inline_asm(_ASM8_EVEN, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                        pack=4, result_shape_dtypes=[out])
+    [odd] = plt.elementwise_inline_asm(_ASM8_ODD, args=[packed, sc], constraints="=r,=r,r,r,r",
+                                       pack=4, result_shape_dtypes=[out])
+    return even, odd
+  raise ValueError(f"unknown MXFP4 decoder {decoder!r}")
