@@ -55,13 +55,14 @@ l2norm = kda_ref.l2norm
 kda_gate = kda_ref.kda_gate
 
 
-def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None):
-    """Chunked KDA (prefill / mixed steps). Shapes as flash-linear-attention's chunk_kda."""
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, safe_gate=False):
+    """Chunked KDA (prefill / mixed steps). Shapes as flash-linear-attention's chunk_kda.
+    safe_gate: every log decay in g is >= -5 (K3's bounded gate), which allows a cheaper kernel."""
     pallas, interpret = use_pallas()
     if pallas:
         from pallas_kernels import kda
         return kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens, interpret=interpret)
+                             cu_seqlens=cu_seqlens, safe_gate=safe_gate, interpret=interpret)
     # On CPU the token-serial scan is 100x faster than the chunked (UT-transform) reference for the
     # sizes a CPU serves; accelerators without a kernel take the chunked form (parallel over chunks).
     ref = kda_ref.recurrent_kda_reference if jax.default_backend() == "cpu" else kda_ref.chunk_kda_reference

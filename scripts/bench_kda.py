@@ -528,6 +528,115 @@ def split_sweep(torch, fla, deadline, T=32768, H=32):
         del bt
 
 
+def _fla_precision(torch, fla, args, ref):
+    """FLA chunk_kda on the same bf16 inputs, rel RMS of its output vs `ref` (None if no FLA)."""
+    if fla is None:
+        return None
+    tq = [torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda() for x in args]
+    tq = [x.to(torch.bfloat16) if i in (0, 1, 2, 4) else x for i, x in enumerate(tq)]
+    o, _ = fla[0](*tq, output_final_state=True)
+    return rel(o.float().cpu().numpy(), ref)
+
+
+def diag_run(torch, fla, deadline, T=32768, H=32, precision=True,
+             totals=((1, 32768, 32), (1, 4096, 96), (1, 4096, 32), (1, 32768, 96), (16, 4096, 32))):
+    """Diagonal-block kernels: (a) precision of our bf16 paths and FLA's vs the fp32 token-serial
+    reference; (b) the token-parallel diag kernel's variants vs "quad" (fastest kept in CONFIG),
+    the solve's inverse variants, and the safe-gate solve (diagonal inside); (c) chunk_kda totals
+    vs FLA (FLA autotunes ~100 s per new shape on the H200: few shapes per call)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    saved = dict(cp.CONFIG)
+    if precision:
+        _diag_precision(torch, fla, cp, saved)
+    _diag_variants(cp, deadline, T, H)
+    _log(f"# CONFIG {cp.CONFIG}")
+    for B, TT, HH in totals:
+        if time.time() - T0 > deadline:
+            _log(f"  totals B={B} T={TT} H={HH}: skipped (deadline)")
+            continue
+        _log(f"# B={B} T={TT} H={HH} bf16")
+        ta = None
+        if fla is not None:
+            tq = torch_inputs(torch, B, TT, HH)
+            ta = time_torch(torch, lambda: fla[0](*tq, output_final_state=True), reps=3)
+            _log(f"  FLA chunk_kda {ta*1e3:8.3f} ms")
+            del tq
+            torch.cuda.empty_cache()
+        bt = make_inputs(jax.random.PRNGKey(2), B, TT, HH)
+        for label, over, safe in (("default", {}, False), ("t/u bf16", dict(t_dtype="sd", u_dtype="sd"), False),
+                                  ("safe gate", {}, True)):
+            cp.CONFIG.update(over)
+            t = _try_time(f"ours {label}", jax.jit(lambda *a, safe=safe: chunk_kda(*a, safe_gate=safe)), *bt)
+            if t and ta:
+                _log(f"  ratio FLA/ours ({label}) {ta / t:.2f}x  ({B * TT / t / 1e6:.2f} M tok/s)")
+            for kk in over:
+                cp.CONFIG[kk] = saved[kk]
+        del bt
+
+
+def _diag_precision(torch, fla, cp, saved):
+    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, 1024, 4)
+    ref, _ = jax.jit(recurrent_kda_reference)(q, k, v.astype(jnp.float32), g, beta)
+    saved = dict(cp.CONFIG)
+    for label, over, safe in (("default", {}, False), ("t/u bf16", dict(t_dtype="sd", u_dtype="sd"), False),
+                              ("safe gate", {}, True), ("token diag", dict(split_diag="token"), False)):
+        cp.CONFIG.update(over)
+        o, _ = jax.jit(lambda *a, safe=safe: chunk_kda(*a, safe_gate=safe))(q, k, v, g, beta)
+        _log(f"  precision ours {label:10s}: o {rel(o, ref):.2e} (bf16, T=1024 H=4)")
+        cp.CONFIG.clear()
+        cp.CONFIG.update(saved)
+    fe = _fla_precision(torch, fla, (q, k, v, g, beta), ref)
+    _log(f"  precision FLA chunk_kda : o {fe if fe is None else f'{fe:.2e}'}")
+
+
+def _diag_variants(cp, budget, T, H):
+    """Time the diag kernel's variants (fastest kept in CONFIG) and the solve's, at B=1 T H."""
+    t_end = time.time() + budget / 2
+    batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
+    q, k, v, g, beta = (x[0] for x in batched)
+    K = q.shape[-1]
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    b32 = beta.astype(jnp.float32)
+    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    _log(f"# diag variants B=1 T={T} H={H}")
+    best = None
+    for kw in [dict(mode="quad", num_warps=2)] + [dict(mode="token", bh=bh, num_warps=w)
+                                                 for bh in (1, 2, 4, 8) for w in (1, 2, 4)]:
+        if time.time() > t_end:
+            break
+        t = _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(*x, prec="tf32", **kw),
+                      qs, k, gc, b32)
+        if t is not None and (best is None or t < best[1]):
+            best = (kw, t)
+    _log(f"  best diag {best}")
+    if best:
+        cp.CONFIG.update(split_diag=best[0]["mode"], diag_bh=best[0].get("bh", 1))
+        w = list(cp.CONFIG["split_warps"])
+        w[0] = best[0]["num_warps"]
+        cp.CONFIG["split_warps"] = tuple(w)
+    c = cp.CONFIG
+    dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=c["diag_bh"])
+    best = None
+    for kw in (dict(inv="loop", num_warps=1), dict(inv="many", num_warps=1),
+               dict(inv="many", num_warps=2), dict(inv="many", num_warps=1, bk=64),
+               dict(inv="many", num_warps=4)):
+        skw = dict(dict(bk=c["split_bk"], prec="tf32", a_dtype=jnp.bfloat16), **kw)
+        t = _try_time(f"  solve {kw}", lambda *x, skw=skw: cp.intra_solve(*x, **skw),
+                      qs, k, gc, b32, dq, dk)
+        if t is not None and (best is None or t < best[1]):
+            best = (kw, t)
+    _log(f"  best solve {best}")
+    if best:
+        w = list(c["split_warps"])
+        w[1] = best[0]["num_warps"]
+        c.update(inv=best[0]["inv"], split_warps=tuple(w), split_bk=best[0].get("bk", c["split_bk"]))
+    for inv in ("loop", "many"):
+        skw = dict(bk=c["split_bk"], prec="tf32", a_dtype=jnp.bfloat16, inv=inv, num_warps=1)
+        _try_time(f"  solve safe gate (diag inside) inv={inv}", lambda *x, skw=skw: cp.intra_solve(
+            *x, shift=c["safe_shift"], **skw), qs, k, gc, b32)
+    del dq, dk, q, k, v, g, beta, qs, b32, gc, batched
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline", type=float, default=170.0, help="stop starting new cases after (s)")
@@ -544,6 +653,9 @@ def main():
     ap.add_argument("--split-sweep", action="store_true",
                     help="split intra kernels' variants (fastest kept), then totals; then exit")
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
+    ap.add_argument("--diag-run", action="store_true",
+                    help="diagonal-block kernels: precision vs FLA, variants, totals; then exit")
+    ap.add_argument("--no-precision", action="store_true", help="--diag-run without its precision part")
     args = ap.parse_args()
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
     torch, fla, why = _torch_fla()
@@ -554,6 +666,9 @@ def main():
         return
     if args.split_sweep:
         split_sweep(torch, fla, args.deadline)
+        return
+    if args.diag_run:
+        diag_run(torch, fla, args.deadline, precision=not args.no_precision)
         return
     if args.stages or args.stages_only:
         parts = args.stage_parts.split(",")

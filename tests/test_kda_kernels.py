@@ -153,6 +153,9 @@ def test_decode_bf16_and_donated_jit():
     # split intra with bf16 inverse / u (FLA's storage) and 16-wide K slices
     dict(intra="split", split_bk=16, wu_bk=16, t_dtype="sd", u_dtype="sd", inv="power",
          split_diag="loop"),
+    # token-parallel diagonal blocks, 2 heads per program; A_qk stored in fp32 for bf16 inputs;
+    # the four diagonal inverses in one row loop with rows loaded from the diag kernel's output
+    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop"),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:
@@ -169,6 +172,35 @@ def test_chunk_kernel_variants(cfg, monkeypatch):
     assert _rel(o, o2) < 1e-5 and _rel(S, S2) < 1e-5
     bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
     o, S = _chunk(bf(q), bf(k), bf(v), g, bf(beta), initial_state=h0)
+    o2, S2 = recurrent_kda_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta),
+                                     initial_state=h0)
+    assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
+
+
+@pytest.mark.parametrize("gate", ["random", "strongest", "none"])
+def test_chunk_safe_gate_diagonal_in_solve(gate, monkeypatch):
+    """Safe gates (every log decay in [-5, 0], K3's): the split solve kernel computes the diagonal
+    blocks itself from a shifted past anchor (no diag kernel). Extremes: every decay -5 (factors up
+    to e^60 inside the dots) and no decay at all."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    monkeypatch.setitem(cp.CONFIG, "intra", "split")
+    monkeypatch.setitem(cp.CONFIG, "inv", "many")  # rows picked from registers on this path
+    monkeypatch.setitem(cp.CONFIG, "safe_shift", 15.0)
+    calls = []
+    monkeypatch.setattr(cp, "intra_diag", lambda *a, **k: calls.append(1))  # must not run
+    B, T, H, K, V = 1, 77, 2, 32, 16
+    q, k, v, g, beta = _inputs(21, B, T, H, K, V)
+    if gate == "strongest":
+        g = jnp.full_like(g, -5.0)
+    elif gate == "none":
+        g = jnp.zeros_like(g)
+    h0 = jax.random.normal(jax.random.PRNGKey(4), (B, H, K, V))
+    o, S = _chunk(q, k, v, g, beta, initial_state=h0, safe_gate=True)
+    o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0)
+    assert not calls
+    assert _rel(o, o2) < 1e-5 and _rel(S, S2) < 1e-5
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    o, S = _chunk(bf(q), bf(k), bf(v), g, bf(beta), initial_state=h0, safe_gate=True)
     o2, S2 = recurrent_kda_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta),
                                      initial_state=h0)
     assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3

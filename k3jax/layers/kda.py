@@ -58,11 +58,17 @@ def causal_conv(x_in, w):
     return sum(xp[:, j:j + T] * upcast(w[j]) for j in range(kc))
 
 
+def _safe_gate(c: ModelConfig) -> bool:
+    """K3's bounded gate keeps every log decay in [lower_bound, 0]; >= -5 allows the cheaper
+    diagonal blocks in the chunk kernel."""
+    return c.gate_lower_bound is not None and c.gate_lower_bound >= -5.0
+
+
 def kda_full(p, x, c: ModelConfig):
     """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
     conv_out = causal_conv(_qkv_in(p, x), _conv_weights(p))
     q, k, v, g, beta = _core(p, x, conv_out, c)
-    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5)
+    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c))
     return _output(p, x, o, c)
 
 
@@ -119,7 +125,7 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     q, k, v, g, beta = _core(p, x, conv_out, c)
     s0 = _gather_state(state_pool, src)
     o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
-                          initial_state=s0, cu_seqlens=meta["cu_seqlens"])
+                          initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c))
     for dst in (meta["state_dst"], meta["ckpt_dst"]):
         state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
         conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))

@@ -17,6 +17,7 @@ Stages (as in flash-linear-attention's chunk_kda):
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,25 @@ def _unit_tril_inv(L, row, col):
         return jnp.where(row == i, xi[None, :], X)
 
     return lax.fori_loop(0, n, body, jnp.zeros_like(L))
+
+
+def _unit_tril_inv_many(Ls, row, col, load_row=None):
+    """(I + L)^-1 for several strictly lower-triangular [n, n] blocks in ONE row loop, so the
+    blocks' dependent chains overlap. load_row(b, i) -> row i of block b (a load from memory is
+    cheaper than picking the row out of registers, which costs a cross-lane reduction)."""
+    n = Ls[0].shape[0]
+    eye_row = lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+    def body(i, Xs):
+        out = []
+        for b, X in enumerate(Xs):
+            li = (load_row(b, i) if load_row is not None
+                  else jnp.sum(jnp.where(row == i, Ls[b], 0.0), axis=0))
+            xi = (eye_row == i).astype(_F32) - jnp.sum(li[:, None] * X, axis=0)
+            out.append(jnp.where(row == i, xi[None, :], X))
+        return tuple(out)
+
+    return list(lax.fori_loop(0, n, body, tuple(jnp.zeros_like(L) for L in Ls)))
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, *, bc,
@@ -236,9 +256,44 @@ def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, *, mode="loop", pre
     dq_ref[...] = aqk
 
 
-def _solve_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, a_ref, t_ref, *, bc, bk, prec, inv):
-    """One (chunk, head). q, k, g [C, K]; beta [C]; dq, dk [C, bc] (diagonal blocks from
-    `_diag_kernel`). Writes a = causal A_qk [C, C] fp32 and t = (I + L)^-1 [C, C] (t_ref dtype)."""
+def _diag_token_kernel(q_ref, k_ref, kb_ref, gb_ref, b_ref, dq_ref, dk_ref, *, bc):
+    """Token-parallel diagonal blocks (FLA's layout of this step): one program per (token i, bh
+    heads). q, k [bh, K] of token i; kb, gb [bc, bh, K] of i's sub-chunk; beta [bh]. Writes row i
+    of the sub-chunk's blocks: dq[:, j] = A_qk[i, j] (j <= i), dk[:, j] = beta_i A_kk[i, j] (j < i),
+    [bh, bc] fp32. Only the j <= i steps run (exp(g_i - g_j) <= 1 there: exact for any gate)."""
+    i = pl.program_id(0) % bc
+    qi, ki = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
+    gi = gb_ref[i].astype(_F32)
+    bh = qi.shape[0]
+    col = lax.broadcasted_iota(jnp.int32, (bh, bc), 1)
+
+    def body(j, carry):
+        aq, ak = carry
+        e = kb_ref[j].astype(_F32) * jnp.exp(gi - gb_ref[j])
+        cq = jnp.sum(qi * e, axis=1)
+        ck = jnp.sum(ki * e, axis=1)
+        at = col == j
+        return jnp.where(at, cq[:, None], aq), jnp.where(at & (j < i), ck[:, None], ak)
+
+    zero = jnp.zeros((bh, bc), _F32)
+    aq, ak = lax.fori_loop(0, i + 1, body, (zero, zero))
+    dq_ref[...] = aq
+    dk_ref[...] = ak * b_ref[...].astype(_F32)[:, None]
+
+
+def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=None):
+    """One (chunk, head). q, k, g [C, K]; beta [C]; then dq, dk [C, bc] (diagonal blocks from
+    `_diag_kernel`) unless `shift` is set. Writes a = causal A_qk [C, C] and t = (I + L)^-1 [C, C]
+    (in their refs' dtypes).
+
+    shift (safe gates only, every per-token log decay >= -5): the diagonal blocks are computed here
+    as two dots per K slice, anchored at C = g_first - shift (FLA's choice for bounded gates: the
+    anchor is a past row, so no future gate enters a kept entry; factors <= e^shift and
+    <= e^(75 - shift) stay finite in fp32), masked to the causal part afterwards."""
+    if shift is None:
+        dq_ref, dk_ref, a_ref, t_ref = refs
+    else:
+        a_ref, t_ref = refs
     pr = _PREC[prec]
     C, K = q_ref.shape
     nc = C // bc
@@ -262,19 +317,40 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, a_ref, t_ref, *, b
                 dl, dq = _dot_nt(kgI, kgJ, pr), _dot_nt(qgI, kgJ, pr)
                 L[I, J] = dl if s == 0 else L[I, J] + dl
                 Aq[I, J] = dq if s == 0 else Aq[I, J] + dq
+        if shift is not None:
+            for I in range(nc):
+                r = pl.ds(I * bc, bc)
+                gI = g_ref[r, ks]
+                c = g_ref[I * bc, ks][None, :] - shift
+                kI = k_ref[r, ks].astype(_F32)
+                kc = kI * jnp.exp(c - gI)
+                eq = jnp.exp(gI - c)
+                dl, dq = _dot_nt(kI * eq, kc, pr), _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
+                L[I, I] = dl if s == 0 else L[I, I] + dl
+                Aq[I, I] = dq if s == 0 else Aq[I, I] + dq
     for I in range(nc):
         r = pl.ds(I * bc, bc)
         bI = b_ref[r].astype(_F32)[:, None]
-        L[I, I] = dk_ref[r, :]
+        if shift is None:
+            L[I, I], Aq[I, I] = dk_ref[r, :], dq_ref[r, :]
+        else:
+            L[I, I] = jnp.where(row > col, L[I, I], 0.0) * bI
+            Aq[I, I] = jnp.where(row >= col, Aq[I, I], 0.0)
         for J in range(I):
             L[I, J] = L[I, J] * bI
         for J in range(nc):
-            blk = dq_ref[r, :] if J == I else (Aq[I, J] if J < I else zero)
+            blk = Aq[I, J] if J <= I else zero
             a_ref[r, pl.ds(J * bc, bc)] = blk.astype(a_ref.dtype)
     T = {}
+    if inv == "many":  # all diagonal inverses in one loop; rows from dk when it is in memory
+        load = None if shift is not None else (
+            lambda b, i: dk_ref[b * bc + i, :].astype(_F32))
+        for I, X in enumerate(_unit_tril_inv_many([L[I, I] for I in range(nc)], row, col, load)):
+            T[I, I] = X
     for I in range(nc):
-        T[I, I] = (_unit_tril_inv_power(L[I, I], row, col, pr) if inv == "power"
-                   else _unit_tril_inv(L[I, I], row, col))
+        if inv != "many":
+            T[I, I] = (_unit_tril_inv_power(L[I, I], row, col, pr) if inv == "power"
+                       else _unit_tril_inv(L[I, I], row, col))
         for J in range(I - 1, -1, -1):  # T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ
             acc = _dot(L[I, J], T[J, J], pr)
             for M in range(J + 1, I):
@@ -451,12 +527,26 @@ def _brow(n):
     return pl.BlockSpec((n, None), lambda c, h: (c, h))
 
 
-@functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "interpret",
+@functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "bh", "interpret",
                                              "backend"))
-def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, interpret=False,
-               backend="triton"):
-    """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32 (see _diag_kernel)."""
+def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, bh=1,
+               interpret=False, backend="triton"):
+    """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32 (see _diag_kernel;
+    mode "token": `_diag_token_kernel` with `bh` heads per program)."""
     R, H, K = q.shape
+    if mode == "token":
+        if H % bh:
+            raise ValueError(f"H={H} must be a multiple of bh={bh}")
+        tok = pl.BlockSpec((None, bh, K), lambda t, h: (t, h, 0))
+        sub = pl.BlockSpec((bc, bh, K), lambda t, h: (t // bc, h, 0))
+        out = pl.BlockSpec((None, bh, bc), lambda t, h: (t, h, 0))
+        return pl.pallas_call(
+            functools.partial(_diag_token_kernel, bc=bc), grid=(R, H // bh),
+            in_specs=[tok, tok, sub, sub, pl.BlockSpec((None, bh), lambda t, h: (t, h))],
+            out_specs=[out, out],
+            out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
+            interpret=interpret, name="kda_intra_diag_token", **_tp(backend, num_warps, 1),
+        )(q, k, k, g, beta)
     return pl.pallas_call(
         functools.partial(_diag_kernel, mode=mode, prec=prec), grid=(R // bc, H),
         in_specs=[_rows(bc, K), _rows(bc, K), _rows(bc, K), _brow(bc)],
@@ -467,22 +557,31 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "bk", "prec", "inv", "t_dtype",
-                                             "num_warps", "num_stages", "interpret", "backend"))
-def intra_solve(q, k, g, beta, dq, dk, *, chunk_size=64, bk=32, prec="highest", inv="loop",
-                t_dtype=_F32, num_warps=4, num_stages=1, interpret=False, backend="triton"):
-    """Split stage 1b: causal A_qk [R, H, C] fp32 and T = (I + L)^-1 [R, H, C] in t_dtype."""
+                                             "a_dtype", "shift", "bc", "num_warps", "num_stages",
+                                             "interpret", "backend"))
+def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="highest",
+                inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, num_warps=4,
+                num_stages=1, interpret=False, backend="triton"):
+    """Split stage 1b: causal A_qk [R, H, C] in a_dtype and T = (I + L)^-1 [R, H, C] in t_dtype.
+    dq, dk: the diagonal blocks from intra_diag, or None with `shift` (safe gates: see
+    _solve_kernel)."""
     R, H, K = q.shape
-    C, bc = chunk_size, dq.shape[-1]
+    C = chunk_size
+    bc = bc if dq is None else dq.shape[-1]
     bk = min(bk, K)
     if K % bk or C % bc:
         raise ValueError(f"K={K} must be a multiple of bk={bk}, C={C} of bc={bc}")
+    if (dq is None) != (shift is not None):
+        raise ValueError("pass either the diagonal blocks (dq, dk) or a safe-gate shift")
+    diag = [] if dq is None else [dq, dk]
     return pl.pallas_call(
-        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv), grid=(R // C, H),
-        in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C), _rows(C, bc), _rows(C, bc)],
+        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift),
+        grid=(R // C, H),
+        in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C)] + [_rows(C, bc)] * len(diag),
         out_specs=[_rows(C, C), _rows(C, C)],
-        out_shape=[jax.ShapeDtypeStruct((R, H, C), _F32), jax.ShapeDtypeStruct((R, H, C), t_dtype)],
+        out_shape=[jax.ShapeDtypeStruct((R, H, C), a_dtype), jax.ShapeDtypeStruct((R, H, C), t_dtype)],
         interpret=interpret, name="kda_intra_solve", **_tp(backend, num_warps, num_stages),
-    )(q, k, g, beta, dq, dk)
+    )(q, k, g, beta, *diag)
 
 
 @functools.partial(jax.jit, static_argnames=("bk", "prec", "u_dtype", "num_warps", "num_stages",
@@ -509,19 +608,26 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
 
 
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
-                      t_dtype="f32", u_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
-                      diag_mode="loop", wu_bk=None, interpret=False, backend="triton"):
+                      t_dtype="f32", u_dtype="f32", a_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
+                      diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, interpret=False,
+                      backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
-    `chunk_intra` (u in u_dtype: "f32" or "sd" = the dot dtype). t_dtype: the stored inverse and
-    the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for bf16 inputs, FLA's)."""
+    `chunk_intra` (u in u_dtype, A_qk in a_dtype: "f32" or "sd" = the dot dtype). t_dtype: the
+    stored inverse and the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for
+    bf16 inputs, FLA's). safe_shift (safe gates only): no diag kernel, the solve kernel computes
+    the diagonal blocks (see _solve_kernel)."""
     sd = q.dtype
+    dt = lambda name: _F32 if name == "f32" else sd  # noqa: E731
     kw = dict(interpret=interpret, backend=backend)
-    dq, dk = intra_diag(q, k, g, beta, bc=bc, mode=diag_mode, prec=prec, num_warps=warps[0], **kw)
-    a, t = intra_solve(q, k, g, beta, dq, dk, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
-                       t_dtype=_F32 if t_dtype == "f32" else sd, num_warps=warps[1],
-                       num_stages=stages[1], **kw)
+    diag = ()
+    if safe_shift is None:
+        diag = intra_diag(q, k, g, beta, bc=bc, mode=diag_mode, prec=prec, num_warps=warps[0],
+                          bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
+    a, t = intra_solve(q, k, g, beta, *diag, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
+                       t_dtype=dt(t_dtype), a_dtype=dt(a_dtype), shift=safe_shift, bc=bc,
+                       num_warps=warps[1], num_stages=stages[1], **kw)
     w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=wu_bk or bk, prec=prec,
-                            u_dtype=_F32 if u_dtype == "f32" else sd, num_warps=warps[2],
+                            u_dtype=dt(u_dtype), num_warps=warps[2],
                             num_stages=stages[2], **kw)
     return w, qg, kd, u, a
 
@@ -619,10 +725,17 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # quad 2 warps 2.30, solve row-loop inverse 1 warp 2.31, wu bk 64 4 warps 1.20. chunk_kda total
 # 14.1 -> 7.63 ms (wu bk 32; FLA 3.97). t/u in bf16 (FLA's storage): 7.28 ms, rel RMS 3.69e-3 vs
 # 3.32e-3, kept off for the margin to the 5e-3 target.
+# H200, 2026-11-29 (bench_kda --diag-run, B=1 T=32768 H=32 bf16): token-parallel diag (split_diag
+# "token", 8 heads and 2 warps per program) 1.24 ms vs quad 2.26; solve with the four diagonal
+# inverses in one row loop and rows loaded from the diag output (inv "many") 2.15 vs 2.30; A_qk
+# stored in bf16 (the output kernel's dot operand dtype anyway). chunk_kda 7.63 -> 6.19 ms (FLA 3.98,
+# 0.64x); T=4096 H=96 2.48 ms (FLA 1.49, 0.60x). t/u in bf16: 5.90 ms (0.68x), rel RMS 3.69e-3 vs
+# 3.31e-3 (FLA 3.33e-3). Safe gates with the diagonal inside the solve (safe_shift=15.0): solve
+# 4.31 ms vs diag + solve 3.39, so off (None) by default.
 CONFIG = dict(intra="split", split_bk=32, wu_bk=64, split_warps=(2, 1, 4), split_stages=(1, 1, 2),
-              split_diag="quad",
-              t_dtype="f32", u_dtype="f32",
-              diag="loop", intra_warps=4, intra_prec="tf32", inv="loop", block_v=32,
+              split_diag="token", diag_bh=8, safe_shift=None,
+              t_dtype="f32", u_dtype="f32", a_dtype="sd",
+              diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
 
 
@@ -635,11 +748,13 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
     # fp32 inputs keep IEEE fp32 dots (the 1e-5 path); bf16 inputs use cfg["intra_prec"]
     prec = "highest" if q.dtype == _F32 else cfg["intra_prec"]
     if cfg["intra"] == "split":
+        low = q.dtype != _F32  # storage knobs apply to bf16 inputs; fp32 keeps fp32 everywhere
         w, qg, kd, u, a = chunk_intra_split(
             q, k, v, g, beta, chunk_size=chunk_size, bk=cfg["split_bk"], prec=prec, inv=cfg["inv"],
-            t_dtype="f32" if q.dtype == _F32 else cfg["t_dtype"],
-            u_dtype="f32" if q.dtype == _F32 else cfg["u_dtype"], warps=cfg["split_warps"],
-            diag_mode=cfg["split_diag"], wu_bk=cfg["wu_bk"],
+            t_dtype=cfg["t_dtype"] if low else "f32", u_dtype=cfg["u_dtype"] if low else "f32",
+            a_dtype=cfg["a_dtype"] if low and cfg["inter"] == "two_pass" else "f32",
+            warps=cfg["split_warps"], diag_mode=cfg["split_diag"], diag_bh=cfg["diag_bh"],
+            safe_shift=cfg["safe_shift"] if safe_gate else None, wu_bk=cfg["wu_bk"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
