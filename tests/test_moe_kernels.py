@@ -408,13 +408,18 @@ def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
 
 # ------------------------------------- expert parallelism: tiles from the local row count
 
-def test_choose_tiling_avg_rows_hint():
+def test_choose_tiling_avg_rows_hint(monkeypatch):
+  from pallas_kernels.moe import mxfp4 as mxm
   from pallas_kernels.moe import schedule as sch
   # K3-EP8 decode, 256 tokens: 4096 rows, 112 local experts, ~4.6 rows per local expert
   assert sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True).bm == 64
-  t = sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True, avg_rows=4096 / 896)
-  assert t == sch.DECODE_MXFP4  # 3584 and 6144 keep its bk / bn
-  assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16
+  ep = dict(mxfp4=True, fused=True, avg_rows=4096 / 896)
+  monkeypatch.setattr(mxm, "DECODER", "ptx4")
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == Tiling(16, 256, 64, 4, 4)
+  monkeypatch.setattr(mxm, "DECODER", "ptx8")  # the ptx8 decoder brings its own decode tiles
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == sch.DECODE_MXFP4
+  assert sch.choose_tiling(4096, 2304, 2048, 112, **ep).swap_ab  # K, N keep bk / bn
+  assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
 def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):

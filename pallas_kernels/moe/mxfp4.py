@@ -121,11 +121,14 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
 
 
 # ------------------------------------------------------------------ in-kernel decoders
-# The GPU kernel's decoder. "ptx8" (default): inline PTX, 8 weights per asm block, scale folded
-# into one multiply. "ptx4": the first PTX decoder (4 weights per block, two multiplies), kept so
-# scripts/bench_moe.py can time old against new. "jnp": plain ops. Interpret mode always runs the
-# jnp decoder, with the x shift of the chosen decoder (so CPU tests exercise that wiring too).
-DECODER = "ptx8"
+# The GPU kernel's decoder. "ptx4" (default): the first PTX decoder, measured on the H200
+# (1.96-2.09 TB/s of packed weights at decode, docs/bench_moe.md run 2). "ptx8": 18 PTX
+# instructions per 8 weights, scale folded into one multiply; with it, schedule.choose_tiling
+# picks schedule.DECODE_MXFP4 tiles. Offline SASS: 10.8 -> 8.1 main-loop instructions per packed
+# byte; NOT yet timed on a GPU: make it the default once scripts/bench_moe.py shows it ahead.
+# "jnp": plain ops. Interpret mode always runs the jnp decoder, with the x shift of the chosen
+# decoder (so CPU tests exercise that wiring too).
+DECODER = "ptx4"
 
 # log2 of the factor by which a decoder's output is SMALLER than the true weight. The kernel
 # multiplies x by 2^shift (exact in bf16), so each product x * w -- exact in the fp32 MMA either

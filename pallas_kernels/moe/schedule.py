@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe import mxfp4 as mx
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
@@ -112,7 +114,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   else:
     bm = 128
   decode = bm <= 32
-  if decode and mxfp4 and bm == 16:  # weight stream bound by the in-kernel decode: see DECODE_MXFP4
+  if decode and mxfp4 and bm == 16 and mx.DECODER == "ptx8":  # read at trace time, like the kernel
     t = DECODE_MXFP4
     return dataclasses.replace(t, bk=pow2_divisor(k, t.bk, 32), bn=pow2_divisor(n, t.bn))
   bn = pow2_divisor(n, 64 if decode else (64 if fused else 128))
@@ -122,7 +124,8 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
 
 
-# MXFP4 decode tiles (bm = 16): weights as the MMA's A operand, 2 warps (Triton picks mma.v2,
-# not wgmma, below 4 warps), 64 columns, K step 128. Offline SASS (Triton 3.6, sm_90): 8.2
-# instructions per packed byte in the main loop, vs 10.9 for the first PTX decoder's kernel.
+# MXFP4 decode tiles (bm = 16) for the ptx8 decoder: weights as the MMA's A operand, 2 warps
+# (Triton picks mma.v2, not wgmma, below 4 warps), 64 columns, K step 128. Offline SASS (sm_90,
+# Triton 3.6 / 3.9): 8.2 / 8.1 instructions per packed byte in the main loop, vs 10.9 / 10.8 for
+# the ptx4 decoder with its (16, 256, 64, 4 warps) tiles. Not yet timed on a GPU.
 DECODE_MXFP4 = Tiling(bm=16, bk=128, bn=64, num_warps=2, num_stages=3, swap_ab=True)
