@@ -111,6 +111,28 @@ def _place(params, mesh, config):
     return shard_params(params, mesh, config)
 
 
+def _check_mxfp4_scales(params) -> None:
+    """The fast MXFP4 decoder is exact only for a window of E8M0 scales (real checkpoints sit well
+    inside it); weights with a scale outside it switch the process to the exact ptx4 decoder."""
+    def scales(tree):
+        for key, val in tree.items():
+            if isinstance(val, dict):
+                yield from scales(val)
+            elif key.endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8:
+                yield val
+    found = list(scales(params))
+    if not found:
+        return
+    from pallas_kernels.moe import mxfp4 as mx
+    lo = min(int(jnp.min(s)) for s in found)
+    hi = max(int(jnp.max(s)) for s in found)
+    decoder = mx.decoder_for_scales(lo, hi)
+    if decoder != mx.DECODER:
+        log.warning("MXFP4 scale exponents span [%d, %d], outside the %s decoder's exact window %s: "
+                    "using %s", lo, hi, mx.DECODER, mx.PTX8_EXACT_SCALES, decoder)
+        mx.DECODER = decoder
+
+
 def _mesh(mesh):
     """A jax Mesh, a spec string like "data=2,expert=4", or None."""
     if mesh is None or not isinstance(mesh, str):
@@ -134,6 +156,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
+        _check_mxfp4_scales(params)
         tokenizer = _load_tokenizer(src)
         return Model(config, _place(params, mesh, config), tokenizer, name=os.path.basename(os.path.normpath(src)),
                      mesh=mesh, vision=load_vision(src, config, tokenizer, dt))
@@ -147,6 +170,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
         params = jax.jit(partial(init_params, config, dtype=dt))(jax.random.key(seed))
+        _check_mxfp4_scales(params)
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
     return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision)

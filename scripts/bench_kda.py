@@ -15,6 +15,7 @@ Each option adds a minute or more of Triton compiles: under a 200 s limit run th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -550,7 +551,14 @@ def diag_run(torch, fla, deadline, T=32768, H=32, precision=True,
         _diag_precision(torch, fla, cp, saved)
     _diag_variants(cp, deadline, T, H)
     _log(f"# CONFIG {cp.CONFIG}")
-    for B, TT, HH in totals:
+    totals_vs_fla(torch, fla, deadline, totals)
+
+
+def totals_vs_fla(torch, fla, deadline, shapes):
+    """chunk_kda with CONFIG (and with t/u stored in bf16) vs FLA chunk_kda, per (B, T, H)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    saved = dict(cp.CONFIG)
+    for B, TT, HH in shapes:
         if time.time() - T0 > deadline:
             _log(f"  totals B={B} T={TT} H={HH}: skipped (deadline)")
             continue
@@ -563,15 +571,43 @@ def diag_run(torch, fla, deadline, T=32768, H=32, precision=True,
             del tq
             torch.cuda.empty_cache()
         bt = make_inputs(jax.random.PRNGKey(2), B, TT, HH)
-        for label, over, safe in (("default", {}, False), ("t/u bf16", dict(t_dtype="sd", u_dtype="sd"), False),
-                                  ("safe gate", {}, True)):
+        for label, over in (("default", {}), ("t/u bf16", dict(t_dtype="sd", u_dtype="sd"))):
             cp.CONFIG.update(over)
-            t = _try_time(f"ours {label}", jax.jit(lambda *a, safe=safe: chunk_kda(*a, safe_gate=safe)), *bt)
+            t = _try_time(f"ours {label}", jax.jit(lambda *a: chunk_kda(*a)), *bt)
             if t and ta:
                 _log(f"  ratio FLA/ours ({label}) {ta / t:.2f}x  ({B * TT / t / 1e6:.2f} M tok/s)")
             for kk in over:
                 cp.CONFIG[kk] = saved[kk]
         del bt
+
+
+def solve_sweep(T=32768, H=32):
+    """The solve kernel's variants (K-slice loop unrolled or not, warps, slice width) at B=1 T H;
+    the fastest goes into CONFIG."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(2), 1, T, H))
+    K = q.shape[-1]
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    b32 = beta.astype(jnp.float32)
+    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    c = cp.CONFIG
+    dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=math.gcd(c["diag_bh"], H),
+                           num_warps=c["split_warps"][0])
+    _log(f"# solve variants B=1 T={T} H={H}")
+    best = None
+    for unroll, w, bk in ((True, 1, 32), (False, 1, 32), (False, 2, 32), (False, 4, 32), (False, 1, 16),
+                          (False, 2, 16), (False, 1, 64)):
+        kw = dict(unroll=unroll, num_warps=w, bk=bk)
+        t = _try_time(f"  solve {kw}", lambda *x, kw=kw: cp.intra_solve(
+            *x, prec="tf32", inv=c["inv"], a_dtype=jnp.bfloat16, **kw), qs, k, gc, b32, dq, dk)
+        if t is not None and (best is None or t < best[1]):
+            best = (kw, t)
+    _log(f"  best solve {best}")
+    if best:
+        w = list(c["split_warps"])
+        w[1] = best[0]["num_warps"]
+        c.update(solve_unroll=best[0]["unroll"], split_warps=tuple(w), split_bk=best[0]["bk"])
+    del q, k, v, g, beta, qs, b32, gc, dq, dk
 
 
 def _diag_precision(torch, fla, cp, saved):
@@ -655,6 +691,10 @@ def main():
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     ap.add_argument("--diag-run", action="store_true",
                     help="diagonal-block kernels: precision vs FLA, variants, totals; then exit")
+    ap.add_argument("--once", type=int, nargs=2, metavar=("T", "H"),
+                    help="run chunk_kda once at B=1 T H and exit (for ncu)")
+    ap.add_argument("--solve-sweep", action="store_true", help="solve kernel variants (before --totals)")
+    ap.add_argument("--totals", help='chunk_kda vs FLA at "B,T,H;B,T,H..." and exit')
     ap.add_argument("--no-precision", action="store_true", help="--diag-run without its precision part")
     args = ap.parse_args()
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
@@ -666,6 +706,17 @@ def main():
         return
     if args.split_sweep:
         split_sweep(torch, fla, args.deadline)
+        return
+    if args.once:  # one chunk_kda call (compile, then one run): for a profiler such as ncu
+        bt = make_inputs(jax.random.PRNGKey(2), 1, *args.once)
+        jax.block_until_ready(jax.jit(lambda *a: chunk_kda(*a))(*bt))
+        return
+    if args.solve_sweep:
+        solve_sweep()
+        _log(f"# CONFIG {__import__('pallas_kernels.kda.chunk_pallas', fromlist=['x']).CONFIG}")
+    if args.totals:
+        shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.totals.split(";")]
+        totals_vs_fla(torch, fla, args.deadline, shapes)
         return
     if args.diag_run:
         diag_run(torch, fla, args.deadline, precision=not args.no_precision)

@@ -155,7 +155,7 @@ def test_decode_bf16_and_donated_jit():
          split_diag="loop"),
     # token-parallel diagonal blocks, 2 heads per program; A_qk stored in fp32 for bf16 inputs;
     # the four diagonal inverses in one row loop with rows loaded from the diag kernel's output
-    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop"),
+    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=False),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:
@@ -186,6 +186,7 @@ def test_chunk_safe_gate_diagonal_in_solve(gate, monkeypatch):
     monkeypatch.setitem(cp.CONFIG, "intra", "split")
     monkeypatch.setitem(cp.CONFIG, "inv", "many")  # rows picked from registers on this path
     monkeypatch.setitem(cp.CONFIG, "safe_shift", 15.0)
+    monkeypatch.setitem(cp.CONFIG, "solve_unroll", False)
     calls = []
     monkeypatch.setattr(cp, "intra_diag", lambda *a, **k: calls.append(1))  # must not run
     B, T, H, K, V = 1, 77, 2, 32, 16

@@ -519,3 +519,21 @@ def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
   pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
   pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
   _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)
+
+
+def test_loading_checks_mxfp4_scales_against_the_ptx8_window(monkeypatch, caplog):
+  """A checkpoint whose E8M0 scales leave ptx8's exact window switches to the exact ptx4 decoder
+  (with a warning); scales inside it keep ptx8."""
+  from k3jax.api import _check_mxfp4_scales
+  from pallas_kernels.moe import mxfp4 as mxm
+  monkeypatch.setattr(mxm, "DECODER", "ptx8")
+  lo, hi = mxm.PTX8_EXACT_SCALES
+  inside = {"layers": {"experts": {"w1_scale": jnp.asarray([[lo, hi]], jnp.uint8),
+                                   "w1_packed": jnp.zeros((1, 2), jnp.uint8)}}}
+  _check_mxfp4_scales(inside)
+  assert mxm.DECODER == "ptx8"
+  outside = {"layers": {"experts": {"w1_scale": jnp.asarray([[lo, hi + 1]], jnp.uint8)}},
+             "norm_scale": jnp.ones((2,), jnp.float32) * 255}  # not MXFP4: ignored
+  _check_mxfp4_scales(outside)
+  assert mxm.DECODER == "ptx4"
+  assert "outside the ptx8 decoder's exact window" in caplog.text

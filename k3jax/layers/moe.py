@@ -56,7 +56,7 @@ def sort_by_expert(ids, num_experts: int):
 def routed_experts(pe, z, weights, ids, c: ModelConfig):
     """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on accelerators)."""
     return ops.expert_mlp(z, ids, weights, pe, activation=c.hidden_act, situ_beta=c.situ_beta,
-                          situ_linear_beta=c.situ_linear_beta,
+                          situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts,
                           reference=lambda: routed_experts_reference(pe, z, weights, ids, c))
 
 

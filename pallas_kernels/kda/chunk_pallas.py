@@ -281,7 +281,7 @@ def _diag_token_kernel(q_ref, k_ref, kb_ref, gb_ref, b_ref, dq_ref, dk_ref, *, b
     dk_ref[...] = ak * b_ref[...].astype(_F32)[:, None]
 
 
-def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=None):
+def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=None, unroll=True):
     """One (chunk, head). q, k, g [C, K]; beta [C]; then dq, dk [C, bc] (diagonal blocks from
     `_diag_kernel`) unless `shift` is set. Writes a = causal A_qk [C, C] and t = (I + L)^-1 [C, C]
     (in their refs' dtypes).
@@ -300,10 +300,11 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
     row = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
     col = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
     zero = jnp.zeros((bc, bc), _F32)
-    L, Aq = {}, {}
-    for s in range(K // bk):  # K slices keep the live tiles at [bc, bk]
-        ks = pl.ds(s * bk, bk)
-        kgJ = {}  # earlier blocks' k scaled to each later block's anchor, built per (I, J)
+    keys = [(I, J) for I in range(nc) for J in range(I + (shift is not None))]
+
+    def slice_step(ks, L, Aq):
+        """Add one K slice's contribution to the off-diagonal (and, with shift, diagonal) blocks."""
+        L, Aq = dict(L), dict(Aq)
         kJ = [k_ref[pl.ds(J * bc, bc), ks].astype(_F32) for J in range(nc - 1)]
         gJ = [g_ref[pl.ds(J * bc, bc), ks] for J in range(nc - 1)]
         for I in range(1, nc):
@@ -312,11 +313,10 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
             eI = jnp.exp(gI - gn[None, :])  # <= 1
             qgI = q_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
             kgI = k_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
-            for J in range(I):
+            for J in range(I):  # earlier blocks' k scaled to block I's anchor
                 kgJ = kJ[J] * jnp.exp(gn[None, :] - gJ[J])  # <= 1
-                dl, dq = _dot_nt(kgI, kgJ, pr), _dot_nt(qgI, kgJ, pr)
-                L[I, J] = dl if s == 0 else L[I, J] + dl
-                Aq[I, J] = dq if s == 0 else Aq[I, J] + dq
+                L[I, J] = L[I, J] + _dot_nt(kgI, kgJ, pr)
+                Aq[I, J] = Aq[I, J] + _dot_nt(qgI, kgJ, pr)
         if shift is not None:
             for I in range(nc):
                 r = pl.ds(I * bc, bc)
@@ -325,9 +325,23 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
                 kI = k_ref[r, ks].astype(_F32)
                 kc = kI * jnp.exp(c - gI)
                 eq = jnp.exp(gI - c)
-                dl, dq = _dot_nt(kI * eq, kc, pr), _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
-                L[I, I] = dl if s == 0 else L[I, I] + dl
-                Aq[I, I] = dq if s == 0 else Aq[I, I] + dq
+                L[I, I] = L[I, I] + _dot_nt(kI * eq, kc, pr)
+                Aq[I, I] = Aq[I, I] + _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
+        return L, Aq
+
+    L = {key: zero for key in keys}
+    Aq = dict(L)
+    if unroll:  # K slices keep the live tiles at [bc, bk]
+        for s in range(K // bk):
+            L, Aq = slice_step(pl.ds(s * bk, bk), L, Aq)
+    else:  # a loop, not unrolled: the unrolled kernel stalled on instruction fetch (ncu, H200)
+        def body(s, carry):
+            L, Aq = slice_step(pl.ds(pl.multiple_of(s * bk, bk), bk),
+                               dict(zip(keys, carry[0])), dict(zip(keys, carry[1])))
+            return tuple(L[key] for key in keys), tuple(Aq[key] for key in keys)
+        cl, ca = lax.fori_loop(0, K // bk, body, (tuple(L[key] for key in keys),
+                                                  tuple(Aq[key] for key in keys)))
+        L, Aq = dict(zip(keys, cl)), dict(zip(keys, ca))
     for I in range(nc):
         r = pl.ds(I * bc, bc)
         bI = b_ref[r].astype(_F32)[:, None]
@@ -557,10 +571,10 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "bk", "prec", "inv", "t_dtype",
-                                             "a_dtype", "shift", "bc", "num_warps", "num_stages",
-                                             "interpret", "backend"))
+                                             "a_dtype", "shift", "bc", "unroll", "num_warps",
+                                             "num_stages", "interpret", "backend"))
 def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="highest",
-                inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, num_warps=4,
+                inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, unroll=True, num_warps=4,
                 num_stages=1, interpret=False, backend="triton"):
     """Split stage 1b: causal A_qk [R, H, C] in a_dtype and T = (I + L)^-1 [R, H, C] in t_dtype.
     dq, dk: the diagonal blocks from intra_diag, or None with `shift` (safe gates: see
@@ -575,7 +589,7 @@ def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="
         raise ValueError("pass either the diagonal blocks (dq, dk) or a safe-gate shift")
     diag = [] if dq is None else [dq, dk]
     return pl.pallas_call(
-        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift),
+        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift, unroll=unroll),
         grid=(R // C, H),
         in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C)] + [_rows(C, bc)] * len(diag),
         out_specs=[_rows(C, C), _rows(C, C)],
@@ -609,8 +623,8 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
 
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", a_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
-                      diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, interpret=False,
-                      backend="triton"):
+                      diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, solve_unroll=True,
+                      interpret=False, backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype, A_qk in a_dtype: "f32" or "sd" = the dot dtype). t_dtype: the
     stored inverse and the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for
@@ -625,6 +639,7 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
                           bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
     a, t = intra_solve(q, k, g, beta, *diag, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=dt(t_dtype), a_dtype=dt(a_dtype), shift=safe_shift, bc=bc,
+                       unroll=solve_unroll,
                        num_warps=warps[1], num_stages=stages[1], **kw)
     w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=wu_bk or bk, prec=prec,
                             u_dtype=dt(u_dtype), num_warps=warps[2],
@@ -732,8 +747,12 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # 0.64x); T=4096 H=96 2.48 ms (FLA 1.49, 0.60x). t/u in bf16: 5.90 ms (0.68x), rel RMS 3.69e-3 vs
 # 3.31e-3 (FLA 3.33e-3). Safe gates with the diagonal inside the solve (safe_shift=15.0): solve
 # 4.31 ms vs diag + solve 3.39, so off (None) by default.
+# Then ncu (same day): the solve ran at 255 registers, 1 warp per program, 12.5% occupancy, and
+# 57% of its stall cycles were instruction fetch (the Python-unrolled K-slice loop). The slice loop
+# as a fori_loop (solve_unroll=False): solve 2.19 -> 1.15 ms; chunk_kda 5.21 ms (FLA 3.99, 0.77x);
+# T=32768 H=96 16.16 ms (FLA 11.02, 0.68x); T=4096 H=32 (before this change) 0.85 ms (FLA 1.17, 1.38x).
 CONFIG = dict(intra="split", split_bk=32, wu_bk=64, split_warps=(2, 1, 4), split_stages=(1, 1, 2),
-              split_diag="token", diag_bh=8, safe_shift=None,
+              split_diag="token", diag_bh=8, safe_shift=None, solve_unroll=False,
               t_dtype="f32", u_dtype="f32", a_dtype="sd",
               diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
@@ -755,6 +774,7 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             a_dtype=cfg["a_dtype"] if low and cfg["inter"] == "two_pass" else "f32",
             warps=cfg["split_warps"], diag_mode=cfg["split_diag"], diag_bh=cfg["diag_bh"],
             safe_shift=cfg["safe_shift"] if safe_gate else None, wu_bk=cfg["wu_bk"],
+            solve_unroll=cfg["solve_unroll"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,

@@ -121,14 +121,14 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
 
 
 # ------------------------------------------------------------------ in-kernel decoders
-# The GPU kernel's decoder. "ptx4" (default): the first PTX decoder, measured on the H200
-# (1.96-2.09 TB/s of packed weights at decode, docs/bench_moe.md run 2). "ptx8": 18 PTX
-# instructions per 8 weights, scale folded into one multiply; with it, schedule.choose_tiling
-# picks schedule.DECODE_MXFP4 tiles. Offline SASS: 10.8 -> 8.1 main-loop instructions per packed
-# byte; NOT yet timed on a GPU: make it the default once scripts/bench_moe.py shows it ahead.
+# The GPU kernel's decoder. "ptx4": the first PTX decoder (1.95-2.00 TB/s of packed weights at
+# decode, H200 2026-11-29). "ptx8" (default): 18 PTX instructions per 8 weights, scale folded into
+# one multiply; with it, schedule.choose_tiling picks schedule.DECODE_MXFP4 tiles: 2.58-2.63 TB/s
+# in the same run (docs/bench_moe.md run 4). Exact only for scales in PTX8_EXACT_SCALES: model
+# loading checks the checkpoint's scales (k3jax.api) and falls back to ptx4 outside them.
 # "jnp": plain ops. Interpret mode always runs the jnp decoder, with the x shift of the chosen
 # decoder (so CPU tests exercise that wiring too).
-DECODER = "ptx4"
+DECODER = "ptx8"
 
 # log2 of the factor by which a decoder's output is SMALLER than the true weight. The kernel
 # multiplies x by 2^shift (exact in bf16), so each product x * w -- exact in the fp32 MMA either
@@ -186,6 +186,18 @@ _ASM4_HI = _ASM4.format(mmask="0x00700070", smask="0x00800080", mshift=2, sshift
 # not defined (no clamp, no NaN scale: see folded_scale_bits). ptx4 was exact for 1 <= e <= 254.
 # The recipe is data: tests/test_moe_kernels.py interprets these same lists in numpy.
 PTX8_SHIFT = 64
+PTX8_EXACT_SCALES = (59, 192)  # E8M0 exponents ptx8 decodes exactly
+
+
+def decoder_for_scales(scale_min: int, scale_max: int) -> str:
+  """The decoder to use for weights whose E8M0 scales span [scale_min, scale_max]: the current
+  DECODER, unless that is ptx8 and a scale lies outside its exact window (then ptx4)."""
+  lo, hi = PTX8_EXACT_SCALES
+  if DECODER == "ptx8" and not (lo <= scale_min and scale_max <= hi):
+    return "ptx4"
+  return DECODER
+
+
 _M = 0x81C081C0  # sign bits 31, 15 and magnitude bits 24..22, 8..6 of a bf16x2
 
 

@@ -125,7 +125,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
 
 
 # MXFP4 decode tiles (bm = 16) for the ptx8 decoder: weights as the MMA's A operand, 2 warps
-# (Triton picks mma.v2, not wgmma, below 4 warps), 64 columns, K step 128. Offline SASS (sm_90,
-# Triton 3.6 / 3.9): 8.2 / 8.1 instructions per packed byte in the main loop, vs 10.9 / 10.8 for
-# the ptx4 decoder with its (16, 256, 64, 4 warps) tiles. Not yet timed on a GPU.
-DECODE_MXFP4 = Tiling(bm=16, bk=128, bn=64, num_warps=2, num_stages=3, swap_ab=True)
+# (Triton picks mma.v2, not wgmma, below 4 warps), 64 columns, K step 256. H200 2026-11-29
+# (bench_moe.py, 8 tilings at 3 decode shapes): this one was fastest at all three, 2.58-2.63 TB/s of
+# packed weights (bk 128: 2.11-2.30; ptx4 with its (16, 256, 64, 4 warps) tiles: 1.95-2.00).
+DECODE_MXFP4 = Tiling(bm=16, bk=256, bn=64, num_warps=2, num_stages=3, swap_ab=True)
