@@ -610,6 +610,37 @@ def solve_sweep(T=32768, H=32):
     del q, k, v, g, beta, qs, b32, gc, dq, dk
 
 
+def wu_sweep(T=32768, H=32):
+    """The w/u kernel's variants (slice loops unrolled or not, warps, slice width) at B=1 T H; the
+    fastest goes into CONFIG."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(2), 1, T, H))
+    K = q.shape[-1]
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    b32 = beta.astype(jnp.float32)
+    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    c = cp.CONFIG
+    dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=math.gcd(c["diag_bh"], H),
+                           num_warps=c["split_warps"][0])
+    _, t = cp.intra_solve(qs, k, gc, b32, dq, dk, prec="tf32", inv=c["inv"], bk=c["split_bk"],
+                          unroll=c["solve_unroll"], num_warps=c["split_warps"][1])
+    _log(f"# w/u variants B=1 T={T} H={H}")
+    best = None
+    for unroll, w, bk in ((True, 4, 64), (False, 4, 64), (False, 4, 32), (False, 2, 32), (False, 8, 64),
+                          (False, 8, 32)):
+        kw = dict(unroll=unroll, num_warps=w, bk=bk)
+        tm = _try_time(f"  wu {kw}", lambda *x, kw=kw: cp.intra_wu(*x, prec="tf32", **kw),
+                       qs, k, v, gc, b32, t)
+        if tm is not None and (best is None or tm < best[1]):
+            best = (kw, tm)
+    _log(f"  best wu {best}")
+    if best:
+        w = list(c["split_warps"])
+        w[2] = best[0]["num_warps"]
+        c.update(wu_unroll=best[0]["unroll"], split_warps=tuple(w), wu_bk=best[0]["bk"])
+    del q, k, v, g, beta, qs, b32, gc, dq, dk, t
+
+
 def _diag_precision(torch, fla, cp, saved):
     q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, 1024, 4)
     ref, _ = jax.jit(recurrent_kda_reference)(q, k, v.astype(jnp.float32), g, beta)
@@ -693,6 +724,7 @@ def main():
                     help="diagonal-block kernels: precision vs FLA, variants, totals; then exit")
     ap.add_argument("--once", type=int, nargs=2, metavar=("T", "H"),
                     help="run chunk_kda once at B=1 T H and exit (for ncu)")
+    ap.add_argument("--wu-sweep", action="store_true", help="w/u kernel variants (before --totals)")
     ap.add_argument("--solve-sweep", action="store_true", help="solve kernel variants (before --totals)")
     ap.add_argument("--totals", help='chunk_kda vs FLA at "B,T,H;B,T,H..." and exit')
     ap.add_argument("--no-precision", action="store_true", help="--diag-run without its precision part")
@@ -711,8 +743,11 @@ def main():
         bt = make_inputs(jax.random.PRNGKey(2), 1, *args.once)
         jax.block_until_ready(jax.jit(lambda *a: chunk_kda(*a))(*bt))
         return
+    if args.wu_sweep:
+        wu_sweep()
     if args.solve_sweep:
         solve_sweep()
+    if args.solve_sweep or args.wu_sweep:
         _log(f"# CONFIG {__import__('pallas_kernels.kda.chunk_pallas', fromlist=['x']).CONFIG}")
     if args.totals:
         shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.totals.split(";")]

@@ -155,7 +155,8 @@ def test_decode_bf16_and_donated_jit():
          split_diag="loop"),
     # token-parallel diagonal blocks, 2 heads per program; A_qk stored in fp32 for bf16 inputs;
     # the four diagonal inverses in one row loop with rows loaded from the diag kernel's output
-    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=False),
+    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=True,
+         wu_unroll=True, wu_bk=64),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:

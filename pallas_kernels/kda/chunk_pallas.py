@@ -376,17 +376,18 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
 
 
 def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, kd_ref, *, bk, bv,
-               prec):
+               prec, unroll=True):
     """One (chunk, head): w = T (beta exp(gc) k), u = T (beta v), qg = q exp(gc),
-    kd = k exp(g_last - gc). A bf16 T means bf16 operands (FLA's choice); fp32 T uses `prec`."""
+    kd = k exp(g_last - gc). A bf16 T means bf16 operands (FLA's choice); fp32 T uses `prec`.
+    unroll=False: the slice loops as fori_loops (smaller code, fewer live registers)."""
     pr = _PREC[prec]
     C, K = k_ref.shape
     V = v_ref.shape[1]
     T = t_ref[...]
     od = T.dtype  # dot operand dtype
     b = b_ref[...].astype(_F32)[:, None]
-    for s in range(K // bk):
-        ks = pl.ds(s * bk, bk)
+
+    def k_slice(ks):
         glast = g_ref[C - 1, ks]
         g = g_ref[:, ks]
         eg = jnp.exp(g)
@@ -394,9 +395,19 @@ def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, k
         w_ref[:, ks] = _dot(T, (kk * b * eg).astype(od), pr).astype(w_ref.dtype)
         qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * eg).astype(qg_ref.dtype)
         kd_ref[:, ks] = (kk * jnp.exp(glast[None, :] - g)).astype(kd_ref.dtype)
-    for s in range(V // bv):
-        vs = pl.ds(s * bv, bv)
+
+    def v_slice(vs):
         u_ref[:, vs] = _dot(T, (v_ref[:, vs].astype(_F32) * b).astype(od), pr).astype(u_ref.dtype)
+
+    for fn, n, w in ((k_slice, K // bk, bk), (v_slice, V // bv, bv)):
+        if unroll:
+            for s in range(n):
+                fn(pl.ds(s * w, w))
+        else:
+            def body(s, carry, fn=fn, w=w):
+                fn(pl.ds(pl.multiple_of(s * w, w), w))
+                return carry
+            lax.fori_loop(0, n, body, 0)
 
 
 def _cumsum_kernel(g_ref, m_ref, a_ref, dt_ref, o_ref, *, gate, lower_bound):
@@ -598,9 +609,9 @@ def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="
     )(q, k, g, beta, *diag)
 
 
-@functools.partial(jax.jit, static_argnames=("bk", "prec", "u_dtype", "num_warps", "num_stages",
-                                             "interpret", "backend"))
-def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_warps=4,
+@functools.partial(jax.jit, static_argnames=("bk", "prec", "u_dtype", "unroll", "num_warps",
+                                             "num_stages", "interpret", "backend"))
+def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, unroll=True, num_warps=4,
              num_stages=2, interpret=False, backend="triton"):
     """Split stage 1c: w, qg, kd [R, H, K] (q.dtype), u [R, H, V] (u_dtype)."""
     R, H, K = q.shape
@@ -611,7 +622,7 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
         raise ValueError(f"K={K}, V={V} must be multiples of bk={bk}")
     sd = q.dtype
     w, u, qg, kd = pl.pallas_call(
-        functools.partial(_wu_kernel, bk=bk, bv=bv, prec=prec), grid=(R // C, H),
+        functools.partial(_wu_kernel, bk=bk, bv=bv, prec=prec, unroll=unroll), grid=(R // C, H),
         in_specs=[_rows(C, K), _rows(C, K), _rows(C, V), _rows(C, K), _brow(C), _rows(C, C)],
         out_specs=[_rows(C, K), _rows(C, V), _rows(C, K), _rows(C, K)],
         out_shape=[jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, V), u_dtype),
@@ -624,7 +635,7 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, num_wa
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", a_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
                       diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, solve_unroll=True,
-                      interpret=False, backend="triton"):
+                      wu_unroll=True, interpret=False, backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype, A_qk in a_dtype: "f32" or "sd" = the dot dtype). t_dtype: the
     stored inverse and the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for
@@ -642,7 +653,7 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
                        unroll=solve_unroll,
                        num_warps=warps[1], num_stages=stages[1], **kw)
     w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=wu_bk or bk, prec=prec,
-                            u_dtype=dt(u_dtype), num_warps=warps[2],
+                            u_dtype=dt(u_dtype), unroll=wu_unroll, num_warps=warps[2],
                             num_stages=stages[2], **kw)
     return w, qg, kd, u, a
 
@@ -750,9 +761,12 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # Then ncu (same day): the solve ran at 255 registers, 1 warp per program, 12.5% occupancy, and
 # 57% of its stall cycles were instruction fetch (the Python-unrolled K-slice loop). The slice loop
 # as a fori_loop (solve_unroll=False): solve 2.19 -> 1.15 ms; chunk_kda 5.21 ms (FLA 3.99, 0.77x);
-# T=32768 H=96 16.16 ms (FLA 11.02, 0.68x); T=4096 H=32 (before this change) 0.85 ms (FLA 1.17, 1.38x).
-CONFIG = dict(intra="split", split_bk=32, wu_bk=64, split_warps=(2, 1, 4), split_stages=(1, 1, 2),
-              split_diag="token", diag_bh=8, safe_shift=None, solve_unroll=False,
+# T=32768 H=96 16.16 ms (FLA 11.02, 0.68x). w/u variants (unrolled or not, bk 32/64, 2/4/8 warps)
+# 1.20-1.74 ms: the loop made no difference; bk 32 with 2 warps kept (1.198 vs 1.208 ms). Same
+# call: T=4096 H=96 2.09 ms (FLA 1.50, 0.71x), T=4096 H=32 0.735 ms (FLA 0.676 in that call, 0.92x;
+# FLA measured 1.17 ms at that shape in an earlier call: the anchor moves between calls).
+CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(2, 1, 2), split_stages=(1, 1, 2),
+              split_diag="token", diag_bh=8, safe_shift=None, solve_unroll=False, wu_unroll=False,
               t_dtype="f32", u_dtype="f32", a_dtype="sd",
               diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
@@ -774,7 +788,7 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             a_dtype=cfg["a_dtype"] if low and cfg["inter"] == "two_pass" else "f32",
             warps=cfg["split_warps"], diag_mode=cfg["split_diag"], diag_bh=cfg["diag_bh"],
             safe_shift=cfg["safe_shift"] if safe_gate else None, wu_bk=cfg["wu_bk"],
-            solve_unroll=cfg["solve_unroll"],
+            solve_unroll=cfg["solve_unroll"], wu_unroll=cfg["wu_unroll"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
