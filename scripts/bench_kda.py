@@ -581,64 +581,70 @@ def totals_vs_fla(torch, fla, deadline, shapes):
         del bt
 
 
-def solve_sweep(T=32768, H=32):
-    """The solve kernel's variants (K-slice loop unrolled or not, warps, slice width) at B=1 T H;
-    the fastest goes into CONFIG."""
-    from pallas_kernels.kda import chunk_pallas as cp
+def _stage_inputs(cp, T, H, diag=True):
+    """Inputs of the split intra kernels at B=1 T H (as chunk_kda prepares them), with the diagonal
+    blocks from the CONFIG diag kernel when `diag`."""
     q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(2), 1, T, H))
     K = q.shape[-1]
     qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
     b32 = beta.astype(jnp.float32)
     gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
-    c = cp.CONFIG
-    dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=math.gcd(c["diag_bh"], H),
-                           num_warps=c["split_warps"][0])
-    _log(f"# solve variants B=1 T={T} H={H}")
+    x = dict(qs=qs, k=k, v=v, gc=gc, b32=b32)
+    if diag:
+        c = cp.CONFIG
+        x["dq"], x["dk"] = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"],
+                                         bh=math.gcd(c["diag_bh"], H), num_warps=c["split_warps"][0])
+    return x
+
+
+def _fastest(name, variants, run):
+    """Time run(**kw) for each kw; returns (kw, seconds) of the fastest, or None."""
     best = None
-    for unroll, w, bk in ((True, 1, 32), (False, 1, 32), (False, 2, 32), (False, 4, 32), (False, 1, 16),
-                          (False, 2, 16), (False, 1, 64)):
-        kw = dict(unroll=unroll, num_warps=w, bk=bk)
-        t = _try_time(f"  solve {kw}", lambda *x, kw=kw: cp.intra_solve(
-            *x, prec="tf32", inv=c["inv"], a_dtype=jnp.bfloat16, **kw), qs, k, gc, b32, dq, dk)
+    for kw in variants:
+        t = _try_time(f"  {name} {kw}", lambda kw=kw: run(**kw))
         if t is not None and (best is None or t < best[1]):
             best = (kw, t)
-    _log(f"  best solve {best}")
+    _log(f"  best {name} {best}")
+    return best
+
+
+def _keep(c, best, stage, **cfg_of):
+    """Put the fastest variant of split stage `stage` (index into split_warps) into CONFIG."""
     if best:
         w = list(c["split_warps"])
-        w[1] = best[0]["num_warps"]
-        c.update(solve_unroll=best[0]["unroll"], split_warps=tuple(w), split_bk=best[0]["bk"])
-    del q, k, v, g, beta, qs, b32, gc, dq, dk
+        w[stage] = best[0]["num_warps"]
+        c.update(split_warps=tuple(w), **{key: best[0][name] for key, name in cfg_of.items()})
+
+
+def solve_sweep(T=32768, H=32):
+    """The solve kernel's variants (K-slice loop unrolled or not, warps, slice width) at B=1 T H;
+    the fastest goes into CONFIG."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    x, c = _stage_inputs(cp, T, H), cp.CONFIG
+    _log(f"# solve variants B=1 T={T} H={H}")
+    variants = [dict(unroll=u, num_warps=w, bk=bk) for u, w, bk in (
+        (True, 1, 32), (False, 1, 32), (False, 2, 32), (False, 4, 32), (False, 1, 16), (False, 2, 16),
+        (False, 1, 64))]
+    best = _fastest("solve", variants, lambda **kw: cp.intra_solve(
+        x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32", inv=c["inv"],
+        a_dtype=jnp.bfloat16, **kw))
+    _keep(c, best, 1, solve_unroll="unroll", split_bk="bk")
 
 
 def wu_sweep(T=32768, H=32):
     """The w/u kernel's variants (slice loops unrolled or not, warps, slice width) at B=1 T H; the
     fastest goes into CONFIG."""
     from pallas_kernels.kda import chunk_pallas as cp
-    q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(2), 1, T, H))
-    K = q.shape[-1]
-    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-    b32 = beta.astype(jnp.float32)
-    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
-    c = cp.CONFIG
-    dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=math.gcd(c["diag_bh"], H),
-                           num_warps=c["split_warps"][0])
-    _, t = cp.intra_solve(qs, k, gc, b32, dq, dk, prec="tf32", inv=c["inv"], bk=c["split_bk"],
-                          unroll=c["solve_unroll"], num_warps=c["split_warps"][1])
+    x, c = _stage_inputs(cp, T, H), cp.CONFIG
+    _, t = cp.intra_solve(x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32",
+                          inv=c["inv"], bk=c["split_bk"], unroll=c["solve_unroll"],
+                          num_warps=c["split_warps"][1])
     _log(f"# w/u variants B=1 T={T} H={H}")
-    best = None
-    for unroll, w, bk in ((True, 4, 64), (False, 4, 64), (False, 4, 32), (False, 2, 32), (False, 8, 64),
-                          (False, 8, 32)):
-        kw = dict(unroll=unroll, num_warps=w, bk=bk)
-        tm = _try_time(f"  wu {kw}", lambda *x, kw=kw: cp.intra_wu(*x, prec="tf32", **kw),
-                       qs, k, v, gc, b32, t)
-        if tm is not None and (best is None or tm < best[1]):
-            best = (kw, tm)
-    _log(f"  best wu {best}")
-    if best:
-        w = list(c["split_warps"])
-        w[2] = best[0]["num_warps"]
-        c.update(wu_unroll=best[0]["unroll"], split_warps=tuple(w), wu_bk=best[0]["bk"])
-    del q, k, v, g, beta, qs, b32, gc, dq, dk, t
+    variants = [dict(unroll=u, num_warps=w, bk=bk) for u, w, bk in (
+        (True, 4, 64), (False, 4, 64), (False, 4, 32), (False, 2, 32), (False, 8, 64), (False, 8, 32))]
+    best = _fastest("wu", variants, lambda **kw: cp.intra_wu(
+        x["qs"], x["k"], x["v"], x["gc"], x["b32"], t, prec="tf32", **kw))
+    _keep(c, best, 2, wu_unroll="unroll", wu_bk="bk")
 
 
 def _diag_precision(torch, fla, cp, saved):
@@ -658,50 +664,25 @@ def _diag_precision(torch, fla, cp, saved):
 
 def _diag_variants(cp, budget, T, H):
     """Time the diag kernel's variants (fastest kept in CONFIG) and the solve's, at B=1 T H."""
-    t_end = time.time() + budget / 2
-    batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
-    q, k, v, g, beta = (x[0] for x in batched)
-    K = q.shape[-1]
-    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-    b32 = beta.astype(jnp.float32)
-    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    x = _stage_inputs(cp, T, H, diag=False)
+    qs, k, gc, b32 = x["qs"], x["k"], x["gc"], x["b32"]
     _log(f"# diag variants B=1 T={T} H={H}")
-    best = None
-    for kw in [dict(mode="quad", num_warps=2)] + [dict(mode="token", bh=bh, num_warps=w)
-                                                 for bh in (1, 2, 4, 8) for w in (1, 2, 4)]:
-        if time.time() > t_end:
-            break
-        t = _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(*x, prec="tf32", **kw),
-                      qs, k, gc, b32)
-        if t is not None and (best is None or t < best[1]):
-            best = (kw, t)
-    _log(f"  best diag {best}")
-    if best:
-        cp.CONFIG.update(split_diag=best[0]["mode"], diag_bh=best[0].get("bh", 1))
-        w = list(cp.CONFIG["split_warps"])
-        w[0] = best[0]["num_warps"]
-        cp.CONFIG["split_warps"] = tuple(w)
+    variants = [dict(mode="quad", num_warps=2, bh=1)] + [
+        dict(mode="token", bh=bh, num_warps=w) for bh in (1, 2, 4, 8) for w in (1, 2, 4)]
+    best = _fastest("diag", variants, lambda **kw: cp.intra_diag(qs, k, gc, b32, prec="tf32", **kw))
     c = cp.CONFIG
+    _keep(c, best, 0, split_diag="mode", diag_bh="bh")
     dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=c["diag_bh"])
-    best = None
-    for kw in (dict(inv="loop", num_warps=1), dict(inv="many", num_warps=1),
-               dict(inv="many", num_warps=2), dict(inv="many", num_warps=1, bk=64),
-               dict(inv="many", num_warps=4)):
-        skw = dict(dict(bk=c["split_bk"], prec="tf32", a_dtype=jnp.bfloat16), **kw)
-        t = _try_time(f"  solve {kw}", lambda *x, skw=skw: cp.intra_solve(*x, **skw),
-                      qs, k, gc, b32, dq, dk)
-        if t is not None and (best is None or t < best[1]):
-            best = (kw, t)
-    _log(f"  best solve {best}")
-    if best:
-        w = list(c["split_warps"])
-        w[1] = best[0]["num_warps"]
-        c.update(inv=best[0]["inv"], split_warps=tuple(w), split_bk=best[0].get("bk", c["split_bk"]))
+    variants = [dict(inv=inv, num_warps=w, bk=bk) for inv, w, bk in (
+        ("loop", 1, c["split_bk"]), ("many", 1, c["split_bk"]), ("many", 2, c["split_bk"]),
+        ("many", 1, 64), ("many", 4, c["split_bk"]))]
+    best = _fastest("solve", variants, lambda **kw: cp.intra_solve(
+        qs, k, gc, b32, dq, dk, prec="tf32", a_dtype=jnp.bfloat16, **kw))
+    _keep(c, best, 1, inv="inv", split_bk="bk")
     for inv in ("loop", "many"):
-        skw = dict(bk=c["split_bk"], prec="tf32", a_dtype=jnp.bfloat16, inv=inv, num_warps=1)
-        _try_time(f"  solve safe gate (diag inside) inv={inv}", lambda *x, skw=skw: cp.intra_solve(
-            *x, shift=c["safe_shift"], **skw), qs, k, gc, b32)
-    del dq, dk, q, k, v, g, beta, qs, b32, gc, batched
+        _try_time(f"  solve safe gate (diag inside) inv={inv}", lambda inv=inv: cp.intra_solve(
+            qs, k, gc, b32, shift=c["safe_shift"] or 15.0, bk=c["split_bk"], prec="tf32",
+            a_dtype=jnp.bfloat16, inv=inv, num_warps=1))
 
 
 def main():

@@ -139,15 +139,19 @@ def test_quantize_mxfp4_round_trip():
   assert err.max() <= 1.0 and np.abs(wq).max() > 0
 
 
+def _mxfp4_case(seed, m, k, n, sizes, scale_range):
+  """Random bf16 rows, MXFP4 weights (any byte, E8M0 scales in scale_range) and group sizes."""
+  r = _rng(seed)
+  x = _bf16(r.standard_normal((m, k)))
+  packed = jnp.asarray(r.integers(0, 256, (len(sizes), n, k // 2), dtype=np.uint8))
+  scales = jnp.asarray(r.integers(*scale_range, (len(sizes), n, k // 32), dtype=np.uint8))
+  return x, packed, scales, jnp.asarray(sizes, jnp.int32)
+
+
 @pytest.mark.parametrize("tiling,mode", [(Tiling(16, 64, 16), "kernel"), (None, None),
                                          (Tiling(16, 32, 16), "predequant")])
 def test_gmm_mxfp4_matches_dequantized_gmm(tiling, mode):
-  r = _rng(5)
-  m, k, n, sizes = 70, 128, 48, [20, 0, 33, 9]
-  x = _bf16(r.standard_normal((m, k)))
-  packed = jnp.asarray(r.integers(0, 256, (len(sizes), n, k // 2), dtype=np.uint8))
-  scales = jnp.asarray(r.integers(118, 130, (len(sizes), n, k // 32), dtype=np.uint8))
-  gs = jnp.asarray(sizes, jnp.int32)
+  x, packed, scales, gs = _mxfp4_case(5, 70, 128, 48, [20, 0, 33, 9], (118, 130))
   out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=tiling, mode=mode)
   w = moe.dequantize_mxfp4(packed, scales, jnp.bfloat16)
   ref = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32)
@@ -387,12 +391,7 @@ def test_ptx8_asm_is_rendered_from_the_recipe():
 def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
   from pallas_kernels.moe import mxfp4 as mxm
   monkeypatch.setattr(mxm, "DECODER", decoder)
-  r = _rng(12)
-  m, k, n, sizes = 50, 128, 64, [7, 0, 30, 5]
-  x = _bf16(r.standard_normal((m, k)))
-  packed = jnp.asarray(r.integers(0, 256, (len(sizes), n, k // 2), dtype=np.uint8))
-  scales = jnp.asarray(r.integers(110, 135, (len(sizes), n, k // 32), dtype=np.uint8))
-  gs = jnp.asarray(sizes, jnp.int32)
+  x, packed, scales, gs = _mxfp4_case(12, 50, 128, 64, [7, 0, 30, 5], (110, 135))
   t = Tiling(16, 64, 32, 2, 3, swap_ab=swap)
   out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel")
   ref = moe.gmm_mxfp4_reference(x, packed, scales, gs)

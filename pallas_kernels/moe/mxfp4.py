@@ -294,21 +294,13 @@ def decode_halves(packed: jax.Array, scales: jax.Array, decoder: str, shift: int
   out = jax.ShapeDtypeStruct((bn, half), jnp.bfloat16)
   if decoder == "ptx4":
     assert shift == 0, shift
-    sc = jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
-    sc = _per_weight(sc, bn, half)
-    [lo] = plt.elementwise_inline_asm(_ASM4_LO, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                      pack=4, result_shape_dtypes=[out])
-    [hi] = plt.elementwise_inline_asm(_ASM4_HI, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                      pack=4, result_shape_dtypes=[out])
-    return lo, hi
-  if decoder == "ptx8":
+    bits, asm = scales.astype(jnp.uint16) << 7, (_ASM4_LO, _ASM4_HI)
+  elif decoder == "ptx8":
     assert shift == PTX8_SHIFT, shift
-    sc = jax.lax.bitcast_convert_type(folded_scale_bits(scales), jnp.bfloat16)
-    sc = _per_weight(sc, bn, half)
-    # two single-result blocks (Pallas lowers one result per asm op); they share no work
-    [even] = plt.elementwise_inline_asm(_ASM8_EVEN, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                        pack=4, result_shape_dtypes=[out])
-    [odd] = plt.elementwise_inline_asm(_ASM8_ODD, args=[packed, sc], constraints="=r,=r,r,r,r",
-                                       pack=4, result_shape_dtypes=[out])
-    return even, odd
-  raise ValueError(f"unknown MXFP4 decoder {decoder!r}")
+    bits, asm = folded_scale_bits(scales), (_ASM8_EVEN, _ASM8_ODD)
+  else:
+    raise ValueError(f"unknown MXFP4 decoder {decoder!r}")
+  sc = _per_weight(jax.lax.bitcast_convert_type(bits, jnp.bfloat16), bn, half)
+  # two single-result blocks (Pallas lowers one result per asm op): even / odd elements
+  return tuple(plt.elementwise_inline_asm(a, args=[packed, sc], constraints="=r,=r,r,r,r", pack=4,
+                                          result_shape_dtypes=[out])[0] for a in asm)
