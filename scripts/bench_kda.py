@@ -2,8 +2,7 @@
 
   python scripts/bench_kda.py [--deadline 170] [--sweep] [--check] [--quick]
 
-Prefill: chunk_kda tokens/s (bf16 q/k/v, fp32 g in (-5, 0), K = V = 128) vs FLA chunk_kda; the
-last column is our safe_gate=True path (valid because g >= -5, as with K3's gate).
+Prefill: chunk_kda tokens/s (bf16 q/k/v, fp32 g in (-5, 0), K = V = 128) vs FLA chunk_kda.
 Decode: fused_recurrent_kda latency and state traffic (read + write of N*H*K*V fp32) vs FLA
 fused_recurrent_kda (B = N, T = 1, initial_state in, final state out).
 Both are compared with a device copy measured in the same run. FLA missing -> anchor n/a.
@@ -752,23 +751,39 @@ def main():
     bw = bw_torch or bw_jax
     print(f"# copy bandwidth (read+write): jax x+1 {bw_jax/1e12:.2f} TB/s, torch copy_ "
           f"{'n/a' if bw_torch is None else f'{bw_torch/1e12:.2f}'} TB/s; ratios below use {bw/1e12:.2f}")
-    rows = []
-    key = jax.random.PRNGKey(1)
     dec = [(256, 32), (64, 32), (256, 96), (64, 96)]
     pre = [(1, 4096, 32), (1, 4096, 96), (1, 32768, 32), (1, 32768, 96), (8, 8192, 32), (8, 8192, 96)]
     if args.quick:
         dec, pre = dec[:2], pre[:1]
-    for N, H in dec:
-        if time.time() - T0 > args.deadline:
-            rows.append((f"decode N={N} H={H}", "skipped (deadline)", "", "", "", "", ""))
+    rows = decode_rows(torch, fla, dec, bw, args.deadline) + prefill_rows(torch, fla, pre, bw, args.deadline)
+    print_table(TABLE_HEADER, rows)
+    print(f"# total {time.time()-T0:.0f} s")
+
+
+TABLE_HEADER = ("case", "ours", "ours traffic", "anchor (FLA; MLA: plain jnp)", "ours vs anchor", "of copy BW")
+
+
+def print_table(hdr, rows):
+    w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
+    print("\n| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)) + " |")
+    print("|" + "|".join("-" * (x + 2) for x in w) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |")
+    sys.stdout.flush()
+
+
+def decode_rows(torch, fla, cases, bw, deadline, K=128, V=128):
+    """fused_recurrent_kda, one token per sequence, vs FLA's, per (N, H): TABLE_HEADER rows."""
+    rows = []
+    for N, H in cases:
+        if time.time() - T0 > deadline:
+            rows.append((f"decode N={N} H={H}", "skipped (deadline)", "", "", "", ""))
             continue
-        K = V = 128
-        q, k, v, g, beta = (x[0] for x in make_inputs(key, 1, N, H))
-        pool = jnp.zeros((N, H, K, V), jnp.float32)
+        q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(1), 1, N, H))
         idx = jnp.arange(N, dtype=jnp.int32)
         step = jax.jit(lambda q, k, v, g, b, p, i: fused_recurrent_kda(q, k, v, g, b, p, i),
                        donate_argnums=5)
-        state = {"p": pool}
+        state = {"p": jnp.zeros((N, H, K, V), jnp.float32)}
 
         def run():
             state["p"] = step(q, k, v, g, beta, state["p"], idx)[1]
@@ -783,44 +798,36 @@ def main():
                             reps=20)
         rows.append((f"decode N={N} H={H}", f"{t*1e6:.0f} us", f"{nbytes/t/1e12:.2f} TB/s",
                      "n/a" if ta is None else f"{ta*1e6:.0f} us ({nbytes/ta/1e12:.2f} TB/s)",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{nbytes/t/bw:.0%}", ""))
-        print(f"  [{time.time()-T0:.0f}s]", rows[-1]); sys.stdout.flush()
-    for B, T, H in pre:
+                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{nbytes/t/bw:.0%}"))
+        _log(rows[-1])
+    return rows
+
+
+def prefill_rows(torch, fla, cases, bw, deadline):
+    """chunk_kda (CONFIG) vs FLA chunk_kda per (B, T, H): TABLE_HEADER rows (FLA autotunes for
+    ~70-100 s at each new shape on the H200)."""
+    rows = []
+    for B, T, H in cases:
         name = f"prefill B={B} T={T} H={H}"
-        if time.time() - T0 > args.deadline:
-            rows.append((name, "skipped (deadline)", "", "", "", "", ""))
+        if time.time() - T0 > deadline:
+            rows.append((name, "skipped (deadline)", "", "", "", ""))
             continue
-        q, k, v, g, beta = make_inputs(key, B, T, H)
-        f = jax.jit(lambda *a: chunk_kda(*a, output_final_state=True))
-        t = time_jax(f, q, k, v, g, beta, reps=3)
-        fs = jax.jit(lambda *a: chunk_kda(*a, output_final_state=True, safe_gate=True))
-        try:  # g in (-5, 0): K3's safe-gate path
-            ts = time_jax(fs, q, k, v, g, beta, reps=3)
-        except Exception as e:  # noqa: BLE001
-            print("   safe-gate path failed:", str(e).splitlines()[0][:150])
-            ts = float("nan")
+        bt = make_inputs(jax.random.PRNGKey(1), B, T, H)
+        t = time_jax(jax.jit(lambda *a: chunk_kda(*a, output_final_state=True)), *bt, reps=3)
+        del bt
         tok = B * T
         io = tok * H * 128 * (2 * 4 + 4 + 2)  # q,k,v,o bf16 + g fp32 (+beta ~0): minimal traffic
         ta = None
         if fla is not None:
-            del q, k, v, g, beta
             tq = torch_inputs(torch, B, T, H)
             ta = time_torch(torch, lambda: fla[0](*tq, output_final_state=True), reps=3)
             del tq
             torch.cuda.empty_cache()
         rows.append((name, f"{tok/t/1e6:.2f} M tok/s", f"{io/t/1e12:.2f} TB/s io",
                      "n/a" if ta is None else f"{tok/ta/1e6:.2f} M tok/s",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{io/t/bw:.0%}",
-                     f"{tok/ts/1e6:.2f} M tok/s" + ("" if ta is None else f" ({ta/ts:.2f}x)")))
-        print(f"  [{time.time()-T0:.0f}s]", rows[-1]); sys.stdout.flush()
-    hdr = ("case", "ours", "ours traffic", "FLA anchor", "ours vs FLA", "of copy BW",
-           "ours safe-gate path (vs FLA)")
-    w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(7)]
-    print("\n| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)) + " |")
-    print("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        print("| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |")
-    print(f"# total {time.time()-T0:.0f} s")
+                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{io/t/bw:.0%}"))
+        _log(rows[-1])
+    return rows
 
 
 if __name__ == "__main__":
