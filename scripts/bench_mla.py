@@ -240,7 +240,7 @@ def main():
     print()
     print(f"MLA paged decode, {dev.device_kind}, {time.strftime('%Y-%m-%d')}, "
           f"copy bandwidth {copy_tbs:.2f} TB/s (fp32 a+1, read+write)")
-    print(f"| shape | impl | time (us) | cache TB/s | / copy BW |")
+    print("| shape | impl | time (us) | cache TB/s | / copy BW |")
     print("|---|---|---|---|---|")
     for label, impl, t, tbs in table:
         print(f"| {label} | {impl} | {t * 1e6:.0f} | {tbs:.2f} | {tbs / copy_tbs:.2f} |")
