@@ -349,185 +349,6 @@ def stages(torch, fla, T=32768, H=32, reps=5, parts=("fla", "total", "intra", "i
     return res
 
 
-def split_run(torch, fla, deadline, shapes=((32768, 32), (4096, 32), (4096, 96)), prec_shape=(1024, 4)):
-    """The split intra stage (CONFIG intra="split") in one GPU call, most important first:
-    (a) rel RMS of chunk_kda vs the fp32 token-serial reference at T=1024 H=4 (bf16 and fp32 inputs);
-    (b) per shape: FLA chunk_kda (and its intra stage) vs ours in total, ours per intra kernel;
-    (c) variants of the split kernels at the first shape, while time is left (deadline, s)."""
-    from pallas_kernels.kda import chunk_pallas as cp
-    saved = dict(cp.CONFIG)
-    _log(f"# split intra run; CONFIG {cp.CONFIG}")
-    T, H = prec_shape
-    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, T, H)
-    h0 = jax.random.normal(jax.random.PRNGKey(6), (1, H, 128, 128)) * 0.1
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
-        q, k, f32(v), g, beta)
-    o3, S3 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
-        f32(q), f32(k), f32(v), g, f32(beta))
-    for label, over, dt in (("bf16 split (t, u fp32)", {}, jnp.bfloat16),
-                            ("bf16 split (t, u bf16)", dict(t_dtype="sd", u_dtype="sd"), jnp.bfloat16),
-                            ("fp32 split", {}, jnp.float32)):
-        cp.CONFIG.update(over)
-        try:
-            args = (q, k, v, g, beta) if dt == jnp.bfloat16 else (f32(q), f32(k), f32(v), g, f32(beta))
-            o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(*args)
-            ro, rs = (o2, S2) if dt == jnp.bfloat16 else (o3, S3)
-            _log(f"  precision {label}: o {rel(o, ro):.2e} state {rel(S, rs):.2e} (T={T} H={H})")
-        except Exception as e:  # noqa: BLE001
-            _log(f"  precision {label} FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        cp.CONFIG.clear()
-        cp.CONFIG.update(saved)
-    del q, k, v, g, beta, o2, S2, o3, S3
-    res = {}
-    for si, (T, H) in enumerate(shapes):
-        if time.time() - T0 > deadline:
-            _log(f"  T={T} H={H}: skipped (deadline)")
-            continue
-        _log(f"# T={T} H={H} B=1 bf16")
-        if fla is not None:
-            tq = torch_inputs(torch, 1, T, H)
-            t = time_torch(torch, lambda: fla[0](*tq, output_final_state=True), reps=5)
-            res[T, H, "fla"] = t
-            _log(f"  FLA chunk_kda total {t*1e3:8.3f} ms")
-            del tq
-            torch.cuda.empty_cache()
-            if si == 0:
-                _fla_stages(torch, fla, T, H, 5, {})
-        batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
-        t = _try_time("ours chunk_kda total (CONFIG, split intra)",
-                      jax.jit(lambda *a: chunk_kda(*a)), *batched)
-        res[T, H, "ours"] = t
-        if t and (T, H, "fla") in res:
-            _log(f"  ratio FLA/ours {res[T, H, 'fla'] / t:.2f}x  ({T / t / 1e6:.2f} M tok/s)")
-        if si != 0:
-            continue
-        q, k, v, g, beta = (x[0] for x in batched)
-        K = q.shape[-1]
-        qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-        b32 = beta.astype(jnp.float32)
-        gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
-        c = cp.CONFIG
-        sw, sst = c["split_warps"], c["split_stages"]
-        _try_time("intra split (3 kernels, CONFIG)", lambda *x: cp.chunk_intra_split(
-            *x, bk=c["split_bk"], prec="tf32", inv=c["inv"], warps=sw, stages=sst), qs, k, v, gc, b32)
-        dq, dk = cp.intra_diag(qs, k, gc, b32, num_warps=sw[0])
-        _try_time(f"  diag warps={sw[0]}", lambda *x: cp.intra_diag(*x, num_warps=sw[0]), qs, k, gc, b32)
-        a, tt = cp.intra_solve(qs, k, gc, b32, dq, dk, bk=c["split_bk"], prec="tf32", inv=c["inv"],
-                               num_warps=sw[1])
-        _try_time(f"  solve bk={c['split_bk']} warps={sw[1]} inv={c['inv']}", lambda *x: cp.intra_solve(
-            *x, bk=c["split_bk"], prec="tf32", inv=c["inv"], num_warps=sw[1]), qs, k, gc, b32, dq, dk)
-        _try_time(f"  wu bk={c['split_bk']} warps={sw[2]} stages={sst[2]}", lambda *x: cp.intra_wu(
-            *x, bk=c["split_bk"], prec="tf32", num_warps=sw[2], num_stages=sst[2]),
-            qs, k, v, gc, b32, tt)
-        cp.CONFIG.update(t_dtype="sd", u_dtype="sd")
-        _try_time("ours chunk_kda total, t/u bf16", jax.jit(lambda *a: chunk_kda(*a)), *batched)
-        cp.CONFIG.clear()
-        cp.CONFIG.update(saved)
-        variants = [("solve", dict(num_warps=2)), ("solve", dict(num_warps=1)),
-                    ("solve", dict(bk=64, num_warps=2)), ("solve", dict(inv="loop", num_warps=2)),
-                    ("diag", dict(num_warps=2)), ("diag", dict(num_warps=8)),
-                    ("wu", dict(num_warps=8, num_stages=2)), ("wu", dict(bk=64, num_warps=4)),
-                    ("wu", dict(num_warps=4, num_stages=3))]
-        for kind, kw in variants:
-            if time.time() - T0 > deadline:
-                _log(f"  {kind} {kw}: skipped (deadline)")
-                continue
-            if kind == "diag":
-                _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(*x, **kw), qs, k, gc, b32)
-            elif kind == "solve":
-                kw2 = dict(dict(bk=c["split_bk"], inv=c["inv"]), **kw)
-                _try_time(f"  solve {kw2}", lambda *x, kw2=kw2: cp.intra_solve(*x, prec="tf32", **kw2),
-                          qs, k, gc, b32, dq, dk)
-            else:
-                kw2 = dict(dict(bk=c["split_bk"]), **kw)
-                _try_time(f"  wu {kw2}", lambda *x, kw2=kw2: cp.intra_wu(*x, prec="tf32", **kw2),
-                          qs, k, v, gc, b32, tt)
-        del q, k, v, g, beta, qs, b32, gc, dq, dk, a, tt, batched
-    _log("# split run done: " + "; ".join(f"{kk} {vv*1e3:.3f} ms" for kk, vv in res.items() if vv))
-
-
-def split_sweep(torch, fla, deadline, T=32768, H=32):
-    """Second split-intra call: precision of the "quad" diagonal, then each split kernel's variants
-    at B=1 T H (fastest kept in CONFIG), then chunk_kda totals with the chosen CONFIG."""
-    from pallas_kernels.kda import chunk_pallas as cp
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, 1024, 4)
-    h0 = jax.random.normal(jax.random.PRNGKey(6), (1, 4, 128, 128)) * 0.1
-    saved = dict(cp.CONFIG)
-    cp.CONFIG.update(split_diag="quad")
-    for dt in (jnp.bfloat16, jnp.float32):
-        args = (q, k, v, g, beta) if dt == jnp.bfloat16 else (f32(q), f32(k), f32(v), g, f32(beta))
-        o2, S2 = jax.jit(lambda *a: recurrent_kda_reference(*a, initial_state=h0))(
-            *[f32(x) if dt == jnp.float32 else x for x in args[:2]], f32(args[2]), g, args[4])
-        try:
-            o, S = jax.jit(lambda *a: chunk_kda(*a, initial_state=h0))(*args)
-            _log(f"  precision {jnp.dtype(dt).name} split diag=quad: o {rel(o, o2):.2e} "
-                 f"state {rel(S, S2):.2e} (T=1024 H=4)")
-        except Exception as e:  # noqa: BLE001
-            _log(f"  precision quad FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-    cp.CONFIG.clear()
-    cp.CONFIG.update(saved)
-    batched = make_inputs(jax.random.PRNGKey(2), 1, T, H)
-    q, k, v, g, beta = (x[0] for x in batched)
-    K = q.shape[-1]
-    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-    b32 = beta.astype(jnp.float32)
-    gc = cp.chunk_cumsum(g, jnp.ones((T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
-    _log(f"# split kernel variants, B=1 T={T} H={H}")
-    best = {}
-
-    def pick(kind, kw, t):
-        if t is not None and (kind not in best or t < best[kind][1]):
-            best[kind] = (kw, t)
-    for kw in (dict(mode="quad", num_warps=4), dict(mode="quad", num_warps=2),
-               dict(mode="quad", num_warps=1), dict(mode="loop", num_warps=2),
-               dict(mode="loop", num_warps=1), dict(mode="quad", num_warps=8)):
-        if time.time() - T0 < deadline:
-            pick("diag", kw, _try_time(f"  diag {kw}", lambda *x, kw=kw: cp.intra_diag(
-                *x, prec="tf32", **kw), qs, k, gc, b32))
-    dq, dk = cp.intra_diag(qs, k, gc, b32)
-    for kw in (dict(num_warps=2), dict(num_warps=1), dict(inv="loop", num_warps=2),
-               dict(inv="loop", num_warps=4), dict(bk=64, num_warps=2), dict(inv="loop", num_warps=1)):
-        kw2 = dict(dict(bk=32, inv="power"), **kw)
-        if time.time() - T0 < deadline:
-            pick("solve", kw2, _try_time(f"  solve {kw2}", lambda *x, kw2=kw2: cp.intra_solve(
-                *x, prec="tf32", **kw2), qs, k, gc, b32, dq, dk))
-    a, tt = cp.intra_solve(qs, k, gc, b32, dq, dk)
-    for kw in (dict(num_warps=8), dict(bk=64, num_warps=4), dict(num_warps=4, num_stages=3),
-               dict(bk=64, num_warps=8)):
-        kw2 = dict(dict(bk=32), **kw)
-        if time.time() - T0 < deadline:
-            pick("wu", kw2, _try_time(f"  wu {kw2}", lambda *x, kw2=kw2: cp.intra_wu(
-                *x, prec="tf32", **kw2), qs, k, v, gc, b32, tt))
-    del dq, dk, a, tt, q, k, v, g, beta, qs, b32, gc
-    _log(f"  best per kernel: {best}")
-    c = cp.CONFIG
-    w, st = list(c["split_warps"]), list(c["split_stages"])
-    if "diag" in best:
-        c["split_diag"], w[0] = best["diag"][0]["mode"], best["diag"][0]["num_warps"]
-    if "solve" in best:
-        c["inv"], w[1] = best["solve"][0]["inv"], best["solve"][0]["num_warps"]
-        c["split_bk"] = best["solve"][0]["bk"]
-    if "wu" in best:
-        w[2], st[2] = best["wu"][0]["num_warps"], best["wu"][0].get("num_stages", 2)
-        wu_bk = best["wu"][0]["bk"]
-        if wu_bk != c["split_bk"]:
-            _log(f"  note: wu prefers bk={wu_bk}, solve bk={c['split_bk']} (one knob; solve's kept)")
-    c["split_warps"], c["split_stages"] = tuple(w), tuple(st)
-    _log(f"# chosen CONFIG {c}")
-    for TT, HH in ((T, H), (4096, 32), (4096, 96)):
-        if time.time() - T0 > deadline + 40:
-            _log(f"  total T={TT} H={HH}: skipped (deadline)")
-            continue
-        bt = batched if (TT, HH) == (T, H) else make_inputs(jax.random.PRNGKey(2), 1, TT, HH)
-        _try_time(f"ours chunk_kda total T={TT} H={HH}", jax.jit(lambda *a: chunk_kda(*a)), *bt)
-        cp.CONFIG.update(t_dtype="sd", u_dtype="sd")
-        _try_time(f"ours chunk_kda total T={TT} H={HH} t/u bf16", jax.jit(lambda *a: chunk_kda(*a)), *bt)
-        cp.CONFIG.update(t_dtype="f32", u_dtype="f32")
-        del bt
-
-
 def _fla_precision(torch, fla, args, ref):
     """FLA chunk_kda on the same bf16 inputs, rel RMS of its output vs `ref` (None if no FLA)."""
     if fla is None:
@@ -695,10 +516,6 @@ def main():
     ap.add_argument("--stage-shape", type=int, nargs=2, default=(32768, 32), help="T H")
     ap.add_argument("--stage-parts", default="precision,fla,total,intra,inter")
     ap.add_argument("--copy-gib", type=float, default=4.0)
-    ap.add_argument("--split", action="store_true",
-                    help="split intra stage: precision, totals vs FLA, per-kernel times; then exit")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="split intra kernels' variants (fastest kept), then totals; then exit")
     ap.add_argument("--sweep-shape", type=int, nargs=3, default=(16384, 32, 256), help="T H N")
     ap.add_argument("--diag-run", action="store_true",
                     help="diagonal-block kernels: precision vs FLA, variants, totals; then exit")
@@ -713,12 +530,6 @@ def main():
     torch, fla, why = _torch_fla()
     if fla is None:
         print(f"# FLA anchor unavailable ({why}): anchor columns n/a")
-    if args.split:
-        split_run(torch, fla, args.deadline)
-        return
-    if args.split_sweep:
-        split_sweep(torch, fla, args.deadline)
-        return
     if args.once:  # one chunk_kda call (compile, then one run): for a profiler such as ncu
         bt = make_inputs(jax.random.PRNGKey(2), 1, *args.once)
         jax.block_until_ready(jax.jit(lambda *a: chunk_kda(*a))(*bt))
