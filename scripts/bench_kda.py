@@ -366,9 +366,8 @@ def diag_run(torch, fla, deadline, T=32768, H=32, precision=True,
     the solve's inverse variants, and the safe-gate solve (diagonal inside); (c) chunk_kda totals
     vs FLA (FLA autotunes ~100 s per new shape on the H200: few shapes per call)."""
     from pallas_kernels.kda import chunk_pallas as cp
-    saved = dict(cp.CONFIG)
     if precision:
-        _diag_precision(torch, fla, cp, saved)
+        _diag_precision(torch, fla, cp)
     _diag_variants(cp, deadline, T, H)
     _log(f"# CONFIG {cp.CONFIG}")
     totals_vs_fla(torch, fla, deadline, totals)
@@ -467,12 +466,14 @@ def wu_sweep(T=32768, H=32):
     _keep(c, best, 2, wu_unroll="unroll", wu_bk="bk")
 
 
-def _diag_precision(torch, fla, cp, saved):
+def _diag_precision(torch, fla, cp):
+    """rel RMS of our bf16 paths (CONFIG and its storage / diagonal alternatives) and of FLA vs the
+    fp32 token-serial reference, T=1024 H=4."""
     q, k, v, g, beta = make_inputs(jax.random.PRNGKey(5), 1, 1024, 4)
     ref, _ = jax.jit(recurrent_kda_reference)(q, k, v.astype(jnp.float32), g, beta)
     saved = dict(cp.CONFIG)
     for label, over, safe in (("default", {}, False), ("t/u bf16", dict(t_dtype="sd", u_dtype="sd"), False),
-                              ("safe gate", {}, True), ("token diag", dict(split_diag="token"), False)):
+                              ("safe gate", {}, True), ("quad diag", dict(split_diag="quad", diag_bh=1), False)):
         cp.CONFIG.update(over)
         o, _ = jax.jit(lambda *a, safe=safe: chunk_kda(*a, safe_gate=safe))(q, k, v, g, beta)
         _log(f"  precision ours {label:10s}: o {rel(o, ref):.2e} (bf16, T=1024 H=4)")
