@@ -1,8 +1,15 @@
 """KDA decode step as a Pallas kernel: one token per sequence, states in a slot pool updated in place.
 
-Grid (sequence n, head h, V block). Each program reads state_pool[idx[n], h, :, vblock] (fp32 [K, BV]),
-applies one delta-rule step and writes it back to the same rows; the pool is aliased input->output,
-so slots nobody names keep their bytes. idx[n] < 0 is padding: no state traffic, output 0.
+Grid over (sequence n, head group h, V block j); `order` says which is fastest (the first letter
+is CUDA's x, launched first). Each program reads state_pool[idx[n], h*BH:(h+1)*BH, :, vblock]
+(fp32 [K, BV] per head), applies one delta-rule step and writes it back to the same rows; the pool
+is aliased input->output, so slots nobody names keep their bytes. idx[n] < 0 is padding: no state
+traffic, output 0.
+
+Why order "vhn" (V block fastest, like FLA's 1-D grid): the programs that run side by side then
+cover one head's [K, V] tile and the next heads of the same slot, i.e. consecutive memory. With
+the sequence fastest ("nhv", the first version) neighbours hit different slots 128 B at a time and
+the kernel stopped near 70% of copy bandwidth (scripts/sweep_kda_decode.py measures both).
 """
 from __future__ import annotations
 
@@ -21,70 +28,103 @@ def _softplus(x):
 
 
 def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, pool_in_ref,
-                   o_ref, pool_ref, *, scale, l2norm, gate, lower_bound, block_v):
-    """Refs: idx [N] (full), q/k/g [K], v/o [BV], beta [] (scalar block), a_log [H] (full),
-    dt_bias [K], pool [S, H, K, V] (full, aliased to pool_in)."""
+                   o_ref, pool_ref, *, scale, l2norm, gate, lower_bound, block_v, block_h,
+                   order, evict):
+    """Refs: idx [N] (full), q/k/g/dt [BH, K], v/o [BH, BV], beta [BH], a_log [H] (full),
+    pool [S, H, K, V] (full, aliased to pool_in)."""
     del pool_in_ref  # same buffer as pool_ref
-    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, hb, j = (pl.program_id(order.index(c)) for c in "nhv")
     slot = idx_ref[n]
+    vs = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
+
+    def load(h):  # plain indexing when possible: Triton lowering takes one indexer per access
+        if not evict:
+            return pool_ref[slot, h, :, vs]
+        from jax.experimental.pallas import triton as plgpu
+        return plgpu.load(pool_ref.at[slot, h, :, vs], eviction_policy="evict_first")
+
+    def store(h, x):
+        if not evict:
+            pool_ref[slot, h, :, vs] = x
+            return
+        from jax.experimental.pallas import triton as plgpu
+        plgpu.store(pool_ref.at[slot, h, :, vs], x, eviction_policy="evict_first")
 
     @pl.when(slot >= 0)
     def _():
-        q = q_ref[...].astype(_F32)
-        k = k_ref[...].astype(_F32)
-        if l2norm:
-            q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
-            k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
-        g = g_ref[...].astype(_F32)
-        if gate:
-            x = g + dt_ref[...].astype(_F32)
-            a = jnp.exp(a_ref[h].astype(_F32))
-            g = -a * _softplus(x) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x)
-        beta = b_ref[...].astype(_F32)
-        v = v_ref[...].astype(_F32)
-        vs = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
-        S = pool_ref[slot, h, :, vs] * jnp.exp(g)[:, None]  # [K, BV]
-        vn = beta * (v - jnp.sum(k[:, None] * S, axis=0))
-        S = S + k[:, None] * vn[None, :]
-        pool_ref[slot, h, :, vs] = S
-        o_ref[...] = (scale * jnp.sum(q[:, None] * S, axis=0)).astype(o_ref.dtype)
+        for i in range(block_h):  # static: BH independent 2-D tiles, no 3-D layouts
+            h = hb * block_h + i
+            q = q_ref[i, :].astype(_F32)
+            k = k_ref[i, :].astype(_F32)
+            if l2norm:
+                q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
+                k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+            g = g_ref[i, :].astype(_F32)
+            if gate:
+                x = g + dt_ref[i, :].astype(_F32)
+                a = jnp.exp(a_ref[h].astype(_F32))
+                g = -a * _softplus(x) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x)
+            beta = b_ref[i].astype(_F32)
+            v = v_ref[i, :].astype(_F32)
+            S = load(h) * jnp.exp(g)[:, None]  # [K, BV]
+            vn = beta * (v - jnp.sum(k[:, None] * S, axis=0))
+            S = S + k[:, None] * vn[None, :]
+            store(h, S)
+            o_ref[i, :] = (scale * jnp.sum(q[:, None] * S, axis=0)).astype(o_ref.dtype)
 
     @pl.when(slot < 0)
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-# Kernel choices (scripts/bench_kda.py sweeps them on the GPU).
-CONFIG = dict(block_v=32, num_warps=4)
+# Kernel choices (scripts/sweep_kda_decode.py sweeps them on the GPU).
+CONFIG = dict(block_v=32, num_warps=4, order="vhn")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "gate", "lower_bound", "block_v",
-                                             "num_warps", "interpret", "backend"))
+                                             "num_warps", "num_stages", "block_h", "order",
+                                             "evict", "interpret", "backend"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_log, dt_bias, *,
                                scale, l2norm=False, gate=False, lower_bound=None, block_v=32,
-                               num_warps=4, interpret=False, backend="triton"):
+                               num_warps=4, num_stages=1, block_h=1, order="vhn", evict=False,
+                               interpret=False, backend="triton"):
     """q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32 (aliased to the
     output: donate it in the caller's jit for an in-place update);
     state_indices int32 [N]; a_log [H] fp32; dt_bias [H, K] fp32. Returns (o [N, H, V] v.dtype,
-    new state_pool)."""
+    new state_pool). block_h heads per program (halved until it divides H); order: grid axes
+    fastest first, a permutation of "nhv"; evict: evict_first hints on the state (Triton only)."""
     N, H, K = q.shape
     V = v.shape[-1]
+    if sorted(order) != ["h", "n", "v"]:
+        raise ValueError(f"order must be a permutation of 'nhv', got {order!r}")
     BV = min(block_v, V)
+    if V % BV:
+        raise ValueError(f"V={V} is not a multiple of block_v={BV}")
+    BH = max(1, min(block_h, H))
+    while H % BH:
+        BH //= 2
     kw = {}
     if backend == "triton":
         from jax.experimental.pallas import triton as plgpu
-        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    vec = lambda D: pl.BlockSpec((None, None, D), lambda n, h, j: (n, h, 0))  # noqa: E731
+        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    sizes = dict(n=N, h=H // BH, v=V // BV)
+    pos = {c: order.index(c) for c in "nhv"}
+
+    def spec(shape, fn):  # fn(n, h, j) -> block index; grid ids arrive in `order`
+        return pl.BlockSpec(shape, lambda *ids: fn(ids[pos["n"]], ids[pos["h"]], ids[pos["v"]]))
+
+    vec = lambda D: spec((None, BH, D), lambda n, h, j: (n, h, 0))  # noqa: E731
+    vblk = spec((None, BH, BV), lambda n, h, j: (n, h, j))
     kern = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm, gate=gate,
-                             lower_bound=lower_bound, block_v=BV)
+                             lower_bound=lower_bound, block_v=BV, block_h=BH, order=order,
+                             evict=evict and not interpret)
     return pl.pallas_call(
         kern,
-        grid=(N, H, V // BV),
-        in_specs=[pl.no_block_spec, vec(K), vec(K),
-                  pl.BlockSpec((None, None, BV), lambda n, h, j: (n, h, j)), vec(K),
-                  pl.BlockSpec((None, None), lambda n, h, j: (n, h)), pl.no_block_spec,
-                  pl.BlockSpec((None, K), lambda n, h, j: (h, 0)), pl.no_block_spec],
-        out_specs=[pl.BlockSpec((None, None, BV), lambda n, h, j: (n, h, j)), pl.no_block_spec],
+        grid=tuple(sizes[c] for c in order),
+        in_specs=[pl.no_block_spec, vec(K), vec(K), vblk, vec(K),
+                  spec((None, BH), lambda n, h, j: (n, h)), pl.no_block_spec,
+                  spec((BH, K), lambda n, h, j: (h, 0)), pl.no_block_spec],
+        out_specs=[vblk, pl.no_block_spec],
         out_shape=[jax.ShapeDtypeStruct((N, H, V), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={8: 1},
