@@ -4,7 +4,8 @@ Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
   "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
   "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
 GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
-kernel (pallas_kernels/moe/tpu.py); KDA and MLA take the references until Mosaic versions exist.
+kernel (pallas_kernels/moe/tpu.py); KDA decode runs its Mosaic kernel (pallas_kernels/kda/recurrent_tpu.py);
+KDA prefill and MLA take the references until Mosaic versions exist.
 The model's call sites only ever call the functions below.
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
     if pallas:
         from pallas_kernels import kda
         return kda.fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, scale=scale,
-                                       interpret=interpret)
+                                       interpret=interpret, platform=_platform())
     idx = state_indices.astype(jnp.int32)
     ok = idx >= 0
     s0 = state_pool[jnp.maximum(idx, 0)]

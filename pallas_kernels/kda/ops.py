@@ -3,8 +3,10 @@
 interpret=None: GPU -> compiled Triton kernels, anything else -> pure-jnp reference.
 interpret=True: the Pallas kernels in interpret mode (any platform; used by the CPU tests).
 interpret=False: compiled kernels on GPU, the reference elsewhere.
-TPU: the kernels are written against Triton's model (row loads at dynamic offsets, 1-D vectors)
-and have not been lowered with Mosaic, so TPU uses the reference for now.
+TPU: the chunk kernels are written against Triton's model (row loads at dynamic offsets, 1-D
+vectors) and have not been lowered with Mosaic, so chunk_kda uses the reference there. The decode
+step has a Mosaic kernel (recurrent_tpu.py): fused_recurrent_kda runs it whenever the target
+platform is TPU (compiled, or interpreted with interpret=True; platform="tpu" lets CPU tests pick it).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda.chunk_pallas import chunk_cumsum, chunk_kda_laid_out
 from pallas_kernels.kda import recurrent_pallas
 from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas
+from pallas_kernels.kda import recurrent_tpu
 from pallas_kernels.kda.reference import (
     chunk_kda_reference, decode_reference, kda_gate, l2norm, varlen_chunk_layout)
 
@@ -107,16 +110,23 @@ def _gate_params(A_log, dt_bias, H, K):
 
 def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=None,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-                        dt_bias=None, lower_bound=None, interpret=None):
+                        dt_bias=None, lower_bound=None, interpret=None, platform=None):
     """One decode token per sequence against a pool of states.
 
     q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [num_slots, H, K, V] fp32;
     state_indices int32 [N] (negative = padding: no state touched, output 0).
+    platform: the backend to target (None = jax.default_backend()); "tpu" runs the Mosaic kernel.
     Returns (o [N, H, V] in v.dtype, new_state_pool). Rows not named in state_indices are
     returned bit-identical; donate state_pool in the caller's jit for an in-place update.
     """
     N, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
+    if (platform or jax.default_backend()) == "tpu":
+        a, dt = _gate_params(A_log, dt_bias, H, K)
+        return recurrent_tpu.fused_recurrent_kda_tpu(
+            q, k, v, g, beta, state_pool, state_indices.astype(jnp.int32), a, dt, scale=scale,
+            l2norm=use_qk_l2norm_in_kernel, gate=use_gate_in_kernel, lower_bound=lower_bound,
+            interpret=bool(interpret), **recurrent_tpu.CONFIG)
     mode = _mode(interpret)
     if mode != "reference":
         a, dt = _gate_params(A_log, dt_bias, H, K)
