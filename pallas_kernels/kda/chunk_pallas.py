@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_common import (
-    _F32, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _tp, _unit_tril_inv, _unit_tril_inv_power)
+    _F32, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _tp, _unit_tril_inv, _unit_tril_inv_power)
 from pallas_kernels.kda.chunk_intra_split import (  # noqa: F401 - re-exported for benchmarks
     chunk_intra_split, intra_diag, intra_solve, intra_wu)
 
@@ -56,10 +56,10 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
         qI, kI, gI = blk(q_ref, I), blk(k_ref, I), blk(g_ref, I)
         bI = b_ref[pl.ds(I * bc, bc)].astype(_F32)
         gn = g_ref[I * bc, :]  # reference decay: first row of block I
-        eI = jnp.exp(gI - gn[None, :])  # <= 1
+        eI = _exp(gI - gn[None, :])  # <= 1
         kgI, qgI = kI * eI, qI * eI
         for J in range(I):
-            kgJ = blk(k_ref, J) * jnp.exp(gn[None, :] - blk(g_ref, J))  # <= 1
+            kgJ = blk(k_ref, J) * _exp(gn[None, :] - blk(g_ref, J))  # <= 1
             L[I, J] = _dot_nt(kgI, kgJ, pr) * bI[:, None]
             Aq[I, J] = _dot_nt(qgI, kgJ, pr)
 
@@ -67,8 +67,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             # caller guarantees g >= -5 (safe gate): anchor at the block's middle row; every
             # factor is <= exp(8 * 5), every product (even masked ones) <= exp(15 * 5): no overflow.
             gm = g_ref[I * bc + bc // 2, :]
-            kb = kI * jnp.exp(gm[None, :] - gI)
-            ea = jnp.exp(gI - gm[None, :])
+            kb = kI * _exp(gm[None, :] - gI)
+            ea = _exp(gI - gm[None, :])
             akk = jnp.where(row > col, _dot_nt(kI * ea, kb, pr), 0.0)
             aqk = jnp.where(row >= col, _dot_nt(qI * ea, kb, pr), 0.0)
         else:
@@ -86,8 +86,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             akk, aqk = lax.fori_loop(0, bc, diag_col, (zero, zero))
         L[I, I] = akk * bI[:, None]
         Aq[I, I] = aqk
-        qg_ref[pl.ds(I * bc, bc), :] = (qI * jnp.exp(gI)).astype(qg_ref.dtype)
-        kd_ref[pl.ds(I * bc, bc), :] = (kI * jnp.exp(glast[None, :] - gI)).astype(kd_ref.dtype)
+        qg_ref[pl.ds(I * bc, bc), :] = (qI * _exp(gI)).astype(qg_ref.dtype)
+        kd_ref[pl.ds(I * bc, bc), :] = (kI * _exp(glast[None, :] - gI)).astype(kd_ref.dtype)
         for J in range(nc):
             a_ref[pl.ds(I * bc, bc), pl.ds(J * bc, bc)] = (Aq[I, J] if J <= I else zero).astype(a_ref.dtype)
 
@@ -106,7 +106,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
         w = u = None
         for J in range(I + 1):
             bJ = b_ref[pl.ds(J * bc, bc)].astype(_F32)[:, None]
-            rk = blk(k_ref, J) * jnp.exp(blk(g_ref, J)) * bJ
+            rk = blk(k_ref, J) * _exp(blk(g_ref, J)) * bJ
             rv = blk(v_ref, J) * bJ
             dw, du = _dot(T[I, J], rk, pr), _dot(T[I, J], rv, pr)
             w = dw if w is None else w + dw
@@ -122,9 +122,9 @@ def _cumsum_kernel(g_ref, m_ref, a_ref, dt_ref, o_ref, *, gate, lower_bound):
     g = g_ref[...].astype(_F32)
     if gate:
         x = g + dt_ref[...].astype(_F32)[None, :]
-        a = jnp.exp(a_ref[pl.program_id(1)].astype(_F32))
+        a = _exp(a_ref[pl.program_id(1)].astype(_F32))
         if lower_bound is None:
-            g = -a * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+            g = -a * jnp.where(x > 20.0, x, jnp.log1p(_exp(jnp.minimum(x, 20.0))))
         else:
             g = lower_bound * jax.nn.sigmoid(a * x)
     o_ref[...] = jnp.cumsum(g * m_ref[...][:, None], axis=0)
@@ -157,7 +157,7 @@ def _inter_kernel(cs_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, g_ref, h0_ref, o_
         o = mm(_dot, qg_ref[r, :], S) + av
         o_ref[r, :] = o.astype(o_ref.dtype)
         glast = g_ref[r0 + C - 1, :]
-        return S * jnp.exp(glast)[:, None] + mm(_dot_tn, kd_ref[r, :], vnew)
+        return S * _exp(glast)[:, None] + mm(_dot_tn, kd_ref[r, :], vnew)
 
     S = lax.fori_loop(cs_ref[n], cs_ref[n + 1], body, h0_ref[...].astype(_F32))
     ht_ref[...] = S
@@ -179,7 +179,7 @@ def _state_kernel(cs_ref, w_ref, u_ref, kd_ref, g_ref, h0_ref, h_ref, vn_ref, ht
         vq = vnew.astype(sd)
         vn_ref[r, :] = vq.astype(vn_ref.dtype)
         glast = g_ref[r0 + C - 1, :]
-        return S * jnp.exp(glast)[:, None] + _dot_tn(kd_ref[r, :], vq)
+        return S * _exp(glast)[:, None] + _dot_tn(kd_ref[r, :], vq)
 
     S = lax.fori_loop(cs_ref[n], cs_ref[n + 1], body, h0_ref[...].astype(_F32))
     ht_ref[...] = S
