@@ -6,6 +6,8 @@ Also checks the kernel against the reference on the GPU (decode and ragged prefi
 times a few kernel configs. `--smoke` runs tiny shapes on CPU in interpret mode.
 
 Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
+  [--configs T-w4,T-w4-p2,...] [--check SPECS] [--shapes 64x8192x32,...] [--no-ref]
+  [--prefill SPECS] [--ptx-summary XLA_DUMP_DIR]   (spec grammar: see parse_spec)
 """
 from __future__ import annotations
 
@@ -142,12 +144,98 @@ def decode_rows(shapes, bw, *, lat=512, rope=64, ps=64, dtype=jnp.bfloat16, inte
     return rows
 
 
+# Config specs for --configs: tokens joined by "-". T / R = transposed / row form;
+# wN num_warps; stN num_stages; bkN key block; rN max rows per tile; pN prefetch (0, 1, 2);
+# d = second ckv load for P @ V; xN = N x the picked split count; slN = slots (CTAs per
+# wave) for the split choice; hN = only for N heads (repeatable).
+DEFAULT_SWEEP = ["T-w4", "T-w4-p1", "T-w4-p2", "T-w8-p2", "R-w8-p2", "T-w4-bk32-p2",
+                 "T-w4-bk32-st2-d", "T-w4-st1", "T-w4-x2", "R-w8-r64-p2-h96"]
+
+
+def parse_spec(spec):
+    """'T-w4-p2-h32' -> (knob dict, heads filter tuple); knobs not named keep defaults."""
+    knobs, heads = {}, []
+    for tok in spec.split("-"):
+        for key, name in (("st", "num_stages"), ("bk", "bk"), ("sl", "slots"), ("w", "num_warps"),
+                          ("r", "max_rows"), ("p", "prefetch"), ("x", "split_mult"),
+                          ("h", "heads")):
+            if tok.startswith(key) and tok[len(key):].isdigit():
+                if name == "heads":
+                    heads.append(int(tok[1:]))
+                else:
+                    knobs[name] = int(tok[len(key):])
+                break
+        else:
+            if tok in ("T", "R"):
+                knobs["transposed"] = tok == "T"
+            elif tok == "d":
+                knobs["dup"] = True
+            else:
+                raise ValueError(f"bad config token {tok!r} in {spec!r}")
+    return knobs, tuple(heads)
+
+
+def resolve(knobs, heads, page_size, max_pages, n_seqs):
+    """Knob dict -> the hashable config tuple mla_paged_decode takes (split_mult resolved)."""
+    if "transposed" not in knobs or "num_warps" not in knobs:
+        raise ValueError(f"a config spec names its form (T/R) and warps (wN): {knobs}")
+    knobs = {"max_rows": 32, "bk": 64, "num_stages": 2, "prefetch": 0, **knobs}
+    mult = knobs.pop("split_mult", None)
+    if mult:
+        from pallas_kernels.mla.paged import default_tuning, pick_config
+        tune = {**default_tuning(heads, True), **knobs}
+        base = pick_config(heads, page_size, max_pages, n_seqs, decode=True,
+                           **{k: tune[k] for k in ("max_rows", "bk", "slots") if k in tune})
+        knobs["splits"] = mult * base["splits"]
+    return tuple(sorted(knobs.items()))
+
+
+def ptx_summary(dump_dir):
+    """Per kernel entry in the dumped PTX whose name mentions mla: instruction counts."""
+    import glob
+    import re
+    pats = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "cp.async": r"cp\.async\.c[ag]",
+            "cp.bulk": r"cp\.async\.bulk", "ld.global": r"ld\.global", "ld.shared": r"ld\.shared",
+            "ldmatrix": r"ldmatrix", "st.shared": r"st\.shared", "bar.sync": r"bar\.sync"}
+    print("\nPTX summary (static instruction counts per kernel)")
+    print("| kernel | " + " | ".join(pats) + " |")
+    seen = set()
+    files = sorted(glob.glob(os.path.join(dump_dir, "*.ptx")), key=os.path.getmtime)
+    if not files:
+        print("no .ptx in", dump_dir, sorted(os.listdir(dump_dir))[:20] if os.path.isdir(dump_dir) else "")
+    for path in files:
+        text = open(path).read()
+        for part in re.split(r"\.entry\s+", text)[1:]:
+            name = part.split("(", 1)[0].strip()
+            if "mla" not in name or name in seen:
+                continue
+            seen.add(name)
+            body = part.split("\n}\n", 1)[0]
+            print(f"| {name} | " + " | ".join(str(len(re.findall(p, body)))
+                                             for p in pats.values()) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     ap.add_argument("--budget", type=float, default=170.0, help="stop sweeping after this")
-    ap.add_argument("--sweep", action="store_true", help="also time alternative configs")
+    ap.add_argument("--sweep", action="store_true", help="also time the --configs list")
+    ap.add_argument("--configs", default=",".join(DEFAULT_SWEEP),
+                    help="comma-separated config specs for --sweep (see parse_spec)")
+    ap.add_argument("--check", default="T-w4-p2,R-w8-p2", help="specs checked vs the reference")
+    ap.add_argument("--prefill", default=None,
+                    help="comma-separated specs timed on ragged prefill (default: no prefill)")
+    ap.add_argument("--shapes", default=None, help="e.g. 64x8192x32,16x131072x96")
+    ap.add_argument("--no-ref", action="store_true", help="skip the plain-jnp rows")
+    ap.add_argument("--ptx-summary", default=None,
+                    help="XLA dump dir (run with XLA_FLAGS=--xla_dump_to=DIR): count MMA and "
+                         "load instructions per MLA kernel in the dumped PTX at the end")
     args = ap.parse_args()
+    args.check = [c for c in args.check.split(",") if c]
+    args.prefill = None if args.prefill is None else [c for c in args.prefill.split(",") if c]
+    sweep = [("default", None)]  # paged.default_tuning
+    if args.sweep:  # explicit knobs, so the names mean the same whatever the defaults are
+        sweep += [(c, parse_spec(c)) for c in args.configs.split(",") if c]
     dev = jax.devices()[0]
     log("device:", dev.device_kind, "| jax", jax.__version__, "| backend", jax.default_backend())
     interpret = True if args.smoke else None
@@ -159,8 +247,11 @@ def main():
         lat, rope, ps, dtype = 512, 64, 64, jnp.bfloat16
         shapes = [(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)]
         copy_bytes = 1 << 30
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
 
-    for cfg in (None, (("transposed", True),)):
+    for cfg in [None] + [parse_spec(c)[0] for c in args.check]:
+        cfg = None if cfg is None else resolve(cfg, 32, ps, 8, 5)
         try:
             for name, err in check_gpu(interpret, dtype, lat, rope, 4 if args.smoke else 32,
                                        cfg):
@@ -172,20 +263,6 @@ def main():
     copy_tbs = copy_bandwidth(copy_bytes)
     log(f"copy bandwidth (fp32 a+1, read+write): {copy_tbs:.2f} TB/s")
 
-    def knobs(transposed, warps, max_rows=32, bk=64, stages=2):
-        return (("transposed", transposed), ("num_warps", warps), ("max_rows", max_rows),
-                ("bk", bk), ("num_stages", stages))
-
-    sweep = [("default", None)]  # paged.default_tuning
-    if args.sweep:  # explicit knobs, so the names mean the same whatever the defaults are
-        sweep += [("rows w8", knobs(False, 8)), ("rows w4", knobs(False, 4)),
-                  ("rows st3", knobs(False, 8, stages=3)), ("rows r64", knobs(False, 8, 64)),
-                  ("T w8", knobs(True, 8)), ("T w4", knobs(True, 4)),
-                  ("T w8 st3", knobs(True, 8, stages=3)),
-                  ("T w4 bk32 st3", knobs(True, 4, bk=32, stages=3)),
-                  ("T w8 bk32 st3", knobs(True, 8, bk=32, stages=3)),
-                  ("T r64 w8", knobs(True, 8, 64)), ("T r64 w4", knobs(True, 4, 64)),
-                  ("T w4 2x splits", "2xT")]
     table = []
     scale = 192 ** -0.5
     iters = 3 if args.smoke else 10
@@ -204,36 +281,37 @@ def main():
         except Exception as e:  # noqa: BLE001 - report and continue
             log(f"{label} {impl} FAILED: {type(e).__name__}: {str(e)[:600]}")
 
-    # phase 1: plain jnp and the default kernel config on every shape; phase 2: the sweep
-    for phase in (0, 1):
+    # phase 0: plain jnp and the default kernel config on every shape; then each sweep
+    # config over every shape (configs in command-line order: put the important ones first)
+    for phase in range(len(sweep)):
+        cname, spec = sweep[phase]
         for n, ctx, heads in shapes:
+            if spec is not None and spec[1] and heads not in spec[1]:
+                continue
             kv, bt, lens = caches[(n, ctx)]
             k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
             ql = jax.random.normal(k1, (n, heads, lat), dtype)
             qr = jax.random.normal(k2, (n, heads, rope), dtype)
             nbytes = n * ctx * (lat + rope) * jnp.dtype(dtype).itemsize
             label = f"N={n} ctx={ctx} H={heads}"
-            if phase == 0:
+            if phase == 0 and not args.no_ref:
                 run(label, "plain jnp", ref, ql, qr, kv, bt, lens, nbytes)
-            for cname, cfg in (sweep[:1] if phase == 0 else sweep[1:]):
-                if phase == 1 and time.time() - T0 > args.budget:
-                    log("budget reached, skipping", label, cname)
-                    continue
-                if cfg == "2xT":
-                    from pallas_kernels.mla.paged import pick_config
-                    base = pick_config(heads, ps, bt.shape[1], n, decode=True)
-                    cfg = knobs(True, 4) + (("splits", 2 * base["splits"]),)
-                f = functools.partial(mla_paged_decode, scale=scale, interpret=interpret,
-                                      config=cfg)
-                run(label, f"pallas {cname}", f, ql, qr, kv, bt, lens, nbytes)
+            if phase > 0 and time.time() - T0 > args.budget:
+                log("budget reached, skipping", label, cname)
+                continue
+            cfg = None if spec is None else resolve(spec[0], heads, ps, bt.shape[1], n)
+            f = functools.partial(mla_paged_decode, scale=scale, interpret=interpret,
+                                  config=cfg)
+            run(label, f"pallas {cname}", f, ql, qr, kv, bt, lens, nbytes)
 
     pre = []
-    if time.time() - T0 < args.budget + 10:
+    if args.prefill is not None and time.time() - T0 < args.budget + 10:
         heads = 4 if args.smoke else 32
         shape = dict(n=2, new=8, ctx=20) if args.smoke else dict(n=4, new=1024, ctx=4096)
         pre = prefill_bench(dtype, lat, rope, ps, heads, interpret,
-                            [("default", None), ("T w8", knobs(True, 8))], iters=3,
-                            **shape)
+                            [("default", None)] + [(c, resolve(parse_spec(c)[0], heads, ps, 8, 4))
+                                                  for c in args.prefill],
+                            iters=3, **shape)
         for cname, t, tf in pre:
             log(f"prefill {shape}, H={heads}, {cname}: "
                 f"{t * 1e3:.2f} ms {tf:.0f} TFLOP/s")
@@ -244,6 +322,8 @@ def main():
     print("|---|---|---|---|---|")
     for label, impl, t, tbs in table:
         print(f"| {label} | {impl} | {t * 1e6:.0f} | {tbs:.2f} | {tbs / copy_tbs:.2f} |")
+    if args.ptx_summary:
+        ptx_summary(args.ptx_summary)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = N
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed,
+            prefetch, dup):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -59,26 +60,34 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     qk_scale = scale * _LOG2E
     kdt = kv_ref.dtype
     rope = kv_ref.shape[1] - lat
+    contiguous = page_size % bk == 0  # block inside one page: contiguous rows
 
-    def body(i, carry):
-        acc, m, l = carry
-        k0 = k_lo + i * bk
+    def lookup(k0):
+        """Page id(s) of the block at k0 (clamped: blocks past the table load nothing)."""
+        if contiguous:
+            return bt_ref[seq * max_pages + jnp.minimum(k0 // page_size, max_pages - 1)]
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
-        key_ok = keys < kv_end
-        if page_size % bk == 0:  # block inside one page: contiguous rows
-            page = bt_ref[seq * max_pages + k0 // page_size]
-            kv_rows = pl.ds(page * page_size + k0 % page_size, bk)
-        else:  # block spans bk // page_size pages: gather rows through the block table
-            pidx = seq * max_pages + jnp.minimum(keys // page_size, max_pages - 1)
-            pages = plgpu.load(bt_ref.at[pidx], mask=key_ok, other=0)
-            kv_rows = (pages * page_size + keys % page_size)[:, None]
-        if isinstance(kv_rows, pl.Slice):
+        pidx = seq * max_pages + jnp.minimum(keys // page_size, max_pages - 1)
+        return plgpu.load(bt_ref.at[pidx], mask=keys < k_hi, other=0)
+
+    def load(k0, pages):
+        """(ckv [bk, L], krope [bk, R]) of the block at k0; keys >= k_hi read as zeros."""
+        keys = k0 + jnp.arange(bk, dtype=jnp.int32)
+        ok = (keys < k_hi)[:, None]
+        if contiguous:
+            kv_rows = pl.ds(pages * page_size + k0 % page_size, bk)
             lat_cols, rope_cols = pl.ds(0, lat), pl.ds(lat, rope)
-        else:  # an int-array row index needs int-array columns too (interpret mode)
+        else:  # gather rows through the block table (int-array rows need int-array cols)
+            kv_rows = (pages * page_size + keys % page_size)[:, None]
             lat_cols = jnp.arange(lat, dtype=jnp.int32)[None, :]
             rope_cols = lat + jnp.arange(rope, dtype=jnp.int32)[None, :]
-        ckv = plgpu.load(kv_ref.at[kv_rows, lat_cols], mask=key_ok[:, None], other=0)
-        kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=key_ok[:, None], other=0)
+        ckv = plgpu.load(kv_ref.at[kv_rows, lat_cols], mask=ok, other=0)
+        kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=ok, other=0)
+        return ckv, kr
+
+    def step(k0, ckv, kr, ckv_pv, acc, m, l):
+        """One online-softmax block; ckv_pv is the ckv copy the P @ V product reads."""
+        keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
             st = plgpu.dot(ckv, ql, trans_b=True) + plgpu.dot(kr, qr, trans_b=True)
             st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
@@ -86,7 +95,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            acc = acc * alpha[None, :] + plgpu.dot(ckv, pt.astype(kdt), trans_a=True)
+            acc = acc * alpha[None, :] + plgpu.dot(ckv_pv, pt.astype(kdt), trans_a=True)
             return acc, m_new, l_new
         s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
         s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)  # [rows, bk]
@@ -94,14 +103,39 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv_pv)
         return acc, m_new, l_new
+
+    # prefetch 0: look up + load + compute each block in turn (Triton's pipeliner may
+    # overlap them); 1: page id of block i+1 carried; 2: block i+1 loaded into registers
+    # while block i is computed, page id two blocks ahead (the loop-carried dependency
+    # chain no longer waits on a memory round trip per block).
+    def body(i, carry):
+        acc, m, l, nxt = carry[0], carry[1], carry[2], carry[3:]
+        k0 = k_lo + i * bk
+        if prefetch == 2:
+            ckv, kr, pages = nxt
+            ckv_n, kr_n = load(k0 + bk, pages)
+            nxt = (ckv_n, kr_n, lookup(k0 + 2 * bk))
+        else:
+            pages = nxt[0] if prefetch == 1 else lookup(k0)
+            if prefetch == 1:
+                nxt = (lookup(k0 + bk),)
+            ckv, kr = load(k0, pages)
+        ckv_pv = load(k0, pages)[0] if dup else ckv
+        return step(k0, ckv, kr, ckv_pv, acc, m, l) + tuple(nxt)
 
     acc_shape = (lat, rows) if transposed else (rows, lat)
     acc0 = jnp.zeros(acc_shape, jnp.float32)
     m0 = jnp.full((rows,), _MASK, jnp.float32)
     l0 = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+    if prefetch == 2:
+        nxt0 = load(k_lo, lookup(k_lo)) + (lookup(k_lo + bk),)
+    elif prefetch == 1:
+        nxt0 = (lookup(k_lo),)
+    else:
+        nxt0 = ()
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0) + nxt0)[:3]
     if transposed:
         acc = acc.T
 
@@ -113,7 +147,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
-                   interpret=False):
+                   prefetch=0, dup=False, interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -128,9 +162,12 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     n_rows = ql_rows.shape[0]
     assert page_size % bk == 0 or bk % page_size == 0, (page_size, bk)
     assert keys_per_split % bk == 0
+    if prefetch not in (0, 1, 2) or (dup and prefetch == 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2 (dup only with 0/1): {prefetch}, {dup}")
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed)
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed,
+        prefetch=int(prefetch), dup=bool(dup))
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]
@@ -140,7 +177,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}",
+        name=(f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}"
+              f"_w{num_warps}_st{num_stages}_p{prefetch}{'_d' if dup else ''}"),
     )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 
