@@ -466,6 +466,28 @@ def wu_sweep(T=32768, H=32):
     _keep(c, best, 2, wu_unroll="unroll", wu_bk="bk")
 
 
+def state_sweep(T=32768, H=32, B=1):
+    """The state-recurrence kernel's variants (V block width = programs per head, warps, stages)
+    at B T H; the fastest goes into CONFIG (block_v, inter_warps, state_stages)."""
+    from pallas_kernels.kda import chunk_pallas as cp
+    c = cp.CONFIG
+    q, k, v, g, beta = (x.reshape((B * T,) + x.shape[2:]) for x in make_inputs(jax.random.PRNGKey(2), B, T, H))
+    K, V = q.shape[-1], v.shape[-1]
+    qs = (q.astype(jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    gc = cp.chunk_cumsum(g, jnp.ones((B * T,)), jnp.zeros((H,)), jnp.zeros((H, K)))
+    w, _, kd, u, _ = cp.chunk_intra_split(qs, k, v, gc, beta.astype(jnp.float32), inv=c["inv"],
+                                          diag_mode=c["split_diag"], diag_bh=c["diag_bh"])
+    cs = jnp.arange(B + 1, dtype=jnp.int32) * (T // 64)
+    h0 = jnp.zeros((B, H, K, V))
+    _log(f"# state variants B={B} T={T} H={H}")
+    variants = [dict(block_v=bv, num_warps=nw, num_stages=ns) for bv, nw, ns in (
+        (32, 4, 3), (16, 4, 3), (16, 2, 3), (16, 4, 2), (32, 8, 3), (64, 4, 3), (64, 8, 3), (16, 4, 4))]
+    best = _fastest("state", variants, lambda **kw: cp.chunk_state(w, kd, u, gc, cs, h0, **kw))
+    if best:
+        c.update(block_v=best[0]["block_v"], inter_warps=best[0]["num_warps"],
+                 state_stages=best[0]["num_stages"])
+
+
 def _diag_precision(torch, fla, cp):
     """rel RMS of our bf16 paths (CONFIG and its storage / diagonal alternatives) and of FLA vs the
     fp32 token-serial reference, T=1024 H=4."""
@@ -483,16 +505,18 @@ def _diag_precision(torch, fla, cp):
     _log(f"  precision FLA chunk_kda : o {fe if fe is None else f'{fe:.2e}'}")
 
 
-def _diag_variants(cp, budget, T, H):
-    """Time the diag kernel's variants (fastest kept in CONFIG) and the solve's, at B=1 T H."""
+def _diag_variants(cp, budget, T, H, solve=True):
+    """Time the diag kernel's variants (fastest kept in CONFIG) and (solve) the solve's, at B=1 T H."""
     x = _stage_inputs(cp, T, H, diag=False)
     qs, k, gc, b32 = x["qs"], x["k"], x["gc"], x["b32"]
     _log(f"# diag variants B=1 T={T} H={H}")
     variants = [dict(mode="quad", num_warps=2, bh=1)] + [
-        dict(mode="token", bh=bh, num_warps=w) for bh in (1, 2, 4, 8) for w in (1, 2, 4)]
+        dict(mode="token", bh=bh, num_warps=w) for bh in (4, 8, 16) for w in (1, 2, 4)]
     best = _fastest("diag", variants, lambda **kw: cp.intra_diag(qs, k, gc, b32, prec="tf32", **kw))
     c = cp.CONFIG
     _keep(c, best, 0, split_diag="mode", diag_bh="bh")
+    if not solve:
+        return
     dq, dk = cp.intra_diag(qs, k, gc, b32, mode=c["split_diag"], bh=c["diag_bh"])
     variants = [dict(inv=inv, num_warps=w, bk=bk) for inv, w, bk in (
         ("loop", 1, c["split_bk"]), ("many", 1, c["split_bk"]), ("many", 2, c["split_bk"]),
@@ -524,6 +548,10 @@ def main():
                     help="run chunk_kda once at B=1 T H and exit (for ncu)")
     ap.add_argument("--wu-sweep", action="store_true", help="w/u kernel variants (before --totals)")
     ap.add_argument("--solve-sweep", action="store_true", help="solve kernel variants (before --totals)")
+    ap.add_argument("--diag-sweep", action="store_true", help="diag kernel variants (before --totals)")
+    ap.add_argument("--precision", action="store_true", help="bf16 paths and FLA vs fp32 (first)")
+    ap.add_argument("--state-sweep", type=int, nargs="*", metavar="B",
+                    help="state kernel variants at T=32768 H=32, batch B (default 1; before --totals)")
     ap.add_argument("--totals", help='chunk_kda vs FLA at "B,T,H;B,T,H..." and exit')
     ap.add_argument("--no-precision", action="store_true", help="--diag-run without its precision part")
     args = ap.parse_args()
@@ -535,11 +563,18 @@ def main():
         bt = make_inputs(jax.random.PRNGKey(2), 1, *args.once)
         jax.block_until_ready(jax.jit(lambda *a: chunk_kda(*a))(*bt))
         return
-    if args.wu_sweep:
-        wu_sweep()
+    if args.precision:
+        _diag_precision(torch, fla, __import__("pallas_kernels.kda.chunk_pallas", fromlist=["x"]))
+    if args.diag_sweep:
+        from pallas_kernels.kda import chunk_pallas as cp
+        _diag_variants(cp, args.deadline, 32768, 32, solve=False)
     if args.solve_sweep:
         solve_sweep()
-    if args.solve_sweep or args.wu_sweep:
+    if args.wu_sweep:
+        wu_sweep()
+    for b in (args.state_sweep or [1] if args.state_sweep is not None else []):
+        state_sweep(B=b)
+    if args.solve_sweep or args.wu_sweep or args.diag_sweep or args.state_sweep is not None:
         _log(f"# CONFIG {__import__('pallas_kernels.kda.chunk_pallas', fromlist=['x']).CONFIG}")
     if args.totals:
         shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.totals.split(";")]
