@@ -207,3 +207,27 @@ def test_chunk_safe_gate_diagonal_in_solve(gate, monkeypatch):
     o2, S2 = recurrent_kda_reference(bf(q), bf(k), bf(v).astype(jnp.float32), g, bf(beta),
                                      initial_state=h0)
     assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_v=32, num_warps=4, order="nhv"),  # the first version's grid order
+    dict(block_v=16, order="hvn", block_h=4, num_stages=2),  # 4 heads per program, H=6 -> 2
+    dict(block_v=32, order="vnh", block_h=2, evict=True),  # evict hint: ignored in interpret
+])
+def test_decode_kernel_variants(cfg, monkeypatch):
+    """Grid orders and heads per program (recurrent_pallas options) keep the pool semantics."""
+    from pallas_kernels.kda import recurrent_pallas as rp
+    for key, val in cfg.items():
+        monkeypatch.setitem(rp.CONFIG, key, val)
+    N, H, K, V, slots = 5, 6, 16, 32, 8
+    q, k, v, g, beta = (x[0] for x in _inputs(31, 1, N, H, K, V))
+    pool = jax.random.normal(jax.random.PRNGKey(5), (slots, H, K, V))
+    idx = jnp.asarray([6, -1, 0, 3, 5], jnp.int32)
+    before = np.asarray(pool).copy()
+    o, P = jax.jit(lambda *a: fused_recurrent_kda(*a, interpret=True),
+                   compiler_options=_FAST_COMPILE)(q, k, v, g, beta, pool, idx)
+    o2, P2 = decode_reference(q, k, v, g, beta, pool, idx)
+    P = np.asarray(P)
+    np.testing.assert_array_equal(P[[1, 2, 4, 7]], before[[1, 2, 4, 7]])  # bit-identical
+    assert _rel(o, o2) < 1e-5 and _rel(P, P2) < 1e-5
+    assert np.all(np.asarray(o)[1] == 0)

@@ -9,7 +9,13 @@ traffic, output 0.
 Why order "vhn" (V block fastest, like FLA's 1-D grid): the programs that run side by side then
 cover one head's [K, V] tile and the next heads of the same slot, i.e. consecutive memory. With
 the sequence fastest ("nhv", the first version) neighbours hit different slots 128 B at a time and
-the kernel stopped near 70% of copy bandwidth (scripts/sweep_kda_decode.py measures both).
+the kernel stopped near 70% of copy bandwidth. H200, 2026-11-29, scripts/sweep_kda_decode.py
+(copy 4.19 TB/s, K=V=128): N=256 H=32 / N=256 H=96 / N=64 H=32 / N=64 H=96
+  nhv bv32 w4 (first):  378 / 1078 / 101 / 280 us (2.84-2.99 TB/s)
+  vhn bv32 w4:          320 /  928 /  90 / 249 us
+  vhn bv64 w4 (CONFIG): 312 /  892 /  89 / 236 us (3.44 / 3.61 TB/s = 82% / 86% of copy)
+  FLA fused_recurrent:  284 /  902 /  94 / 212 us
+BV 16 and 8 warps were slower, 2 heads per program / evict_first / num_stages=2 changed < 2%.
 """
 from __future__ import annotations
 
@@ -78,14 +84,14 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
 
 
 # Kernel choices (scripts/sweep_kda_decode.py sweeps them on the GPU).
-CONFIG = dict(block_v=32, num_warps=4, order="vhn")
+CONFIG = dict(block_v=64, num_warps=4, order="vhn")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "gate", "lower_bound", "block_v",
                                              "num_warps", "num_stages", "block_h", "order",
                                              "evict", "interpret", "backend"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_log, dt_bias, *,
-                               scale, l2norm=False, gate=False, lower_bound=None, block_v=32,
+                               scale, l2norm=False, gate=False, lower_bound=None, block_v=64,
                                num_warps=4, num_stages=1, block_h=1, order="vhn", evict=False,
                                interpret=False, backend="triton"):
     """q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32 (aliased to the
