@@ -51,6 +51,23 @@ def test_ragged_matches_oracle(page_size, heads, config):
     assert np.all(got[case["cu_seqlens"][-1]:] == 0), "padding tokens must be zero"
 
 
+@pytest.mark.parametrize("page_size,config", [
+    (16, (("bk", 8), ("splits", 3), ("prefetch", 2))),   # next block in registers, split-K
+    (8, (("prefetch", 2), ("transposed", True))),        # gathered blocks, keys-on-M
+    (16, (("bk", 16), ("prefetch", 1), ("transposed", True), ("dup", True))),  # page id ahead
+])
+def test_decode_prefetch_matches_oracle(page_size, config):
+    """Prefetch variants read one block past a split's end (masked): no NaN page may leak."""
+    rng = np.random.default_rng(20 + page_size)
+    ctx = [0, 6, 2 * page_size - 1, 3 * page_size, 45, 17]
+    case = build_case(rng, ctx, [1] * len(ctx), heads=4, lat=L, rope=R, page_size=page_size)
+    got = np.asarray(mla_paged_decode(
+        *_args(case, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
+        scale=SCALE, interpret=True, config=config))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_decode_close_to_reference():
     rng = np.random.default_rng(5)
     case = build_case(rng, [30, 3, 64], [1, 1, 1], heads=4, lat=L, rope=R, page_size=16)
