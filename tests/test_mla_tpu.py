@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.mla.reference import mla_decode_reference
-from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu
+from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu, ragged_paged_mla_tpu
 from test_mla_ops import build_case, numpy_attention
 
 L, R = 64, 16
@@ -30,6 +30,26 @@ def test_decode_matches_oracle(page_size, ppb):
                                           interpret=True))
     assert np.all(np.isfinite(got)), "kernel read a NaN page slot"
     np.testing.assert_allclose(got, numpy_attention(case, SCALE), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size,heads,block_q,ppb", [
+    (8, 4, 4, 2),       # 16-row tiles, key blocks of 2 pages
+    (16, 6, 3, 1),      # odd head count: 18-row tiles
+    (8, 4, 1, None),    # one token per tile
+])
+def test_ragged_matches_oracle(page_size, heads, block_q, ppb):
+    rng = np.random.default_rng(10 + page_size + block_q)
+    # resumed prefill chunk, decode, fresh prefill, length-1 sequence, decode on a page boundary
+    ctx = [13, 20, 0, 0, 2 * page_size - 1]
+    new = [7, 1, 5, 1, 1]
+    case = build_case(rng, ctx, new, heads=heads, lat=L, rope=R, page_size=page_size, pad_tokens=5)
+    got = np.asarray(ragged_paged_mla_tpu(
+        *[jnp.asarray(case[k]) for k in ("q_latent", "q_rope", "kv_pages", "block_tables",
+                                         "cu_seqlens", "kv_lens")],
+        scale=SCALE, block_q=block_q, pages_per_block=ppb, interpret=True))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), rtol=1e-5, atol=1e-5)
+    assert not np.any(got[case["cu_seqlens"][-1]:]), "padding tokens must be zero"
 
 
 def test_garbage_tables_and_empty_sequences_through_the_tpu_interpreter():
@@ -90,12 +110,19 @@ def _can_export_for_tpu():
 
 @pytest.mark.parametrize("dtype,heads,page_size,max_pages", [
     (jnp.bfloat16, 64, 16, 64), (jnp.bfloat16, 16, 64, 33), (jnp.float32, 8, 16, 20)])
-def test_lowers_through_mosaic_for_tpu(dtype, heads, page_size, max_pages):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_lowers_through_mosaic_for_tpu(dtype, heads, page_size, max_pages, ragged):
     if not _can_export_for_tpu():
         pytest.skip("this jax cannot export Pallas kernels for TPU")
-    sd, N = jax.ShapeDtypeStruct, 32                                  # K3 MLA: 512 latent + 64 rope
-    exp = jax.export.export(jax.jit(lambda *a: mla_paged_decode_tpu(*a, scale=0.1)), platforms=["tpu"])(
-        sd((N, heads, 512), dtype), sd((N, heads, 64), dtype), sd((500, page_size, 576), dtype),
-        sd((N, max_pages), jnp.int32), sd((N,), jnp.int32))
-    text = exp.mlir_module()
-    assert "tpu_custom_call" in text and "mla_paged_decode_tpu" in text
+    sd, N, T = jax.ShapeDtypeStruct, 32, 200                          # K3 MLA: 512 latent + 64 rope
+    i32 = jnp.int32
+    cache = (sd((500, page_size, 576), dtype), sd((N, max_pages), i32))
+    if ragged:
+        f = lambda *a: ragged_paged_mla_tpu(*a, scale=0.1)            # noqa: E731
+        args = (sd((T, heads, 512), dtype), sd((T, heads, 64), dtype), *cache, sd((N + 1,), i32),
+                sd((N,), i32))
+    else:
+        f = lambda *a: mla_paged_decode_tpu(*a, scale=0.1)            # noqa: E731
+        args = (sd((N, heads, 512), dtype), sd((N, heads, 64), dtype), *cache, sd((N,), i32))
+    text = jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "mla_paged_attention_tpu" in text
