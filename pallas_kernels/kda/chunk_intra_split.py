@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_common import (
-    _F32, _PREC, _brow, _diag_column, _dot, _dot_nt, _exp, _rows, _tp, _unit_tril_inv, _unit_tril_inv_many,
+    _F32, _LOG2E, _PREC, _brow, _diag_column, _dot, _dot_nt, _rows, _tp, _unit_tril_inv, _unit_tril_inv_many,
     _unit_tril_inv_power)
 
 
@@ -45,8 +45,8 @@ def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, *, mode="loop", pre
         akk = aqk = None
         for a, rhi, clo in ((8, 16, 0), (4, 8, 0), (12, 16, 8)):  # rows [a, rhi) x cols [clo, a)
             ga = g_ref[a, :][None, :]
-            er = _exp(jnp.where((row_k >= a) & (row_k < rhi), gI - ga, -jnp.inf))
-            kc = kI * _exp(jnp.where((row_k >= clo) & (row_k < a), ga - gI, -jnp.inf))
+            er = jnp.exp2(jnp.where((row_k >= a) & (row_k < rhi), gI - ga, -jnp.inf))
+            kc = kI * jnp.exp2(jnp.where((row_k >= clo) & (row_k < a), ga - gI, -jnp.inf))
             dk_, dq_ = _dot_nt(kI * er, kc, pr), _dot_nt(qI * er, kc, pr)
             akk = dk_ if akk is None else akk + dk_
             aqk = dq_ if aqk is None else aqk + dq_
@@ -61,7 +61,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, *, mode="loop", pre
                 gr = jnp.broadcast_to(g_ref[4 * b4 + j, :][None, :], (bc, K))
                 kj = kr if kj is None else jnp.where(blk_k == b4, kr, kj)
                 gj = gr if gj is None else jnp.where(blk_k == b4, gr, gj)
-            ekj = _exp(jnp.where(sub_k >= j, gI - gj, -jnp.inf)) * kj
+            ekj = jnp.exp2(jnp.where(sub_k >= j, gI - gj, -jnp.inf)) * kj
             ck = jnp.sum(kI * ekj, axis=1)
             cq = jnp.sum(qI * ekj, axis=1)
             at = col == blk * 4 + j
@@ -96,7 +96,7 @@ def _diag_token_kernel(q_ref, k_ref, kb_ref, gb_ref, b_ref, dq_ref, dk_ref, *, b
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
 
         def body(j, carry):
-            e = kb_ref[j].astype(_F32) * _exp(gi - gb_ref[j])
+            e = kb_ref[j].astype(_F32) * jnp.exp2(gi - gb_ref[j])
             dq_ref[:, pl.ds(j, 1)] = jnp.sum(qi * e, axis=1)[:, None]
             dk_ref[:, pl.ds(j, 1)] = jnp.sum(kb * e, axis=1)[:, None]
             return carry
@@ -109,7 +109,7 @@ def _diag_token_kernel(q_ref, k_ref, kb_ref, gb_ref, b_ref, dq_ref, dk_ref, *, b
 
     def body(j, carry):
         aq, ak = carry
-        e = kb_ref[j].astype(_F32) * _exp(gi - gb_ref[j])
+        e = kb_ref[j].astype(_F32) * jnp.exp2(gi - gb_ref[j])
         cq = jnp.sum(qi * e, axis=1)
         ck = jnp.sum(ki * e, axis=1)
         at = col == j
@@ -150,21 +150,21 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
         for I in range(1, nc):
             gI = g_ref[pl.ds(I * bc, bc), ks]
             gn = g_ref[I * bc, ks]
-            eI = _exp(gI - gn[None, :])  # <= 1
+            eI = jnp.exp2(gI - gn[None, :])  # <= 1
             qgI = q_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
             kgI = k_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
             for J in range(I):  # earlier blocks' k scaled to block I's anchor
-                kgJ = kJ[J] * _exp(gn[None, :] - gJ[J])  # <= 1
+                kgJ = kJ[J] * jnp.exp2(gn[None, :] - gJ[J])  # <= 1
                 L[I, J] = L[I, J] + _dot_nt(kgI, kgJ, pr)
                 Aq[I, J] = Aq[I, J] + _dot_nt(qgI, kgJ, pr)
         if shift is not None:
             for I in range(nc):
                 r = pl.ds(I * bc, bc)
                 gI = g_ref[r, ks]
-                c = g_ref[I * bc, ks][None, :] - shift
+                c = g_ref[I * bc, ks][None, :] - shift * _LOG2E  # shift in natural-log units
                 kI = k_ref[r, ks].astype(_F32)
-                kc = kI * _exp(c - gI)
-                eq = _exp(gI - c)
+                kc = kI * jnp.exp2(c - gI)
+                eq = jnp.exp2(gI - c)
                 L[I, I] = L[I, I] + _dot_nt(kI * eq, kc, pr)
                 Aq[I, I] = Aq[I, I] + _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
         return L, Aq
@@ -230,11 +230,11 @@ def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, k
     def k_slice(ks):
         glast = g_ref[C - 1, ks]
         g = g_ref[:, ks]
-        eg = _exp(g)
+        eg = jnp.exp2(g)
         kk = k_ref[:, ks].astype(_F32)
         w_ref[:, ks] = _dot(T, (kk * b * eg).astype(od), pr).astype(w_ref.dtype)
         qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * eg).astype(qg_ref.dtype)
-        kd_ref[:, ks] = (kk * _exp(glast[None, :] - g)).astype(kd_ref.dtype)
+        kd_ref[:, ks] = (kk * jnp.exp2(glast[None, :] - g)).astype(kd_ref.dtype)
 
     def v_slice(vs):
         u_ref[:, vs] = _dot(T, (v_ref[:, vs].astype(_F32) * b).astype(od), pr).astype(u_ref.dtype)

@@ -3,7 +3,7 @@
 Stages (as in flash-linear-attention's chunk_kda):
   0. XLA prologue (see ops.py): optional l2norm, sequences laid out so each starts on a chunk
      boundary; padding rows carry k = v = beta = 0 and get g = 0 (no state effect).
-     `_cumsum_kernel`: optional gate + chunk-local cumsum of the log decay.
+     `_cumsum_kernel`: optional gate + chunk-local cumsum of the log decay (log2 units).
   1. `_intra_kernel`, parallel over (chunk, head): intra-chunk matrices in 16-row sub-blocks,
      off-diagonal blocks by matmul against a per-block reference decay (all exponents <= 0),
      diagonal blocks exactly, token by token. Block forward substitution gives
@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_common import (
-    _F32, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _tp, _unit_tril_inv, _unit_tril_inv_power)
+    _F32, _LOG2E, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _tp, _unit_tril_inv, _unit_tril_inv_power)
 from pallas_kernels.kda.chunk_intra_split import (  # noqa: F401 - re-exported for benchmarks
     chunk_intra_split, intra_diag, intra_solve, intra_wu)
 
@@ -32,7 +32,7 @@ from pallas_kernels.kda.chunk_intra_split import (  # noqa: F401 - re-exported f
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, *, bc,
                   diag, prec="highest", inv="loop"):
     """One (chunk, head). Refs: q, k, g [C, K]; v [C, V]; beta [C]; outputs w, qg, kd [C, K],
-    u [C, V], a (A_qk) [C, C]. g is the chunk-local cumulative log decay (fp32).
+    u [C, V], a (A_qk) [C, C]. g is the chunk-local cumulative log decay (fp32, log2 units).
 
     diag: how the 16x16 diagonal blocks get exp(gc_i - gc_j): "loop" / "reg" column by column,
     exact for any g (rows loaded from the refs / picked from registers); "mid": one matmul,
@@ -56,10 +56,10 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
         qI, kI, gI = blk(q_ref, I), blk(k_ref, I), blk(g_ref, I)
         bI = b_ref[pl.ds(I * bc, bc)].astype(_F32)
         gn = g_ref[I * bc, :]  # reference decay: first row of block I
-        eI = _exp(gI - gn[None, :])  # <= 1
+        eI = jnp.exp2(gI - gn[None, :])  # <= 1
         kgI, qgI = kI * eI, qI * eI
         for J in range(I):
-            kgJ = blk(k_ref, J) * _exp(gn[None, :] - blk(g_ref, J))  # <= 1
+            kgJ = blk(k_ref, J) * jnp.exp2(gn[None, :] - blk(g_ref, J))  # <= 1
             L[I, J] = _dot_nt(kgI, kgJ, pr) * bI[:, None]
             Aq[I, J] = _dot_nt(qgI, kgJ, pr)
 
@@ -67,8 +67,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             # caller guarantees g >= -5 (safe gate): anchor at the block's middle row; every
             # factor is <= exp(8 * 5), every product (even masked ones) <= exp(15 * 5): no overflow.
             gm = g_ref[I * bc + bc // 2, :]
-            kb = kI * _exp(gm[None, :] - gI)
-            ea = _exp(gI - gm[None, :])
+            kb = kI * jnp.exp2(gm[None, :] - gI)
+            ea = jnp.exp2(gI - gm[None, :])
             akk = jnp.where(row > col, _dot_nt(kI * ea, kb, pr), 0.0)
             aqk = jnp.where(row >= col, _dot_nt(qI * ea, kb, pr), 0.0)
         else:
@@ -86,8 +86,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
             akk, aqk = lax.fori_loop(0, bc, diag_col, (zero, zero))
         L[I, I] = akk * bI[:, None]
         Aq[I, I] = aqk
-        qg_ref[pl.ds(I * bc, bc), :] = (qI * _exp(gI)).astype(qg_ref.dtype)
-        kd_ref[pl.ds(I * bc, bc), :] = (kI * _exp(glast[None, :] - gI)).astype(kd_ref.dtype)
+        qg_ref[pl.ds(I * bc, bc), :] = (qI * jnp.exp2(gI)).astype(qg_ref.dtype)
+        kd_ref[pl.ds(I * bc, bc), :] = (kI * jnp.exp2(glast[None, :] - gI)).astype(kd_ref.dtype)
         for J in range(nc):
             a_ref[pl.ds(I * bc, bc), pl.ds(J * bc, bc)] = (Aq[I, J] if J <= I else zero).astype(a_ref.dtype)
 
@@ -106,7 +106,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_re
         w = u = None
         for J in range(I + 1):
             bJ = b_ref[pl.ds(J * bc, bc)].astype(_F32)[:, None]
-            rk = blk(k_ref, J) * _exp(blk(g_ref, J)) * bJ
+            rk = blk(k_ref, J) * jnp.exp2(blk(g_ref, J)) * bJ
             rv = blk(v_ref, J) * bJ
             dw, du = _dot(T[I, J], rk, pr), _dot(T[I, J], rv, pr)
             w = dw if w is None else w + dw
@@ -127,7 +127,8 @@ def _cumsum_kernel(g_ref, m_ref, a_ref, dt_ref, o_ref, *, gate, lower_bound):
             g = -a * jnp.where(x > 20.0, x, jnp.log1p(_exp(jnp.minimum(x, 20.0))))
         else:
             g = lower_bound * jax.nn.sigmoid(a * x)
-    o_ref[...] = jnp.cumsum(g * m_ref[...][:, None], axis=0)
+    # log2 units: every consumer takes exp2 of g differences (one MUFU.EX2, no scaling multiply)
+    o_ref[...] = jnp.cumsum(g * (m_ref[...] * _LOG2E)[:, None], axis=0)
 
 
 def _inter_kernel(cs_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, g_ref, h0_ref, o_ref, ht_ref, *, C,
@@ -157,7 +158,7 @@ def _inter_kernel(cs_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, g_ref, h0_ref, o_
         o = mm(_dot, qg_ref[r, :], S) + av
         o_ref[r, :] = o.astype(o_ref.dtype)
         glast = g_ref[r0 + C - 1, :]
-        return S * _exp(glast)[:, None] + mm(_dot_tn, kd_ref[r, :], vnew)
+        return S * jnp.exp2(glast)[:, None] + mm(_dot_tn, kd_ref[r, :], vnew)
 
     S = lax.fori_loop(cs_ref[n], cs_ref[n + 1], body, h0_ref[...].astype(_F32))
     ht_ref[...] = S
@@ -179,7 +180,7 @@ def _state_kernel(cs_ref, w_ref, u_ref, kd_ref, g_ref, h0_ref, h_ref, vn_ref, ht
         vq = vnew.astype(sd)
         vn_ref[r, :] = vq.astype(vn_ref.dtype)
         glast = g_ref[r0 + C - 1, :]
-        return S * _exp(glast)[:, None] + _dot_tn(kd_ref[r, :], vq)
+        return S * jnp.exp2(glast)[:, None] + _dot_tn(kd_ref[r, :], vq)
 
     S = lax.fori_loop(cs_ref[n], cs_ref[n + 1], body, h0_ref[...].astype(_F32))
     ht_ref[...] = S
@@ -196,7 +197,8 @@ def _out_kernel(qg_ref, h_ref, a_ref, vn_ref, o_ref):
                                              "backend"))
 def chunk_cumsum(g, mask, a_log, dt_bias, *, chunk_size=64, gate=False, lower_bound=None,
                  interpret=False, backend="triton"):
-    """g [R, H, K] (raw f when gate) -> chunk-local cumsum of the log decay [R, H, K] fp32.
+    """g [R, H, K] (raw f when gate) -> chunk-local cumsum of the log decay [R, H, K] fp32, in log2
+    units (times log2 e: the kernels below take exp2 of it).
     mask [R] fp32 (0 on layout padding rows), a_log [H] fp32, dt_bias [H, K] fp32 (gate only)."""
     R, H, K = g.shape
     C = chunk_size
@@ -354,7 +356,7 @@ CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(2, 1, 2), split
 
 def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=False,
                        interpret=False, backend="triton", **overrides):
-    """Stages 1 + 2 on laid-out rows (g already chunk-local cumsum). See chunk_intra / chunk_inter.
+    """Stages 1 + 2 on laid-out rows (g already the chunk-local cumsum in log2 units, chunk_cumsum's). See chunk_intra / chunk_inter.
     safe_gate: caller guarantees every g >= -5, which allows the one-matmul diagonal blocks."""
     cfg = dict(CONFIG, **overrides)
     diag = "mid" if safe_gate else cfg["diag"]
