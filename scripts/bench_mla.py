@@ -7,7 +7,7 @@ times a few kernel configs. `--smoke` runs tiny shapes on CPU in interpret mode.
 
 Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
   [--configs T-w4,T-w4-p2,...] [--check SPECS] [--shapes 64x8192x32,...] [--no-ref]
-  [--prefill SPECS] [--ptx-summary XLA_DUMP_DIR]   (spec grammar: see parse_spec)
+  [--prefill SPECS]   (spec grammar: see parse_spec)
 """
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def decode_rows(shapes, bw, *, lat=512, rope=64, ps=64, dtype=jnp.bfloat16, inte
 # wN num_warps; stN num_stages; bkN key block; rN max rows per tile; pN prefetch (0, 1, 2);
 # d = second ckv load for P @ V; xN = N x the picked split count; slN = slots (CTAs per
 # wave) for the split choice; hN = only for N heads (repeatable).
-DEFAULT_SWEEP = ["T-w4", "T-w4-p1", "T-w4-p2", "T-w8-p2", "R-w8-p2", "T-w4-bk32-p2",
-                 "T-w4-bk32-st2-d", "T-w4-st1", "T-w4-x2", "R-w8-r64-p2-h96"]
+DEFAULT_SWEEP = ["T-w4", "T-w4-st3-h32", "T-w4-st1-h32", "T-w4-p1-h32", "T-w4-sl264-h32",
+                 "R-w8-r64-h96", "R-w4-h96", "R-w4-p1-h96", "R-w8-r64-p1-h96"]
 
 
 def parse_spec(spec):
@@ -183,36 +183,11 @@ def resolve(knobs, heads, page_size, max_pages, n_seqs):
     mult = knobs.pop("split_mult", None)
     if mult:
         from pallas_kernels.mla.paged import default_tuning, pick_config
-        tune = {**default_tuning(heads, True), **knobs}
+        tune = {**default_tuning(heads, True, page_size * max_pages), **knobs}
         base = pick_config(heads, page_size, max_pages, n_seqs, decode=True,
                            **{k: tune[k] for k in ("max_rows", "bk", "slots") if k in tune})
         knobs["splits"] = mult * base["splits"]
     return tuple(sorted(knobs.items()))
-
-
-def ptx_summary(dump_dir):
-    """Per kernel entry in the dumped PTX whose name mentions mla: instruction counts."""
-    import glob
-    import re
-    pats = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "cp.async": r"cp\.async\.c[ag]",
-            "cp.bulk": r"cp\.async\.bulk", "ld.global": r"ld\.global", "ld.shared": r"ld\.shared",
-            "ldmatrix": r"ldmatrix", "st.shared": r"st\.shared", "bar.sync": r"bar\.sync"}
-    print("\nPTX summary (static instruction counts per kernel)")
-    print("| kernel | " + " | ".join(pats) + " |")
-    seen = set()
-    files = sorted(glob.glob(os.path.join(dump_dir, "*.ptx")), key=os.path.getmtime)
-    if not files:
-        print("no .ptx in", dump_dir, sorted(os.listdir(dump_dir))[:20] if os.path.isdir(dump_dir) else "")
-    for path in files:
-        text = open(path).read()
-        for part in re.split(r"\.entry\s+", text)[1:]:
-            name = part.split("(", 1)[0].strip()
-            if "mla" not in name or name in seen:
-                continue
-            seen.add(name)
-            body = part.split("\n}\n", 1)[0]
-            print(f"| {name} | " + " | ".join(str(len(re.findall(p, body)))
-                                             for p in pats.values()) + " |")
 
 
 def main():
@@ -227,9 +202,6 @@ def main():
                     help="comma-separated specs timed on ragged prefill (default: no prefill)")
     ap.add_argument("--shapes", default=None, help="e.g. 64x8192x32,16x131072x96")
     ap.add_argument("--no-ref", action="store_true", help="skip the plain-jnp rows")
-    ap.add_argument("--ptx-summary", default=None,
-                    help="XLA dump dir (run with XLA_FLAGS=--xla_dump_to=DIR): count MMA and "
-                         "load instructions per MLA kernel in the dumped PTX at the end")
     args = ap.parse_args()
     args.check = [c for c in args.check.split(",") if c]
     args.prefill = None if args.prefill is None else [c for c in args.prefill.split(",") if c]
@@ -322,8 +294,6 @@ def main():
     print("|---|---|---|---|---|")
     for label, impl, t, tbs in table:
         print(f"| {label} | {impl} | {t * 1e6:.0f} | {tbs:.2f} | {tbs / copy_tbs:.2f} |")
-    if args.ptx_summary:
-        ptx_summary(args.ptx_summary)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,12 @@ def test_pick_config_shapes():
     assert c["bh"] == 32 and 96 % c["bh"] == 0 and c["splits"] > 1
     c = pick_config(4, 8, 4, 7, slots=132)  # small H: several tokens per tile, rows >= 16
     assert c["bh"] == 4 and c["bq"] == 8 and c["rows"] == 32
+
+
+def test_default_tuning_h96_decode_depends_on_table_width():
+    from pallas_kernels.mla.paged import default_tuning
+    assert default_tuning(96, True, 8192)["max_rows"] == 64          # 8k: 48-head tiles
+    wide = default_tuning(96, True, 131072)                           # 128k: 32-head tiles
+    assert wide == {"max_rows": 32, "num_warps": 4, "transposed": False}
+    assert default_tuning(96, False, 131072)["max_rows"] == 64       # prefill unchanged
+    assert default_tuning(32, True, 131072)["transposed"] is True

@@ -56,14 +56,20 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
 
 
-def default_tuning(num_heads, decode):
-    """Kernel knobs chosen from the H200 sweep (docs/bench_mla.md, 2026-11-29).
+def default_tuning(num_heads, decode, max_keys=None):
+    """Kernel knobs chosen from the H200 sweeps (docs/bench_mla.md, 2026-11-29, two runs).
 
-    Decode, H <= 32: keys-on-M ("transposed") form with 4 warps was fastest (2.1-2.4 TB/s).
-    H > 32 (e.g. 96): row form, 48-head tiles padded to 64 rows, 8 warps (~1.0 TB/s).
+    Decode, H <= 32: keys-on-M ("transposed") form, 4 warps, 2 stages, no explicit
+    prefetch (2.50 / 2.80 TB/s at 8k / 128k; 3 stages, 1 stage, page-id or register
+    prefetch and more splits all measured slower or equal).
+    H > 32 (e.g. 96): row form, 48-head tiles padded to 64 rows, 8 warps (~0.95-1.0 TB/s);
+    for decode over block tables >= 64k keys wide, 32-head tiles with 4 warps (7 % faster
+    at 128k in both runs, 10 % slower at 8k). ``max_keys``: the block table's width in keys.
     Ragged prefill: row form, 8 warps (150 TFLOP/s at H=32 vs 140 transposed).
     """
     if num_heads > 32:
+        if decode and max_keys is not None and max_keys >= 65536:
+            return {"max_rows": 32, "num_warps": 4, "transposed": False}
         return {"max_rows": 64, "num_warps": 8, "transposed": False}
     if decode:
         return {"num_warps": 4, "transposed": True}
@@ -102,7 +108,7 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    cfg = {**default_tuning(num_heads, decode), **dict(config or {})}
+    cfg = {**default_tuning(num_heads, decode, max_pages * page_size), **dict(config or {})}
     tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}
     min_rows = 16  # Triton's MMA needs >= 16 rows; padding rows are masked
     probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, decode=decode,
@@ -140,7 +146,8 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
     q_latent [N, H, L], q_rope [N, H, R], kv_pages [P, page_size, L+R],
     block_tables [N, max_pages] int32, kv_lens [N] int32 (the query sits at kv_lens-1).
     Returns o_latent [N, H, L] in q_latent.dtype. ``config``: optional hashable tuple of
-    (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages).
+    (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages, transposed,
+    prefetch, dup; see triton_kernel).
     """
     cfg = dict(config) if config else None
     if not _use_kernel(interpret):
