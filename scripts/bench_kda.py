@@ -430,9 +430,11 @@ def _fastest(name, variants, run):
 def _keep(c, best, stage, **cfg_of):
     """Put the fastest variant of split stage `stage` (index into split_warps) into CONFIG."""
     if best:
-        w = list(c["split_warps"])
+        w, st = list(c["split_warps"]), list(c["split_stages"])
         w[stage] = best[0]["num_warps"]
-        c.update(split_warps=tuple(w), **{key: best[0][name] for key, name in cfg_of.items()})
+        st[stage] = best[0].get("num_stages", st[stage])
+        c.update(split_warps=tuple(w), split_stages=tuple(st),
+                 **{key: best[0][name] for key, name in cfg_of.items()})
 
 
 def solve_sweep(T=32768, H=32):
@@ -441,9 +443,8 @@ def solve_sweep(T=32768, H=32):
     from pallas_kernels.kda import chunk_pallas as cp
     x, c = _stage_inputs(cp, T, H), cp.CONFIG
     _log(f"# solve variants B=1 T={T} H={H}")
-    variants = [dict(unroll=u, num_warps=w, bk=bk) for u, w, bk in (
-        (True, 1, 32), (False, 1, 32), (False, 2, 32), (False, 4, 32), (False, 1, 16), (False, 2, 16),
-        (False, 1, 64))]
+    variants = [dict(unroll=False, num_warps=w, bk=bk, num_stages=ns) for w, bk, ns in (
+        (1, 32, 1), (1, 32, 2), (1, 32, 3), (1, 16, 2), (1, 64, 2))]
     best = _fastest("solve", variants, lambda **kw: cp.intra_solve(
         x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32", inv=c["inv"],
         a_dtype=jnp.bfloat16, **kw))
@@ -457,10 +458,10 @@ def wu_sweep(T=32768, H=32):
     x, c = _stage_inputs(cp, T, H), cp.CONFIG
     _, t = cp.intra_solve(x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32",
                           inv=c["inv"], bk=c["split_bk"], unroll=c["solve_unroll"],
-                          num_warps=c["split_warps"][1])
+                          num_warps=c["split_warps"][1], num_stages=c["split_stages"][1])
     _log(f"# w/u variants B=1 T={T} H={H}")
-    variants = [dict(unroll=u, num_warps=w, bk=bk) for u, w, bk in (
-        (True, 4, 64), (False, 4, 64), (False, 4, 32), (False, 2, 32), (False, 8, 64), (False, 8, 32))]
+    variants = [dict(unroll=False, num_warps=w, bk=bk, num_stages=ns) for w, bk, ns in (
+        (2, 32, 2), (1, 32, 2), (2, 32, 1), (2, 32, 3), (2, 64, 2), (4, 32, 2), (1, 64, 2))]
     best = _fastest("wu", variants, lambda **kw: cp.intra_wu(
         x["qs"], x["k"], x["v"], x["gc"], x["b32"], t, prec="tf32", **kw))
     _keep(c, best, 2, wu_unroll="unroll", wu_bk="bk")
@@ -481,7 +482,7 @@ def state_sweep(T=32768, H=32, B=1):
     h0 = jnp.zeros((B, H, K, V))
     _log(f"# state variants B={B} T={T} H={H}")
     variants = [dict(block_v=bv, num_warps=nw, num_stages=ns) for bv, nw, ns in (
-        (32, 4, 3), (16, 4, 3), (16, 2, 3), (16, 4, 2), (32, 8, 3), (64, 4, 3), (64, 8, 3), (16, 4, 4))]
+        (32, 4, 3), (32, 4, 2), (32, 8, 2), (64, 8, 3), (64, 8, 2), (64, 4, 2), (128, 8, 2), (16, 4, 2))]
     best = _fastest("state", variants, lambda **kw: cp.chunk_state(w, kd, u, gc, cs, h0, **kw))
     if best:
         c.update(block_v=best[0]["block_v"], inter_warps=best[0]["num_warps"],
@@ -510,8 +511,8 @@ def _diag_variants(cp, budget, T, H, solve=True):
     x = _stage_inputs(cp, T, H, diag=False)
     qs, k, gc, b32 = x["qs"], x["k"], x["gc"], x["b32"]
     _log(f"# diag variants B=1 T={T} H={H}")
-    variants = [dict(mode="quad", num_warps=2, bh=1)] + [
-        dict(mode="token", bh=bh, num_warps=w) for bh in (4, 8, 16) for w in (1, 2, 4)]
+    variants = [dict(mode="token", bh=bh, num_warps=w, num_stages=ns)
+                for bh, w, ns in ((4, 1, 1), (4, 1, 2), (4, 1, 3), (2, 1, 1), (8, 2, 1), (8, 1, 2), (4, 2, 2))]
     best = _fastest("diag", variants, lambda **kw: cp.intra_diag(qs, k, gc, b32, prec="tf32", **kw))
     c = cp.CONFIG
     _keep(c, best, 0, split_diag="mode", diag_bh="bh")
@@ -550,8 +551,8 @@ def main():
     ap.add_argument("--solve-sweep", action="store_true", help="solve kernel variants (before --totals)")
     ap.add_argument("--diag-sweep", action="store_true", help="diag kernel variants (before --totals)")
     ap.add_argument("--precision", action="store_true", help="bf16 paths and FLA vs fp32 (first)")
-    ap.add_argument("--state-sweep", type=int, nargs="*", metavar="B",
-                    help="state kernel variants at T=32768 H=32, batch B (default 1; before --totals)")
+    ap.add_argument("--state-sweep", nargs="*", metavar="B,T",
+                    help="state kernel variants at H=32 per batch B and length T (default 1,32768)")
     ap.add_argument("--totals", help='chunk_kda vs FLA at "B,T,H;B,T,H..." and exit')
     ap.add_argument("--no-precision", action="store_true", help="--diag-run without its precision part")
     args = ap.parse_args()
@@ -572,8 +573,9 @@ def main():
         solve_sweep()
     if args.wu_sweep:
         wu_sweep()
-    for b in (args.state_sweep or [1] if args.state_sweep is not None else []):
-        state_sweep(B=b)
+    for bt in (args.state_sweep or ["1,32768"] if args.state_sweep is not None else []):
+        b, t = (int(x) for x in bt.split(","))
+        state_sweep(T=t, B=b)
     if args.solve_sweep or args.wu_sweep or args.diag_sweep or args.state_sweep is not None:
         _log(f"# CONFIG {__import__('pallas_kernels.kda.chunk_pallas', fromlist=['x']).CONFIG}")
     if args.totals:

@@ -250,9 +250,9 @@ def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, k
             lax.fori_loop(0, n, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "bh", "interpret",
-                                             "backend"))
-def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, bh=1,
+@functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "num_stages", "bh",
+                                             "interpret", "backend"))
+def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, num_stages=1, bh=1,
                interpret=False, backend="triton"):
     """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32 (see _diag_kernel;
     mode "token": `_diag_token_kernel` with `bh` heads per program)."""
@@ -268,7 +268,7 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
             in_specs=[tok, tok, sub, sub, pl.BlockSpec((None, bh), lambda t, h: (t, h))],
             out_specs=[out, out],
             out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
-            interpret=interpret, name="kda_intra_diag_token", **_tp(backend, num_warps, 1),
+            interpret=interpret, name="kda_intra_diag_token", **_tp(backend, num_warps, num_stages),
         )(q, k, k, g, beta)
     return pl.pallas_call(
         functools.partial(_diag_kernel, mode=mode, prec=prec), grid=(R // bc, H),
@@ -345,7 +345,7 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
     diag = ()
     if safe_shift is None:
         diag = intra_diag(q, k, g, beta, bc=bc, mode=diag_mode, prec=prec, num_warps=warps[0],
-                          bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
+                          num_stages=stages[0], bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
     a, t = intra_solve(q, k, g, beta, *diag, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=dt(t_dtype), a_dtype=dt(a_dtype), shift=safe_shift, bc=bc,
                        unroll=solve_unroll,

@@ -347,9 +347,9 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # 1.20-1.74 ms: the loop made no difference; bk 32 with 2 warps kept (1.198 vs 1.208 ms). Same
 # call: T=4096 H=96 2.09 ms (FLA 1.50, 0.71x), T=4096 H=32 0.735 ms (FLA 0.676 in that call, 0.92x;
 # FLA measured 1.17 ms at that shape in an earlier call: the anchor moves between calls).
-CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(2, 1, 2), split_stages=(1, 1, 2),
-              split_diag="token", diag_bh=8, safe_shift=None, solve_unroll=False, wu_unroll=False,
-              t_dtype="f32", u_dtype="f32", a_dtype="sd",
+CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split_stages=(1, 1, 2),
+              split_diag="token", diag_bh=4, safe_shift=None, solve_unroll=False, wu_unroll=False,
+              t_dtype="sd", u_dtype="sd", a_dtype="sd",
               diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v=32,
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
 
