@@ -58,7 +58,7 @@ def _attn_kernel(meta_ref, bt_ref, q_ref, kv_hbm, o_ref, buf, sem, m_sc, l_sc, a
     acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
     # The previous tile's last block prefetched this tile's first one, unless it had no blocks.
-    prefetched = c > 0
+    prefetched = jnp.logical_and(c > 0, field(jnp.maximum(c - 1, 0), 4) > 0)
 
     @pl.when(jnp.logical_and(nb > 0, jnp.logical_not(prefetched)))
     def _():
