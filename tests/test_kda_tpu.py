@@ -150,3 +150,47 @@ def test_lowers_through_mosaic_for_tpu(dtype, gate, lower_bound):
         sd((H, K), jnp.float32))
     text = exp.mlir_module()
     assert "tpu_custom_call" in text and "kda_decode_tpu" in text
+
+
+def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
+    """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA decode on
+    the Mosaic kernel, MoE on megablox, and MLA on its Mosaic kernel once paged.py dispatches TPU
+    there (it takes `platform` then); KDA prefill runs its interpret path (the reference on a chip)."""
+    import inspect
+
+    from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.model import forward_step
+    from k3jax.params import init_params_numpy
+    from k3jax.presets import preset_config
+    from pallas_kernels.mla import paged, tpu_kernel
+
+    calls = []
+    for mod, name in ((recurrent_tpu, "fused_recurrent_kda_tpu"), (tpu_kernel, "ragged_paged_mla_tpu")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    mla_on_tpu = "platform" in inspect.signature(paged.ragged_paged_mla).parameters
+    c = preset_config("tiny")
+    params = init_params_numpy(c, 0, jnp.float32)
+    toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
+    steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
+             [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
+    out = {}
+    try:
+        for mode in ("reference", "pallas"):
+            ops.set_kernel_mode(mode)
+            if mode == "pallas":
+                monkeypatch.setattr(ops, "_platform", lambda: "tpu")
+            pools = make_pools(c, 16, 16, 4, jnp.float32)
+            step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
+            logits = []
+            for chunks in steps:
+                batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)
+                lg, pools = step(params, pools, batch)
+                logits.append(np.asarray(lg[:2]))
+            out[mode] = logits
+    finally:
+        ops.set_kernel_mode(None)
+    assert "fused_recurrent_kda_tpu" in calls
+    assert ("ragged_paged_mla_tpu" in calls) == mla_on_tpu
+    for ref, ker in zip(out["reference"], out["pallas"]):
+        assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4
