@@ -578,6 +578,8 @@ def main():
         state_sweep(T=t, B=b)
     if args.solve_sweep or args.wu_sweep or args.diag_sweep or args.state_sweep is not None:
         _log(f"# CONFIG {__import__('pallas_kernels.kda.chunk_pallas', fromlist=['x']).CONFIG}")
+        if not args.totals:
+            return
     if args.totals:
         shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.totals.split(";")]
         totals_vs_fla(torch, fla, args.deadline, shapes)

@@ -58,7 +58,11 @@ def main():
         _smoke()
         return
     import jax
+    from pallas_kernels.kda import chunk_pallas, recurrent_pallas
+    from pallas_kernels.mla import paged
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
+    print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n"
+          f"# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 {paged.default_tuning(96, True)}")
     torch, fla, why = bench_kda._torch_fla()
     if fla is None:
         print(f"# FLA anchor unavailable ({why}): KDA anchor columns n/a")

@@ -231,3 +231,13 @@ def test_decode_kernel_variants(cfg, monkeypatch):
     np.testing.assert_array_equal(P[[1, 2, 4, 7]], before[[1, 2, 4, 7]])  # bit-identical
     assert _rel(o, o2) < 1e-5 and _rel(P, P2) < 1e-5
     assert np.all(np.asarray(o)[1] == 0)
+
+
+def test_state_tiles_fill_one_wave_then_widen():
+    """The state kernel's V block: narrowest whose programs fit one wave of SMs, else 128 wide
+    (one program per SM fits; see chunk_pallas.state_tiles), never wider than V."""
+    from pallas_kernels.kda.chunk_pallas import state_tiles
+    assert state_tiles(32, 128, sms=132)[0] == 32      # 128 programs
+    assert state_tiles(64, 128, sms=132)[0] == 64      # 256 programs at 32 wide: two waves
+    assert state_tiles(512, 128, sms=132)[0] == 128    # many sequences: fewest programs
+    assert state_tiles(512, 32, sms=132)[0] == 32      # capped at V

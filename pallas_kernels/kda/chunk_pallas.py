@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.device_info import num_sms
 from pallas_kernels.kda.chunk_common import (
     _F32, _LOG2E, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _tp, _unit_tril_inv, _unit_tril_inv_power)
 from pallas_kernels.kda.chunk_intra_split import (  # noqa: F401 - re-exported for benchmarks
@@ -347,11 +348,30 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # 1.20-1.74 ms: the loop made no difference; bk 32 with 2 warps kept (1.198 vs 1.208 ms). Same
 # call: T=4096 H=96 2.09 ms (FLA 1.50, 0.71x), T=4096 H=32 0.735 ms (FLA 0.676 in that call, 0.92x;
 # FLA measured 1.17 ms at that shape in an earlier call: the anchor moves between calls).
-CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split_stages=(1, 1, 2),
-              split_diag="token", diag_bh=4, safe_shift=None, solve_unroll=False, wu_unroll=False,
+# Fourth session (H200, 2026-11-29): Pallas' Triton lowering sends fp32 jnp.exp to libdevice's
+# accurate __nv_expf (~8 SASS instructions); gates now live in log2 units and every kernel takes
+# exp2 (one MUFU.EX2), and the token diag stores each column as computed. Offline SASS loop counts:
+# diag 370 -> 183 per step, solve 2542 -> 1402, w/u 2107 -> 1078. Measured T=32768 H=32: diag 1.24
+# -> 0.89 ms (2 heads, 1 warp), solve 1.12 -> 1.00 (2 stages), w/u 1.19 -> 1.10 (3 stages); the
+# state kernel fits one program per SM, so its V block depends on the batch (state_tiles).
+# t/u stored in bf16 (FLA's storage, rel RMS 3.69e-3 vs the 5e-3 target).
+CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split_stages=(1, 2, 3),
+              split_diag="token", diag_bh=2, safe_shift=None, solve_unroll=False, wu_unroll=False,
               t_dtype="sd", u_dtype="sd", a_dtype="sd",
-              diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v=32,
+              diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v="auto",
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
+
+
+def state_tiles(n_seq_heads, V, sms=None):
+    """(block_v, num_warps, num_stages) of the state kernel for n_seq_heads (sequence, head) pairs.
+    One program per SM fits (shared memory), so the narrowest V block whose programs fit in one
+    wave, else the widest: H200 2026-11-29, H=32: 1 x 32k tokens 32-wide 0.95 ms (64-wide 1.30),
+    2 x 32k 64-wide 1.40 (32-wide 2.01), 16 x 4k 128-wide 1.26 (32-wide 2.46)."""
+    sms = sms or num_sms()
+    for bv, nw, ns in ((32, 4, 3), (64, 8, 3)):
+        if n_seq_heads * -(-V // bv) <= sms:
+            return min(bv, V), nw, ns
+    return min(128, V), 8, 2
 
 
 def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=False,
@@ -377,12 +397,15 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
                                       num_warps=cfg["intra_warps"], prec=prec, inv=cfg["inv"],
                                       interpret=interpret, backend=backend)
     if cfg["inter"] == "two_pass":
-        h, vn, ht = chunk_state(w, kd, u, g, cs, h0, chunk_size=chunk_size, block_v=cfg["block_v"],
-                                num_warps=cfg["inter_warps"], num_stages=cfg["state_stages"],
-                                interpret=interpret, backend=backend)
+        bv, nw, ns = cfg["block_v"], cfg["inter_warps"], cfg["state_stages"]
+        if bv == "auto":
+            bv, nw, ns = state_tiles(h0.shape[0] * h0.shape[1], v.shape[-1])
+        h, vn, ht = chunk_state(w, kd, u, g, cs, h0, chunk_size=chunk_size, block_v=bv,
+                                num_warps=nw, num_stages=ns, interpret=interpret, backend=backend)
         o = chunk_out(qg, h, a, vn, chunk_size=chunk_size, num_warps=cfg["out_warps"],
                       out_dtype=v.dtype, interpret=interpret, backend=backend)
         return o, ht
-    return chunk_inter(w, qg, kd, u, a, g, cs, h0, chunk_size=chunk_size, block_v=cfg["block_v"],
+    bv = cfg["block_v"] if cfg["block_v"] != "auto" else 32
+    return chunk_inter(w, qg, kd, u, a, g, cs, h0, chunk_size=chunk_size, block_v=bv,
                        num_warps=cfg["inter_warps"], split=cfg["split"], out_dtype=v.dtype,
                        interpret=interpret, backend=backend)

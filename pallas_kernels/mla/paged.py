@@ -10,14 +10,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.device_info import num_sms
 from pallas_kernels.mla import reference
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
 
 
 def _num_sms():
-    """Streaming multiprocessors of the default device (132 on an H200; CPU: a guess)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return num_sms()
 
 
 def _pow2_ceil(x):
