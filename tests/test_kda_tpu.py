@@ -21,7 +21,9 @@ def _case(seed, N, H, K, V, S, dtype=jnp.float32, n_pad=2):
     x = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     idx = rng.permutation(S)[:N].astype(np.int32)
     idx[rng.permutation(N)[:n_pad]] = -1
-    idx[0], idx[-1] = -1, idx[-1] if n_pad < 2 else -3       # padding at both ends of the grid
+    idx[0] = -1                                               # padding first in the grid ...
+    if n_pad >= 2:
+        idx[-1] = -3                                          # ... and last (any negative pads)
     q = jnp.asarray(l2norm(jnp.asarray(x(N, H, K))), dtype)
     k = jnp.asarray(l2norm(jnp.asarray(x(N, H, K))), dtype)
     v = jnp.asarray(x(N, H, V), dtype)
