@@ -4,8 +4,11 @@ Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
   "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
   "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
 GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
-kernel (pallas_kernels/moe/tpu.py); KDA decode runs its Mosaic kernel (pallas_kernels/kda/recurrent_tpu.py);
-KDA prefill and MLA take the references until Mosaic versions exist.
+kernel (pallas_kernels/moe/tpu.py); KDA decode and paged MLA run their Mosaic kernels
+(pallas_kernels/kda/recurrent_tpu.py, pallas_kernels/mla/tpu_kernel.py; lowering checked, never run on
+a TPU here). KDA prefill takes the chunked jnp reference: the GPU chunk kernels' per-head
+[C, 1, K] blocks break Mosaic's (8, 128) block-tiling rule (export for TPU fails), so a TPU version
+needs its own [H, T, K] layout.
 The model's call sites only ever call the functions below.
 """
 from __future__ import annotations
@@ -97,7 +100,7 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     if pallas:
         from pallas_kernels import mla
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                                    scale=scale, interpret=interpret)
+                                    scale=scale, interpret=interpret, platform=_platform())
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
 

@@ -138,9 +138,9 @@ def _use_kernel(interpret):
     return jax.default_backend() == "gpu"
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform"))
 def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale,
-                     interpret=None, config=None):
+                     interpret=None, config=None, platform=None):
     """Paged MLA decode: one query token per sequence, split-K (flash-decoding).
 
     q_latent [N, H, L], q_rope [N, H, R], kv_pages [P, page_size, L+R],
@@ -149,6 +149,10 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
     (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages, transposed,
     prefetch, dup; see triton_kernel).
     """
+    if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
+        from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu
+        return mla_paged_decode_tpu(q_latent, q_rope, kv_pages, block_tables, kv_lens,
+                                    scale=scale, interpret=bool(interpret))
     cfg = dict(config) if config else None
     if not _use_kernel(interpret):
         return reference.mla_decode_reference(q_latent, q_rope, kv_pages, block_tables,
@@ -158,9 +162,9 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
                         decode=True, interpret=interpret, config=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform"))
 def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     interpret=None, config=None):
+                     interpret=None, config=None, platform=None):
     """Ragged paged MLA: prefill chunks (attending to their cached prefix) and decode rows.
 
     Same contract as `reference.ragged_paged_mla_reference`: q_latent [T, H, L],
@@ -168,6 +172,10 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     cu_seqlens [N+1], kv_lens [N] (cache length after this step's writes).
     Returns o_latent [T, H, L]; tokens past cu_seqlens[N] get zeros.
     """
+    if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
+        from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
+        return ragged_paged_mla_tpu(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
+                                    scale=scale, interpret=bool(interpret))
     cfg = dict(config) if config else None
     if not _use_kernel(interpret):
         return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
