@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_steps import can_export_for_tpu
 from pallas_kernels import ops
 from pallas_kernels.kda import fused_recurrent_kda
 from pallas_kernels.kda import recurrent_tpu
@@ -126,21 +126,10 @@ def test_rejects_a_pool_that_is_not_fp32():
                                 jnp.zeros((2, 128)), scale=1.0, interpret=True)
 
 
-def _can_export_for_tpu():
-    def k(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
-    f = lambda x: pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)  # noqa: E731
-    try:
-        jax.export.export(jax.jit(f), platforms=["tpu"])(jax.ShapeDtypeStruct((8, 128), jnp.float32))
-    except Exception:                                                 # noqa: BLE001
-        return False
-    return True
-
-
 @pytest.mark.parametrize("dtype,gate,lower_bound", [
     (jnp.bfloat16, True, -5.0), (jnp.float32, True, None), (jnp.bfloat16, False, None)])
 def test_lowers_through_mosaic_for_tpu(dtype, gate, lower_bound):
-    if not _can_export_for_tpu():
+    if not can_export_for_tpu():
         pytest.skip("this jax cannot export Pallas kernels for TPU")
     N, H, K, V, S = 64, 32, 128, 128, 80                              # K3 decode shapes
     sd = jax.ShapeDtypeStruct
@@ -158,35 +147,20 @@ def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
     """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA decode on
     the Mosaic kernel, MoE on megablox, MLA on its Mosaic kernel; KDA prefill runs its interpret
     path (the reference on a chip)."""
-    from k3jax.cache import SeqChunk, make_pools, make_step_batch
-    from k3jax.model import forward_step
-    from k3jax.params import init_params_numpy
-    from k3jax.presets import preset_config
+    from kernel_steps import two_step_logits
     from pallas_kernels.mla import tpu_kernel
 
     calls = []
     for mod, name in ((recurrent_tpu, "fused_recurrent_kda_tpu"), (tpu_kernel, "ragged_paged_mla_tpu")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
-    c = preset_config("tiny")
-    params = init_params_numpy(c, 0, jnp.float32)
-    toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
-    steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
-             [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
     out = {}
     try:
         for mode in ("reference", "pallas"):
             ops.set_kernel_mode(mode)
             if mode == "pallas":
                 monkeypatch.setattr(ops, "_platform", lambda: "tpu")
-            pools = make_pools(c, 16, 16, 4, jnp.float32)
-            step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
-            logits = []
-            for chunks in steps:
-                batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)
-                lg, pools = step(params, pools, batch)
-                logits.append(np.asarray(lg[:2]))
-            out[mode] = logits
+            out[mode], _ = two_step_logits()
     finally:
         ops.set_kernel_mode(None)
     assert "fused_recurrent_kda_tpu" in calls

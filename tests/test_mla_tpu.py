@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_steps import can_export_for_tpu
 from pallas_kernels.mla.reference import mla_decode_reference
 from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu, ragged_paged_mla_tpu
 from test_mla_ops import build_case, numpy_attention
@@ -97,22 +97,11 @@ def test_rejects_mismatched_cache_width():
         mla_paged_decode_tpu(a[0], a[1][..., :8], *a[2:], scale=SCALE, interpret=True)
 
 
-def _can_export_for_tpu():
-    def k(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
-    f = lambda x: pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)  # noqa: E731
-    try:
-        jax.export.export(jax.jit(f), platforms=["tpu"])(jax.ShapeDtypeStruct((8, 128), jnp.float32))
-    except Exception:                                                 # noqa: BLE001
-        return False
-    return True
-
-
 @pytest.mark.parametrize("dtype,heads,page_size,max_pages", [
     (jnp.bfloat16, 64, 16, 64), (jnp.bfloat16, 16, 64, 33), (jnp.float32, 8, 16, 20)])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_lowers_through_mosaic_for_tpu(dtype, heads, page_size, max_pages, ragged):
-    if not _can_export_for_tpu():
+    if not can_export_for_tpu():
         pytest.skip("this jax cannot export Pallas kernels for TPU")
     sd, N, T = jax.ShapeDtypeStruct, 32, 200                          # K3 MLA: 512 latent + 64 rope
     i32 = jnp.int32

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import grouped as gm

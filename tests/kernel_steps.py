@@ -1,0 +1,42 @@
+"""Shared by the dispatch tests: the tiny model's two steps (a prefill of two sequences, then one
+decode token each) under whatever kernel mode / platform the caller has set."""
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.model import forward_step
+from k3jax.params import init_params_numpy
+from k3jax.presets import preset_config
+
+
+def two_step_logits():
+    """(logits of the two real sequences per step, each step batch's decode_only flag)."""
+    c = preset_config("tiny")
+    params = init_params_numpy(c, 0, jnp.float32)
+    toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
+    steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
+             [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
+    pools = make_pools(c, 16, 16, 4, jnp.float32)
+    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
+    logits, decode_only = [], []
+    for chunks in steps:
+        batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)
+        decode_only.append(bool(batch.decode_only))
+        lg, pools = step(params, pools, batch)
+        logits.append(np.asarray(lg[:2]))
+    return logits, decode_only
+
+
+def can_export_for_tpu():
+    """Whether this jax lowers a Pallas kernel through Mosaic for TPU (jax.export, no chip needed)."""
+    def k(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+    f = lambda x: pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)  # noqa: E731
+    try:
+        jax.export.export(jax.jit(f), platforms=["tpu"])(jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    except Exception:                                                 # noqa: BLE001
+        return False
+    return True
