@@ -75,3 +75,68 @@ def test_fp32_matches_recurrent_reference(B, T, H, K, V, g_lo, g_hi):
     assert ht.shape == (B, H, K, V) and ht.dtype == jnp.float32
     assert _rel(o, ro) <= 1e-5, _rel(o, ro)
     assert _rel(ht, rht) <= 1e-5, _rel(ht, rht)
+
+
+def test_bf16_matches_reference():
+    B, T, H, K, V = 1, 200, 2, 128, 128
+    q, k, v, g, beta = _inputs(5, B, T, H, K, V, dtype=jnp.bfloat16)
+    h0 = jax.random.normal(jax.random.PRNGKey(2), (B, H, K, V))
+    o, ht = _run(q, k, v, g, beta, h0)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the reference on the same (rounded) inputs
+    ro, rht = recurrent_kda_reference(f32(q), f32(k), f32(v), g, f32(beta), initial_state=h0)
+    assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
+    assert _rel(o, ro) <= 5e-3, _rel(o, ro)
+    assert _rel(ht, rht) <= 5e-3, _rel(ht, rht)
+
+
+def test_varlen_sequences_zero_length_and_padding():
+    """Several sequences (one of 1 token, one empty, one over two chunks) plus trailing padding
+    tokens; nonzero initial states; the empty sequence's state passes through unchanged."""
+    H, K, V = 2, 128, 128
+    lens = [70, 1, 0, 130, 20]
+    T = sum(lens) + 9
+    q, k, v, g, beta = _inputs(9, 1, T, H, K, V, g_lo=-6.0)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    h0 = jax.random.normal(jax.random.PRNGKey(3), (len(lens), H, K, V))
+    o, ht = _run(q, k, v, g, beta, h0, cu)
+    ro, rht = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    n = int(cu[-1])
+    assert o.shape == (1, T, H, V) and ht.shape == (len(lens), H, K, V)
+    assert _rel(o[:, :n], ro[:, :n]) <= 1e-5, _rel(o[:, :n], ro[:, :n])
+    assert not np.any(np.asarray(o[:, n:]))                          # padding tokens: 0
+    assert np.array_equal(np.asarray(ht[2]), np.asarray(h0[2]))      # empty sequence
+    for i in range(len(lens)):
+        assert _rel(ht[i], rht[i]) <= 1e-5, (i, _rel(ht[i], rht[i]))
+
+
+def test_rejects_a_row_count_that_is_not_whole_chunks():
+    R, H, K = 100, 1, 128
+    x = jnp.zeros((R, H, K))
+    with pytest.raises(ValueError, match="divide R"):
+        chunk_kda_laid_out_tpu(x, x, x, x, jnp.zeros((R, H)), jnp.zeros((2,), jnp.int32),
+                               jnp.zeros((1, H, K, K)), interpret=True)
+
+
+def _can_export_for_tpu():
+    def kern(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+    f = lambda x: pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)  # noqa: E731
+    try:
+        jax.export.export(jax.jit(f), platforms=["tpu"])(jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    except Exception:                                                 # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_through_mosaic_for_tpu(dtype):
+    """K3 prefill shapes: H=32, K=V=128, 4096 laid-out rows (64 chunks), three sequences."""
+    if not _can_export_for_tpu():
+        pytest.skip("this jax cannot export Pallas kernels for TPU")
+    H, K, V, R, N = 32, 128, 128, 4096, 3
+    sd = jax.ShapeDtypeStruct
+    exp = jax.export.export(jax.jit(chunk_kda_laid_out_tpu), platforms=["tpu"])(
+        sd((R, H, K), dtype), sd((R, H, K), dtype), sd((R, H, V), dtype), sd((R, H, K), jnp.float32),
+        sd((R, H), jnp.float32), sd((N + 1,), jnp.int32), sd((N, H, K, V), jnp.float32))
+    text = exp.mlir_module()
+    assert "tpu_custom_call" in text and "kda_chunk_tpu" in text

@@ -120,7 +120,7 @@ def _intra(q, k, g, beta_c):
     # substitution T_I = Dinv_I (delta_I - sum_{M<I} L_IM T_M), one row block at a time.
     D = akk_d * beta_c
     E = akk_off * beta_c
-    eye = (row == col).astype(_F32)
+    eye = jnp.where(row == col, 1.0, 0.0)  # (not a bool cast: i1 -> f32 may not lower)
     X, P = eye - D, D
     for _ in range(3):
         P = _dot(P, P)
