@@ -43,18 +43,23 @@ _HI = lax.Precision.HIGHEST
 _BC = 16  # sub-block rows (as the GPU kernels): diagonal blocks are built exactly, column by column
 
 
+def _mm(a, b, dims):
+    """fp32 operands: full fp32 contraction (HIGHEST); bf16 operands: the MXU's native bf16 dot.
+    Both accumulate in fp32."""
+    prec = _HI if a.dtype == _F32 else None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=_F32)
+
+
 def _dot(a, b):
-    return jnp.dot(a, b, precision=_HI, preferred_element_type=_F32)
+    return _mm(a, b, ((1,), (0,)))
 
 
 def _dot_nt(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
-                           preferred_element_type=_F32)
+    return _mm(a, b, ((1,), (1,)))
 
 
 def _dot_tn(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HI,
-                           preferred_element_type=_F32)
+    return _mm(a, b, ((0,), (0,)))
 
 
 def _row(x, r):
