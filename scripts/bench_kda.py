@@ -443,12 +443,12 @@ def solve_sweep(T=32768, H=32):
     from pallas_kernels.kda import chunk_pallas as cp
     x, c = _stage_inputs(cp, T, H), cp.CONFIG
     _log(f"# solve variants B=1 T={T} H={H}")
-    variants = [dict(unroll=False, num_warps=w, bk=bk, num_stages=ns) for w, bk, ns in (
-        (1, 32, 1), (1, 32, 2), (1, 32, 3), (1, 16, 2), (1, 64, 2))]
+    variants = [dict(unroll=False, num_warps=w, bk=bk, num_stages=ns, passes=p) for w, bk, ns, p in (
+        (1, 32, 2, 1), (1, 32, 2, 2), (2, 32, 2, 2), (1, 32, 3, 2), (1, 16, 2, 2), (1, 32, 1, 1))]
     best = _fastest("solve", variants, lambda **kw: cp.intra_solve(
         x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32", inv=c["inv"],
         a_dtype=jnp.bfloat16, **kw))
-    _keep(c, best, 1, solve_unroll="unroll", split_bk="bk")
+    _keep(c, best, 1, solve_unroll="unroll", split_bk="bk", solve_passes="passes")
 
 
 def wu_sweep(T=32768, H=32):
@@ -458,7 +458,8 @@ def wu_sweep(T=32768, H=32):
     x, c = _stage_inputs(cp, T, H), cp.CONFIG
     _, t = cp.intra_solve(x["qs"], x["k"], x["gc"], x["b32"], x["dq"], x["dk"], prec="tf32",
                           inv=c["inv"], bk=c["split_bk"], unroll=c["solve_unroll"],
-                          num_warps=c["split_warps"][1], num_stages=c["split_stages"][1])
+                          passes=c["solve_passes"], num_warps=c["split_warps"][1],
+                          num_stages=c["split_stages"][1])
     _log(f"# w/u variants B=1 T={T} H={H}")
     variants = [dict(unroll=False, num_warps=w, bk=bk, num_stages=ns) for w, bk, ns in (
         (2, 32, 2), (1, 32, 2), (2, 32, 1), (2, 32, 3), (2, 64, 2), (4, 32, 2), (1, 64, 2))]

@@ -157,6 +157,8 @@ def test_decode_bf16_and_donated_jit():
     # the four diagonal inverses in one row loop with rows loaded from the diag kernel's output
     dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=True,
          wu_unroll=True, wu_bk=64),
+    # the solve's A_qk and A_kk accumulated in two passes over K (fewer live registers)
+    dict(intra="split", solve_passes=2),
 ])
 def test_chunk_kernel_variants(cfg, monkeypatch):
     """The other kernel configurations (CONFIG picks one by GPU timing) compute the same function:
@@ -178,8 +180,8 @@ def test_chunk_kernel_variants(cfg, monkeypatch):
     assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
 
 
-@pytest.mark.parametrize("gate", ["random", "strongest", "none"])
-def test_chunk_safe_gate_diagonal_in_solve(gate, monkeypatch):
+@pytest.mark.parametrize("gate,passes", [("random", 1), ("strongest", 1), ("none", 1), ("strongest", 2)])
+def test_chunk_safe_gate_diagonal_in_solve(gate, passes, monkeypatch):
     """Safe gates (every log decay in [-5, 0], K3's): the split solve kernel computes the diagonal
     blocks itself from a shifted past anchor (no diag kernel). Extremes: every decay -5 (factors up
     to e^60 inside the dots) and no decay at all."""
@@ -188,6 +190,7 @@ def test_chunk_safe_gate_diagonal_in_solve(gate, monkeypatch):
     monkeypatch.setitem(cp.CONFIG, "inv", "many")  # rows picked from registers on this path
     monkeypatch.setitem(cp.CONFIG, "safe_shift", 15.0)
     monkeypatch.setitem(cp.CONFIG, "solve_unroll", False)
+    monkeypatch.setitem(cp.CONFIG, "solve_passes", passes)
     calls = []
     from pallas_kernels.kda import chunk_intra_split
     monkeypatch.setattr(chunk_intra_split, "intra_diag", lambda *a, **k: calls.append(1))  # not run

@@ -121,7 +121,8 @@ def _diag_token_kernel(q_ref, k_ref, kb_ref, gb_ref, b_ref, dq_ref, dk_ref, *, b
     dk_ref[...] = ak * b_ref[...].astype(_F32)[:, None]
 
 
-def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=None, unroll=True):
+def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=None, unroll=True,
+                  passes=1):
     """One (chunk, head). q, k, g [C, K]; beta [C]; then dq, dk [C, bc] (diagonal blocks from
     `_diag_kernel`) unless `shift` is set. Writes a = causal A_qk [C, C] and t = (I + L)^-1 [C, C]
     (in their refs' dtypes).
@@ -142,21 +143,24 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
     zero = jnp.zeros((bc, bc), _F32)
     keys = [(I, J) for I in range(nc) for J in range(I + (shift is not None))]
 
-    def slice_step(ks, L, Aq):
-        """Add one K slice's contribution to the off-diagonal (and, with shift, diagonal) blocks."""
-        L, Aq = dict(L), dict(Aq)
+    def slice_step(ks, acc, want_l, want_q):
+        """Add one K slice's contribution to the off-diagonal (and, with shift, diagonal) blocks of
+        A_kk (want_l) and / or A_qk (want_q); acc maps ("l" | "q", I, J) to a [bc, bc] block."""
+        acc = dict(acc)
         kJ = [k_ref[pl.ds(J * bc, bc), ks].astype(_F32) for J in range(nc - 1)]
         gJ = [g_ref[pl.ds(J * bc, bc), ks] for J in range(nc - 1)]
         for I in range(1, nc):
             gI = g_ref[pl.ds(I * bc, bc), ks]
             gn = g_ref[I * bc, ks]
             eI = jnp.exp2(gI - gn[None, :])  # <= 1
-            qgI = q_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
-            kgI = k_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI
+            qgI = q_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI if want_q else None
+            kgI = k_ref[pl.ds(I * bc, bc), ks].astype(_F32) * eI if want_l else None
             for J in range(I):  # earlier blocks' k scaled to block I's anchor
                 kgJ = kJ[J] * jnp.exp2(gn[None, :] - gJ[J])  # <= 1
-                L[I, J] = L[I, J] + _dot_nt(kgI, kgJ, pr)
-                Aq[I, J] = Aq[I, J] + _dot_nt(qgI, kgJ, pr)
+                if want_l:
+                    acc["l", I, J] = acc["l", I, J] + _dot_nt(kgI, kgJ, pr)
+                if want_q:
+                    acc["q", I, J] = acc["q", I, J] + _dot_nt(qgI, kgJ, pr)
         if shift is not None:
             for I in range(nc):
                 r = pl.ds(I * bc, bc)
@@ -165,23 +169,32 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
                 kI = k_ref[r, ks].astype(_F32)
                 kc = kI * jnp.exp2(c - gI)
                 eq = jnp.exp2(gI - c)
-                L[I, I] = L[I, I] + _dot_nt(kI * eq, kc, pr)
-                Aq[I, I] = Aq[I, I] + _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
-        return L, Aq
+                if want_l:
+                    acc["l", I, I] = acc["l", I, I] + _dot_nt(kI * eq, kc, pr)
+                if want_q:
+                    acc["q", I, I] = acc["q", I, I] + _dot_nt(q_ref[r, ks].astype(_F32) * eq, kc, pr)
+        return acc
 
-    L = {key: zero for key in keys}
-    Aq = dict(L)
-    if unroll:  # K slices keep the live tiles at [bc, bk]
-        for s in range(K // bk):
-            L, Aq = slice_step(pl.ds(s * bk, bk), L, Aq)
-    else:  # a loop, not unrolled: the unrolled kernel stalled on instruction fetch (ncu, H200)
+    def accumulate(want_l, want_q):
+        names = [("l", *key) for key in keys if want_l] + [("q", *key) for key in keys if want_q]
+        acc = {name: zero for name in names}
+        if unroll:  # K slices keep the live tiles at [bc, bk]
+            for s in range(K // bk):
+                acc = slice_step(pl.ds(s * bk, bk), acc, want_l, want_q)
+            return acc
+        # a loop, not unrolled: the unrolled kernel stalled on instruction fetch (ncu, H200)
         def body(s, carry):
-            L, Aq = slice_step(pl.ds(pl.multiple_of(s * bk, bk), bk),
-                               dict(zip(keys, carry[0])), dict(zip(keys, carry[1])))
-            return tuple(L[key] for key in keys), tuple(Aq[key] for key in keys)
-        cl, ca = lax.fori_loop(0, K // bk, body, (tuple(L[key] for key in keys),
-                                                  tuple(Aq[key] for key in keys)))
-        L, Aq = dict(zip(keys, cl)), dict(zip(keys, ca))
+            out = slice_step(pl.ds(pl.multiple_of(s * bk, bk), bk), dict(zip(names, carry)),
+                             want_l, want_q)
+            return tuple(out[name] for name in names)
+        return dict(zip(names, lax.fori_loop(0, K // bk, body, tuple(acc[n] for n in names))))
+
+    if passes == 1:  # both matrices in one pass over K: the k / g slices are loaded once
+        acc = accumulate(True, True)
+    else:  # A_qk, then A_kk: half the live accumulators per loop (the solve spilled at 255 regs)
+        acc = accumulate(False, True)
+    L = {key: acc.get(("l", *key), zero) for key in keys}
+    Aq = {key: acc.get(("q", *key), zero) for key in keys}
     for I in range(nc):
         r = pl.ds(I * bc, bc)
         bI = b_ref[r].astype(_F32)[:, None]
@@ -195,6 +208,14 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
         for J in range(nc):
             blk = Aq[I, J] if J <= I else zero
             a_ref[r, pl.ds(J * bc, bc)] = blk.astype(a_ref.dtype)
+    if passes == 2:
+        acc = accumulate(True, False)
+        for I in range(nc):
+            bI = b_ref[pl.ds(I * bc, bc)].astype(_F32)[:, None]
+            for J in range(I + (shift is not None)):
+                L[I, J] = acc["l", I, J] * bI
+            if shift is not None:
+                L[I, I] = jnp.where(row > col, L[I, I], 0.0)
     T = {}
     if inv == "many":  # all diagonal inverses in one loop; rows from dk when it is in memory
         load = None if shift is not None else (
@@ -280,11 +301,11 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "bk", "prec", "inv", "t_dtype",
-                                             "a_dtype", "shift", "bc", "unroll", "num_warps",
+                                             "a_dtype", "shift", "bc", "unroll", "passes", "num_warps",
                                              "num_stages", "interpret", "backend"))
 def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="highest",
-                inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, unroll=True, num_warps=4,
-                num_stages=1, interpret=False, backend="triton"):
+                inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, unroll=True, passes=1,
+                num_warps=4, num_stages=1, interpret=False, backend="triton"):
     """Split stage 1b: causal A_qk [R, H, C] in a_dtype and T = (I + L)^-1 [R, H, C] in t_dtype.
     dq, dk: the diagonal blocks from intra_diag, or None with `shift` (safe gates: see
     _solve_kernel)."""
@@ -298,7 +319,8 @@ def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="
         raise ValueError("pass either the diagonal blocks (dq, dk) or a safe-gate shift")
     diag = [] if dq is None else [dq, dk]
     return pl.pallas_call(
-        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift, unroll=unroll),
+        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift, unroll=unroll,
+                          passes=passes),
         grid=(R // C, H),
         in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C)] + [_rows(C, bc)] * len(diag),
         out_specs=[_rows(C, C), _rows(C, C)],
@@ -333,7 +355,7 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, unroll
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", a_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
                       diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, solve_unroll=True,
-                      wu_unroll=True, interpret=False, backend="triton"):
+                      solve_passes=1, wu_unroll=True, interpret=False, backend="triton"):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype, A_qk in a_dtype: "f32" or "sd" = the dot dtype). t_dtype: the
     stored inverse and the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for
@@ -348,7 +370,7 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
                           num_stages=stages[0], bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
     a, t = intra_solve(q, k, g, beta, *diag, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=dt(t_dtype), a_dtype=dt(a_dtype), shift=safe_shift, bc=bc,
-                       unroll=solve_unroll,
+                       unroll=solve_unroll, passes=solve_passes,
                        num_warps=warps[1], num_stages=stages[1], **kw)
     w, qg, kd, u = intra_wu(q, k, v, g, beta, t, bk=wu_bk or bk, prec=prec,
                             u_dtype=dt(u_dtype), unroll=wu_unroll, num_warps=warps[2],

@@ -356,7 +356,8 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
 # state kernel fits one program per SM, so its V block depends on the batch (state_tiles).
 # t/u stored in bf16 (FLA's storage, rel RMS 3.69e-3 vs the 5e-3 target).
 CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split_stages=(1, 2, 3),
-              split_diag="token", diag_bh=2, safe_shift=None, solve_unroll=False, wu_unroll=False,
+              split_diag="token", diag_bh=2, safe_shift=None, solve_unroll=False, solve_passes=1,
+              wu_unroll=False,
               t_dtype="sd", u_dtype="sd", a_dtype="sd",
               diag="loop", intra_warps=4, intra_prec="tf32", inv="many", block_v="auto",
               inter_warps=4, split=True, inter="two_pass", state_stages=3, out_warps=4)
@@ -390,7 +391,7 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             a_dtype=cfg["a_dtype"] if low and cfg["inter"] == "two_pass" else "f32",
             warps=cfg["split_warps"], diag_mode=cfg["split_diag"], diag_bh=cfg["diag_bh"],
             safe_shift=cfg["safe_shift"] if safe_gate else None, wu_bk=cfg["wu_bk"],
-            solve_unroll=cfg["solve_unroll"], wu_unroll=cfg["wu_unroll"],
+            solve_unroll=cfg["solve_unroll"], solve_passes=cfg["solve_passes"], wu_unroll=cfg["wu_unroll"],
             stages=cfg["split_stages"], interpret=interpret, backend=backend)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
