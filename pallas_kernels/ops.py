@@ -4,11 +4,11 @@ Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
   "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
   "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
 GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
-kernel (pallas_kernels/moe/tpu.py); KDA decode and paged MLA run their Mosaic kernels
-(pallas_kernels/kda/recurrent_tpu.py, pallas_kernels/mla/tpu_kernel.py; lowering checked, never run on
-a TPU here). KDA prefill takes the chunked jnp reference: the GPU chunk kernels' per-head
-[C, 1, K] blocks break Mosaic's (8, 128) block-tiling rule (export for TPU fails), so a TPU version
-needs its own [H, T, K] layout.
+kernel (pallas_kernels/moe/tpu.py); KDA prefill, KDA decode and paged MLA run their Mosaic kernels
+(pallas_kernels/kda/chunk_tpu.py, pallas_kernels/kda/recurrent_tpu.py,
+pallas_kernels/mla/tpu_kernel.py; lowering checked, never run on a TPU here). KDA prefill's TPU
+kernel has its own [H, R, K] layout: the GPU chunk kernels' per-head [C, 1, K] blocks break
+Mosaic's (8, 128) block-tiling rule.
 The model's call sites only ever call the functions below.
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     if pallas:
         from pallas_kernels import kda
         return kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens, safe_gate=safe_gate, interpret=interpret)
+                             cu_seqlens=cu_seqlens, safe_gate=safe_gate, interpret=interpret,
+                             platform=_platform())
     # On CPU the token-serial scan is 100x faster than the chunked (UT-transform) reference for the
     # sizes a CPU serves; accelerators without a kernel take the chunked form (parallel over chunks).
     ref = kda_ref.recurrent_kda_reference if jax.default_backend() == "cpu" else kda_ref.chunk_kda_reference

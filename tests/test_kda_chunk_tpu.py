@@ -167,3 +167,59 @@ def test_tpu_interpreter_uninitialised_scratch_and_races():
         return
     races = getattr(ipc, "races", None)
     assert races is None or not races.races_found
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_kda_on_tpu_runs_the_kernel_with_gate_and_l2norm(monkeypatch, lower_bound):
+    """kda.chunk_kda(platform="tpu"): the in-kernel gate applied in XLA, then this kernel (varlen)."""
+    from pallas_kernels.kda import chunk_kda, chunk_tpu
+    from pallas_kernels.kda.reference import kda_gate, l2norm
+    H, K, V = 2, 128, 128
+    lens = [5, 90]
+    T = sum(lens) + 3
+    q, k, v, f, beta = _inputs(21, 1, T, H, K, V, g_lo=-2.0, g_hi=2.0)   # f: raw gate projection
+    q, k = q * 3.0, k * 0.5                                              # l2norm has work to do
+    rng = np.random.default_rng(22)
+    A_log = jnp.asarray(rng.standard_normal(128) * 0.5, jnp.float32)     # K3 stores [128], first H used
+    dt_bias = jnp.asarray(rng.standard_normal(H * K), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    h0 = jax.random.normal(jax.random.PRNGKey(6), (len(lens), H, K, V))
+    calls = []
+    real = chunk_tpu.chunk_kda_laid_out_tpu
+    monkeypatch.setattr(chunk_tpu, "chunk_kda_laid_out_tpu",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    o, ht = jax.jit(lambda *a: chunk_kda(
+        *a, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, interpret=True, platform="tpu"),
+        compiler_options=_FAST_COMPILE)(q, k, v, f, beta)
+    g = kda_gate(f, A_log, dt_bias, lower_bound=lower_bound)
+    ro, rht = recurrent_kda_reference(l2norm(q), l2norm(k), v, g, beta, initial_state=h0,
+                                      cu_seqlens=cu)
+    assert len(calls) == 1 and calls[0]["interpret"] is True
+    n = int(cu[-1])
+    assert _rel(o[:, :n], ro[:, :n]) <= 1e-5 and _rel(ht, rht) <= 1e-5
+
+
+def test_ops_routes_tpu_prefill_to_the_mosaic_kernel(monkeypatch):
+    """pallas_kernels.ops.kda_chunk with the platform reported as TPU and kernels on: this kernel
+    (interpreted on CPU), matching the reference mode's output."""
+    from pallas_kernels import ops
+    from pallas_kernels.kda import chunk_tpu
+    B, T, H, K, V = 2, 70, 2, 128, 128
+    q, k, v, g, beta = _inputs(31, B, T, H, K, V)
+    h0 = jax.random.normal(jax.random.PRNGKey(7), (B, H, K, V))
+    calls = []
+    try:
+        ops.set_kernel_mode("reference")
+        ro, rht = ops.kda_chunk(q, k, v, g, beta, initial_state=h0)
+        real = chunk_tpu.chunk_kda_laid_out_tpu
+        monkeypatch.setattr(chunk_tpu, "chunk_kda_laid_out_tpu",
+                            lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        monkeypatch.setattr(ops, "_platform", lambda: "tpu")
+        ops.set_kernel_mode("pallas")
+        o, ht = jax.jit(lambda *a: ops.kda_chunk(*a, initial_state=h0),
+                        compiler_options=_FAST_COMPILE)(q, k, v, g, beta)
+    finally:
+        ops.set_kernel_mode(None)
+    assert len(calls) == 1 and calls[0]["interpret"] is True
+    assert _rel(o, ro) <= 1e-5 and _rel(ht, rht) <= 1e-5

@@ -1,12 +1,13 @@
-"""Public KDA ops: pick the Pallas kernel (GPU: Triton backend) or the jnp reference (CPU, TPU).
+"""Public KDA ops: pick the Pallas kernel (GPU: Triton backend, TPU: Mosaic) or the jnp reference (CPU).
 
-interpret=None: GPU -> compiled Triton kernels, anything else -> pure-jnp reference.
+interpret=None: GPU -> compiled Triton kernels, TPU -> compiled Mosaic kernels, CPU -> pure-jnp
+reference.
 interpret=True: the Pallas kernels in interpret mode (any platform; used by the CPU tests).
-interpret=False: compiled kernels on GPU, the reference elsewhere.
-TPU: the chunk kernels are written against Triton's model (row loads at dynamic offsets, 1-D
-vectors) and have not been lowered with Mosaic, so chunk_kda uses the reference there. The decode
-step has a Mosaic kernel (recurrent_tpu.py): fused_recurrent_kda runs it whenever the target
-platform is TPU (compiled, or interpreted with interpret=True; platform="tpu" lets CPU tests pick it).
+interpret=False: compiled kernels on GPU / TPU, the reference elsewhere.
+TPU: the GPU chunk kernels' per-head (C, None, K) blocks break Mosaic's (8, 128) block rule, so
+prefill has its own Mosaic kernel over an [H, R, K] layout (chunk_tpu.py), and the decode step its
+own too (recurrent_tpu.py). chunk_kda / fused_recurrent_kda run them whenever the target platform
+is TPU (compiled, or interpreted with interpret=True; platform="tpu" lets CPU tests pick them).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda.chunk_pallas import chunk_cumsum, chunk_kda_laid_out
+from pallas_kernels.kda import chunk_tpu
 from pallas_kernels.kda import recurrent_pallas
 from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas
 from pallas_kernels.kda import recurrent_tpu
@@ -37,7 +39,7 @@ def _dot_dtype(x):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
               cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-              dt_bias=None, lower_bound=None, safe_gate=None, interpret=None):
+              dt_bias=None, lower_bound=None, safe_gate=None, interpret=None, platform=None):
     """Chunked KDA prefill.
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log-space decay, or the raw f projection
@@ -46,14 +48,16 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     (None = zeros); cu_seqlens int32 [N+1] (B == 1) or None (N = B).
     safe_gate: the caller guarantees every decay g >= -5 (K3's gate), which enables a faster
     kernel path; None = True exactly when the in-kernel gate has lower_bound >= -5.
+    platform: the backend to target (None = jax.default_backend()); "tpu" runs the Mosaic kernel.
     Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q).astype(_dot_dtype(q)), l2norm(k).astype(_dot_dtype(k))
+    tpu = (platform or jax.default_backend()) == "tpu"
     mode = _mode(interpret)
-    if mode == "reference":
+    if mode == "reference" and not tpu:
         if use_gate_in_kernel:
             g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
         g = g.astype(jnp.float32) if g.dtype != jnp.float64 else g
@@ -61,6 +65,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                     cu_seqlens=cu_seqlens, chunk_size=_CHUNK)
         return o, (ht.astype(jnp.float32) if output_final_state else None)
 
+    if tpu and use_gate_in_kernel:  # the TPU kernel takes gated decays: gate in XLA, before layout
+        g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
     if safe_gate is None:
         safe_gate = bool(use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
     C = _CHUNK
@@ -85,14 +91,18 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         xs = [x.reshape((-1,) + x.shape[2:]) for x in xs]
         cs = lay.cs
     R = xs[0].shape[0]
-    a, dt = _gate_params(A_log, dt_bias, H, K)
-    kern = dict(interpret=(mode == "interpret"), backend=mode)
-    gc = chunk_cumsum(xs[3], xs[5], a, dt, chunk_size=C, gate=bool(use_gate_in_kernel),
-                      lower_bound=lower_bound, **kern)
     h0 = (jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    o, ht = chunk_kda_laid_out(xs[0], xs[1], xs[2], gc, xs[4], cs, h0, chunk_size=C,
-                               safe_gate=safe_gate, **kern)
+    if tpu:  # padding rows carry g = 0 (zero-padded after the gate), as the kernel requires
+        o, ht = chunk_tpu.chunk_kda_laid_out_tpu(xs[0], xs[1], xs[2], xs[3], xs[4], cs, h0,
+                                                 chunk_size=C, interpret=bool(interpret))
+    else:
+        a, dt = _gate_params(A_log, dt_bias, H, K)
+        kern = dict(interpret=(mode == "interpret"), backend=mode)
+        gc = chunk_cumsum(xs[3], xs[5], a, dt, chunk_size=C, gate=bool(use_gate_in_kernel),
+                          lower_bound=lower_bound, **kern)
+        o, ht = chunk_kda_laid_out(xs[0], xs[1], xs[2], gc, xs[4], cs, h0, chunk_size=C,
+                                   safe_gate=safe_gate, **kern)
     if lay is None:
         o = o.reshape(B, R // B, H, V)[:, :T]
     else:
