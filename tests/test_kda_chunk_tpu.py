@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
+from kernel_steps import can_export_for_tpu, two_step_logits
 from pallas_kernels.kda.chunk_tpu import chunk_kda_laid_out_tpu
 from pallas_kernels.kda.reference import recurrent_kda_reference, varlen_chunk_layout
 
@@ -117,21 +117,10 @@ def test_rejects_a_row_count_that_is_not_whole_chunks():
                                jnp.zeros((1, H, K, K)), interpret=True)
 
 
-def _can_export_for_tpu():
-    def kern(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
-    f = lambda x: pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x)  # noqa: E731
-    try:
-        jax.export.export(jax.jit(f), platforms=["tpu"])(jax.ShapeDtypeStruct((8, 128), jnp.float32))
-    except Exception:                                                 # noqa: BLE001
-        return False
-    return True
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_through_mosaic_for_tpu(dtype):
     """K3 prefill shapes: H=32, K=V=128, 4096 laid-out rows (64 chunks), three sequences."""
-    if not _can_export_for_tpu():
+    if not can_export_for_tpu():
         pytest.skip("this jax cannot export Pallas kernels for TPU")
     H, K, V, R, N = 32, 128, 128, 4096, 3
     sd = jax.ShapeDtypeStruct
@@ -223,3 +212,26 @@ def test_ops_routes_tpu_prefill_to_the_mosaic_kernel(monkeypatch):
         ops.set_kernel_mode(None)
     assert len(calls) == 1 and calls[0]["interpret"] is True
     assert _rel(o, ro) <= 1e-5 and _rel(ht, rht) <= 1e-5
+
+
+def test_model_prefill_on_the_tpu_path_runs_the_kernel(monkeypatch):
+    """The tiny model's prefill + decode steps with ops routed as on a TPU: KDA prefill goes
+    through this kernel, and the logits match the reference mode's."""
+    from pallas_kernels import ops
+    from pallas_kernels.kda import chunk_tpu
+    calls = []
+    real = chunk_tpu.chunk_kda_laid_out_tpu
+    monkeypatch.setattr(chunk_tpu, "chunk_kda_laid_out_tpu",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    out = {}
+    try:
+        for mode in ("reference", "pallas"):
+            ops.set_kernel_mode(mode)
+            if mode == "pallas":
+                monkeypatch.setattr(ops, "_platform", lambda: "tpu")
+            out[mode], _ = two_step_logits()
+    finally:
+        ops.set_kernel_mode(None)
+    assert calls
+    for ref, ker in zip(out["reference"], out["pallas"]):
+        assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4
