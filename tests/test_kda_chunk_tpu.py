@@ -64,7 +64,8 @@ def _inputs(seed, B, T, H, K, V, g_lo=-5.0, g_hi=0.0, dtype=jnp.float32):
     (2, 100, 2, 128, 128, -5.0, 0.0),     # T not a multiple of 64, K3's head size
     (1, 1, 3, 128, 128, -5.0, 0.0),       # one token
     (1, 130, 1, 64, 128, -8.0, -4.0),     # strong decay: exp(g) underflows across a chunk
-    (1, 64, 4, 128, 64, -0.05, 0.0),      # weak decay: the delta rule does the work
+    (1, 64, 3, 128, 128, -0.05, 0.0),     # weak decay: the delta rule does the work
+    (1, 80, 2, 64, 32, -5.0, 0.0),        # head dims below 128 lanes: the [H, R, D] layout
 ])
 def test_fp32_matches_recurrent_reference(B, T, H, K, V, g_lo, g_hi):
     q, k, v, g, beta = _inputs(T * H + B, B, T, H, K, V, g_lo, g_hi)

@@ -2,13 +2,15 @@
 (chunk_pallas.py, chunk_intra_split.py), laid out for Mosaic.
 
 The GPU kernels' per-head blocks (C, None, K) over [R, H, K] break Mosaic's rule that a block's
-last two dims be multiples of (8, 128) or the full dims, so here the rows are transposed to
-[H, R, K] in XLA and every block is a (C, K) = (64, 128) tile. Grid (head, chunk): heads
+last two dims be multiples of (8, 128) or the full dims, so here every block is one head's whole
+(C, K) = (64, 128) tile (layouts below). Grid (head, chunk): heads
 "parallel", chunks "arbitrary" (in order), the state S [K, V] fp32 carried across chunks in a
 VMEM scratch. Per chunk the sequence id and whether the chunk is a sequence's first / last are
 scalar-prefetched: the h0 / ht blocks are indexed through the sequence id (so Pallas fetches h0
 and writes ht back once per sequence), S is loaded from h0 at a first chunk and copied to ht at a
-last one. Sequences with no chunk keep h0 (patched in XLA after the call).
+last one. Sequences with no chunk keep h0 (patched in XLA after the call). When K and V are
+multiples of 128 (K3: 128) the tiles are read straight from [R, H*D] views of the inputs (column
+block h), so XLA moves no data; other head sizes go through an [H, R, D] transpose.
 
 Per (head, chunk), gates gc = chunk-local cumsum of the log decay (natural log, done in XLA):
   * A_kk / A_qk in 16-row sub-blocks: off-diagonal blocks by one masked [C, K] x [K, C] dot per
@@ -210,12 +212,22 @@ def chunk_kda_laid_out_tpu(q, k, v, g, beta, cs, h0, *, chunk_size=64, interpret
         raise ValueError(f"h0 {h0.shape}: expected [N, {H}, {K}, {V}]")
     NC = R // C
     gc = jnp.cumsum(g.astype(_F32).reshape(NC, C, H, K), axis=1).reshape(R, H, K)
-    tr = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  [R, H, D] -> [H, R, D]
     brow = beta.astype(_F32).T.reshape(H, NC, 1, C)
     cs = cs.astype(jnp.int32)
     sid, first, last = _chunk_info(cs, NC)
 
-    rows = lambda D: pl.BlockSpec((None, C, D), lambda h, c, *_: (h, c, 0))  # noqa: E731
+    if H == 1 or (K % 128 == 0 and V % 128 == 0):
+        # [R, H*D] views (free reshapes): head h's (C, D) tile is column block h, lane-aligned.
+        ins = [x.reshape(R, H * x.shape[-1]) for x in (q, k, v, gc)]
+        rows = lambda D: pl.BlockSpec((C, D), lambda h, c, *_: (c, h))  # noqa: E731
+        o_shape = (R, H * V)
+        unlay = lambda o: o.reshape(R, H, V)  # noqa: E731
+    else:
+        # head dims that are not lane multiples: transpose to [H, R, D] (full-width tiles)
+        ins = [jnp.swapaxes(x, 0, 1) for x in (q, k, v, gc)]
+        rows = lambda D: pl.BlockSpec((None, C, D), lambda h, c, *_: (h, c, 0))  # noqa: E731
+        o_shape = (H, R, V)
+        unlay = lambda o: jnp.swapaxes(o, 0, 1)  # noqa: E731
     state = pl.BlockSpec((None, None, K, V), lambda h, c, sid, *_: (sid[c], h, 0, 0))
     o, ht = pl.pallas_call(
         _kernel,
@@ -226,11 +238,11 @@ def chunk_kda_laid_out_tpu(q, k, v, g, beta, cs, h0, *, chunk_size=64, interpret
                       pl.BlockSpec((None, None, 1, C), lambda h, c, *_: (h, c, 0, 0)), state],
             out_specs=[rows(V), state],
             scratch_shapes=[pltpu.VMEM((K, V), _F32)]),
-        out_shape=[jax.ShapeDtypeStruct((H, R, V), v.dtype),
+        out_shape=[jax.ShapeDtypeStruct(o_shape, v.dtype),
                    jax.ShapeDtypeStruct((N, H, K, V), _F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="kda_chunk_tpu",
-    )(sid, first, last, tr(q), tr(k), tr(v), tr(gc), brow, h0.astype(_F32))
+    )(sid, first, last, *ins, brow, h0.astype(_F32))
     has_chunks = (cs[1:] > cs[:-1])[:, None, None, None]
-    return tr(o), jnp.where(has_chunks, ht, h0.astype(_F32))
+    return unlay(o), jnp.where(has_chunks, ht, h0.astype(_F32))
