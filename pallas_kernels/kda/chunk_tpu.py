@@ -60,9 +60,6 @@ def _dot_nt(a, b):  # a @ b.T
     return _mm(a, b, ((1,), (1,)))
 
 
-def _dot_tn(a, b):  # a.T @ b
-    return _mm(a, b, ((0,), (0,)))
-
 
 def _row(x, r):
     """Row r (static or traced) of a 2-D value as [1, W], by a masked sublane sum (exact)."""
@@ -163,13 +160,15 @@ def _kernel(sid_ref, first_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_
     w = _dot(td, (k * eg * beta_c).astype(sd)).astype(sd)
     u = _dot(td, (v_ref[...].astype(_F32) * beta_c).astype(sd))
     qg = (q * eg).astype(sd)
-    kd = (k * jnp.exp(glast - g)).astype(sd)
+    # k exp(g_last - gc), transposed as fp32 (splash attention's pattern) so the state update is
+    # a plain [K, C] x [C, V] dot rather than one contracting the lhs's row axis
+    kdt = (k * jnp.exp(glast - g)).T.astype(sd)
 
     S = s_ref[...]
     Sd = S.astype(sd)
     vq = (u - _dot(w, Sd)).astype(sd)
     o_ref[...] = (_dot(qg, Sd) + _dot(A.astype(sd), vq)).astype(o_ref.dtype)
-    S = S * _col(jnp.exp(glast)) + _dot_tn(kd, vq)
+    S = S * _col(jnp.exp(glast)) + _dot(kdt, vq)
     s_ref[...] = S
 
     @pl.when(last_ref[c] != 0)
