@@ -144,14 +144,15 @@ def test_lowers_through_mosaic_for_tpu(dtype, gate, lower_bound):
 
 
 def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
-    """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA decode on
-    the Mosaic kernel, MoE on megablox, MLA on its Mosaic kernel; KDA prefill runs its interpret
-    path (the reference on a chip)."""
+    """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA prefill and
+    decode, and MLA, on their Mosaic kernels (interpret mode here), MoE on megablox."""
     from kernel_steps import two_step_logits
+    from pallas_kernels.kda import chunk_tpu
     from pallas_kernels.mla import tpu_kernel
 
     calls = []
-    for mod, name in ((recurrent_tpu, "fused_recurrent_kda_tpu"), (tpu_kernel, "ragged_paged_mla_tpu")):
+    for mod, name in ((recurrent_tpu, "fused_recurrent_kda_tpu"), (tpu_kernel, "ragged_paged_mla_tpu"),
+                      (chunk_tpu, "chunk_kda_laid_out_tpu")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     out = {}
@@ -163,7 +164,6 @@ def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
             out[mode], _ = two_step_logits()
     finally:
         ops.set_kernel_mode(None)
-    assert "fused_recurrent_kda_tpu" in calls
-    assert "ragged_paged_mla_tpu" in calls
+    assert {"fused_recurrent_kda_tpu", "ragged_paged_mla_tpu", "chunk_kda_laid_out_tpu"} <= set(calls)
     for ref, ker in zip(out["reference"], out["pallas"]):
         assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4
