@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu_vector import row as _row, col as _col
+
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
 _BC = 16  # sub-block rows (as the GPU kernels): diagonal blocks are built exactly, column by column
@@ -59,19 +61,6 @@ def _dot(a, b):
 def _dot_nt(a, b):  # a @ b.T
     return _mm(a, b, ((1,), (1,)))
 
-
-
-def _row(x, r):
-    """Row r (static or traced) of a 2-D value as [1, W], by a masked sublane sum (exact)."""
-    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0, keepdims=True)
-
-
-def _col(x):
-    """[1, W] row -> [W, 1] column: x on the diagonal of a [W, W] tile, summed over lanes (exact)."""
-    W = x.shape[1]
-    eye = lax.broadcasted_iota(jnp.int32, (W, W), 0) == lax.broadcasted_iota(jnp.int32, (W, W), 1)
-    return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (W, W)), 0.0), axis=1, keepdims=True)
 
 
 def _intra(q, k, g, beta_c):

@@ -20,31 +20,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu_vector import row as _row, lane as _lane, col as _col
+
 _F32 = jnp.float32
 _NBUF = 3
 
 
 def _softplus(x):
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-
-
-def _row(x, r):
-    """Row r (static) of a 2-D value as [1, W], by a masked sublane sum (no unaligned slices)."""
-    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0, keepdims=True)
-
-
-def _lane(x, c):
-    """Element c (static) of a [1, W] row as [1, 1]."""
-    lanes = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.sum(jnp.where(lanes == c, x, 0.0), axis=1, keepdims=True)
-
-
-def _col(x):
-    """[1, K] row -> [K, 1] column: put x on the diagonal of a [K, K] tile and sum the lanes."""
-    K = x.shape[1]
-    eye = lax.broadcasted_iota(jnp.int32, (K, K), 0) == lax.broadcasted_iota(jnp.int32, (K, K), 1)
-    return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (K, K)), 0.0), axis=1, keepdims=True)
 
 
 def _decode_kernel(idx_ref, p_ref, v_ref, gp_ref, pool_in_ref, o_ref, pool_ref, buf, rsem, wsem,
