@@ -28,7 +28,7 @@ in bf16; the intra-chunk matrices (A_kk, A_qk, the inverse) are built from fp32 
 
 Mosaic wants aligned 2-D tiles and has no cheap lane -> sublane move, so rows are picked by masked
 sublane sums and row vectors turned into columns with a masked lane sum over an identity mask
-(recurrent_tpu.py's helpers): both exact (they only add zeros).
+(pallas_kernels/tpu_vector.py): both exact (they only add zeros).
 """
 from __future__ import annotations
 
