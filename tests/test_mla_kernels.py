@@ -52,12 +52,12 @@ def test_ragged_matches_oracle(page_size, heads, config):
 
 
 @pytest.mark.parametrize("page_size,config", [
-    (16, (("bk", 8), ("splits", 3), ("prefetch", 2))),   # next block in registers, split-K
-    (8, (("prefetch", 2), ("transposed", True))),        # gathered blocks, keys-on-M
-    (16, (("bk", 16), ("prefetch", 1), ("transposed", True), ("dup", True))),  # page id ahead
+    (16, (("bk", 8), ("splits", 3))),                    # blocks inside pages, split-K
+    (8, (("transposed", True),)),                        # blocks gathered over pages, keys-on-M
+    (16, (("bk", 16), ("transposed", True))),            # one block per page, keys-on-M
 ])
-def test_decode_prefetch_matches_oracle(page_size, config):
-    """Prefetch variants read one block past a split's end (masked): no NaN page may leak."""
+def test_decode_block_variants_match_oracle(page_size, config):
+    """Split ends and page boundaries fall inside blocks (masked loads): no NaN page may leak."""
     rng = np.random.default_rng(20 + page_size)
     ctx = [0, 6, 2 * page_size - 1, 3 * page_size, 45, 17]
     case = build_case(rng, ctx, [1] * len(ctx), heads=4, lat=L, rope=R, page_size=page_size)

@@ -35,8 +35,7 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = N
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed,
-            prefetch, dup):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -85,8 +84,8 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=ok, other=0)
         return ckv, kr
 
-    def step(k0, ckv, kr, ckv_pv, acc, m, l):
-        """One online-softmax block; ckv_pv is the ckv copy the P @ V product reads."""
+    def step(k0, ckv, kr, acc, m, l):
+        """One online-softmax block."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
             st = plgpu.dot(ckv, ql, trans_b=True) + plgpu.dot(kr, qr, trans_b=True)
@@ -95,7 +94,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            acc = acc * alpha[None, :] + plgpu.dot(ckv_pv, pt.astype(kdt), trans_a=True)
+            acc = acc * alpha[None, :] + plgpu.dot(ckv, pt.astype(kdt), trans_a=True)
             return acc, m_new, l_new
         s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
         s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)  # [rows, bk]
@@ -103,39 +102,21 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv_pv)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
         return acc, m_new, l_new
 
-    # prefetch 0: look up + load + compute each block in turn (Triton's pipeliner may
-    # overlap them); 1: page id of block i+1 carried; 2: block i+1 loaded into registers
-    # while block i is computed, page id two blocks ahead (the loop-carried dependency
-    # chain no longer waits on a memory round trip per block).
+    # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
+    # loads; carrying the next page id or block explicitly measured slower, docs/bench_mla.md).
     def body(i, carry):
-        acc, m, l, nxt = carry[0], carry[1], carry[2], carry[3:]
         k0 = k_lo + i * bk
-        if prefetch == 2:
-            ckv, kr, pages = nxt
-            ckv_n, kr_n = load(k0 + bk, pages)
-            nxt = (ckv_n, kr_n, lookup(k0 + 2 * bk))
-        else:
-            pages = nxt[0] if prefetch == 1 else lookup(k0)
-            if prefetch == 1:
-                nxt = (lookup(k0 + bk),)
-            ckv, kr = load(k0, pages)
-        ckv_pv = load(k0, pages)[0] if dup else ckv
-        return step(k0, ckv, kr, ckv_pv, acc, m, l) + tuple(nxt)
+        ckv, kr = load(k0, lookup(k0))
+        return step(k0, ckv, kr, *carry)
 
     acc_shape = (lat, rows) if transposed else (rows, lat)
     acc0 = jnp.zeros(acc_shape, jnp.float32)
     m0 = jnp.full((rows,), _MASK, jnp.float32)
     l0 = jnp.zeros((rows,), jnp.float32)
-    if prefetch == 2:
-        nxt0 = load(k_lo, lookup(k_lo)) + (lookup(k_lo + bk),)
-    elif prefetch == 1:
-        nxt0 = (lookup(k_lo),)
-    else:
-        nxt0 = ()
-    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0) + nxt0)[:3]
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
     if transposed:
         acc = acc.T
 
@@ -147,7 +128,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
-                   prefetch=0, dup=False, interpret=False):
+                   interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -162,12 +143,9 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     n_rows = ql_rows.shape[0]
     assert page_size % bk == 0 or bk % page_size == 0, (page_size, bk)
     assert keys_per_split % bk == 0
-    if prefetch not in (0, 1, 2) or (dup and prefetch == 2):
-        raise ValueError(f"prefetch must be 0, 1 or 2 (dup only with 0/1): {prefetch}, {dup}")
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed,
-        prefetch=int(prefetch), dup=bool(dup))
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]
@@ -178,7 +156,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}"
-              f"_w{num_warps}_st{num_stages}_p{prefetch}{'_d' if dup else ''}"),
+              f"_w{num_warps}_st{num_stages}"),
     )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 
