@@ -36,7 +36,6 @@ VARIANTS = [
     dict(FIRST, block_v=128, num_warps=8),
     dict(order="vhn", block_v=32, num_warps=4),
     dict(order="vhn", block_v=32, num_warps=4, num_stages=2),
-    dict(order="vhn", block_v=32, num_warps=4, evict=True),
     dict(order="vhn", block_v=32, num_warps=2),
     dict(order="vhn", block_v=32, num_warps=1),
     dict(order="vhn", block_v=32, num_warps=8),
@@ -60,10 +59,10 @@ T0 = time.time()
 
 
 def label(cfg):
-    c = dict(dict(num_stages=1, block_h=1, evict=False), **cfg)
+    c = dict(dict(num_stages=1, block_h=1), **cfg)
     s = f"{c['order']} bv{c['block_v']} w{c['num_warps']}"
     s += f" st{c['num_stages']}" * (c["num_stages"] != 1) + f" bh{c['block_h']}" * (c["block_h"] != 1)
-    return s + " evict" * c["evict"]
+    return s
 
 
 def inputs(N, H, K, V):

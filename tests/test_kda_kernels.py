@@ -215,7 +215,7 @@ def test_chunk_safe_gate_diagonal_in_solve(gate, passes, monkeypatch):
 @pytest.mark.parametrize("cfg", [
     dict(block_v=32, num_warps=4, order="nhv"),  # the first version's grid order
     dict(block_v=16, order="hvn", block_h=4, num_stages=2),  # 4 heads per program, H=6 -> 2
-    dict(block_v=32, order="vnh", block_h=2, evict=True),  # evict hint: ignored in interpret
+    dict(block_v=32, order="vnh", block_h=2),  # V fastest, then sequence; 2 heads per program
 ])
 def test_decode_kernel_variants(cfg, monkeypatch):
     """Grid orders and heads per program (recurrent_pallas options) keep the pool semantics."""

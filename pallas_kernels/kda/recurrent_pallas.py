@@ -15,7 +15,8 @@ the kernel stopped near 70% of copy bandwidth. H200, 2026-11-29, scripts/sweep_k
   vhn bv32 w4:          320 /  928 /  90 / 249 us
   vhn bv64 w4 (CONFIG): 312 /  892 /  89 / 236 us (3.44 / 3.61 TB/s = 82% / 86% of copy)
   FLA fused_recurrent:  284 /  902 /  94 / 212 us
-BV 16 and 8 warps were slower, 2 heads per program / evict_first / num_stages=2 changed < 2%.
+BV 16 and 8 warps were slower; 2 heads per program, num_stages=2 and an evict_first hint (since
+removed) changed < 2%.
 """
 from __future__ import annotations
 
@@ -35,26 +36,13 @@ def _softplus(x):
 
 def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, pool_in_ref,
                    o_ref, pool_ref, *, scale, l2norm, gate, lower_bound, block_v, block_h,
-                   order, evict):
+                   order):
     """Refs: idx [N] (full), q/k/g/dt [BH, K], v/o [BH, BV], beta [BH], a_log [H] (full),
     pool [S, H, K, V] (full, aliased to pool_in)."""
     del pool_in_ref  # same buffer as pool_ref
     n, hb, j = (pl.program_id(order.index(c)) for c in "nhv")
     slot = idx_ref[n]
     vs = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
-
-    def load(h):  # plain indexing when possible: Triton lowering takes one indexer per access
-        if not evict:
-            return pool_ref[slot, h, :, vs]
-        from jax.experimental.pallas import triton as plgpu
-        return plgpu.load(pool_ref.at[slot, h, :, vs], eviction_policy="evict_first")
-
-    def store(h, x):
-        if not evict:
-            pool_ref[slot, h, :, vs] = x
-            return
-        from jax.experimental.pallas import triton as plgpu
-        plgpu.store(pool_ref.at[slot, h, :, vs], x, eviction_policy="evict_first")
 
     @pl.when(slot >= 0)
     def _():
@@ -72,10 +60,10 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
                 g = -a * _softplus(x) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x)
             beta = b_ref[i].astype(_F32)
             v = v_ref[i, :].astype(_F32)
-            S = load(h) * jnp.exp(g)[:, None]  # [K, BV]
+            S = pool_ref[slot, h, :, vs] * jnp.exp(g)[:, None]  # [K, BV]
             vn = beta * (v - jnp.sum(k[:, None] * S, axis=0))
             S = S + k[:, None] * vn[None, :]
-            store(h, S)
+            pool_ref[slot, h, :, vs] = S
             o_ref[i, :] = (scale * jnp.sum(q[:, None] * S, axis=0)).astype(o_ref.dtype)
 
     @pl.when(slot < 0)
@@ -89,16 +77,16 @@ CONFIG = dict(block_v=64, num_warps=4, order="vhn")
 
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "gate", "lower_bound", "block_v",
                                              "num_warps", "num_stages", "block_h", "order",
-                                             "evict", "interpret", "backend"))
+                                             "interpret", "backend"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_log, dt_bias, *,
                                scale, l2norm=False, gate=False, lower_bound=None, block_v=64,
-                               num_warps=4, num_stages=1, block_h=1, order="vhn", evict=False,
+                               num_warps=4, num_stages=1, block_h=1, order="vhn",
                                interpret=False, backend="triton"):
     """q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32 (aliased to the
     output: donate it in the caller's jit for an in-place update);
     state_indices int32 [N]; a_log [H] fp32; dt_bias [H, K] fp32. Returns (o [N, H, V] v.dtype,
     new state_pool). block_h heads per program (halved until it divides H); order: grid axes
-    fastest first, a permutation of "nhv"; evict: evict_first hints on the state (Triton only)."""
+    fastest first, a permutation of "nhv"."""
     N, H, K = q.shape
     V = v.shape[-1]
     if sorted(order) != ["h", "n", "v"]:
@@ -122,8 +110,7 @@ def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_lo
     vec = lambda D: spec((None, BH, D), lambda n, h, j: (n, h, 0))  # noqa: E731
     vblk = spec((None, BH, BV), lambda n, h, j: (n, h, j))
     kern = functools.partial(_decode_kernel, scale=scale, l2norm=l2norm, gate=gate,
-                             lower_bound=lower_bound, block_v=BV, block_h=BH, order=order,
-                             evict=evict and not interpret)
+                             lower_bound=lower_bound, block_v=BV, block_h=BH, order=order)
     return pl.pallas_call(
         kern,
         grid=tuple(sizes[c] for c in order),
