@@ -31,13 +31,10 @@ class ImageLoader:
         return self.vision.pad_id
 
     def load(self, source: str) -> ImageInput:
-        from k3jax.vision.media import ImageInputError, image_digest, load_image
+        from k3jax.vision.media import image_digest, load_image
         p = self.policy
-        if not p.allow_local and not source.lstrip()[:5].lower() in ("data:", "http:", "https"):
-            raise ImageInputError("local image paths are disabled on this server (start it with --image-dir DIR "
-                                  "to serve files from DIR); send the image inline as a data: URL")
-        img = load_image(source, allow_remote=p.allow_remote, max_bytes=p.max_bytes, max_pixels=p.max_pixels,
-                         timeout_s=p.timeout_s, local_dir=p.local_dir)
+        img = load_image(source, allow_remote=p.allow_remote, allow_local=p.allow_local, max_bytes=p.max_bytes,
+                         max_pixels=p.max_pixels, timeout_s=p.timeout_s, local_dir=p.local_dir)
         return self.from_pil(img, image_digest(img))
 
     def from_pil(self, img, digest: str) -> ImageInput:

@@ -290,6 +290,9 @@ def test_chat_with_one_and_two_images(client, server):
     ("data:image/png;base64,!!!notbase64", "base64"),
     ("https://example.com/cat.png", "remote"),
     ("/etc/passwd", "local"),
+    # issue 17: spellings that once passed a 5-character scheme check and were read relative to the cwd
+    ("https/../pyproject.toml", "local"), ("http:/../pyproject.toml", "remote"), ("data/../pyproject.toml", "local"),
+    ("./https/../../etc/passwd", "local"), ("file:///etc/passwd", "local"), ("HTTPS/../pyproject.toml", "local"),
 ])
 def test_bad_images_get_400(server, url, needle):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": _image_msg(url), "max_tokens": 2},
@@ -297,6 +300,18 @@ def test_bad_images_get_400(server, url, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"].lower() and err["param"] == "messages.0.content.0", err
+
+
+def test_local_paths_refused_alike_whether_they_exist_or_not(server):
+    """Without --image-dir no path is read, and the answer cannot tell a client whether a path exists."""
+    answers = []
+    for url in ("https/../pyproject.toml", "https/../no-such-file.png", "/etc/passwd", "/no/such/file.png"):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(server.url + path, json={"messages": _image_msg(url), "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+            assert r.status_code == 400, (path, url, r.text)
+            answers.append(r.json()["error"]["message"])
+    assert len(set(answers)) == 1 and "local image paths are disabled" in answers[0], answers
 
 
 def test_oversized_image_gets_400(server):

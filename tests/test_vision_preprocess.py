@@ -402,6 +402,22 @@ def test_local_dir_confines_paths(tmp_path):
             load_image(bad, local_dir=str(inside))
 
 
+def test_paths_refused_when_local_reads_are_off(tmp_path, monkeypatch):
+    """allow_local=False: no spelling of a path reaches the filesystem (issue 17's traversal)."""
+    from k3jax.vision.media import parse_image_source
+    (tmp_path / "https").mkdir()
+    (tmp_path / "secret.png").write_bytes(_png(Image.fromarray(_noise(4, 4, 2))))
+    monkeypatch.chdir(tmp_path / "https")
+    for src in ("https/../secret.png", "../secret.png", "data/../secret.png", "httpsfoo/../../secret.png",
+                str(tmp_path / "secret.png"), f"file://{tmp_path / 'secret.png'}", "C:/secret.png", "missing.png"):
+        assert parse_image_source(src)[0] == "path", src
+        with pytest.raises(ImageInputError, match="local image paths are disabled"):
+            load_image(src, allow_local=False)
+    assert parse_image_source("HTTPS://x/y.png") == ("remote", "HTTPS://x/y.png")
+    assert parse_image_source(" data:image/png;base64,AA ")[0] == "data"
+    assert load_image("../secret.png").size == (4, 4)      # the offline API's default reads paths
+
+
 @pytest.mark.parametrize("source, match", [
     ("", "non-empty"),
     ("/nonexistent/dir/x.png", "not found"),

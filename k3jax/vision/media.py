@@ -59,41 +59,57 @@ class ImageInputError(ValueError):
 
 # ---------------------------------------------------------------------------------- sources
 
-def load_image(source: str, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-               max_pixels: int = DEFAULT_MAX_PIXELS, timeout_s: float = 10.0,
-               local_dir: str | None = None) -> Image.Image:
+def load_image(source: str, *, allow_remote: bool = False, allow_local: bool = True,
+               max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS,
+               timeout_s: float = 10.0, local_dir: str | None = None) -> Image.Image:
     """RGB image from a data URL, a file path / file:// URL, or (allow_remote) an http(s) URL.
-    local_dir, when set, confines local paths to that directory (symlinks resolved; relative
-    paths are taken inside it)."""
-    data = read_image_bytes(source, allow_remote=allow_remote, max_bytes=max_bytes,
-                            timeout_s=timeout_s, local_dir=local_dir)
+    allow_local=False refuses every path; local_dir, when set, confines local paths to that
+    directory (symlinks resolved; relative paths are taken inside it)."""
+    data = read_image_bytes(source, allow_remote=allow_remote, allow_local=allow_local,
+                            max_bytes=max_bytes, timeout_s=timeout_s, local_dir=local_dir)
     return decode_image(data, max_pixels=max_pixels)
 
 
-def read_image_bytes(source: str, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-                     timeout_s: float = 10.0, local_dir: str | None = None) -> bytes:
-    """The encoded bytes behind an image source (no decoding)."""
+def parse_image_source(source) -> tuple[str, str]:
+    """(kind, value) of an image source, kind one of "data", "remote", "path". The one place
+    that tells sources apart: a "path" is anything that is neither a data URL nor http(s)
+    (file:// URLs become their path), so no spelling of a path can pass as a URL."""
     if not isinstance(source, str) or not source.strip():
         raise ImageInputError("image source must be a non-empty string (data URL, path or URL)")
     source = source.strip()
     m = _SCHEME.match(source)
     scheme = m.group(1).lower() if m else ""
     if scheme == "data":
-        return _data_url_bytes(source, max_bytes)
+        return "data", source
     if scheme in ("http", "https"):
-        if not allow_remote:
-            raise ImageInputError("remote image URLs are disabled on this server; send the image inline "
-                                  "as a data URL (data:image/png;base64,...)")
-        return _fetch(source, max_bytes, timeout_s)
+        return "remote", source
     if scheme == "file":
         parsed = urllib.parse.urlparse(source)
         if parsed.netloc not in ("", "localhost"):
             raise ImageInputError("file:// URLs must name a local path (file:///path/to/image.png)")
-        return _file_bytes(urllib.parse.unquote(parsed.path), max_bytes, local_dir)
+        return "path", urllib.parse.unquote(parsed.path)
     if scheme and len(scheme) > 1:   # one letter would be a Windows drive, not a scheme
-        raise ImageInputError(f"unsupported image URL scheme {scheme!r}; use a data URL, a file path"
-                              + (" or an http(s) URL" if allow_remote else ""))
-    return _file_bytes(source, max_bytes, local_dir)
+        raise ImageInputError(f"unsupported image URL scheme {scheme!r}; use a data URL")
+    return "path", source
+
+
+def read_image_bytes(source: str, *, allow_remote: bool = False, allow_local: bool = True,
+                     max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 10.0,
+                     local_dir: str | None = None) -> bytes:
+    """The encoded bytes behind an image source (no decoding). A refused source is refused
+    before the filesystem or network is touched, with a message that depends only on its kind."""
+    kind, value = parse_image_source(source)
+    if kind == "data":
+        return _data_url_bytes(value, max_bytes)
+    if kind == "remote":
+        if not allow_remote:
+            raise ImageInputError("remote image URLs are disabled on this server; send the image inline "
+                                  "as a data URL (data:image/png;base64,...)")
+        return _fetch(value, max_bytes, timeout_s)
+    if not allow_local:
+        raise ImageInputError("local image paths are disabled on this server (start it with --image-dir DIR "
+                              "to serve files from DIR); send the image inline as a data: URL")
+    return _file_bytes(value, max_bytes, local_dir)
 
 
 def _data_url_bytes(url: str, max_bytes: int) -> bytes:
