@@ -79,9 +79,11 @@ class ModelRunner:
             ep = lambda: expert_parallel(mesh)
 
         def step(params, pools, batch, sarr, key_data, counters):
-            with ep():
+            with ep(), jax.named_scope("model"):
                 logits, pools = forward_step(params, c, pools, batch)
-            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters, num_top_logprobs=max_logprobs)
+            with jax.named_scope("sampler"):
+                toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters,
+                                                       num_top_logprobs=max_logprobs)
             return toks, lp, top_ids, top_vals, pools
 
         self._step = jax.jit(step, donate_argnums=(1,), **step_kw)

@@ -119,17 +119,21 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     if meta.get("decode_only"):
         return _decode_step(p, x, c, state_pool, conv_pool, meta)
     src = meta["state_src"]
-    x_in = _qkv_in(p, x)
-    conv0 = _gather_state(conv_pool, src)
-    conv_out, conv_new = _step_conv(x_in, _conv_weights(p), conv0, meta)
-    q, k, v, g, beta = _core(p, x, conv_out, c)
-    s0 = _gather_state(state_pool, src)
-    o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
-                          initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c))
-    for dst in (meta["state_dst"], meta["ckpt_dst"]):
-        state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
-        conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
-    return _output(p, x, o[0], c), state_pool, conv_pool
+    with jax.named_scope("kda_in"):
+        x_in = _qkv_in(p, x)
+        conv0 = _gather_state(conv_pool, src)
+        conv_out, conv_new = _step_conv(x_in, _conv_weights(p), conv0, meta)
+        q, k, v, g, beta = _core(p, x, conv_out, c)
+        s0 = _gather_state(state_pool, src)
+    with jax.named_scope("kda_chunk"):
+        o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
+                              initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c))
+    with jax.named_scope("kda_state_write"):
+        for dst in (meta["state_dst"], meta["ckpt_dst"]):
+            state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
+            conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
+    with jax.named_scope("kda_out"):
+        return _output(p, x, o[0], c), state_pool, conv_pool
 
 
 def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):

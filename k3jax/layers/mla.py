@@ -76,11 +76,14 @@ def mla_step(p, x, c: ModelConfig, kv_pages, meta):
     -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
     this step). Returns (out [T, D], kv_pages).
     """
-    q_nope, q_rope = _queries(p, x, c)
-    kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"])
-    w_uk, w_uv = _kv_b(p, c)
-    q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
-    o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                                 meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
-    o = jnp.einsum("thl,lhd->thd", o_lat.astype(x.dtype), w_uv)
-    return _output(p, x, o, c), kv_pages
+    with jax.named_scope("mla_in"):
+        q_nope, q_rope = _queries(p, x, c)
+        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"])
+        w_uk, w_uv = _kv_b(p, c)
+        q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
+    with jax.named_scope("mla_attn"):
+        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
+                                     meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
+    with jax.named_scope("mla_out"):
+        o = jnp.einsum("thl,lhd->thd", o_lat.astype(x.dtype), w_uv)
+        return _output(p, x, o, c), kv_pages

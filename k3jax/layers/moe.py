@@ -84,17 +84,23 @@ def moe(p, x, c: ModelConfig, routed=None):
     """Full MoE block. x [..., D] -> [..., D]. routed: override for the routed-experts call."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, ids = route(p, x2, c)
-    z = x2 @ p["latent_down"] if "latent_down" in p else x2
-    y = (routed or _routed)(p["experts"], z, weights, ids, c)
-    if "latent_norm" in p:
-        y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
-    if "latent_up" in p:
-        y = y @ p["latent_up"]
-    if "shared" in p:
-        y = y + dense_mlp(p["shared"], x2, c)
-    return y.reshape(shape)
+    with jax.named_scope("moe_route"):
+        weights, ids = route(p, x2, c)
+        z = x2 @ p["latent_down"] if "latent_down" in p else x2
+    with jax.named_scope("moe_experts"):
+        y = (routed or _routed)(p["experts"], z, weights, ids, c)
+    with jax.named_scope("moe_shared"):
+        if "latent_norm" in p:
+            y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
+        if "latent_up" in p:
+            y = y @ p["latent_up"]
+        if "shared" in p:
+            y = y + dense_mlp(p["shared"], x2, c)
+        return y.reshape(shape)
 
 
 def mlp_or_moe(p, x, c: ModelConfig):
-    return moe(p, x, c) if "router" in p else dense_mlp(p, x, c)
+    if "router" in p:
+        return moe(p, x, c)
+    with jax.named_scope("dense_mlp"):
+        return dense_mlp(p, x, c)

@@ -1,0 +1,237 @@
+"""Where an engine step's device time goes, op by op, as the product runs it (prints tables).
+
+  python scripts/profile_step.py --model kimi-linear-48b-a3b --layers 4 --budget 4096 --max-num-seqs 64 \
+      --scenario prefill:2x2048 --scenario prefill:64x64 --scenario decode:16x1024
+
+Each scenario drives `k3jax.LLM`'s engine with random prompts (prefix caching off): `prefill:KxL` runs K
+prompts of L tokens with max_tokens=1 (three rounds: the first compiles, the last is traced);
+`decode:NxL` runs N prompts of L tokens and times the decode steps. The traced step's GPU kernels are
+grouped by the named scope of the op that launched them (the `jax.named_scope`s in k3jax/layers and
+serving/runner.py, read from XLA's optimized-HLO dump), next to the step's wall time on the host.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+_INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
+_META = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r'calls=%?([\w.\-]+)')
+_COMP = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
+
+
+def hlo_op_names(dump_dir: str, program_id) -> dict:
+    """{instruction name: JAX op_name} from the optimized HLO of the step module `program_id` (the
+    dump's module number). A fusion without metadata of its own takes the first op_name inside the
+    computation it calls."""
+    names, first_in_comp, calls = {}, {}, {}
+    for path in glob.glob(os.path.join(dump_dir, f"module_{int(program_id):04d}.jit_step*after_optimizations.txt")):
+        comp = None
+        with open(path) as f:
+            for line in f:
+                m = _COMP.match(line)
+                if m and " = " not in line:
+                    comp = m.group(1)
+                    continue
+                m = _INSTR.match(line)
+                if not m:
+                    continue
+                meta, call = _META.search(line), _CALLS.search(line)
+                if meta:
+                    names[m.group(1)] = meta.group(1)
+                    first_in_comp.setdefault(comp, meta.group(1))
+                elif call:
+                    calls[m.group(1)] = call.group(1)
+                    operands = re.search(r"\(([^)]*)\)", line[m.end():])
+                    if operands:     # the label for an op XLA made up (e.g. a dtype conversion)
+                        names.setdefault("?" + m.group(1), operands.group(1)[:40])
+    for instr, comp in calls.items():
+        if instr not in names and comp in first_in_comp:
+            names[instr] = first_in_comp[comp]
+    return names
+
+
+def scope_of(op_name: str, depth: int) -> str:
+    """'jit(step)/model/kda_chunk/pjit(...)/...' -> 'model/kda_chunk' (named scopes only)."""
+    parts = [p for p in op_name.split("/") if p and "(" not in p and not p.startswith("jvp")]
+    return "/".join(parts[:depth]) or "(other)"
+
+
+def device_events(trace_dir: str):
+    """(name, duration_ns, stats) of every event on the GPU planes of the newest trace."""
+    from jax.profiler import ProfileData
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    data = ProfileData.from_file(files[-1])
+    gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
+        for line in plane.lines:
+            if gpu and "stream" not in line.name.lower():      # kernels live on the "Stream #.." lines
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if gpu or "jit_step" in str(stats.get("hlo_module", "")):   # CPU: the step's thunks
+                    yield ev.name, ev.duration_ns, stats
+
+
+def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: int = 12):
+    events = list(device_events(trace_dir))
+    programs = collections.Counter(st.get("program_id") for _, _, st in events if st.get("program_id") is not None)
+    names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
+    by_scope, by_kernel = collections.defaultdict(float), collections.defaultdict(float)
+    count = collections.Counter()
+    total = 0.0
+    for name, dur, stats in events:
+        op = stats.get("tf_op") or names.get(str(stats.get("hlo_op", "")), "")
+        hlo = str(stats.get("hlo_op", name))
+        scope = scope_of(op, depth) if op else f"(no scope) {hlo[:30]}({names.get('?' + hlo, '')})"
+        by_scope[scope] += dur
+        by_kernel[name[:70]] += dur
+        count[scope] += 1
+        total += dur
+    if not total:
+        print("  (no device events of the step in the trace)")
+        return 0.0
+    ms = lambda ns: ns / steps / 1e6          # noqa: E731 - per traced step
+    print(f"  device time per step: {ms(total):.2f} ms (sum of kernel durations)")
+    print("  | scope | ms/step | share | kernels/step |")
+    print("  |---|---|---|---|")
+    for s, d in sorted(by_scope.items(), key=lambda kv: -kv[1]):
+        if d / total < 0.002:
+            continue
+        print(f"  | {s} | {ms(d):.3f} | {100 * d / total:.1f}% | {count[s] / steps:.0f} |")
+    print(f"  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
+                                          sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
+    return ms(total)
+
+
+def truncated_preset(model: str, layers):
+    if not layers:
+        return model
+    import k3jax.presets as presets
+    from k3jax.presets import preset_config_dict
+    d = preset_config_dict(model)
+    t = d.get("text_config", d)
+    t["num_hidden_layers"] = layers
+    lac = t["linear_attn_config"]
+    lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= layers]
+    lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= layers]
+    name = f"{model}-{layers}l"
+    presets._PRESETS[name] = lambda d=d: d
+    return name
+
+
+def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
+    from serving.sampling_params import SamplingParams
+    import jax
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rounds = []
+    for r in range(3):
+        for i in range(k):
+            eng.add_request(rng.randint(0, vocab, length).tolist(), sp, request_id=f"p{r}-{i}")
+        steps = []
+        ctx = jax.profiler.trace(trace_dir) if r == 2 else _null()
+        with ctx:
+            while eng.has_unfinished():
+                t = time.perf_counter()
+                eng.step()
+                steps.append(time.perf_counter() - t)
+        rounds.append(steps)
+    last = rounds[-1]
+    print(f"  steps per round {len(last)}; wall per step (round 2, 3): "
+          f"{[round(x * 1e3, 1) for x in rounds[1]]} / {[round(x * 1e3, 1) for x in last]} ms; "
+          f"prefill {k * length / sum(last):.0f} tok/s")
+    summarize(trace_dir, dump_dir, steps=len(last))
+
+
+def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, out_tokens=24, traced=4):
+    from serving.sampling_params import SamplingParams
+    import jax
+    sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+    for i in range(n):
+        eng.add_request(rng.randint(0, vocab, length).tolist(), sp, request_id=f"d-{i}")
+    times, seen = [], 0
+    while eng.has_unfinished():
+        decoding = all(r.output_ids for r in eng.requests.values()) if eng.requests else False
+        if decoding and seen == 8:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(traced):
+                    eng.step()
+            seen += traced
+            continue
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        if decoding and len(outs) == n:
+            times.append(dt)
+            seen += 1
+    print(f"  decode steps {len(times)}, median wall {statistics.median(times) * 1e3:.2f} ms")
+    summarize(trace_dir, dump_dir, steps=traced)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="kimi-linear-48b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (same pattern)")
+    ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--scenario", action="append", default=None, help="prefill:KxL or decode:NxL")
+    ap.add_argument("--kernels", default=None, help="K3JAX_KERNELS for this run (auto | reference | pallas)")
+    ap.add_argument("--memory-fraction", type=float, default=None)
+    ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
+    args = ap.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
+    dump_dir, trace_dir = os.path.join(out, "hlo"), os.path.join(out, "trace")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_step").strip()
+    if args.kernels:
+        os.environ["K3JAX_KERNELS"] = args.kernels
+    import jax
+    import numpy as np
+    from k3jax.api import load_model
+    from k3jax.offline import LLM
+    name = truncated_preset(args.model, args.layers)
+    t0 = time.perf_counter()
+    model = load_model(name, dtype="bfloat16", seed=0)
+    jax.block_until_ready(model.params)
+    print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
+          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}", flush=True)
+    kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
+              max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
+              compilation_cache_dir=None, **kw)
+    eng = llm.engine
+    print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
+          f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)
+    rng = np.random.RandomState(0)
+    for sc in args.scenario or ["prefill:2x2048", "prefill:64x64", "decode:16x1024"]:
+        kind, shape = sc.split(":")
+        n, length = (int(x) for x in shape.split("x"))
+        print(f"\n## {sc}", flush=True)
+        tdir = os.path.join(trace_dir, sc.replace(":", "_"))
+        if kind == "prefill":
+            run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+        else:
+            run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
