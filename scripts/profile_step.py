@@ -90,13 +90,16 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     count = collections.Counter()
     total = 0.0
     for name, dur, stats in events:
-        op = stats.get("tf_op") or names.get(str(stats.get("hlo_op", "")), "")
+        tf_op = str(stats.get("tf_op", ""))
+        op = (tf_op if "/" in tf_op else "") or names.get(str(stats.get("hlo_op", "")), "")
         hlo = str(stats.get("hlo_op", name))
         scope = scope_of(op, depth) if op else f"(no scope) {hlo[:30]}({names.get('?' + hlo, '')})"
         by_scope[scope] += dur
         by_kernel[name[:70]] += dur
         count[scope] += 1
         total += dur
+    if events and not names:
+        print("  (no op names: stats of one event:", {k: str(v)[:60] for k, v in events[0][2].items()}, ")")
     if not total:
         print("  (no device events of the step in the trace)")
         return 0.0
@@ -177,6 +180,70 @@ def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, o
     summarize(trace_dir, dump_dir, steps=traced)
 
 
+def time_call(fn, *args, reps=10):
+    """Median seconds per call (each sample times `reps` back-to-back calls)."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t) / reps)
+    return statistics.median(samples)
+
+
+def kda_variants(model, T=4096, seqs=2, bucket=64):
+    """ops.kda_chunk as the isolated benchmark calls it vs as the model's step calls it: synthetic
+    vs the model's own q/k/v/g/beta (layer 0's KDA weights, random bf16 activations), no cu_seqlens
+    vs `seqs` sequences in a cu_seqlens padded to `bucket` entries with gathered initial states."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from k3jax.layers import kda as kda_layer
+    from pallas_kernels import ops
+    c = model.config
+    li = c.kda_layers[0]
+    p = model.params["layers"][li]["attn"]
+    x = (jax.random.normal(jax.random.PRNGKey(0), (1, T, c.hidden_size)) * 0.5).astype(jnp.bfloat16)
+    conv = kda_layer.causal_conv(kda_layer._qkv_in(p, x), kda_layer._conv_weights(p))
+    real = jax.jit(lambda x, conv: kda_layer._core(p, x, conv, c))(x, conv)
+    H, K = c.kda_num_heads, c.kda_head_dim
+    ks = jax.random.split(jax.random.PRNGKey(1), 5)
+    nrm = lambda a: a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)   # noqa: E731
+    synth = (nrm(jax.random.normal(ks[0], (1, T, H, K))).astype(jnp.bfloat16),
+             nrm(jax.random.normal(ks[1], (1, T, H, K))).astype(jnp.bfloat16),
+             jax.random.normal(ks[2], (1, T, H, K)).astype(jnp.bfloat16),
+             -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, H, K)) * 2),
+             jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H))).astype(jnp.bfloat16))
+    g = np.asarray(real[3], np.float32)
+    print(f"  model gate g: min {g.min():.3g} median {np.median(g):.3g} max {g.max():.3g}; "
+          f"beta mean {float(jnp.mean(real[4].astype(jnp.float32))):.3f}; dtypes "
+          f"{[str(a.dtype) for a in real]}")
+    cu = np.full(bucket + 1, T, np.int32)
+    cu[:seqs + 1] = np.linspace(0, T, seqs + 1).astype(np.int32)
+    cu = jnp.asarray(cu)
+    s0 = jnp.zeros((bucket, H, K, K), jnp.float32)
+    scale = K ** -0.5
+    plain = jax.jit(lambda q, k, v, g, b: ops.kda_chunk(q, k, v, g, b, scale=scale))
+    varlen = jax.jit(lambda q, k, v, g, b, cu, s0: ops.kda_chunk(q, k, v, g, b, scale=scale, initial_state=s0,
+                                                                 cu_seqlens=cu))
+    exact = jax.jit(lambda q, k, v, g, b, cu, s0: ops.kda_chunk(q, k, v, g, b, scale=scale, initial_state=s0,
+                                                                cu_seqlens=cu))
+    cu_exact = cu[:seqs + 1]
+    print("  | inputs | call | ms |")
+    print("  |---|---|---|")
+    fp32_qk = (real[0].astype(jnp.float32), real[1].astype(jnp.float32)) + tuple(real[2:])
+    for name, (q, k, v, g, b) in (("synthetic", synth), ("model's", real), ("model's, q/k fp32", fp32_qk)):
+        q, k, v = (a.reshape(1, T, H, K) for a in (q, k, v))
+        print(f"  | {name} | B=1, no cu_seqlens | {time_call(plain, q, k, v, g, b) * 1e3:.3f} |", flush=True)
+        print(f"  | {name} | {seqs} seqs, cu_seqlens of {bucket} | "
+              f"{time_call(varlen, q, k, v, g, b, cu, s0) * 1e3:.3f} |", flush=True)
+        print(f"  | {name} | {seqs} seqs, cu_seqlens of {seqs} | "
+              f"{time_call(exact, q, k, v, g, b, cu_exact, s0[:seqs]) * 1e3:.3f} |", flush=True)
+
+
 class _null:
     def __enter__(self):
         return self
@@ -191,10 +258,11 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (same pattern)")
     ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: longest scenario prompt + 64")
     ap.add_argument("--scenario", action="append", default=None, help="prefill:KxL or decode:NxL")
     ap.add_argument("--kernels", default=None, help="K3JAX_KERNELS for this run (auto | reference | pallas)")
     ap.add_argument("--memory-fraction", type=float, default=None)
+    ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
@@ -213,6 +281,12 @@ def main():
     jax.block_until_ready(model.params)
     print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
           f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}", flush=True)
+    if args.kda_variants:
+        print("\n## ops.kda_chunk, T=4096", flush=True)
+        kda_variants(model)
+    scenarios = args.scenario or ["prefill:2x2048", "prefill:64x64", "decode:16x1024"]
+    longest = max(int(sc.split(":")[1].split("x")[1]) for sc in scenarios)
+    args.max_model_len = args.max_model_len or longest + 64
     kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
@@ -221,7 +295,7 @@ def main():
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)
     rng = np.random.RandomState(0)
-    for sc in args.scenario or ["prefill:2x2048", "prefill:64x64", "decode:16x1024"]:
+    for sc in scenarios:
         kind, shape = sc.split(":")
         n, length = (int(x) for x in shape.split("x"))
         print(f"\n## {sc}", flush=True)

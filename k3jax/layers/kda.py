@@ -32,7 +32,9 @@ def _core(p, x, conv_out, c: ModelConfig):
     """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
     act = jax.nn.silu(conv_out).astype(x.dtype)
     q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
-    q, k = ops.l2norm(q), ops.l2norm(k)
+    # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
+    # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower, issue 18).
+    q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
     f = _heads((x @ p["f_a_proj"]) @ p["f_b_proj"], c)
     g = ops.kda_gate(f, p["A_log"], p["dt_bias"], lower_bound=c.gate_lower_bound)
     beta = jax.nn.sigmoid(upcast(x @ p["b_proj"]))
