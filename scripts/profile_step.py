@@ -244,6 +244,35 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
               f"{time_call(exact, q, k, v, g, b, cu_exact, s0[:seqs]) * 1e3:.3f} |", flush=True)
 
 
+def probe_ops(model, chunks, T, N, page_size):
+    """Run the step's KDA and MLA ops alone at a failed step's exact layout, to name the failing one."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from k3jax.cache import make_step_batch
+    from pallas_kernels import ops
+    c = model.config
+    b = make_step_batch(chunks, page_size, num_tokens=T, num_seqs=N)
+    H, K = c.kda_num_heads, c.kda_head_dim
+    q = jnp.full((1, T, H, K), 0.05, jnp.bfloat16)
+    g = jnp.full((1, T, H, K), -0.1, jnp.float32)
+    beta = jnp.full((1, T, H), 0.5, jnp.float32)
+    s0 = jnp.zeros((N, H, K, K), jnp.float32)
+    L, R, Hm = c.kv_lora_rank, c.mla_cache_dim - c.kv_lora_rank, c.mla_num_heads
+    pages = jnp.zeros((int(b.block_tables.max()) + 1, page_size, c.mla_cache_dim), jnp.bfloat16)
+    for name, fn in (
+            ("kda_chunk", lambda: ops.kda_chunk(q, q, q, g, beta, scale=K ** -0.5, initial_state=s0,
+                                                cu_seqlens=jnp.asarray(b.cu_seqlens))),
+            ("mla_ragged_paged", lambda: ops.mla_ragged_paged(
+                jnp.zeros((T, Hm, L), jnp.bfloat16), jnp.zeros((T, Hm, R), jnp.bfloat16), pages,
+                jnp.asarray(b.block_tables), jnp.asarray(b.cu_seqlens), jnp.asarray(b.kv_lens), scale=0.1))):
+        try:
+            jax.block_until_ready(jax.jit(fn)())
+            print(f"  probe {name}: ok")
+        except Exception as e:  # noqa: BLE001 - the point is to name the failure
+            print(f"  probe {name}: FAILS: {str(e).splitlines()[0][:160]}")
+
+
 class _null:
     def __enter__(self):
         return self
@@ -267,8 +296,9 @@ def main():
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
     dump_dir, trace_dir = os.path.join(out, "hlo"), os.path.join(out, "trace")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_step").strip()
+    # command buffers (CUDA graphs) would hide which HLO op launched each kernel
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
+                               "--xla_dump_hlo_module_re=jit_step --xla_gpu_enable_command_buffer=").strip()
     if args.kernels:
         os.environ["K3JAX_KERNELS"] = args.kernels
     import jax
@@ -295,15 +325,32 @@ def main():
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)
     rng = np.random.RandomState(0)
+    last = {}
+    execute = eng.runner.execute
+
+    def remember(chunks, *a, **kw):
+        last["chunks"] = list(chunks)
+        return execute(chunks, *a, **kw)
+    eng.runner.execute = remember
     for sc in scenarios:
         kind, shape = sc.split(":")
         n, length = (int(x) for x in shape.split("x"))
         print(f"\n## {sc}", flush=True)
         tdir = os.path.join(trace_dir, sc.replace(":", "_"))
-        if kind == "prefill":
-            run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
-        else:
-            run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+        try:
+            if kind == "prefill":
+                run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+            else:
+                run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+        except Exception as e:  # noqa: BLE001 - report, name the op, go on with the next scenario
+            from serving.runner import _fit
+            chunks = last.get("chunks", [])
+            T = _fit(eng.runner.token_buckets, sum(len(ch.tokens) for ch in chunks))
+            N = _fit(eng.runner.seq_buckets, len(chunks))
+            print(f"  FAILED: {str(e).splitlines()[0][:200]}\n  at a step of {len(chunks)} chunks "
+                  f"(lengths {sorted(len(ch.tokens) for ch in chunks)[-6:]}...), bucket T={T} N={N}")
+            probe_ops(model, chunks, T, N, eng.args.page_size)
+            break
         sys.stdout.flush()
 
 

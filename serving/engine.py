@@ -17,10 +17,10 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import EngineArgs, size_pools
+from serving.engine_args import EngineArgs, device_free_bytes, size_pools
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.request import CompletionOutput, Request, RequestOutput, Status
-from serving.runner import ModelRunner
+from serving.runner import ModelRunner, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.stop import StopChecker
@@ -48,8 +48,9 @@ class LLMEngine:
         args.max_model_len = self.max_model_len
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         cache_dtype = model.params["embed"].dtype
-        num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype)
         mesh = getattr(model, "mesh", None)
+        num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
+                                          self._activation_bytes(c, weight_bytes, cache_dtype, mesh))
         if mesh is not None:           # pages and slots split evenly over the data x expert shards
             shards = mesh.shape["data"] * mesh.shape["expert"]
             num_pages, num_slots = (-(-n // shards) * shards for n in (num_pages, num_slots))
@@ -84,6 +85,26 @@ class LLMEngine:
         self.runner.guard = args.forbid_compile_after_warmup
         if self.encoder is not None:
             self.encoder.guard = args.forbid_compile_after_warmup
+
+    def _activation_bytes(self, c, weight_bytes: int, cache_dtype, mesh) -> int:
+        """Scratch memory of the largest step bucket, measured by an ahead-of-time compile, when the cache
+        is sized from device memory (accelerators; CPU has no memory stats and a fixed budget)."""
+        args = self.args
+        if (args.cache_memory_bytes is not None or (args.num_pages and args.num_slots)
+                or device_free_bytes(weight_bytes) is None):
+            return 0
+        if mesh is not None:
+            log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
+                        "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
+            return 0
+        tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets, args.seq_buckets)
+        t0 = time.perf_counter()
+        temp = step_temp_bytes(c, self.model.params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
+                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
+                               max_logprobs=args.max_logprobs)
+        log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
+                 tb[-1], sb[-1], temp / 2**30, time.perf_counter() - t0)
+        return temp
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -59,7 +59,7 @@ class EngineArgs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
 
 
-def _device_free_bytes(weight_bytes: int) -> Optional[int]:
+def device_free_bytes(weight_bytes: int) -> Optional[int]:
     try:
         stats = jax_device_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
@@ -74,15 +74,24 @@ def jax_device_stats():
     return jax.devices()[0].memory_stats()
 
 
-def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype) -> tuple[int, int]:
-    """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0."""
+def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0) -> tuple[int, int]:
+    """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0.
+    activation_bytes: the largest step's scratch memory, kept free of the cache (measured by the engine)."""
     from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
     per_page = max(pool_bytes_per_page(config, args.page_size, cache_dtype), 1)
     per_slot = max(pool_bytes_per_slot(config, cache_dtype), 1)
     budget = args.cache_memory_bytes
     if budget is None:
-        free = _device_free_bytes(weight_bytes)
-        budget = int(free * args.memory_fraction) if free else 256 << 20
+        free = device_free_bytes(weight_bytes)
+        if free is not None and free - activation_bytes <= 0:
+            raise ValueError(f"the largest step needs {activation_bytes / 2**30:.2f} GiB of activations but only "
+                             f"{free / 2**30:.2f} GiB of device memory is free after the weights: lower "
+                             f"max_num_batched_tokens / max_num_seqs")
+        budget = int((free - activation_bytes) * args.memory_fraction) if free else 256 << 20
+        if free:
+            log.info("device memory: %.2f GiB free after the weights, %.2f GiB kept for the largest step's "
+                     "activations, cache budget %.2f GiB (memory_fraction %.2f)", free / 2**30,
+                     activation_bytes / 2**30, budget / 2**30, args.memory_fraction)
     slots = args.num_slots or int(budget * args.state_fraction // per_slot)
     pages = args.num_pages or int(budget * (1 - args.state_fraction) // per_page)
     min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint

@@ -41,6 +41,47 @@ def _fit(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, token_buckets=None, seq_buckets=None):
+    """(token buckets, sequence buckets) of the step shapes: CPU few (compiles dominate start-up there),
+    accelerators x4 steps (padding costs compute)."""
+    on_cpu = jax.default_backend() == "cpu"
+    tb = sorted(token_buckets or (
+        sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
+        else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
+    sb = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
+    return tb, sb
+
+
+def make_step_fn(config, max_logprobs: int, ep=contextlib.nullcontext):
+    """The jitted step's body: model forward over the pools, then the sampler."""
+    def step(params, pools, batch, sarr, key_data, counters):
+        with ep(), jax.named_scope("model"):
+            logits, pools = forward_step(params, config, pools, batch)
+        with jax.named_scope("sampler"):
+            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters,
+                                                   num_top_logprobs=max_logprobs)
+        return toks, lp, top_ids, top_vals, pools
+    return step
+
+
+def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
+                    cache_dtype, max_logprobs: int = 20) -> int:
+    """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
+    ahead-of-time compile against abstract pools (nothing allocated; pools are donated, so their size
+    does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
+    the same measurement without running."""
+    from k3jax.cache import pool_shapes
+    pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype)
+    batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
+                            max_pages=max_pages)
+    sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=num_seqs)
+    abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
+    lowered = jax.jit(make_step_fn(config, max_logprobs), donate_argnums=(1,)).lower(
+        abstract(params), pools, batch, sarr, make_key_data(0), np.zeros(num_seqs, np.int32))
+    stats = lowered.compile().memory_analysis()
+    return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
+
+
 def _copy_pages(pools, src, dst):
     return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
 
@@ -55,12 +96,8 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
-        on_cpu = jax.default_backend() == "cpu"
-        # CPU: few shapes (compiles dominate start-up there); accelerators: x4 steps (padding costs compute).
-        self.token_buckets = sorted(token_buckets or (
-            sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
-            else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
-        self.seq_buckets = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
+        self.token_buckets, self.seq_buckets = step_buckets(max_num_seqs, max_num_batched_tokens, token_buckets,
+                                                            seq_buckets)
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()
@@ -78,15 +115,7 @@ class ModelRunner:
             copy_kw = dict(out_shardings=ps)
             ep = lambda: expert_parallel(mesh)
 
-        def step(params, pools, batch, sarr, key_data, counters):
-            with ep(), jax.named_scope("model"):
-                logits, pools = forward_step(params, c, pools, batch)
-            with jax.named_scope("sampler"):
-                toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters,
-                                                       num_top_logprobs=max_logprobs)
-            return toks, lp, top_ids, top_vals, pools
-
-        self._step = jax.jit(step, donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(make_step_fn(c, max_logprobs, ep), donate_argnums=(1,), **step_kw)
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
         self.num_compiles = 0
 

@@ -1,0 +1,40 @@
+"""Cache pools sized from device memory leave room for the largest step's activations (issue 18's OOM)."""
+import jax
+import pytest
+
+from k3jax import load_model
+from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
+from serving import engine as engine_mod
+from serving import engine_args
+from serving.engine import LLMEngine
+from serving.engine_args import EngineArgs
+from serving.runner import step_temp_bytes
+
+
+def test_pools_sized_after_the_largest_steps_activations(monkeypatch):
+    model = load_model("tiny", dtype="bfloat16")
+    c, dt = model.config, model.params["embed"].dtype
+    w = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
+    free = 64 << 20
+    monkeypatch.setattr(engine_args, "jax_device_stats", lambda: {"bytes_limit": w + free, "bytes_in_use": w})
+    measured = []
+
+    def spy(*a, **kw):
+        measured.append((kw["num_tokens"], kw["num_seqs"], step_temp_bytes(*a, **kw)))
+        return measured[-1][2]
+    monkeypatch.setattr(engine_mod, "step_temp_bytes", spy)
+    args = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, warmup=False,
+                compilation_cache_dir=None, seq_buckets=(4,), token_buckets=(16, 256), memory_fraction=0.5)
+    pools = LLMEngine(model, EngineArgs(**args)).runner.pools
+    [(tokens, seqs, temp)] = measured
+    assert (tokens, seqs) == (256, 4)                       # the largest bucket
+    small = step_temp_bytes(c, model.params, num_tokens=16, num_seqs=4, page_size=16, max_pages=16, cache_dtype=dt)
+    assert 0 < small < temp                                 # a real measurement: it grows with the bucket
+    budget = (free - temp) * 0.5
+    assert pools.num_slots == int(budget * 0.5 // pool_bytes_per_slot(c, dt))
+    assert pools.num_pages == int(budget * 0.5 // pool_bytes_per_page(c, 16, dt))
+    # no room for the activations at all: a clear error naming what to lower
+    monkeypatch.setattr(engine_mod, "step_temp_bytes", lambda *a, **kw: temp)
+    monkeypatch.setattr(engine_args, "jax_device_stats", lambda: {"bytes_limit": w + temp // 2, "bytes_in_use": w})
+    with pytest.raises(ValueError, match="activations.*max_num_batched_tokens"):
+        LLMEngine(model, EngineArgs(**args))
