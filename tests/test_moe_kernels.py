@@ -536,3 +536,17 @@ def test_loading_checks_mxfp4_scales_against_the_ptx8_window(monkeypatch, caplog
   _check_mxfp4_scales(outside)
   assert mxm.DECODER == "ptx4"
   assert "outside the ptx8 decoder's exact window" in caplog.text
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_default_tiles_fit_shared_memory(fused):
+    """Every default tiling of the model's expert shapes fits Hopper's shared memory (a 1024-token
+    Kimi-Linear step once asked Triton for 245760 B); decode tiles keep their 4 stages where they fit."""
+    from pallas_kernels.moe import schedule as sch
+    for tokens in (16, 64, 256, 1024, 4096, 16384):
+        for k, n, g, topk in ((2304, 1024, 256, 8), (1024, 2304, 256, 8), (3584, 3072, 112, 16)):
+            t = sch.choose_tiling(tokens * topk, k, 2 * n if fused else n, g, fused=fused)
+            assert sch.pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages, fused) <= sch.SMEM_LIMIT, (tokens, k, n, t)
+    t = sch.choose_tiling(16 * 8, 2304, 2048, 256, fused=True)
+    assert t.bm == 16 and t.num_stages == 4
+    assert sch.choose_tiling(1024 * 8, 2304, 2048, 256, fused=True).num_stages == 3

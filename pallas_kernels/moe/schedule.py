@@ -121,7 +121,20 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   bk = pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
   warps = 4 if (decode or bm * bn <= 64 * 64) else 8
   stages = 4 if decode else 3
+  while stages > 2 and pipeline_smem_bytes(bm, bk, bn, stages, fused) > SMEM_LIMIT:
+    stages -= 1
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
+
+
+# Hopper's shared memory per block (227 KiB) less room for the epilogue.
+SMEM_LIMIT = 232448 - 4096
+
+
+def pipeline_smem_bytes(bm: int, bk: int, bn: int, stages: int, fused: bool, itemsize: int = 2) -> int:
+  """Shared memory of the K loop's software pipeline: stages - 1 buffers of the x tile and the weight
+  tiles (two of them in the fused gate+up kernel). Triton asked for exactly this at bm=32, bk=256,
+  bn=64, 4 stages, fused (245760 B > 232448: a Kimi-Linear step of 1024 tokens failed, 2026-12-01)."""
+  return (stages - 1) * (bm * bk + (2 if fused else 1) * bk * bn) * itemsize
 
 
 # MXFP4 decode tiles (bm = 16) for the ptx8 decoder: weights as the MMA's A operand, 2 warps
