@@ -12,7 +12,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.model import forward_full
-from k3jax.params import init_params, init_params_numpy
+from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The embedded default: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = jax.jit(partial(init_params, config, dtype=dt))(jax.random.key(seed))
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt)
         _check_mxfp4_scales(params)
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)

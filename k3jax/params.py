@@ -199,6 +199,23 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
         treedef, [_init_leaf(l, _JaxRandom(k), dtype, std) for l, k in zip(leaves, keys)])
 
 
+def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
+    """The values of `init_params` (same keys per leaf), made by one small jitted program per distinct
+    leaf (kind, shape): a model with many identical layers compiles a few programs in seconds, where
+    jitting init_params whole took ~3.5 minutes for the 27-layer Kimi-Linear on an H200 (2026-12-01)."""
+    spec = param_spec(c)
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
+    keys = jax.random.split(key, len(leaves))
+    programs = {}
+    out = []
+    for leaf, k in zip(leaves, keys):
+        sig = (leaf.kind, tuple(leaf.shape))
+        if sig not in programs:
+            programs[sig] = jax.jit(lambda k, leaf=leaf: _init_leaf(leaf, _JaxRandom(k), dtype, std))
+        out.append(programs[sig](k))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def init_params_numpy(c: ModelConfig, seed: int, dtype=jnp.bfloat16, std: float = 0.02):
     """Host-side random parameters (numpy Generator per leaf), returned as jax arrays."""
     spec = param_spec(c)

@@ -1,7 +1,16 @@
 """End-to-end engine benchmark on one device (prints tables).
 
+  python scripts/bench_e2e.py                           # full-depth Kimi-Linear-48B, default memory settings:
+                                                        # prefill, TTFT, decode vs floor, output tok/s (one table)
   python scripts/bench_e2e.py check                     # tiny model: Pallas kernels vs reference, through the engine
   python scripts/bench_e2e.py serve --model kimi-linear-48b-a3b --layers 8 --concurrency 16 --input 1024 --output 128
+
+The default (`full`) run: one engine (max_num_seqs 64, max_num_batched_tokens 4096, every other engine
+setting at its default, prefix caching off), compiled for its buckets before anything is timed, then
+  prefill   64 prompts x 2048 tokens and 256 x 64 (max_tokens 1): prompt tok/s, and its ratio to the
+            FLOP roofline = (matmul FLOP/s measured in this run) / (active matmul FLOPs per token);
+  c16       16 x 1024 in / 1024 out: mean TTFT, median decode step vs its floor, output tok/s;
+  c64       64 x 1024 in / 256 out: the same.
 
 `serve` uses random bf16 weights (preset + seed), prefill with chunked batches, then decode with
 `concurrency` sequences; it reports output tok/s, TTFT and the median decode step time next to the
@@ -78,19 +87,8 @@ def serve(args):
     import jax
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
-    from k3jax.presets import preset_config_dict
-    from k3jax.config import ModelConfig
-    import k3jax.presets as presets
     if args.layers:
-        d = preset_config_dict(args.model)
-        t = d.get("text_config", d)
-        t["num_hidden_layers"] = args.layers
-        lac = t["linear_attn_config"]
-        lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= args.layers]
-        lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= args.layers]
-        name = f"{args.model}-{args.layers}l"
-        presets._PRESETS[name] = lambda d=d: d
-        args.model = name
+        args.model = _truncate(args.model, args.layers)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
@@ -136,9 +134,114 @@ def serve(args):
     print(f"decode-only output tok/s: {args.concurrency / med:.1f}")
 
 
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of one n^3 jnp matmul (the roofline's rate, measured in the same run)."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(ts)
+
+
+def prefill_flops_per_token(model) -> float:
+    """2 x the active matmul parameters of one prompt token: the embedding is a lookup and the LM head
+    runs for one token per sequence, so neither counts (attention's own FLOPs are left out too)."""
+    from k3jax.info import model_info
+    c = model.config
+    vd = c.vocab_size * c.hidden_size
+    return 2 * (model_info(c)["active_params"] - vd * (2 if "lm_head" in model.params else 1))
+
+
+def _drive(eng, prompts, params):
+    """Run prompts to completion. Returns (seconds, {request: time to first token}, [(step s, outputs)])."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, request_id=f"r{time.monotonic_ns()}-{i}")
+    first, steps, start = {}, [], time.perf_counter()
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        outs = eng.step()
+        steps.append((time.perf_counter() - t, len(outs)))
+        for o in outs:
+            first.setdefault(o.request_id, time.perf_counter() - start)
+    return time.perf_counter() - start, first, steps
+
+
+def full(args):
+    import jax
+    from k3jax.api import load_model
+    from k3jax.offline import LLM, SamplingParams
+    name = args.model
+    if args.layers:
+        name = _truncate(args.model, args.layers)
+    bw = copy_bandwidth()
+    rate = matmul_rate()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    t0 = time.perf_counter()
+    model = load_model(name, dtype="bfloat16", seed=0)
+    jax.block_until_ready(model.params)
+    t_load = time.perf_counter() - t0
+    print(f"load {t_load:.1f}s", flush=True)
+    c = model.config
+    t0 = time.perf_counter()
+    llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048 + 64,
+              enable_prefix_caching=False, token_buckets=(16, 64, 4096), seq_buckets=(16, 64))
+    eng = llm.engine
+    t_warm = time.perf_counter() - t0
+    pools = eng.runner.pools
+    print(f"engine ready in {t_warm:.1f}s (cache: {pools.num_pages} pages, {pools.num_slots} slots)", flush=True)
+    rng = np.random.RandomState(0)
+    rand = lambda n, L: [rng.randint(0, c.vocab_size, L).tolist() for _ in range(n)]   # noqa: E731
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rows = []
+    roof = rate / prefill_flops_per_token(model)
+    for n, L in ((64, 2048), (256, 64)):
+        secs, _, _ = _drive(eng, rand(n, L), one)
+        tps = n * L / secs
+        rows.append(f"| prefill {n} x {L} | {tps:,.0f} prompt tok/s | {tps / roof:.2f} of roofline ({roof:,.0f}) | | |")
+        print(rows[-1], flush=True)
+    for conc, out in ((16, 1024), (64, 256)):
+        secs, first, steps = _drive(eng, rand(conc, 1024), SamplingParams(temperature=0, max_tokens=out,
+                                                                          ignore_eos=True))
+        decode = [dt for dt, k in steps if k == conc][conc:] or [float("nan")]
+        med = statistics.median(decode)
+        fb = floor_bytes(c, conc, 1024 + out // 2)
+        floor_s = sum(v for k, v in fb.items() if k != "touched") / bw
+        rows.append(f"| c{conc}, 1024 in / {out} out | {conc * out / secs:,.1f} output tok/s | mean TTFT "
+                    f"{statistics.mean(first.values()):.2f} s | decode step {med * 1e3:.2f} ms | floor "
+                    f"{floor_s * 1e3:.2f} ms ({med / floor_s:.2f}x) |")
+        print(rows[-1], flush=True)
+    print(f"\n# bench_e2e  {datetime.date.today()}  {jax.devices()[0].device_kind}  {name} (random bf16), "
+          f"default memory settings")
+    print(f"load {t_load:.0f}s, engine ready (pool sizing + warm-up) {t_warm:.0f}s, copy {bw / 1e12:.2f} TB/s, "
+          f"matmul {rate / 1e12:.0f} TFLOP/s")
+    print("| workload | throughput | | decode | |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def _truncate(model: str, layers: int) -> str:
+    from k3jax.presets import preset_config_dict
+    import k3jax.presets as presets
+    d = preset_config_dict(model)
+    t = d.get("text_config", d)
+    t["num_hidden_layers"] = layers
+    lac = t["linear_attn_config"]
+    lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= layers]
+    lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= layers]
+    name = f"{model}-{layers}l"
+    presets._PRESETS[name] = lambda d=d: d
+    return name
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["check", "serve"])
+    ap.add_argument("what", nargs="?", default="full", choices=["full", "check", "serve"])
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (same pattern)")
     ap.add_argument("--concurrency", type=int, default=16)
@@ -146,7 +249,7 @@ def main():
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     args = ap.parse_args()
-    (check if args.what == "check" else serve)(args)
+    {"full": full, "check": check, "serve": serve}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         if d / total < 0.002:
             continue
         print(f"  | {s} | {ms(d):.3f} | {100 * d / total:.1f}% | {count[s] / steps:.0f} |")
-    print(f"  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
+    print("  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
                                           sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
     return ms(total)
 
@@ -248,7 +248,6 @@ def probe_ops(model, chunks, T, N, page_size):
     """Run the step's KDA and MLA ops alone at a failed step's exact layout, to name the failing one."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from k3jax.cache import make_step_batch
     from pallas_kernels import ops
     c = model.config
