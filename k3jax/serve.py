@@ -39,6 +39,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory-fraction", type=float, default=0.85)
     ap.add_argument("--cache-memory-mb", type=int, default=None)
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
+    ap.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for; above: 400")
+    ap.add_argument("--max-body-mb", type=float, default=32.0,
+                    help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -103,7 +106,8 @@ def build_state(args):
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
-                       vision=_image_loader(model, args))
+                       vision=_image_loader(model, args), max_n=args.max_n,
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None)
 
 
 def _image_loader(model, args):

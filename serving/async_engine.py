@@ -37,33 +37,31 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ asyncio side
-    async def generate(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token until the request finishes. Cancelling the consumer
-        (client disconnect) aborts the request and frees its cache."""
+    def submit(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> "RequestStream":
+        """Hand a request to the engine thread. `await stream.admitted()` raises the engine's
+        ValueError / QueueFullError, so callers can answer 4xx before they start streaming."""
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        accepted = loop.create_future()
+        stream = RequestStream(self, request_id, loop.create_future())
         with self._lock:
             if self._stopping:
                 raise EngineDeadError("server is shutting down")
-            self._submit.append((request_id, prompt_ids, params, extras, accepted, queue, loop))
+            self._submit.append((request_id, prompt_ids, params, extras, stream.accepted, stream.queue, loop))
             self._lock.notify()
-        await accepted                            # raises ValueError / QueueFullError from add_request
-        finished = False
+        return stream
+
+    async def generate(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per new token until the request finishes. Cancelling the consumer
+        (client disconnect) aborts the request and frees its cache."""
+        stream = self.submit(prompt_ids, params, request_id, **extras)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+            await stream.admitted()
+        except BaseException:
+            stream.close()
+            raise
+        async for out in stream:
+            yield out
 
     def abort(self, request_id: str):
         with self._lock:
@@ -135,6 +133,39 @@ class AsyncEngine:
             self._dead = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+
+
+class RequestStream:
+    """One submitted request: `await admitted()`, then iterate its RequestOutputs. Leaving early
+    (or close() before iterating) aborts the request and frees its cache."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, accepted):
+        self.engine, self.request_id, self.accepted = engine, request_id, accepted
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def admitted(self):
+        await self.accepted
+
+    def close(self):
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def __aiter__(self):
+        try:
+            await self.accepted
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
 
 
 def _resolve(fut, exc):

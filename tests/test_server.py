@@ -16,7 +16,9 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv")), "--max-image-mb", "0.5")
+    # --max-waiting / --max-n small enough that a test can fill the queue with one request's n choices
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv")), "--max-image-mb", "0.5", "--max-waiting", "100",
+                      "--max-n", "200")
     yield s
     s.stop()
 
@@ -320,3 +322,139 @@ def test_oversized_image_gets_400(server):
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert r.status_code == 400 and "too large" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------- issue 17 regressions
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120, **kw)
+
+
+def _assert_openai_error(r, status, param=None, needle=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    if needle is not None:
+        assert needle in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("message,param,needle", [
+    # issue 17 item 2: each of these was a plain-text 500 with a traceback from the chat renderer
+    ({"role": "user", "content": [5, "x"]}, "messages.0.content", "part 0 must be an object or a string, got a number"),
+    ({"role": "user", "content": [None]}, "messages.0.content", "part 0 must be an object or a string, got null"),
+    ({"role": "assistant", "content": "x", "tool_calls": "abc"}, "messages.0.tool_calls",
+     "must be a list of tool calls, got a string"),
+    ({"role": "assistant", "content": "x", "tool_calls": {"id": "a"}}, "messages.0.tool_calls", "got an object"),
+    ({"role": "assistant", "content": "x", "tool_calls": [5]}, "messages.0.tool_calls.0", "valid dictionary"),
+    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "messages.0.tool_calls.0.function.name",
+     "Field required"),
+    ({"role": "user", "content": {"type": "text", "text": "x"}}, "messages.0.content", "got an object"),
+    ({"role": "user", "content": "x", "name": 5}, "messages.0.name", "valid string"),
+])
+def test_malformed_message_shapes_get_400(server, message, param, needle):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _assert_openai_error(_post(server, path, {"messages": [message], "max_tokens": 2}), 400, param, needle)
+        assert "ContentPart" not in err["message"] and "ToolCall" not in err["message"]
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"tools": [{"type": "function", "function": "get_weather"}]}, "tools.0.function", "valid dictionary"),
+    ({"tools": [{"type": "function", "function": {"name": "a"}}], "tool_choice": {"type": "function", "function": "a"}},
+     "tool_choice.function", "valid dictionary"),
+    # item 7: these named Python functions and arguments ("apply_chat_template() got multiple values ...")
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "tokenize cannot be set here"),
+    ({"chat_template_kwargs": {"foo": 1}}, "chat_template_kwargs", "takes only 'thinking', not 'foo'"),
+    ({"chat_template_kwargs": {"thinking": "maybe"}}, "chat_template_kwargs.thinking", "valid boolean"),
+])
+def test_malformed_tools_and_template_kwargs_get_400(server, body, param, needle):
+    err = _assert_openai_error(_post(server, "/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body}),
+                               400, param, needle)
+    assert "apply_chat_template" not in err["message"] and "()" not in err["message"]
+
+
+@pytest.mark.parametrize("path,body,status,param,needle", [
+    # issue 17 item 4: with stream=true these were HTTP 200 plus an error event
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, 400, "max_tokens",
+     "exceed the context"),
+    ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, None, "out of range"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, None, "out of range"),
+    # 150 choices on a server with --max-waiting 100: the queue is full
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 150}, 429, None, "server busy"),
+])
+def test_engine_refusals_are_the_same_status_with_and_without_streaming(server, path, body, status, param, needle):
+    for stream in (False, True):
+        err = _assert_openai_error(_post(server, path, {**body, "stream": stream}), status, param, needle)
+        assert err["code"] == ("queue_full" if status == 429 else None)
+    deadline = time.time() + 30            # the choices admitted before the refusal are aborted, not left running
+    while time.time() < deadline and (server.metric("k3jax:num_requests_running")
+                                      + server.metric("k3jax:num_requests_waiting")) > 0:
+        time.sleep(0.2)
+    assert server.metric("k3jax:num_requests_running") + server.metric("k3jax:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("n", [1000, 201, 100000])
+def test_n_above_the_cap_gets_400(server, n):
+    # issue 17 item 6: n=1000 ran for 44 s, n=100000 got a 429
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/completions", {"prompt": "x"})):
+        for stream in (False, True):
+            _assert_openai_error(_post(server, path, {**body, "n": n, "max_tokens": 1, "stream": stream}), 400, "n",
+                                 "at most 200 choices")
+
+
+def test_n_at_the_cap_is_served(server):
+    r = _post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "n": 100, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 100
+
+
+def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
+    """issue 17 item 3: a 100 MB body took 13.8 s to refuse and held /health for 12.5 s."""
+    import threading
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * (100 << 20) + b'"}]}'
+    health = []
+
+    def probe():
+        t0 = time.perf_counter()
+        httpx.get(server.url + "/health", timeout=60)
+        health.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=probe)
+    th.start()
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})
+    elapsed = time.perf_counter() - t0
+    th.join()
+    err = _assert_openai_error(r, 413)
+    assert err["code"] == "request_too_large" and "33554432 bytes" in err["message"]
+    assert elapsed < 5 and health[0] < 2, (elapsed, health)
+
+    def chunks():                           # no Content-Length: counted as it arrives
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+        yield b'"}]}'
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert _assert_openai_error(r, 413)["code"] == "request_too_large"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_body_parse_errors_use_the_openai_error_shape(server):
+    """issue 17 item 7: invalid UTF-8 and deeply nested JSON answered FastAPI's {"detail": ...}."""
+    h = {**AUTH, "content-type": "application/json"}
+    for body in (b'{"messages": [{"role": "user", "content": "' + bytes([0xFF, 0xFE]) + b'"}]}',
+                 b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=h, timeout=60)
+        assert 400 <= r.status_code < 500 and "detail" not in r.json(), r.text
+        _assert_openai_error(r, r.status_code)
+    r = httpx.get(server.url + "/v1/nothing-here", headers=AUTH)
+    assert _assert_openai_error(r, 404)["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/chat/completions", headers=AUTH)
+    assert _assert_openai_error(r, 405)["code"] == "method_not_allowed"

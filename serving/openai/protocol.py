@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serving.sampling_params import SamplingParams
+
+
+def _json_type(v) -> str:
+    """The JSON name of a value's type, for error messages (never a Python class name)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    return {int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}.get(type(v), "a value")
 
 
 class _Base(BaseModel):
@@ -52,16 +61,115 @@ class _Sampling(_Base):
             ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 
+# ---- chat messages: typed here so a malformed shape is a 400 naming its place, never a renderer crash.
+# Validated, then handed on as plain dicts (what the chat renderer and image loader read).
+
+class ImageURL(_Base):
+    url: str
+
+
+class ContentPart(_Base):
+    type: Optional[str] = None
+    text: Optional[str] = None
+    image_url: Union[None, str, ImageURL] = None
+    image: Union[None, str, ImageURL] = None
+
+
+class FunctionCall(_Base):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_Base):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[None, str, list[Union[str, ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+    # Shape checks first, so the error names what is wrong rather than every union member that failed.
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError(f"must be a string, null or a list of content parts, got {_json_type(v)}")
+        for j, part in enumerate(v):
+            if not isinstance(part, (str, dict)):
+                raise ValueError(f"part {j} must be an object or a string, got {_json_type(part)}")
+        return v
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls_shape(cls, v):
+        if v is not None and not isinstance(v, list):
+            raise ValueError(f"must be a list of tool calls, got {_json_type(v)}")
+        return v
+
+
+class FunctionDef(_Base):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Base):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatTemplateKwargs(_Base):
+    thinking: Optional[bool] = None
+
+
+# Arguments the server itself passes to the chat template: a client may not set them.
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize")
+
+
+def _as_dicts(items):
+    if items is None:
+        return None
+    return [x.model_dump(exclude_unset=True) if isinstance(x, BaseModel) else x for x in items]
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[None, Literal["none", "auto", "required"], dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = None
     parallel_tool_calls: bool = True
     response_format: Optional[dict[str, Any]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+
+    _plain_messages = field_validator("messages", "tools", mode="after")(classmethod(lambda cls, v: _as_dicts(v)))
+
+    @field_validator("tool_choice", "chat_template_kwargs", mode="after")
+    @classmethod
+    def _plain(cls, v, info):
+        if isinstance(v, ChatTemplateKwargs):
+            bad = sorted(k for k in v.model_extra or {} if k in _RESERVED_TEMPLATE_KWARGS)
+            if bad:
+                raise ValueError(f"{', '.join(bad)} cannot be set here")
+        return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
 
 
 class CompletionRequest(_Sampling):
@@ -75,8 +183,10 @@ class CompletionRequest(_Sampling):
 class TokenizeRequest(_Base):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = False
+
+    _plain_messages = field_validator("messages", mode="after")(classmethod(lambda cls, v: _as_dicts(v)))
 
 
 class DetokenizeRequest(_Base):
