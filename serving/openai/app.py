@@ -15,6 +15,7 @@ from serving.openai import chat, completions
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState
+from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
@@ -49,6 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
     max_body_bytes = state.max_body_bytes
     app = FastAPI(title="k3jax", version="0.1.0")
     app.state.k3 = state
+    app.openapi = lambda: build_openapi(app, vocab_size=state.tokenizer.vocab_size, max_n=state.max_n,
+                                          model_name=state.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -96,16 +99,29 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(state.engine.stats_snapshot), media_type="text/plain; version=0.0.4")
 
+    def model_card():
+        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3jax",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "k3jax", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")        # :path: served names may hold "/" (org/model)
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here (serving {state.model_name!r})",
+                           type_="not_found_error", param="model", code="model_not_found")
+        return model_card()
 
     async def respond(req, raw: Request, stream, whole):
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
         _check_model(req.model)
         if req.n > state.max_n:
             raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
         if req.stream:
             return StreamingResponse(await stream(state, req), media_type="text/event-stream")
         return await _until_disconnect(raw, whole(state, req))
@@ -138,7 +154,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
         if bad:
-            raise bad_request(f"token id {bad[0]} out of range [0, {state.tokenizer.vocab_size})", param="tokens")
+            raise bad_request(f"token id {bad[0]} out of range [0, {state.tokenizer.vocab_size})", param="tokens",
+                              code="invalid_token_id")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     return app

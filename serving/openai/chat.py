@@ -38,7 +38,7 @@ def image_sources(messages) -> list:
                 src = src.get("url")
             if not isinstance(src, str) or not src:
                 raise bad_request(f"messages[{i}].content[{j}]: an image part needs image_url.url",
-                                  param=f"messages.{i}.content.{j}")
+                                  param=f"messages.{i}.content.{j}", code="invalid_image")
             out.append((i, j, src))
     return out
 
@@ -55,9 +55,11 @@ def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) ->
         if extra and getattr(state.tokenizer, "chat_template", None) is None:   # the built-in template takes `thinking` only
             raise bad_request(f"chat_template_kwargs: this model's chat template takes only 'thinking', not "
                               f"{', '.join(map(repr, extra))}", param="chat_template_kwargs")
-        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
+        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages",
+                          code="invalid_conversation")
     except (ValueError, KeyError) as e:
-        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
+        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages",
+                          code="invalid_conversation")
 
 
 def load_images(state: ServerState, messages) -> list:
@@ -93,11 +95,12 @@ class _Plan:
             name = (choice.get("function") or {}).get("name")
             names = {(t.get("function") or {}).get("name") for t in (req.tools or [])}
             if not name or name not in names:
-                raise bad_request(f"tool_choice names unknown tool {name!r}", param="tool_choice")
+                raise bad_request(f"tool_choice names unknown tool {name!r}", param="tool_choice",
+                                  code="invalid_tool_choice")
             self.forced_name = name
         if choice in ("required",) or isinstance(choice, dict):
             if not req.tools:
-                raise bad_request("tool_choice requires tools", param="tool_choice")
+                raise bad_request("tool_choice requires tools", param="tool_choice", code="invalid_tool_choice")
         prompt = render_prompt(state, req.messages, tools, kwargs)
         self.images = load_images(state, req.messages)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
@@ -129,14 +132,14 @@ class _Plan:
             try:
                 fmt = grammar_for_tool_call(req.tools, self.forced_name)
             except ValueError as e:
-                raise bad_request(str(e), param="tools")
+                raise bad_request(str(e), param="tools", code="invalid_tools")
         if fmt and fmt.get("type") != "text":
             try:
                 grammar = state.structured_compiler().compile(fmt)
             except ImportError as e:
                 raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
             except ValueError as e:
-                raise bad_request(str(e), param="response_format")
+                raise bad_request(str(e), param="response_format", code="invalid_response_format")
             self.matcher_factory = grammar.matcher if grammar is not None else None
         try:
             self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory

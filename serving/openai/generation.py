@@ -59,7 +59,10 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), type_="server_error", code="engine_unavailable")
     if isinstance(e, ValueError):
-        return from_value_error(e)
+        # The engine refuses what only the model can judge: ids outside its vocabulary, or prompt +
+        # max_tokens over its context.
+        head = str(e).split(":", 1)[0]
+        return from_value_error(e, "context_length_exceeded" if head in ("max_tokens", "prompt") else "invalid_prompt")
     raise e
 
 
