@@ -147,9 +147,9 @@ def _serve(args):
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = build_app(state)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    from serving.openai.shutdown import GracefulServer
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = GracefulServer(config, state.engine, args.shutdown_timeout)
     log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible)%s", state.model_name, args.host, args.port,
              " with API key" if args.api_key else "")
     # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the

@@ -32,6 +32,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple] = {}     # rid -> (queue, loop)
         self._stopping = False
         self._dead: Optional[BaseException] = None
+        self._end_reason: Optional[str] = None      # set by end_all: the engine thread ends every stream
         self.stats_snapshot: dict = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
@@ -67,6 +68,20 @@ class AsyncEngine:
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
+
+    def stop_accepting(self):
+        """New submissions get EngineDeadError ("shutting down", a 503); running requests go on."""
+        with self._lock:
+            self._stopping = self._stopping or True
+            self._lock.notify()
+
+    def end_all(self, reason: str) -> int:
+        """Abort every running request, each stream ending with EngineDeadError(reason). Returns how many."""
+        with self._lock:
+            n = len(self._streams)
+            self._end_reason = reason
+            self._lock.notify()
+        return n
 
     def shutdown(self, timeout: float = 30.0):
         """Stop accepting work, let running requests finish (up to timeout), then abort the rest."""
@@ -104,13 +119,18 @@ class AsyncEngine:
                 self._lock.wait()
             subs, self._submit = self._submit, []
             aborts, self._aborts = self._aborts, []
-            return subs, aborts
+            end, self._end_reason = self._end_reason, None
+            return subs, aborts, end
 
     def _loop(self):
         eng = self.engine
         try:
             while True:
-                subs, aborts = self._take_work()
+                subs, aborts, end = self._take_work()
+                if end is not None:
+                    for rid in list(self._streams):
+                        eng.abort(rid)
+                        self._deliver(rid, EngineDeadError(end))
                 for rid, ids, params, extras, fut, queue, loop in subs:
                     try:
                         eng.add_request(ids, params, request_id=rid, **extras)
