@@ -452,6 +452,14 @@ def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_get_one_model(server, client):
+    """issue 17 item 9: GET /v1/models/{id} was a 404 for the served model too."""
+    m = client.models.retrieve("tiny")
+    assert (m.id, m.owned_by, m.model_extra["max_model_len"]) == ("tiny", "k3jax", 512)
+    err = _assert_openai_error(httpx.get(server.url + "/v1/models/gpt-9", headers=AUTH), 404, "model")
+    assert err["code"] == "model_not_found"
+
+
 def test_body_parse_errors_use_the_openai_error_shape(server):
     """issue 17 item 7: invalid UTF-8 and deeply nested JSON answered FastAPI's {"detail": ...}."""
     h = {**AUTH, "content-type": "application/json"}
