@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import AsyncIterator, Optional
 
 from serving.engine import LLMEngine
@@ -33,7 +34,8 @@ class AsyncEngine:
         self._stopping = False
         self._dead: Optional[BaseException] = None
         self._end_reason: Optional[str] = None      # set by end_all: the engine thread ends every stream
-        self.stats_snapshot: dict = engine.stats()
+        self._cache_usage, self._cache_usage_t = {}, 0.0
+        self.stats_snapshot: dict = self._stats(engine)
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
 
@@ -101,6 +103,13 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ engine thread
+    def _stats(self, eng) -> dict:
+        # The cache breakdown walks the cache index: at most twice a second, and whenever the engine goes idle.
+        now = time.monotonic()
+        if now - self._cache_usage_t >= 0.5 or not eng.has_unfinished():
+            self._cache_usage, self._cache_usage_t = eng.cache_usage(), now
+        return {**eng.stats(), **self._cache_usage}
+
     def _deliver(self, rid: str, item):
         entry = self._streams.get(rid)
         if entry is None:
@@ -147,7 +156,7 @@ class AsyncEngine:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._deliver(out.request_id, out)
-                self.stats_snapshot = eng.stats()
+                self.stats_snapshot = self._stats(eng)
         except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
             log.exception("engine loop died")
             self._dead = e

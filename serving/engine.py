@@ -206,6 +206,9 @@ class LLMEngine:
         # costs milliseconds at long contexts.
         return RequestOutput(req.request_id, None, req.prompt_ids, [comp], finished, req.num_cached_tokens, metrics)
 
+    def cache_usage(self) -> dict:
+        return self.scheduler.cache_usage()
+
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s.update(self.counters)

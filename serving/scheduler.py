@@ -309,3 +309,13 @@ class Scheduler:
             s["prefix_queried_tokens"] = self.cache.stats["queried_tokens"]
             s["prefix_hit_tokens"] = self.cache.stats["hit_tokens"]
         return s
+
+    def cache_usage(self) -> dict:
+        """Pages and KDA slots by state: in use by requests, cached only (evictable on demand), free."""
+        cached = self.cache.num_cached_only() if self.cache is not None else {"pages": 0, "slots": 0}
+        out = {}
+        for kind, alloc in (("pages", self.pages), ("slots", self.slots)):
+            out[f"{kind}_cached"] = cached[kind]
+            out[f"{kind}_in_use"] = alloc.num_used - cached[kind]
+            out[f"{kind}_free"] = alloc.num_free
+        return out

@@ -452,6 +452,34 @@ def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def _gauge(server, name, state):
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and f'state="{state}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError((name, state))
+
+
+def test_cache_gauges_separate_in_use_from_cached(server):
+    """issue 17 item 9: page_pool_usage counted blocks held only by the prefix cache (evictable) as used."""
+    body = {"prompt": list(range(10, 74)), "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(8):
+            next(lines)
+        time.sleep(0.6)                              # the breakdown refreshes twice a second
+        assert _gauge(server, "k3jax:cache_pages", "in_use") >= 4        # 64 prompt tokens in 16-token pages
+        assert _gauge(server, "k3jax:cache_state_slots", "in_use") >= 1
+    deadline = time.time() + 30
+    while time.time() < deadline and server.metric("k3jax:num_requests_running") > 0:
+        time.sleep(0.2)
+    time.sleep(0.3)
+    pages = {s: _gauge(server, "k3jax:cache_pages", s) for s in ("in_use", "cached", "free")}
+    assert pages["in_use"] == 0 and pages["cached"] >= 4, pages
+    assert _gauge(server, "k3jax:cache_state_slots", "in_use") == 0
+    held = server.metric("k3jax:page_pool_usage")
+    assert held > 0 and abs(held * sum(pages.values()) - pages["cached"]) < 1e-6 * sum(pages.values()) + 1e-9
+
+
 def test_get_one_model(server, client):
     """issue 17 item 9: GET /v1/models/{id} was a 404 for the served model too."""
     m = client.models.retrieve("tiny")
