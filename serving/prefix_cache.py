@@ -29,8 +29,6 @@ import heapq
 from collections import Counter, deque
 from typing import Dict, List, Optional, Sequence
 
-import numpy as np
-
 from serving.allocator import PageAllocator, SlotAllocator
 from serving.hashing import ExtraKeys, chain_hashes, tail_hash
 
@@ -364,16 +362,6 @@ class PrefixCacheIndex:
 
     def num_entries(self) -> Dict[str, int]:
         return {"pages": len(self._page), "checkpoints": len(self._ckpt)}
-
-    def num_cached_only(self) -> Dict[str, int]:
-        """Pages and checkpoint slots held by the cache alone (refcount 1): reclaimable on demand,
-        unlike the ones a running request also holds. O(entries): call it now and then, not per step."""
-        def count(alloc, entries):
-            if not entries:
-                return 0
-            ids = np.fromiter((e.id for e in entries.values()), np.int64, len(entries))
-            return int(np.count_nonzero(alloc._ref[np.unique(ids)] == 1))
-        return {"pages": count(self.pages, self._page), "slots": count(self.slots, self._ckpt)}
 
     def suggest_checkpoints(self, prompt_len: int, hashes: Sequence[bytes],
                             num_cached: int = 0, junction_tokens: int = 0) -> List[int]:

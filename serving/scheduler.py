@@ -311,11 +311,14 @@ class Scheduler:
         return s
 
     def cache_usage(self) -> dict:
-        """Pages and KDA slots by state: in use by requests, cached only (evictable on demand), free."""
-        cached = self.cache.num_cached_only() if self.cache is not None else {"pages": 0, "slots": 0}
+        """Pages and KDA slots by state: in use (held by an unfinished request), cached (held by the
+        prefix cache alone: evictable on demand) and free."""
+        live = self.running + list(self.waiting)
+        in_use = {"pages": len({p for r in live for p in r.pages if p}),
+                  "slots": len({r.slot for r in live if r.slot})}
         out = {}
         for kind, alloc in (("pages", self.pages), ("slots", self.slots)):
-            out[f"{kind}_cached"] = cached[kind]
-            out[f"{kind}_in_use"] = alloc.num_used - cached[kind]
+            out[f"{kind}_in_use"] = in_use[kind]
+            out[f"{kind}_cached"] = alloc.num_used - in_use[kind]
             out[f"{kind}_free"] = alloc.num_free
         return out

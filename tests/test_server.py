@@ -544,7 +544,7 @@ def test_fuzz_chat_content_and_tool_calls_never_5xx(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_schemathesis_all_checks(server):
+def test_schemathesis_all_checks(server, tmp_path):
     """issue 17 item 7: schemathesis with every check (its positive-data check replaced by one that knows
     the schema's documented semantic 400 codes, tests/schemathesis_hooks.py), bounded to 30 s."""
     import os
@@ -560,5 +560,6 @@ def test_schemathesis_all_checks(server):
         "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {API_KEY}", "--checks", "all",
         "--exclude-checks", "positive_data_acceptance", "--max-examples", "30", "--max-time", "30", "--seed", "1",
         "-w", "1", "--request-timeout", "60", "--output-sanitize", "false", "--no-color"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    # run from tmp_path: schemathesis keeps a .schemathesis/ cache in its working directory
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
