@@ -8,6 +8,8 @@ import argparse
 import sys
 import time
 
+from k3jax.cli_help import DefaultsHelpFormatter
+
 
 def generate_ids(model, prompt_ids, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
                  stop_ids=(), mesh=None) -> list[int]:
@@ -21,18 +23,45 @@ def generate_ids(model, prompt_ids, max_tokens: int = 32, temperature: float = 0
     return llm.generate([prompt], params)[0].outputs[0].token_ids
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+def _generate_with_progress(llm, ids, params):
+    """One prompt on the engine, with what a first run spends its time on shown on stderr: compiling
+    the model step (tens of seconds; later runs load it from the XLA cache), then the tokens."""
+    from tqdm import tqdm
+    eng = llm.engine
+    eng.add_request(ids, params, request_id="generate")
+    print("compiling the model step (first run only; later runs load it from the XLA cache) ...",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    bar, last = None, None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if bar is None:
+                print(f"compiled and ran the first step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                bar = tqdm(total=params.max_tokens, desc="generating", unit="tok", file=sys.stderr, leave=False)
+            bar.update(len(out.metrics.get("new_token_ids", ())))
+            last = out
+    if bar is not None:
+        bar.close()
+    return last.outputs[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__.splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
     ap.add_argument("--prompt", default="Hello", help="prompt text")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    ap.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
+    ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
     ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     from serving import multihost
@@ -54,7 +83,7 @@ def main(argv=None):
         llm = LLM(model, max_num_seqs=1, max_num_batched_tokens=128,
                   max_model_len=max(256, len(ids) + args.max_tokens), warmup=False)
         t0 = time.perf_counter()
-        out = llm.generate([ids], params)[0].outputs[0]
+        out = _generate_with_progress(llm, ids, params)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,9 +52,30 @@ def _human(n: float) -> str:
     return f"{n:.2f}P"
 
 
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+# How each field reads in the text listing (--json keeps plain numbers; its units are in the names:
+# *_params counts parameters, *_bytes bytes, max_context tokens).
+_UNITS = {"total_params": "params", "active_params": "params", "routed_expert_params": "params",
+          "vocab_size": "tokens", "max_context": "tokens"}
+
+
+def format_value(key: str, v) -> str:
+    if key.endswith("bytes") or "_bytes_" in key:
+        return _bytes(v)
+    if key in _UNITS:
+        return f"{_human(v) if v > 10000 else v} {_UNITS[key]}"
+    return str(v)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m k3jax.info", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     from k3jax.presets import resolve_config
@@ -68,7 +89,7 @@ def main(argv=None):
         print(json.dumps(info))
     else:
         for k, v in info.items():
-            print(f"{k:32s} {_human(v) if isinstance(v, int) and v > 10000 else v}")
+            print(f"{k:32s} {format_value(k, v)}")
     return 0
 
 

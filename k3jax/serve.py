@@ -16,50 +16,63 @@ import signal
 import sys
 import time
 
+from k3jax.cli_help import DefaultsHelpFormatter
+
 log = logging.getLogger("k3jax.serve")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
-    ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), help="require 'Authorization: Bearer KEY'")
-    ap.add_argument("--dtype", default=None)
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--served-model-name", default=None,
+                    help="model name clients send and /v1/models lists (default: the --model name)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port")
+    ap.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $K3JAX_API_KEY, else no key)")
+    ap.add_argument("--dtype", default=None, help="weight and cache dtype, e.g. bfloat16 or float32 (default: the checkpoint's)")
     ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
-    ap.add_argument("--seed", type=int, default=None, help="random weights for a preset without weights")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--prefix-match-unit", type=int, default=16)
-    ap.add_argument("--state-block-size", type=int, default=1024)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--memory-fraction", type=float, default=0.85)
-    ap.add_argument("--cache-memory-mb", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None, help="random weights from this seed, for a preset without weights (default: none)")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step (the batch)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one step (prefill chunks + decodes)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context length, prompt + output (default: 8192, capped by the model's)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per MLA cache page")
+    ap.add_argument("--prefix-match-unit", type=int, default=16, help="prefix-cache granularity in tokens (divides --page-size)")
+    ap.add_argument("--state-block-size", type=int, default=1024, help="KDA state checkpoint every this many prompt tokens")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
+    ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
-    ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--forbid-compile-after-warmup", action="store_true")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0)
+    ap.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for; above: 400")
+    ap.add_argument("--max-body-mb", type=float, default=32.0,
+                    help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
+    ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
     ap.add_argument("--allow-remote-images", action="store_true",
                     help="fetch http(s) image URLs (off: data URLs, and files under --image-dir, only)")
     ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")
-    ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted")
+    ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted, in MiB")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
-    ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache")
+    ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache in MiB")
     ap.add_argument("--no-vision", action="store_true",
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/k3jax/xla)")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default: ~/.cache/k3jax/xla)")
+    ap.add_argument("--log-level", default="info", help="debug, info, warning or error")
     mh = ap.add_argument_group("multi-host (default: K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID)")
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
-    mh.add_argument("--num-processes", type=int, default=None)
+    mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     mh.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; others follow its steps")
-    return ap.parse_args(argv)
+    return ap
 
 
 def follow(args) -> int:
@@ -103,7 +116,8 @@ def build_state(args):
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
-                       vision=_image_loader(model, args))
+                       vision=_image_loader(model, args), max_n=args.max_n,
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None)
 
 
 def _image_loader(model, args):
@@ -143,9 +157,9 @@ def _serve(args):
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = build_app(state)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    from serving.openai.shutdown import GracefulServer
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = GracefulServer(config, state.engine, args.shutdown_timeout)
     log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible)%s", state.model_name, args.host, args.port,
              " with API key" if args.api_key else "")
     # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the

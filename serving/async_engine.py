@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import AsyncIterator, Optional
 
 from serving.engine import LLMEngine
@@ -32,43 +33,57 @@ class AsyncEngine:
         self._streams: dict[str, tuple] = {}     # rid -> (queue, loop)
         self._stopping = False
         self._dead: Optional[BaseException] = None
-        self.stats_snapshot: dict = engine.stats()
+        self._end_reason: Optional[str] = None      # set by end_all: the engine thread ends every stream
+        self._cache_usage, self._cache_usage_t = {}, 0.0
+        self.stats_snapshot: dict = self._stats(engine)
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ asyncio side
-    async def generate(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token until the request finishes. Cancelling the consumer
-        (client disconnect) aborts the request and frees its cache."""
+    def submit(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> "RequestStream":
+        """Hand a request to the engine thread. `await stream.admitted()` raises the engine's
+        ValueError / QueueFullError, so callers can answer 4xx before they start streaming."""
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        accepted = loop.create_future()
+        stream = RequestStream(self, request_id, loop.create_future())
         with self._lock:
             if self._stopping:
                 raise EngineDeadError("server is shutting down")
-            self._submit.append((request_id, prompt_ids, params, extras, accepted, queue, loop))
+            self._submit.append((request_id, prompt_ids, params, extras, stream.accepted, stream.queue, loop))
             self._lock.notify()
-        await accepted                            # raises ValueError / QueueFullError from add_request
-        finished = False
+        return stream
+
+    async def generate(self, prompt_ids, params: SamplingParams, request_id: str, **extras) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per new token until the request finishes. Cancelling the consumer
+        (client disconnect) aborts the request and frees its cache."""
+        stream = self.submit(prompt_ids, params, request_id, **extras)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+            await stream.admitted()
+        except BaseException:
+            stream.close()
+            raise
+        async for out in stream:
+            yield out
 
     def abort(self, request_id: str):
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
+
+    def stop_accepting(self):
+        """New submissions get EngineDeadError ("shutting down", a 503); running requests go on."""
+        with self._lock:
+            self._stopping = self._stopping or True
+            self._lock.notify()
+
+    def end_all(self, reason: str) -> int:
+        """Abort every running request, each stream ending with EngineDeadError(reason). Returns how many."""
+        with self._lock:
+            n = len(self._streams)
+            self._end_reason = reason
+            self._lock.notify()
+        return n
 
     def shutdown(self, timeout: float = 30.0):
         """Stop accepting work, let running requests finish (up to timeout), then abort the rest."""
@@ -88,6 +103,13 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ engine thread
+    def _stats(self, eng) -> dict:
+        # The cache breakdown walks the cache index: at most twice a second, and whenever the engine goes idle.
+        now = time.monotonic()
+        if now - self._cache_usage_t >= 0.5 or not eng.has_unfinished():
+            self._cache_usage, self._cache_usage_t = eng.cache_usage(), now
+        return {**eng.stats(), **self._cache_usage}
+
     def _deliver(self, rid: str, item):
         entry = self._streams.get(rid)
         if entry is None:
@@ -106,13 +128,18 @@ class AsyncEngine:
                 self._lock.wait()
             subs, self._submit = self._submit, []
             aborts, self._aborts = self._aborts, []
-            return subs, aborts
+            end, self._end_reason = self._end_reason, None
+            return subs, aborts, end
 
     def _loop(self):
         eng = self.engine
         try:
             while True:
-                subs, aborts = self._take_work()
+                subs, aborts, end = self._take_work()
+                if end is not None:
+                    for rid in list(self._streams):
+                        eng.abort(rid)
+                        self._deliver(rid, EngineDeadError(end))
                 for rid, ids, params, extras, fut, queue, loop in subs:
                     try:
                         eng.add_request(ids, params, request_id=rid, **extras)
@@ -129,12 +156,45 @@ class AsyncEngine:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._deliver(out.request_id, out)
-                self.stats_snapshot = eng.stats()
+                self.stats_snapshot = self._stats(eng)
         except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
             log.exception("engine loop died")
             self._dead = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+
+
+class RequestStream:
+    """One submitted request: `await admitted()`, then iterate its RequestOutputs. Leaving early
+    (or close() before iterating) aborts the request and frees its cache."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, accepted):
+        self.engine, self.request_id, self.accepted = engine, request_id, accepted
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def admitted(self):
+        await self.accepted
+
+    def close(self):
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def __aiter__(self):
+        try:
+            await self.accepted
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
 
 
 def _resolve(fut, exc):

@@ -100,8 +100,7 @@ class LLMEngine:
         tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets, args.seq_buckets)
         t0 = time.perf_counter()
         temp = step_temp_bytes(c, self.model.params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
-                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
-                               max_logprobs=args.max_logprobs)
+                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype)
         log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
                  tb[-1], sb[-1], temp / 2**30, time.perf_counter() - t0)
         return temp
@@ -226,6 +225,9 @@ class LLMEngine:
         # The prompt list is shared, not copied: it never changes, and a copy per step per request
         # costs milliseconds at long contexts.
         return RequestOutput(req.request_id, None, req.prompt_ids, [comp], finished, req.num_cached_tokens, metrics)
+
+    def cache_usage(self) -> dict:
+        return self.scheduler.cache_usage()
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

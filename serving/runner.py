@@ -1,11 +1,14 @@
-"""Model runner: owns the cache pools on the device and the jitted step (model + sampler).
+"""Model runner: owns the cache pools on the device and the jitted step (model, then sampler).
 
 Every step is padded to a shape bucket (tokens, sequences); pages per sequence are fixed by the
 max model length, so the set of compilations is small and known. Pools are donated in and out.
+The sampler is a jit of its own: its variants (penalties, allowed-token masks) are small programs
+compiled at warm-up per sequence bucket, never a recompile of the model while serving.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Sequence
@@ -52,20 +55,17 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, token_buckets=N
     return tb, sb
 
 
-def make_step_fn(config, max_logprobs: int, ep=contextlib.nullcontext):
-    """The jitted step's body: model forward over the pools, then the sampler."""
-    def step(params, pools, batch, sarr, key_data, counters):
+def make_step_fn(config, ep=contextlib.nullcontext):
+    """The jitted step's body: the model forward over the pools -> (logits, pools); the sampler is a
+    jit of its own."""
+    def step(params, pools, batch):
         with ep(), jax.named_scope("model"):
-            logits, pools = forward_step(params, config, pools, batch)
-        with jax.named_scope("sampler"):
-            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters,
-                                                   num_top_logprobs=max_logprobs)
-        return toks, lp, top_ids, top_vals, pools
+            return forward_step(params, config, pools, batch)
     return step
 
 
 def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
-                    cache_dtype, max_logprobs: int = 20) -> int:
+                    cache_dtype) -> int:
     """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
     ahead-of-time compile against abstract pools (nothing allocated; pools are donated, so their size
     does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
@@ -74,10 +74,8 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype)
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
-    sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=num_seqs)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
-    lowered = jax.jit(make_step_fn(config, max_logprobs), donate_argnums=(1,)).lower(
-        abstract(params), pools, batch, sarr, make_key_data(0), np.zeros(num_seqs, np.int32))
+    lowered = jax.jit(make_step_fn(config), donate_argnums=(1,)).lower(abstract(params), pools, batch)
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
 
@@ -103,7 +101,7 @@ class ModelRunner:
         self._seen: set = set()
         c = config
 
-        step_kw, copy_kw, ep = {}, {}, contextlib.nullcontext
+        step_kw, sample_kw, copy_kw, ep = {}, {}, {}, contextlib.nullcontext
         if mesh is not None:
             # Pools sharded by the partition rules and kept there; MoE traced expert-parallel.
             from sharding.moe_ep import expert_parallel
@@ -111,11 +109,15 @@ class ModelRunner:
             self.pools = shard_pools(self.pools, mesh)
             ps = pool_shardings(config, mesh, self.pools)
             rep = replicated(mesh)
-            step_kw = dict(out_shardings=(rep, rep, rep, rep, ps))
+            step_kw = dict(out_shardings=(rep, ps))
+            sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
             ep = lambda: expert_parallel(mesh)
 
-        self._step = jax.jit(make_step_fn(c, max_logprobs, ep), donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(make_step_fn(c, ep), donate_argnums=(1,), **step_kw)
+        self._sample = jax.jit(functools.partial(sample, num_top_logprobs=max_logprobs), **sample_kw)
+        # one penalties variant: output ids padded to the context (a power of two, as the buckets)
+        self.penalty_width = 1 << max(0, max_model_len - 1).bit_length()
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
         self.num_compiles = 0
 
@@ -151,10 +153,11 @@ class ModelRunner:
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
                                      prompt_token_ids=prompt_ids, output_token_ids=output_ids,
-                                     allowed_masks=allowed_masks)
+                                     allowed_masks=allowed_masks, penalty_width=self.penalty_width)
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
-        self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None, self._variant(sarr)))
+        self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None))
+        self._note_shape(("sample", N, self._variant(sarr)))
         toks, lp, top_ids, top_vals = self._call("step", batch, sarr, cnt)
         n = len(chunks)
         return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
@@ -175,17 +178,30 @@ class ModelRunner:
                 self._run_padding(T, N, decode=True)
             if multimodal:
                 self._run_padding(T, N, decode=False, mm=True)
+        # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
+        # step that holds it: a request with presence_penalty must not compile while others run
+        for N in self.seq_buckets:
+            T = _fit(self.token_buckets, N)
+            for penalties in (False, True):
+                for masked in (False, True):
+                    self._run_padding(T, N, decode=False, penalties=penalties, masked=masked)
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
 
-    def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False):
+    def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
+                     masked: bool = False):
         # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
         # resuming from slot 0 gives the decode-only variant of the same bucket.
         rows = [(0, np.zeros((1, self.config.hidden_size), self.params["embed"].dtype))] if mm else ()
         batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], self.page_size,
                                 num_tokens=T, num_seqs=N, max_pages=self.max_pages)
-        sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
-        self._note_shape(("step", T, N, batch.decode_only, mm, self._variant(sarr)))
+        v = self.config.vocab_size
+        sarr = build_sampling_arrays(
+            [SamplingParams(temperature=0.0, presence_penalty=0.5 if penalties else 0.0)], seeds=[0], num_rows=N,
+            vocab_size=v, prompt_token_ids=[[0]], output_token_ids=[[]], penalty_width=self.penalty_width,
+            allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
+        self._note_shape(("step", T, N, batch.decode_only, mm))
+        self._note_shape(("sample", N, self._variant(sarr)))
         self._call("step", batch, sarr, np.zeros(N, np.int32))
 
     # ---- multi-host hook: the one dispatch point of the jitted functions. In a multi-process run
@@ -195,8 +211,9 @@ class ModelRunner:
         with multihost.leading(control, args):
             if control == "step":
                 batch, sarr, counters = args
-                *outs, self.pools = self._step(self.params, self.pools, batch, sarr, self.key_data, counters)
-                return outs
+                logits, self.pools = self._step(self.params, self.pools, batch)
+                toks, lp, (top_ids, top_vals) = self._sample(logits, sarr, self.key_data, counters)
+                return toks, lp, top_ids, top_vals
             if control == "copy":
                 src, dst = args
                 self.pools = self._copy(self.pools, src, dst)

@@ -191,7 +191,7 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_rows=None,
                           vocab_size=None, prompt_token_ids=None, output_token_ids=None,
-                          allowed_masks=None) -> SamplingArrays:
+                          allowed_masks=None, penalty_width=None) -> SamplingArrays:
     """Host: SamplingArrays (numpy) for a batch.
 
     params: one SamplingParams per row. seeds: optional per-row ints overriding params.seed
@@ -201,6 +201,9 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
     output_token_ids: per-row token sequences, used only if some row has penalties (prompt
     ids only for repetition). allowed_masks: per-row uint32 [ceil(V/32)] or None (no
     constraint); the field stays None when every row is unconstrained.
+    penalty_width: when set, penalties take one shape whatever the batch (output_tokens
+    [rows, penalty_width], prompt_mask always present, zero where repetition is off), so a
+    server compiles one penalties variant at warm-up instead of one per output length.
     """
     n = len(params)
     rows = n if num_rows is None else num_rows
@@ -228,15 +231,19 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
         if vocab_size is None or output_token_ids is None:
             raise ValueError("vocab_size/output_token_ids: required when a row uses penalties")
         outs = [list(output_token_ids[i]) if params[i].uses_penalties else [] for i in range(n)]
-        ot = np.full((rows, _bucket(max(len(o) for o in outs))), -1, np.int32)
+        width = penalty_width or _bucket(max(len(o) for o in outs))
+        if max(len(o) for o in outs) > width:
+            raise ValueError(f"output_token_ids: longer than penalty_width {width}")
+        ot = np.full((rows, width), -1, np.int32)
         for i, o in enumerate(outs):
             ot[i, :len(o)] = o
         out["output_tokens"] = ot
-        if any(p.repetition_penalty != 1.0 for p in params):
-            if prompt_token_ids is None:
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if penalty_width or repetition:
+            if repetition and prompt_token_ids is None:
                 raise ValueError("prompt_token_ids: required when a row uses repetition_penalty")
             pm = np.zeros((rows, (vocab_size + 31) // 32), np.uint32)
-            for i, p in enumerate(params):
+            for i, p in enumerate(params[:n]):
                 if p.repetition_penalty != 1.0 and len(prompt_token_ids[i]):
                     pm[i] = token_bitmask(prompt_token_ids[i], vocab_size)
             out["prompt_mask"] = pm

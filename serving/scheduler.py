@@ -309,3 +309,16 @@ class Scheduler:
             s["prefix_queried_tokens"] = self.cache.stats["queried_tokens"]
             s["prefix_hit_tokens"] = self.cache.stats["hit_tokens"]
         return s
+
+    def cache_usage(self) -> dict:
+        """Pages and KDA slots by state: in use (held by an unfinished request), cached (held by the
+        prefix cache alone: evictable on demand) and free."""
+        live = self.running + list(self.waiting)
+        in_use = {"pages": len({p for r in live for p in r.pages if p}),
+                  "slots": len({r.slot for r in live if r.slot})}
+        out = {}
+        for kind, alloc in (("pages", self.pages), ("slots", self.slots)):
+            out[f"{kind}_in_use"] = in_use[kind]
+            out[f"{kind}_cached"] = alloc.num_used - in_use[kind]
+            out[f"{kind}_free"] = alloc.num_free
+        return out

@@ -156,6 +156,29 @@ def test_no_compiles_after_warmup(model, tmp_path_factory):
         eng.runner._note_shape(("step", 3, 3, None))
 
 
+def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
+    """issue 17 item 8: a request with presence_penalty (or a structured-output mask) after warm-up compiled a
+    new variant of the whole step (27.6 s for the first presence_penalty request on the 2-core CPU tiny server;
+    30-100 s on an accelerator). The sampler variants are now compiled at warm-up, for any output length."""
+    from serving.sampling_params import SamplingParams
+    from serving.test_hooks import ScriptedMatcher
+    eng = _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
+    compiled = eng.runner.num_compiles
+    tok = eng.tokenizer
+    eng.add_request([5, 6, 7], SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=40, ignore_eos=True))
+    eng.add_request([5, 6, 7], SamplingParams(temperature=0.7, seed=1, repetition_penalty=1.3, frequency_penalty=0.2,
+                                              max_tokens=20, ignore_eos=True))
+    eng.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3),
+                    matcher=ScriptedMatcher([11, 12], tok.vocab_size, tok.stop_ids))
+    eng.add_request([8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    finished = {}
+    while eng.has_unfinished():
+        finished.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [len(finished[r].outputs[0].token_ids) for r in sorted(finished)] == [40, 20, 3, 5]
+    assert finished["req-2"].outputs[0].token_ids[:2] == [11, 12]
+    assert eng.runner.num_compiles == compiled
+
+
 def test_bad_requests_raise_value_error(model, tmp_path_factory):
     eng = _engine(model, tmp_path_factory, warmup=False, max_model_len=64)
     with pytest.raises(ValueError, match="max_tokens"):

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.openai import chat, completions
+from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState
+from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
@@ -21,9 +25,33 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def _is_union_tag(part) -> bool:
+    # pydantic names the union member that failed in `loc` ("str", "list[...]", "ContentPart"): not a field.
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool", "none"))
+
+
+def validation_error(errs: list) -> APIError:
+    """pydantic / FastAPI validation errors -> one 400 naming a bad field, in JSON terms. Of a union's
+    failed alternatives the deepest is the one the client most likely meant."""
+    def path(err):
+        return [str(x) for x in err.get("loc", ())[1:] if not _is_union_tag(x)]
+    first = max(errs, key=lambda err: len(path(err))) if errs else {}
+    loc = ".".join(path(first)) or None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    msg = re.sub(r" or instance of \w+", "", msg)
+    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc)
+
+
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                     429: "rate_limit_error"}
+
+
 def build_app(state: ServerState) -> FastAPI:
+    max_body_bytes = state.max_body_bytes
     app = FastAPI(title="k3jax", version="0.1.0")
     app.state.k3 = state
+    app.openapi = lambda: build_openapi(app, vocab_size=state.tokenizer.vocab_size, max_n=state.max_n,
+                                          model_name=state.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -31,11 +59,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        msg = f"{loc}: {first.get('msg')}" if loc else str(first.get("msg", "invalid request"))
-        return _error(bad_request(msg, param=loc))
+        return _error(validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):
+        # Routing and body-parsing errors (404, 405, 413, a body that is not UTF-8 or nests too deep) in
+        # the OpenAI error shape rather than FastAPI's {"detail": ...}.
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        err = APIError(e.status_code, str(e.detail), type_=_HTTP_ERROR_TYPES.get(e.status_code, "invalid_request_error"),
+                       code=code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    if max_body_bytes:
+        async def refuse(scope, receive, send, exc):
+            await (await _http_error(None, exc))(scope, receive, send)
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, refuse=refuse)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -61,14 +99,29 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(state.engine.stats_snapshot), media_type="text/plain; version=0.0.4")
 
+    def model_card():
+        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3jax",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "k3jax", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")        # :path: served names may hold "/" (org/model)
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here (serving {state.model_name!r})",
+                           type_="not_found_error", param="model", code="model_not_found")
+        return model_card()
 
     async def respond(req, raw: Request, stream, whole):
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
         _check_model(req.model)
+        if req.n > state.max_n:
+            raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
         if req.stream:
             return StreamingResponse(await stream(state, req), media_type="text/event-stream")
         return await _until_disconnect(raw, whole(state, req))
@@ -87,13 +140,13 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = chat.render_prompt(state, req.messages, None, {})
+            ids = await asyncio.to_thread(chat.render_prompt, state, req.messages, None, {})
             images = await asyncio.to_thread(chat.load_images, state, req.messages)
             if images:                   # each image's placeholder widened to its token count
                 from serving.multimodal import expand_image_placeholders
                 ids, _ = expand_image_placeholders(ids, images, state.vision.pad_id)
         else:
-            ids = state.tokenizer.encode(req.prompt)
+            ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -101,7 +154,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
         if bad:
-            raise bad_request(f"token id {bad[0]} out of range [0, {state.tokenizer.vocab_size})", param="tokens")
+            raise bad_request(f"token id {bad[0]} out of range [0, {state.tokenizer.vocab_size})", param="tokens",
+                              code="invalid_token_id")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     return app

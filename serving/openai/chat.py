@@ -10,7 +10,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from serving.openai.errors import APIError, bad_request, from_value_error
-from serving.openai.generation import ServerState, new_id, stream_choices
+from serving.openai.generation import ServerState, admit_choices, new_id, stream_choices
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.reasoning_parser import OutputStreamParser, parse_output, thinking_started_from_prompt
 from serving.openai.sse import DONE, error_event, event
@@ -38,7 +38,7 @@ def image_sources(messages) -> list:
                 src = src.get("url")
             if not isinstance(src, str) or not src:
                 raise bad_request(f"messages[{i}].content[{j}]: an image part needs image_url.url",
-                                  param=f"messages.{i}.content.{j}")
+                                  param=f"messages.{i}.content.{j}", code="invalid_image")
             out.append((i, j, src))
     return out
 
@@ -47,11 +47,19 @@ def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) ->
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise bad_request(f"messages[{i}]: role must be one of system, user, assistant, tool", param=f"messages.{i}.role")
+    extra = sorted(k for k in template_kwargs if k != "thinking")
     try:
         return state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                    **template_kwargs)
-    except (ValueError, TypeError, KeyError) as e:
-        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages")
+    except TypeError as e:
+        if extra and getattr(state.tokenizer, "chat_template", None) is None:   # the built-in template takes `thinking` only
+            raise bad_request(f"chat_template_kwargs: this model's chat template takes only 'thinking', not "
+                              f"{', '.join(map(repr, extra))}", param="chat_template_kwargs")
+        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages",
+                          code="invalid_conversation")
+    except (ValueError, KeyError) as e:
+        raise bad_request(f"messages: cannot render the chat template ({e})", param="messages",
+                          code="invalid_conversation")
 
 
 def load_images(state: ServerState, messages) -> list:
@@ -87,11 +95,12 @@ class _Plan:
             name = (choice.get("function") or {}).get("name")
             names = {(t.get("function") or {}).get("name") for t in (req.tools or [])}
             if not name or name not in names:
-                raise bad_request(f"tool_choice names unknown tool {name!r}", param="tool_choice")
+                raise bad_request(f"tool_choice names unknown tool {name!r}", param="tool_choice",
+                                  code="invalid_tool_choice")
             self.forced_name = name
         if choice in ("required",) or isinstance(choice, dict):
             if not req.tools:
-                raise bad_request("tool_choice requires tools", param="tool_choice")
+                raise bad_request("tool_choice requires tools", param="tool_choice", code="invalid_tool_choice")
         prompt = render_prompt(state, req.messages, tools, kwargs)
         self.images = load_images(state, req.messages)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
@@ -123,14 +132,14 @@ class _Plan:
             try:
                 fmt = grammar_for_tool_call(req.tools, self.forced_name)
             except ValueError as e:
-                raise bad_request(str(e), param="tools")
+                raise bad_request(str(e), param="tools", code="invalid_tools")
         if fmt and fmt.get("type") != "text":
             try:
                 grammar = state.structured_compiler().compile(fmt)
             except ImportError as e:
                 raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
             except ValueError as e:
-                raise bad_request(str(e), param="response_format")
+                raise bad_request(str(e), param="response_format", code="invalid_response_format")
             self.matcher_factory = grammar.matcher if grammar is not None else None
         try:
             self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory
@@ -182,10 +191,9 @@ def _usage(prompt_len: int, completion: int, cached: int) -> dict:
 
 
 async def _make_plan(state: ServerState, req: ChatCompletionRequest) -> _Plan:
-    # Decoding and resizing images is CPU work: keep it off the event loop that streams other requests.
-    if any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in req.messages):
-        return await asyncio.to_thread(_Plan, state, req)
-    return _Plan(state, req)
+    # Rendering, tokenizing and image decoding are CPU work (seconds for a large body): keep them off the
+    # event loop that serves /health and streams other requests.
+    return await asyncio.to_thread(_Plan, state, req)
 
 
 async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
@@ -218,6 +226,9 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
 async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIterator[str]:
     plan = await _make_plan(state, req)   # request errors surface as a normal 4xx before the stream starts
     rid = new_id("chatcmpl")
+    # ... and so do the engine's refusals (ids, context, queue full): admitted before the first byte.
+    streams = await admit_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority,
+                                  images=plan.images)
     created = int(time.time())
     tok = state.tokenizer
 
@@ -233,8 +244,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                 parsers[i], first = plan.stream_parser(tok)
                 merged = merge_deltas(first) or {}
                 yield chunk(i, {"role": "assistant", "content": "", **merged})
-            async for i, out in stream_choices(state, plan.prompt, plan.params, rid, plan.matcher_factory, req.priority,
-                                          images=plan.images):
+            async for i, out in stream_choices(state, plan.prompt, plan.params, rid, images=plan.images,
+                                               streams=streams):
                 comp = out.outputs[0]
                 p = parsers[i]
                 deltas = p.feed(out.metrics.get("new_token_ids", ()))

@@ -1,11 +1,12 @@
 """POST /v1/completions (legacy text completions), streaming and not."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
 from serving.openai.errors import APIError, bad_request, from_value_error
-from serving.openai.generation import ServerState, new_id, stream_choices
+from serving.openai.generation import ServerState, admit_choices, new_id, stream_choices
 from serving.openai.protocol import CompletionRequest
 from serving.openai.sse import DONE, error_event, event
 
@@ -54,15 +55,39 @@ def _prepare(state: ServerState, req: CompletionRequest):
     return params, prompts
 
 
+async def _admit(state: ServerState, req: CompletionRequest, rid: str):
+    """Validate (off the event loop: tokenizing is CPU work) and have the engine accept every prompt's
+    choices, so refusals are a 4xx before any output, streaming or not. Returns (params, [(ids, streams)])."""
+    params, prompts = await asyncio.to_thread(_prepare, state, req)
+    admitted = []
+    try:
+        for p_i, ids in enumerate(prompts):
+            admitted.append((ids, await admit_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority)))
+    except BaseException:
+        _close(admitted)
+        raise
+    return params, admitted
+
+
+def _close(admitted):
+    for _, streams in admitted:
+        for s in streams:
+            s.close()
+
+
 async def complete(state: ServerState, req: CompletionRequest) -> dict:
-    params, prompts = _prepare(state, req)
     rid = new_id("cmpl")
+    params, admitted = await _admit(state, req, rid)
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-    for p_i, ids in enumerate(prompts):
+    for p_i, (ids, streams) in enumerate(admitted):
         finals = {}
-        async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority):
-            if out.finished:
-                finals[i] = out
+        try:
+            async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", streams=streams):
+                if out.finished:
+                    finals[i] = out
+        except BaseException:             # disconnect or engine error: the later prompts' choices go too
+            _close(admitted)
+            raise
         usage["prompt_tokens"] += len(ids)
         usage["cached_tokens"] += max((o.num_cached_tokens for o in finals.values()), default=0)
         for i in sorted(finals):
@@ -82,17 +107,17 @@ def _usage(u: dict) -> dict:
 
 
 async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIterator[str]:
-    params, prompts = _prepare(state, req)          # errors here become a normal 4xx response
     rid = new_id("cmpl")
+    params, admitted = await _admit(state, req, rid)   # errors here become a normal 4xx response
     created = int(time.time())
 
     async def gen():
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         try:
-            for p_i, ids in enumerate(prompts):
+            for p_i, (ids, streams) in enumerate(admitted):
                 sent = {}
                 usage["prompt_tokens"] += len(ids)
-                async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority):
+                async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", streams=streams):
                     c = out.outputs[0]
                     text = c.text[sent.get(i, 0):]
                     sent[i] = len(c.text)
@@ -111,5 +136,7 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
                              "choices": [], "usage": _usage(usage)})
         except APIError as e:
             yield error_event(e)
+        finally:
+            _close(admitted)
         yield DONE
     return gen()

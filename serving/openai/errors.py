@@ -18,9 +18,9 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
-def from_value_error(e: ValueError) -> APIError:
+def from_value_error(e: ValueError, code: Optional[str] = None) -> APIError:
     """ValueErrors raised by validation start with the field name ("max_tokens: ..."): keep it as param."""
     msg = str(e)
     head = msg.split(":", 1)[0].split()[0] if msg else None
     param = head if head and head.replace("_", "").isalnum() and head.islower() else None
-    return bad_request(msg, param=param)
+    return bad_request(msg, param=param, code=code)

@@ -25,6 +25,8 @@ class ServerState:
     thinks_by_default: bool = True  # output starts inside reasoning unless the prompt says otherwise
     structured: object = None       # StructuredOutputCompiler, built on first use
     vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
+    max_n: int = 128                # most choices one request may ask for (OpenAI's own cap)
+    max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
 
     def scripted_matcher_factory(self, req):
         """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
@@ -48,22 +50,64 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def engine_error(e: BaseException) -> APIError:
+    """An engine-side refusal -> the HTTP error a client gets (the same with and without streaming)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"server busy: {e}", type_="rate_limit_error", code="queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), type_="server_error", code="engine_unavailable")
+    if isinstance(e, ValueError):
+        # The engine refuses what only the model can judge: ids outside its vocabulary, or prompt +
+        # max_tokens over its context.
+        head = str(e).split(":", 1)[0]
+        return from_value_error(e, "context_length_exceeded" if head in ("max_tokens", "prompt") else "invalid_prompt")
+    raise e
+
+
+async def admit_choices(state: ServerState, prompt_ids: list, params: SamplingParams, request_id: str,
+                        matcher_factory: Optional[Callable] = None, priority: int = 0,
+                        extra_keys=None, images=()) -> list:
+    """Submit the n choices of one request and wait until the engine has accepted all of them.
+    Raises APIError (400 bad ids / too long, 429 queue full, 503) and submits nothing then, so a
+    stream can answer with a plain 4xx before its first byte."""
+    streams = []
+    try:
+        for i in range(params.n):
+            streams.append(state.engine.submit(
+                prompt_ids, params.for_child(i), f"{request_id}-{i}", priority=priority, extra_keys=extra_keys,
+                matcher=matcher_factory() if matcher_factory else None, images=images))
+        results = await asyncio.gather(*(s.admitted() for s in streams), return_exceptions=True)
+    except BaseException as e:        # a refusal while submitting, or the client left while waiting
+        for s in streams:
+            s.close()
+        raise engine_error(e) if isinstance(e, Exception) else e
+    refused = next((r for r in results if isinstance(r, BaseException)), None)
+    if refused is not None:
+        for s in streams:
+            s.close()
+        raise engine_error(refused)
+    return streams
+
+
 async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingParams, request_id: str,
                          matcher_factory: Optional[Callable] = None, priority: int = 0,
-                         extra_keys=None, images=()) -> AsyncIterator[tuple]:
-    """Yield (choice index, RequestOutput) as tokens arrive, for the n choices of one request.
-    Engine-side errors become APIError; leaving early (disconnect) aborts every choice."""
+                         extra_keys=None, images=(), streams=None) -> AsyncIterator[tuple]:
+    """Yield (choice index, RequestOutput) as tokens arrive, for the n choices of one request
+    (admitted here unless `streams` come from admit_choices). Engine-side errors become APIError;
+    leaving early (disconnect) aborts every choice."""
+    if streams is None:
+        streams = await admit_choices(state, prompt_ids, params, request_id, matcher_factory, priority,
+                                      extra_keys, images)
     queue: asyncio.Queue = asyncio.Queue()
     model = state.metrics.model
     start = time.monotonic()
 
-    async def consume(i: int):
-        child = params.for_child(i)
+    async def consume(i: int, stream):
         last = None
         try:
-            gen = state.engine.generate(prompt_ids, child, f"{request_id}-{i}", priority=priority, extra_keys=extra_keys,
-                                        matcher=matcher_factory() if matcher_factory else None, images=images)
-            async for out in gen:
+            async for out in stream:
                 now = time.monotonic()
                 if last is None:
                     state.metrics.ttft.labels(model).observe(now - start)
@@ -75,16 +119,13 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
                     state.metrics.e2e.labels(model).observe(now - start)
                     state.metrics.requests.labels(model, out.outputs[0].finish_reason or "unknown").inc()
                 await queue.put((i, out))
-        except ValueError as e:
-            await queue.put(from_value_error(e))
-        except QueueFullError as e:
-            await queue.put(APIError(429, f"server busy: {e}", type_="rate_limit_error", code="queue_full"))
-        except EngineDeadError as e:
-            await queue.put(APIError(503, str(e), type_="server_error", code="engine_unavailable"))
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            await queue.put(engine_error(e))
         finally:
+            stream.close()
             await queue.put(None)
 
-    tasks = [asyncio.create_task(consume(i)) for i in range(params.n)]
+    tasks = [asyncio.create_task(consume(i, s)) for i, s in enumerate(streams)]
     state.metrics.prompt_tokens.labels(model).inc(len(prompt_ids) + sum(img.num_tokens - 1 for img in images))
     done = 0
     try:
@@ -100,3 +141,5 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
         for t in tasks:
             if not t.done():
                 t.cancel()
+        for s in streams:
+            s.close()

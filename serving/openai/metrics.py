@@ -18,8 +18,14 @@ class Metrics:
         self.requests = Counter("k3jax:requests", "Finished requests by finish reason", lab + ["finish_reason"], registry=r)
         self.running = Gauge("k3jax:num_requests_running", "Requests running", lab, registry=r)
         self.waiting = Gauge("k3jax:num_requests_waiting", "Requests waiting", lab, registry=r)
-        self.page_usage = Gauge("k3jax:page_pool_usage", "Fraction of MLA pages in use", lab, registry=r)
-        self.slot_usage = Gauge("k3jax:state_pool_usage", "Fraction of KDA state slots in use", lab, registry=r)
+        self.page_usage = Gauge("k3jax:page_pool_usage", "Fraction of MLA pages held (in use or cached)", lab, registry=r)
+        self.slot_usage = Gauge("k3jax:state_pool_usage", "Fraction of KDA state slots held (in use or cached)", lab,
+                                registry=r)
+        # Held is not full: cached blocks (prefix cache only) are evicted on demand; in_use ones are not.
+        self.pages = Gauge("k3jax:cache_pages", "MLA cache pages by state: in_use (by requests), cached (evictable "
+                           "prefix cache), free", lab + ["state"], registry=r)
+        self.slots = Gauge("k3jax:cache_state_slots", "KDA state slots by state: in_use (by requests), cached "
+                           "(evictable prefix-cache checkpoints), free", lab + ["state"], registry=r)
         self.prefix_queried = Gauge("k3jax:prefix_cache_queried_tokens", "Prompt tokens looked up", lab, registry=r)
         self.prefix_hit = Gauge("k3jax:prefix_cache_hit_tokens", "Prompt tokens served from the cache", lab, registry=r)
         self.prefix_rate = Gauge("k3jax:prefix_cache_hit_rate", "Hit tokens / queried tokens", lab, registry=r)
@@ -37,4 +43,7 @@ class Metrics:
         self.prefix_hit.labels(m).set(h)
         self.prefix_rate.labels(m).set(h / q if q else 0.0)
         self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        for state in ("in_use", "cached", "free"):
+            self.pages.labels(m, state).set(stats.get(f"pages_{state}", 0))
+            self.slots.labels(m, state).set(stats.get(f"slots_{state}", 0))
         return generate_latest(self.registry)
