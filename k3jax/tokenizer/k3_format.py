@@ -97,7 +97,7 @@ def parse_value(text: str, type_: str) -> Any:
         return text
 
 
-class _Out(list):
+class Writer(list):
     """Segments being built, plus the images' prompts to substitute in order."""
 
     def __init__(self, image_prompts: Optional[list]):
@@ -172,7 +172,7 @@ class _Out(list):
         self.control(END_OF_MSG)
 
 
-def _tool_declaration(out: _Out, tools: Any, dynamic: bool = False) -> None:
+def _tool_declaration(out: Writer, tools: Any, dynamic: bool = False) -> None:
     if dynamic:   # a system message carrying `tools` extends the toolset mid-conversation
         head = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
                 "You have access to all existing and extended tools.\nHere are the specs for the extended tools.")
@@ -284,7 +284,7 @@ def render(messages: list, tools: Optional[list] = None, *, add_generation_promp
     """
     thinking, effort = thinking_options(thinking, enable_thinking, reasoning_effort, thinking_effort)
     messages = order_tool_results(list(messages))
-    out = _Out(image_prompts)
+    out = Writer(image_prompts)
     if tools:
         _tool_declaration(out, deep_sort(tools))
     if thinking:
@@ -357,7 +357,7 @@ def render(messages: list, tools: Optional[list] = None, *, add_generation_promp
     return list(out)
 
 
-def _assistant_body(out: _Out, m: dict, thinking: bool) -> None:
+def _assistant_body(out: Writer, m: dict, thinking: bool) -> None:
     if thinking:   # the think channel is always there in thinking mode, even empty
         out.open("think")
         reasoning = m.get("reasoning_content") or m.get("reasoning")
