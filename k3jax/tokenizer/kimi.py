@@ -118,8 +118,7 @@ class KimiTokenizer:
         if message_format != "k3":
             raise ValueError(f"unknown message format {message_format!r}")
         ranks = _vocab.load_tiktoken_bpe(TINY_ASSET)
-        names = {len(ranks) + off: n for n, off in _vocab.K3_SPECIAL_OFFSETS.items()}
-        return cls(ranks, special_names=names, name="kimi-k3-tiny")
+        return cls(ranks, special_names=_vocab.k3_added_tokens(len(ranks)), name="kimi-k3-tiny")
 
     # ---- ids ----------------------------------------------------------------------------
 

@@ -80,6 +80,13 @@ K3_SPECIAL_OFFSETS: dict[str, int] = {
     "[PAD]": 255,
 }
 
+
+
+def k3_added_tokens(num_ordinary: int) -> dict[int, str]:
+    """The K3 layout as `added_tokens_decoder` would declare it: absolute id -> name."""
+    return {num_ordinary + off: name for name, off in K3_SPECIAL_OFFSETS.items()}
+
+
 # Kimi's encode() cuts text into pieces before tiktoken (tiktoken panics on huge inputs and
 # is quadratic on very long runs); we cut at the same places so ids match the reference.
 MAX_ENCODE_CHARS = 400_000
