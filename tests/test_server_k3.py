@@ -39,8 +39,9 @@ def tok(ckpt):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, ckpt):
+    # (decode runs ~0.3 s a token on CI's 2 cores and K3's markup is verbose: scripts stay short)
     s = ServerProcess(str(tmp_path_factory.mktemp("srvk3")), "--model", ckpt, "--served-model-name", "k3",
-                      "--no-warmup", "--max-model-len", "2048")  # K3 prompts are long
+                      "--max-model-len", "2048", "--no-warmup")  # K3 prompts are long
     yield s
     s.stop()
 
@@ -73,25 +74,17 @@ def test_checkpoint_tokenizer_is_k3(tok, server):
 
 
 def test_chat_reasoning_content_and_tool_calls(client, tok):
-    args = {"city": "Paris", "days": 2, "metric": True}
-    msg = {"role": "assistant", "reasoning_content": "Two tools.", "content": "Checking.",
-           "tool_calls": [{"function": {"name": "get_weather", "arguments": args}},
-                          {"function": {"name": "get_time", "arguments": {"tz": "CET"}}}]}
+    args = {"city": "Oslo", "days": 2}
+    msg = {"role": "assistant", "reasoning_content": "Hm.", "content": "Ok.",
+           "tool_calls": [{"function": {"name": "get_weather", "arguments": args}}]}
     script = _reply(tok, msg)
-    r = _chat(client, tools=TOOLS, extra_body={"k3jax_test_script": script})
-    c = r.choices[0]
-    assert c.finish_reason == "tool_calls"
-    assert c.message.content == "Checking." and c.message.model_extra["reasoning_content"] == "Two tools."
-    calls = [(t.id, t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
-    assert calls == [("get_weather:0", "get_weather", args), ("get_time:1", "get_time", {"tz": "CET"})]
-    assert r.usage.prompt_tokens == len(tok.apply_chat_template(USER, tools=TOOLS, tokenize=True))
-
-    # streamed: the same message
-    content, reasoning, slots = "", "", {}
+    # streamed
+    content, reasoning, slots, finish = "", "", {}, None
     for ch in _chat(client, tools=TOOLS, stream=True, extra_body={"k3jax_test_script": script}):
         if not ch.choices:
             continue
         d = ch.choices[0].delta
+        finish = ch.choices[0].finish_reason or finish
         content += d.content or ""
         reasoning += (d.model_extra or {}).get("reasoning_content") or ""
         for tc in d.tool_calls or []:
@@ -99,27 +92,26 @@ def test_chat_reasoning_content_and_tool_calls(client, tok):
             s["id"] = s["id"] or tc.id
             s["name"] += tc.function.name or ""
             s["args"] += tc.function.arguments or ""
-    assert (content, reasoning) == ("Checking.", "Two tools.")
-    assert [(s["id"], s["name"], json.loads(s["args"])) for _, s in sorted(slots.items())] == calls
+    assert (content, reasoning, finish) == ("Ok.", "Hm.", "tool_calls")
+    assert [(s["id"], s["name"], json.loads(s["args"])) for _, s in sorted(slots.items())] == \
+        [("get_weather:0", "get_weather", args)]
 
-    # round trip: the returned calls and their results (given out of order) make the next prompt
-    history = USER + [{"role": "assistant", "content": c.message.content,
-                       "reasoning_content": c.message.model_extra["reasoning_content"],
-                       "tool_calls": [t.model_dump() for t in c.message.tool_calls]},
-                      {"role": "tool", "tool_call_id": "get_time:1", "content": "12:00"},
-                      {"role": "tool", "tool_call_id": "get_weather:0", "content": "sunny"}]
-    final = _reply(tok, {"role": "assistant", "reasoning_content": "Done.", "content": "Sunny, 12:00."}, history)
-    r2 = _chat(client, messages=history, tools=TOOLS, extra_body={"k3jax_test_script": final})
-    assert r2.choices[0].message.content == "Sunny, 12:00." and r2.choices[0].finish_reason == "stop"
-    local = tok.apply_chat_template(history, tools=TOOLS, tokenize=True)
-    assert r2.usage.prompt_tokens == len(local)
-    text = tok.decode(local)
-    assert text.index('tool="get_weather" index="1"<|sep|>sunny') < text.index('tool="get_time" index="2"<|sep|>12:00')
-    # a call in the next turn is numbered after the two earlier ones
+    # round trip, not streamed: the returned call and its result make the next prompt; the next
+    # call is numbered after it
+    history = USER + [{"role": "assistant", "content": content, "reasoning_content": reasoning,
+                       "tool_calls": [{"id": slots[0]["id"], "type": "function",
+                                       "function": {"name": slots[0]["name"], "arguments": slots[0]["args"]}}]},
+                      {"role": "tool", "tool_call_id": slots[0]["id"], "content": "sunny"}]
     again = _reply(tok, {"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]}, history)
-    r3 = _chat(client, messages=history, tools=TOOLS, extra_body={"k3jax_test_script": again})
-    assert [t.id for t in r3.choices[0].message.tool_calls] == ["get_time:2"]
+        {"function": {"name": "get_time", "arguments": {}}}]}, history)
+    r = _chat(client, messages=history, tools=TOOLS, extra_body={"k3jax_test_script": again})
+    c = r.choices[0]
+    assert (c.message.content, c.finish_reason) == (None, "tool_calls")
+    assert [(t.id, t.function.name, t.function.arguments) for t in c.message.tool_calls] == [("get_time:1", "get_time", "{}")]
+    local = tok.apply_chat_template(history, tools=TOOLS, tokenize=True)
+    assert r.usage.prompt_tokens == len(local)
+    assert 'role="tool" tool="get_weather" index="1"<|sep|>sunny' in tok.decode(local)
+    assert "<|open|>think<|sep|>Hm.<|close|>think<|sep|>" in tok.decode(local)   # K3 keeps old reasoning
 
 
 def test_thinking_off_and_no_tools_declared(client, tok):
@@ -133,32 +125,29 @@ def test_thinking_off_and_no_tools_declared(client, tok):
     assert "reasoning_content" not in (m.model_extra or {}) or not m.model_extra["reasoning_content"]
 
 
+def _generated_text(choice) -> str:
+    return "".join(e.token for e in choice.logprobs.content)
+
+
 def test_named_tool_choice_is_constrained(client, tok):
     r = _chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-              max_tokens=60)
+              max_tokens=22, logprobs=True)
     c = r.choices[0]
-    assert c.finish_reason in ("tool_calls", "length")
-    if c.finish_reason == "tool_calls":   # random weights: the grammar still makes it a typed call
-        (call,) = c.message.tool_calls
-        args = json.loads(call.function.arguments)
-        assert call.function.name == "get_weather" and isinstance(args["city"], str)
-        assert set(args) <= {"city", "days", "metric"}
-        assert "days" not in args or (isinstance(args["days"], int) and 1 <= args["days"] <= 9)
+    # random weights, yet the grammar makes the output K3's first required argument element
+    assert _generated_text(c).startswith('<|open|>argument key="city" type="string"<|sep|>')
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    assert c.message.model_extra.get("reasoning_content") in (None, "")
 
 
 def test_required_tool_choice_and_prompt_messages(client, tok):
-    r = _chat(client, tools=TOOLS, tool_choice="required", max_tokens=80)
-    c = r.choices[0]
-    if c.finish_reason == "tool_calls":
-        assert {t.function.name for t in c.message.tool_calls} <= {"get_weather", "get_time"}
-        for t in c.message.tool_calls:
-            args = json.loads(t.function.arguments)
-            if t.function.name == "get_time" and "tz" in args:
-                assert args["tz"] in ("CET", "UTC")
-    # the prompt carries K3's tool-choice message (the forced prefix follows it)
+    r = _chat(client, tools=TOOLS, tool_choice="required", max_tokens=12, logprobs=True)
+    text = _generated_text(r.choices[0])
+    assert text.startswith('<|open|>call tool="get_') and text[len('<|open|>call tool="get_'):][:4] in ("weat", "time")
+    # the prompt carries K3's tool-choice message; the forced prefix closes think and opens tools
     base = tok.apply_chat_template(USER, tools=TOOLS, tokenize=True, tool_choice="required")
-    assert r.usage.prompt_tokens > len(base)
     assert "tool_choice=required" in tok.decode(base)
+    prefix = "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
+    assert r.usage.prompt_tokens == len(base) + len(tok.encode(prefix, allow_special=True))
 
 
 def test_response_format_json_schema(client, tok):
