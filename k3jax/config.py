@@ -67,8 +67,10 @@ class ModelConfig:
     routed_expert_hidden_size: int | None = None  # latent MoE width (K3)
     latent_moe_norm: bool = False
     hidden_act: str = "silu"              # "silu" (SwiGLU) | "situ" (SiTU-GLU)
-    situ_beta: float = 4.0
-    situ_linear_beta: float | None = 25.0
+    # Defaults when a config omits them are the K3 modeling code's (beta 1.0, no linear clamp);
+    # the K3 release config sets 4.0 / 25.0 explicitly.
+    situ_beta: float = 1.0
+    situ_linear_beta: float | None = None
     expert_format: str = "bf16"           # "bf16" | "mxfp4"
     # Attention residuals (K3)
     attn_res_block_size: int | None = None
@@ -257,8 +259,8 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         routed_expert_hidden_size=get("routed_expert_hidden_size"),
         latent_moe_norm=bool(get("latent_moe_use_norm", False)),
         hidden_act=get("hidden_act", "silu"),
-        situ_beta=float(get("activation_situ_beta", 4.0)),
-        situ_linear_beta=get("activation_situ_linear_beta", 25.0),
+        situ_beta=float(get("activation_situ_beta", None) or 1.0),   # null counts as absent, as in K3's code
+        situ_linear_beta=get("activation_situ_linear_beta", None),
         expert_format=expert_format,
         attn_res_block_size=get("attn_res_block_size"),
         tie_word_embeddings=bool(get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
