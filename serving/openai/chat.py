@@ -73,6 +73,19 @@ def load_images(state: ServerState, messages) -> list:
     return images
 
 
+def render_with_images(state: ServerState, messages, tools, template_kwargs: dict) -> tuple[list, list]:
+    """(prompt ids, images in prompt order). K3's prompt names each image's size, so its images
+    are loaded first and passed to the renderer as K3 image prompts; Kimi's after rendering."""
+    if getattr(state.tokenizer, "message_format", "kimi") != "k3":
+        prompt = render_prompt(state, messages, tools, template_kwargs)
+        return prompt, load_images(state, messages)
+    images = load_images(state, messages)
+    if images:
+        from k3jax.tokenizer.k3_format import image_prompt
+        template_kwargs = {**template_kwargs, "image_prompts": [image_prompt(img.size) for img in images]}
+    return render_prompt(state, messages, tools, template_kwargs), images
+
+
 class _Plan:
     """Everything decided before generation."""
 
@@ -100,14 +113,7 @@ class _Plan:
         if choice in ("required",) or isinstance(choice, dict):
             if not req.tools:
                 raise bad_request("tool_choice requires tools", param="tool_choice")
-        if k3:   # K3's image prompt names each image's size: load them first
-            self.images = load_images(state, req.messages)
-            if self.images:
-                from k3jax.tokenizer.k3_format import image_prompt
-                kwargs.setdefault("image_prompts", [image_prompt(img.size) for img in self.images])
-        prompt = render_prompt(state, req.messages, tools, kwargs)
-        if not k3:
-            self.images = load_images(state, req.messages)
+        prompt, self.images = render_with_images(state, req.messages, tools, kwargs)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
         self.forced: list = []
         if choice == "required" or self.forced_name:
