@@ -78,3 +78,21 @@ def test_kimi_format_unchanged():
     assert "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>" in tok.decode(p.prompt)
     assert p.prompt == tok.apply_chat_template([{"role": "user", "content": [IMAGE, {"type": "text", "text": "what?"}]}],
                                                tokenize=True)
+
+
+def test_reasoning_effort(k3):
+    user = [{"role": "user", "content": "hi"}]
+    assert "`thinking_effort=low`" in k3.decode(_plan(k3, messages=user, reasoning_effort="low").prompt)
+    off = _plan(k3, messages=user, reasoning_effort="none")
+    assert k3.decode(off.prompt).endswith("<|open|>response<|sep|>") and off.thinking is None
+    with pytest.raises(Exception, match="thinking_effort"):
+        _plan(k3, messages=user, reasoning_effort="medium")
+
+
+def test_load_model_picks_the_format_from_the_checkpoint(tmp_path):
+    import synthetic_k3
+    from k3jax import load_model
+    for files, fmt in (("k3", "k3"), (True, "kimi")):
+        d = tmp_path / str(files)
+        synthetic_k3.write_checkpoint(d, seed=1, vision=False, tokenizer=files)
+        assert load_model(str(d)).tokenizer.message_format == fmt

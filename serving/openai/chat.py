@@ -103,6 +103,9 @@ class _Plan:
                 kwargs.setdefault("tool_choice", choice)
             if req.response_format:
                 kwargs.setdefault("response_format", req.response_format)
+            effort = (req.model_extra or {}).get("reasoning_effort")   # OpenAI's field: low/high/max, none
+            if effort is not None:
+                kwargs.setdefault("reasoning_effort", effort)
         self.forced_name: Optional[str] = None
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
