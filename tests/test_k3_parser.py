@@ -206,3 +206,11 @@ def test_k3_parser_refuses_feed_after_finish():
     p.finish()
     with pytest.raises(RuntimeError):
         p.feed([1])
+
+
+def test_unknown_elements_are_transparent():
+    ids = (E("a") + S("<|open|>", "note", "<|sep|>") + E("b") + S("<|close|>", "think", "<|sep|>")
+           + S("<|open|>", "response", "<|sep|>") + E("c") + S("<|open|>", "cite", " n", '="', "1", '"', "<|sep|>")
+           + E("d") + S("<|close|>", "cite", "<|sep|>") + E("e"))
+    out = parse_all_ways(ids)
+    assert (out.reasoning, out.content) == ("ab", "cde")

@@ -18,7 +18,7 @@ one-shot and streaming (parse_output is the stream parser fed everything at once
 - think text is reasoning, response text is content. Text at message level outside any
   element is content too (a model that skips the response tags), except whitespace-only
   runs between elements. Text inside tools but outside calls is kept aside; other special
-  ids are dropped.
+  ids are dropped. The text of an element we do not know belongs to the element around it.
 - an element closes at its own close tag, or implicitly: opening response / tools / think
   closes the channel that is open (a missing `<|close|>think<|sep|>`), a call outside tools
   opens tools, a new call closes an unclosed one. A close tag of an element that is not open
@@ -46,6 +46,7 @@ from serving.openai.tool_parser import Delta, DeltaList, ToolCall, is_json_objec
 
 _ATTR = re.compile(r'([\w-]+)="([^"]*)"')
 _CHANNELS = ("think", "response", "tools")
+_KNOWN = _CHANNELS + ("message", "call", "argument", "json")
 
 
 def _tag(text: str) -> tuple[str, dict]:
@@ -153,7 +154,8 @@ class K3OutputParser:
             self._text(t, out)
 
     def _text(self, t: int, out: DeltaList) -> None:
-        where = self._stack[-1] if self._stack else None
+        # an element we do not know is transparent: its text goes where the text around it goes
+        where = next((n for n in reversed(self._stack) if n in _KNOWN), None)
         if where == "think":
             out.text("reasoning_content", self._reasoning.push(t))
         elif where == "response":
@@ -207,7 +209,7 @@ class K3OutputParser:
             self._value = []
             self._call["key"], self._call["type"] = attrs.get("key", ""), attrs.get("type", "string")
         else:
-            stack.append(name)   # an element we do not know: its text is dropped
+            stack.append(name)   # an element we do not know (transparent for text)
 
     def _pop_to(self, depth: int, out: DeltaList, own: bool = False) -> None:
         """Close elements until `depth` are left; own: the innermost one closed by its own tag."""
