@@ -67,9 +67,15 @@ class ModelConfig:
     routed_expert_hidden_size: int | None = None  # latent MoE width (K3)
     latent_moe_norm: bool = False
     hidden_act: str = "silu"              # "silu" (SwiGLU) | "situ" (SiTU-GLU)
-    situ_beta: float = 4.0
-    situ_linear_beta: float | None = 25.0
-    expert_format: str = "bf16"           # "bf16" | "mxfp4"
+    # Defaults when a config omits them are the K3 modeling code's (beta 1.0, no linear clamp);
+    # the K3 release config sets 4.0 / 25.0 explicitly.
+    situ_beta: float = 1.0
+    situ_linear_beta: float | None = None
+    expert_format: str = "bf16"           # "bf16" | "mxfp4" (the routed experts as the model keeps them)
+    # compressed-tensors MXFP4 scheme of the checkpoint (k3jax.checkpoint.quant_scheme): which
+    # modules it stores packed; packed modules other than the routed experts load dequantized
+    quant_targets: tuple = ()
+    quant_ignore: tuple = ()
     # Attention residuals (K3)
     attn_res_block_size: int | None = None
     # Misc
@@ -210,13 +216,19 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
     mlp_types = tuple("dense" if i < first_dense else "moe" for i in range(n))
 
     q = get("quantization_config") or top.get("quantization_config")
-    expert_format = "bf16"
+    expert_format, quant_targets, quant_ignore = "bf16", (), ()
     if q:
         fmt = q.get("format") or _first_group_format(q)
         if q.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
             _fail("quantization_config", {k: q.get(k) for k in ("quant_method", "format")},
-                  "only compressed-tensors 'mxfp4-pack-quantized' (routed experts) is supported")
-        expert_format = "mxfp4"
+                  "only compressed-tensors 'mxfp4-pack-quantized' is supported")
+        from k3jax.checkpoint.quant_scheme import is_quantized, scheme_of
+        quant_targets, quant_ignore = scheme_of(q)
+        # the routed experts stay MXFP4 when the scheme packs them (the names of a K3 release)
+        moe_layer = int(get("first_k_dense_replace", 1))
+        probe = f"language_model.model.layers.{moe_layer}.block_sparse_moe.experts.0.w1"
+        if is_quantized(quant_targets, quant_ignore, probe):
+            expert_format = "mxfp4"
 
     num_experts = get("num_experts", text.get("num_local_experts", text.get("n_routed_experts", 256)))
     top_k = get("num_experts_per_token", text.get("num_experts_per_tok", 8))
@@ -257,9 +269,9 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         routed_expert_hidden_size=get("routed_expert_hidden_size"),
         latent_moe_norm=bool(get("latent_moe_use_norm", False)),
         hidden_act=get("hidden_act", "silu"),
-        situ_beta=float(get("activation_situ_beta", 4.0)),
-        situ_linear_beta=get("activation_situ_linear_beta", 25.0),
-        expert_format=expert_format,
+        situ_beta=float(get("activation_situ_beta", None) or 1.0),   # null counts as absent, as in K3's code
+        situ_linear_beta=get("activation_situ_linear_beta", None),
+        expert_format=expert_format, quant_targets=quant_targets, quant_ignore=quant_ignore,
         attn_res_block_size=get("attn_res_block_size"),
         tie_word_embeddings=bool(get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
         max_position_embeddings=int(get("max_position_embeddings", 1_048_576)),

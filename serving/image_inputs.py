@@ -43,4 +43,4 @@ class ImageLoader:
         pixel_values, grid = preprocess([img], self.vision.processor)
         n = tokens_per_image(self.vision.config, grid)[0]
         return ImageInput(digest=digest, pixel_values=pixel_values, grid_thw=tuple(int(x) for x in grid[0]),
-                          num_tokens=n)
+                          num_tokens=n, size=tuple(int(x) for x in img.size))

@@ -9,7 +9,7 @@ the image touches: two prompts with different images never share a cache entry.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ class ImageInput:
     grid_thw: tuple              # (1, h, w) in patches
     num_tokens: int              # placeholder tokens = embeddings the tower returns
     offset: int = -1             # prompt position of the first placeholder (set by expansion)
+    size: Optional[tuple] = None  # (width, height) as uploaded: K3's image prompt names it
 
     @property
     def end(self) -> int:

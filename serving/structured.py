@@ -250,6 +250,33 @@ class StructuredOutputCompiler:
                 self._cache.popitem(last=False)
         return g
 
+    def compile_lark(self, source: str, kind: str = "lark") -> Grammar:
+        """llguidance lark grammar text -> Grammar (cached like schemas); ValueError if invalid.
+        Used for formats that are not one JSON value, e.g. K3's tagged tool calls."""
+        key = (kind, source, None)
+        with self._lock:
+            g = self._cache.get(key)
+            if g is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return g
+            self.misses += 1
+        llg = _llguidance()
+        try:
+            grammar = llg.LLMatcher.grammar_from_lark(source)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"invalid grammar: {e}") from None
+        m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid grammar: {m.get_error().strip()}")
+        g = Grammar(kind, grammar, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
+                    self.tokenizer.vocab_size, m)
+        with self._lock:
+            self._cache[key] = g
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return g
+
     def compile_tool_call(self, tools, name: Optional[str] = None) -> Grammar:
         """Grammar for the arguments JSON of a tool call (see grammar_for_tool_call)."""
         return self.compile(grammar_for_tool_call(tools, name))

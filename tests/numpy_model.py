@@ -96,6 +96,19 @@ def expert_mats(pe, e):
     return tuple(mxfp4_dequant(pe[f"{n}_packed"][e], pe[f"{n}_scale"][e]).T for n in ("w1", "w3", "w2"))
 
 
+def routed_experts(choice, c):
+    """Expert ids of one token from its biased scores [E]. With num_expert_group > 1 only the
+    topk_group groups with the largest sum of their two best scores may be chosen."""
+    if c.num_expert_group > 1:
+        per = c.num_experts // c.num_expert_group
+        groups = choice.reshape(c.num_expert_group, per)
+        group_score = np.sort(groups, axis=1)[:, -2:].sum(1)
+        allowed = np.zeros(c.num_expert_group, bool)
+        allowed[np.argsort(-group_score, kind="stable")[:c.topk_group]] = True
+        choice = np.where(np.repeat(allowed, per), choice, -np.inf)
+    return np.argsort(-choice, kind="stable")[:c.num_experts_per_token]
+
+
 def moe(p, x, c):
     s = sigmoid(x @ p["router"])
     choice = s + p["router_bias"]
@@ -103,7 +116,7 @@ def moe(p, x, c):
     z = x @ p["latent_down"] if "latent_down" in p else x
     mats = {}
     for t in range(x.shape[0]):
-        ids = np.argsort(-choice[t], kind="stable")[:c.num_experts_per_token]
+        ids = routed_experts(choice[t], c)
         w = s[t, ids]
         if c.moe_renormalize:
             w = w / (w.sum() + 1e-20)

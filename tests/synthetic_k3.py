@@ -192,9 +192,10 @@ def _vision_tensors(raw: dict, rng, out: dict | None):
 
 
 def write_checkpoint(path, raw: dict | None = None, *, seed: int = 0, shard_bytes: int = 1 << 20,
-                     vision: bool = True, tokenizer: bool = True, keep_params: bool = True,
+                     vision: bool = True, tokenizer: bool | str = True, keep_params: bool = True,
                      vision_out: dict | None = None):
-    """Write a K3-format HF checkpoint dir: config.json, sharded safetensors + index, tokenizer files.
+    """Write a K3-format HF checkpoint dir: config.json, sharded safetensors + index, tokenizer files
+    (tokenizer=True: the K2-layout tiny tokenizer with a jinja template; "k3": K3's declared names).
 
     Generates and writes parameter by parameter (memory ~ one shard + one parameter).
     Returns (ModelConfig, k3jax params tree of numpy arrays or None, total bytes written).
@@ -237,7 +238,15 @@ def write_checkpoint(path, raw: dict | None = None, *, seed: int = 0, shard_byte
     flush()
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    if tokenizer:
+    if tokenizer == "k3":   # K3's tokenizer files: declared special names, no jinja template
+        from k3jax.tokenizer.vocab import k3_added_tokens, load_tiktoken_bpe
+        shutil.copy(TINY_TIKTOKEN, os.path.join(path, "tiktoken.model"))
+        names = k3_added_tokens(len(load_tiktoken_bpe(TINY_TIKTOKEN)))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"model_max_length": 8192, "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]",
+                       "eos_token": "[EOS]", "added_tokens_decoder": {
+                           str(i): {"content": n, "special": True} for i, n in sorted(names.items())}}, f)
+    elif tokenizer:
         shutil.copy(TINY_TIKTOKEN, os.path.join(path, "tiktoken.model"))
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump({"model_max_length": 8192, "tokenizer_class": "TikTokenTokenizer"}, f)

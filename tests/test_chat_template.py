@@ -250,7 +250,8 @@ def test_jinja_helpers_and_kwargs(tmp_path):
             "{% if messages|length > 1 %}{{ raise_exception('too many') }}{% endif %}")
     cfg = tmp_path / "tokenizer_config.json"
     cfg.write_text(json.dumps({"chat_template": [{"name": "default", "template": tmpl}],
-                               "added_tokens_decoder": {"768": {"content": "<|begin|>"}}}))
+                               "added_tokens_decoder": {"768": {"content": "<|begin|>"}},
+                               "bos_token": {"content": "<|begin|>"}}))
     tok = KimiTokenizer.from_file(TINY_ASSET, tokenizer_config=cfg)
     out = tok.apply_chat_template([{"role": "assistant", "content": "x", "reasoning": "r"}],
                                   tools=[{"b": 1, "a": "é"}], extra=7)

@@ -65,3 +65,19 @@ def test_bad_layer_index_and_bad_json(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_json_file(bad)
     assert json.loads(json.dumps(preset_config_dict("tiny")))  # presets are plain JSON
+
+
+@pytest.mark.parametrize("given, expected", [({}, (1.0, None)),
+                                             ({"activation_situ_beta": None, "activation_situ_linear_beta": None},
+                                              (1.0, None)),
+                                             ({"activation_situ_beta": 2.0, "activation_situ_linear_beta": 7.0},
+                                              (2.0, 7.0))])
+def test_situ_defaults_follow_the_k3_modeling_code(given, expected):
+    # K3's modeling code (and sglang): beta = config value or 1.0; linear beta = config value or none
+    raw = json.loads(json.dumps(preset_config_dict("tiny")))
+    text = raw["text_config"]
+    for k in ("activation_situ_beta", "activation_situ_linear_beta"):
+        text.pop(k, None)
+    text.update(given)
+    c = ModelConfig.from_dict(raw)
+    assert (c.situ_beta, c.situ_linear_beta) == expected

@@ -20,6 +20,7 @@ VARIANTS = {
                               routed_scaling_factor=2.446),
     "attnres-block-3-no-linear-beta": dict(attn_res_block_size=3, situ_linear_beta=None),
 }
+GROUPED = dict(num_expert_group=4, topk_group=2)
 
 
 def _config(name):
@@ -63,3 +64,30 @@ def test_float64_comparison_can_fail(float64_run, change):
     c, params, tokens, ours = float64_run
     ref = numpy_model.forward(params, c.replace(**change), tokens)
     assert np.abs(ours - ref).max() / np.abs(ref).max() > 1e-7
+
+
+def test_group_limited_routing_float64():
+    """Grouped routing (DeepSeek-style group limit) against the numpy reference, in float64: in
+    fp32 a near-tie between two groups' scores can flip a group and the comparison with it."""
+    c = preset_config("tiny").replace(**GROUPED)
+    tokens = np.random.RandomState(7).randint(0, c.vocab_size, 40).astype(np.int32)
+    with jax.enable_x64(True):
+        params = init_params_numpy(c, 8, jnp.float64)
+        ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(params, jnp.asarray(tokens[None])))[0]
+    params = jax.device_get(params)
+    ref = numpy_model.forward(params, c, tokens)
+    assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-9
+    ungrouped = numpy_model.forward(params, c.replace(num_expert_group=1, topk_group=1), tokens)
+    assert np.abs(ours - ungrouped).max() / np.abs(ref).max() > 1e-3   # the limit mattered here
+
+
+def test_group_limited_routing_changes_the_choice():
+    """The grouped test above tests something: with these sizes the group limit changes picks."""
+    c = preset_config("tiny").replace(**GROUPED)
+    rng = np.random.RandomState(0)
+    choices = rng.randn(64, c.num_experts)
+    grouped = [set(numpy_model.routed_experts(ch, c)) for ch in choices]
+    free = [set(numpy_model.routed_experts(ch, c.replace(num_expert_group=1))) for ch in choices]
+    assert sum(g != f for g, f in zip(grouped, free)) > 10
+    per = c.num_experts // c.num_expert_group
+    assert all(len({e // per for e in g}) <= c.topk_group for g in grouped)

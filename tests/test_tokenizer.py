@@ -178,12 +178,30 @@ def test_out_of_range_ids_raise(tiny):
         tiny.decode([-1])
 
 
-def test_config_names_override_spec_names(tiny):
+def test_declared_names_are_the_special_table(tiny):
+    # A config that declares names replaces the K2 layout: ids answer to the declared names only.
     tok = KimiTokenizer.from_file(TINY_ASSET, tokenizer_config={
-        "added_tokens_decoder": {"770": {"content": "<|end_of_msg|>"}, "773": {"content": "<|start_header_id|>"}}})
-    assert tok.im_end_id == 770 and tok.token_str("<|im_end|>") == "<|end_of_msg|>"
+        "added_tokens_decoder": {"769": {"content": "[EOS]"}, "770": {"content": "<|end_of_msg|>"},
+                                 "773": {"content": "<|start_header_id|>"}}})
     assert tok.encode("<|end_of_msg|><|start_header_id|>", allow_special=True) == [770, 773]
-    assert "<|im_end|>" not in tok.special_ids
+    assert "<|im_end|>" not in tok.special_ids and "<|im_user|>" not in tok.special_ids
+    assert tok.special_ids["<|reserved_token_771|>"] == 771
+    assert tok.bos_id is None and tok.eos_id == 769
+    with pytest.raises(KeyError, match="not declared"):
+        tok.id_of("<|im_user|>")
+    assert tok.message_format == "kimi"  # no <|open|> / <|close|> / <|sep|>: not the K3 format
+    assert tok.stop_ids == (769,)        # <|end_of_msg|> ends a message only in the K3 format
+
+
+def test_k3_layout_is_chosen_by_declared_names():
+    k3 = KimiTokenizer.tiny("k3")
+    assert k3.message_format == "k3"
+    # K3 reuses K2's ids 770..773 for other tokens; lookups go by name, never by offset.
+    assert [k3.id_of(n) for n in ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>")] == [770, 771, 772, 773]
+    assert k3.im_end_id == 770 and k3.stop_ids == (769, 770, 777)
+    assert not k3.has_special("<|im_user|>") and not k3.has_special("<think>")
+    assert k3.id_of("<|media_pad|>") == 768 + 21
+    assert KimiTokenizer.tiny().message_format == "kimi"
 
 
 # ---- incremental detokenizer ----------------------------------------------------------------

@@ -77,7 +77,8 @@ def _check_source(key: str, src: Source, leaf: Leaf, heads: dict, want: tuple) -
     """Validate dtypes and shapes of src against the target `want`; returns whether it is stacked."""
     ok = {"U8"} if leaf.kind in ("mx_packed", "mx_scale") else FLOAT_DTYPES
     for n in src.names:
-        if heads[n][1] not in ok:
+        packed_part = n.endswith((".weight_packed", ".weight_scale"))   # a packed linear, dequantized
+        if heads[n][1] not in ({"U8"} if packed_part else ok):
             raise ConversionError(f"{n}: dtype {heads[n][1]}, expected {' or '.join(sorted(ok))} (for {key})")
     shapes = [heads[n][0] for n in src.names]
     stacked = len(src.names) > 1 and len(src.names) == want[0]

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from k3jax.checkpoint.quant_scheme import dequantize, is_quantized
 from k3jax.config import ModelConfig
 from k3jax.params import is_leaf, param_spec
 
@@ -48,6 +49,18 @@ def _linear(*names):
     return [Source((n + ".weight",), lambda xs: _t(xs[0])) for n in names]
 
 
+def _packed(c: ModelConfig, name: str, fn=_t) -> list[Source]:
+    """A module the checkpoint's quantization scheme stores MXFP4: read packed, dequantize."""
+    if not c.quant_targets or not is_quantized(c.quant_targets, c.quant_ignore, name):
+        return []
+    return [Source((name + ".weight_packed", name + ".weight_scale"), lambda xs: fn(dequantize(xs[0], xs[1])))]
+
+
+def _qlinear(c: ModelConfig, *names):
+    """_linear, plus the packed spelling of each name the quantization scheme packs."""
+    return _linear(*names) + sum((_packed(c, n) for n in names), [])
+
+
 def _first_available(options: list[Source], names: set[str]) -> Source | list[Source]:
     for s in options:
         if all(n in names for n in s.names):
@@ -59,37 +72,39 @@ def _kda(c: ModelConfig, a: str) -> dict:
     H, HK = c.kda_num_heads, c.kda_dim
     fg = a + "forget_gate."
     out = {
-        "q_proj": _linear(a + "q_proj"), "k_proj": _linear(a + "k_proj"), "v_proj": _linear(a + "v_proj"),
+        "q_proj": _qlinear(c, a + "q_proj"), "k_proj": _qlinear(c, a + "k_proj"),
+        "v_proj": _qlinear(c, a + "v_proj"),
         "A_log": _one(a + "A_log", lambda x: _flat(x)[:H]) + _one(fg + "A_log", lambda x: _flat(x)[:H]),
         "dt_bias": _one(a + "dt_bias", _flat) + _one(fg + "dt_bias", _flat),
-        "f_a_proj": _linear(a + "f_a_proj", fg + "f_a_proj"), "f_b_proj": _linear(a + "f_b_proj", fg + "f_b_proj"),
-        "b_proj": _linear(a + "b_proj"), "o_norm": _one(a + "o_norm.weight"), "o_proj": _linear(a + "o_proj"),
+        "f_a_proj": _qlinear(c, a + "f_a_proj", fg + "f_a_proj"),
+        "f_b_proj": _qlinear(c, a + "f_b_proj", fg + "f_b_proj"),
+        "b_proj": _qlinear(c, a + "b_proj"), "o_norm": _one(a + "o_norm.weight"), "o_proj": _qlinear(c, a + "o_proj"),
     }
     for i, n in enumerate("qkv"):
         out[f"{n}_conv"] = _one(f"{a}{n}_conv1d.weight", _conv) + _one(
             a + "conv1d.weight", lambda x, i=i: _conv(x[i * HK:(i + 1) * HK]))
     if c.kda_full_rank_gate:
-        out["g_proj"] = _linear(a + "g_proj")
+        out["g_proj"] = _qlinear(c, a + "g_proj")
     else:
-        out["g_a_proj"], out["g_b_proj"] = _linear(a + "g_a_proj"), _linear(a + "g_b_proj")
+        out["g_a_proj"], out["g_b_proj"] = _qlinear(c, a + "g_a_proj"), _qlinear(c, a + "g_b_proj")
     return out
 
 
 def _mla(c: ModelConfig, a: str) -> dict:
-    out = {"kv_a_proj": _linear(a + "kv_a_proj_with_mqa"), "kv_a_norm": _one(a + "kv_a_layernorm.weight"),
-           "kv_b_proj": _linear(a + "kv_b_proj"), "o_proj": _linear(a + "o_proj")}
+    out = {"kv_a_proj": _qlinear(c, a + "kv_a_proj_with_mqa"), "kv_a_norm": _one(a + "kv_a_layernorm.weight"),
+           "kv_b_proj": _qlinear(c, a + "kv_b_proj"), "o_proj": _qlinear(c, a + "o_proj")}
     if c.q_lora_rank:
-        out.update(q_a_proj=_linear(a + "q_a_proj"), q_a_norm=_one(a + "q_a_layernorm.weight"),
-                   q_b_proj=_linear(a + "q_b_proj"))
+        out.update(q_a_proj=_qlinear(c, a + "q_a_proj"), q_a_norm=_one(a + "q_a_layernorm.weight"),
+                   q_b_proj=_qlinear(c, a + "q_b_proj"))
     else:
-        out["q_proj"] = _linear(a + "q_proj")
+        out["q_proj"] = _qlinear(c, a + "q_proj")
     if c.mla_output_gate:
-        out["g_proj"] = _linear(a + "g_proj")
+        out["g_proj"] = _qlinear(c, a + "g_proj")
     return out
 
 
-def _mlp(prefixes: Iterable[str]) -> dict:
-    return {k: sum((_linear(p + f"{k}_proj") for p in prefixes), []) for k in ("gate", "up", "down")}
+def _mlp(c: ModelConfig, prefixes: Iterable[str]) -> dict:
+    return {k: sum((_qlinear(c, p + f"{k}_proj") for p in prefixes), []) for k in ("gate", "up", "down")}
 
 
 def _stack(fn):
@@ -118,11 +133,12 @@ def _experts(c: ModelConfig, m: str, alt: str) -> dict:
 
 def _moe(c: ModelConfig, m: str, alt: str) -> dict:
     out = {
-        "router": _linear(m + "gate", alt + "gate"),
+        "router": _qlinear(c, m + "gate", alt + "gate"),
         "router_bias": _one(m + "gate.e_score_correction_bias") + _one(alt + "gate.e_score_correction_bias"),
         "experts": _experts(c, m, alt),
-        "shared": _mlp([m + "shared_experts.", alt + "shared_experts."]),
-        "latent_down": _linear(m + "routed_expert_down_proj"), "latent_up": _linear(m + "routed_expert_up_proj"),
+        "shared": _mlp(c, [m + "shared_experts.", alt + "shared_experts."]),
+        "latent_down": _qlinear(c, m + "routed_expert_down_proj"),
+        "latent_up": _qlinear(c, m + "routed_expert_up_proj"),
         "latent_norm": _one(m + "routed_expert_norm.weight"),
     }
     return out
@@ -140,18 +156,21 @@ def _options(c: ModelConfig, pre: str) -> dict:
         L = f"{mp}layers.{i}."
         layer = {
             "input_norm": _one(L + "input_layernorm.weight"), "post_attn_norm": _one(L + "post_attention_layernorm.weight"),
-            "attn_res": {"attn_proj": _one(L + "self_attention_res_proj.weight", _flat),
+            "attn_res": {"attn_proj": _one(L + "self_attention_res_proj.weight", _flat)
+                         + _packed(c, L + "self_attention_res_proj", _flat),
                          "attn_norm": _one(L + "self_attention_res_norm.weight"),
-                         "mlp_proj": _one(L + "mlp_res_proj.weight", _flat), "mlp_norm": _one(L + "mlp_res_norm.weight")},
+                         "mlp_proj": _one(L + "mlp_res_proj.weight", _flat) + _packed(c, L + "mlp_res_proj", _flat),
+                         "mlp_norm": _one(L + "mlp_res_norm.weight")},
             "attn": _kda(c, L + "self_attn.") if c.layer_types[i] == "kda" else _mla(c, L + "self_attn."),
-            "mlp": (_mlp([L + "mlp.", L + "block_sparse_moe."]) if c.mlp_types[i] == "dense"
+            "mlp": (_mlp(c, [L + "mlp.", L + "block_sparse_moe."]) if c.mlp_types[i] == "dense"
                     else _moe(c, L + "block_sparse_moe.", L + "mlp.")),
         }
         layers.append(layer)
     return {
         "embed": _one(mp + "embed_tokens.weight"), "final_norm": _one(mp + "norm.weight"),
-        "lm_head": _linear(pre + "lm_head"), "layers": layers,
-        "output_attn_res": {"proj": _one(mp + "output_attn_res_proj.weight", _flat),
+        "lm_head": _qlinear(c, pre + "lm_head"), "layers": layers,
+        "output_attn_res": {"proj": _one(mp + "output_attn_res_proj.weight", _flat)
+                            + _packed(c, mp + "output_attn_res_proj", _flat),
                             "norm": _one(mp + "output_attn_res_norm.weight")},
     }
 

@@ -15,6 +15,19 @@ from k3jax.tokenizer import vocab as _vocab
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny.tiktoken"
 
 
+ROLE_TOKENS = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
+
+
+def _role_tokens(config: Mapping) -> dict:
+    out = {}
+    for key in ROLE_TOKENS:
+        val = config.get(key)
+        val = val.get("content") if isinstance(val, Mapping) else val
+        if isinstance(val, str):
+            out[key] = val
+    return out
+
+
 def _config_dict(tokenizer_config: Any) -> tuple[dict, Path | None]:
     if tokenizer_config is None:
         return {}, None
@@ -26,19 +39,22 @@ def _config_dict(tokenizer_config: Any) -> tuple[dict, Path | None]:
 
 
 class KimiTokenizer:
-    """Kimi tokenizer: `num_ordinary` BPE ids, then 256 special ids (spec section 8).
+    """Kimi tokenizer: `num_ordinary` BPE ids, then 256 special ids found by name.
 
     Attributes:
       num_ordinary: number of BPE tokens (163584 for real Kimi, 768 for tiny).
       vocab_size: num_ordinary + 256.
-      bos_id, eos_id, im_end_id, eot_id, pad_id, unk_id: special ids (num_ordinary + offset).
       special_ids: {token string: id} for all 256 special ids (reserved ones included).
-      stop_ids: (eos_id, im_end_id, eot_id), the ids that end a generation.
-      chat_template: the checkpoint's jinja template, or None (built-in Kimi renderer).
+      message_format: "k3" when the declared names hold K3's four structural tokens (the tagged
+        format of spec 8b, k3jax.tokenizer.k3_format), else "kimi" (K2 / Kimi Linear, spec 8).
+      bos_id, eos_id, eot_id, pad_id, unk_id: ids of those names, None where undeclared.
+      im_end_id: the id that ends a message: `<|im_end|>` (kimi) or `<|end_of_msg|>` (k3).
+      stop_ids: the declared ones of [EOS], the end-of-message id, [EOT].
+      chat_template: the checkpoint's jinja template, or None (built-in renderer).
     """
 
     def __init__(self, mergeable_ranks: Mapping[bytes, int], *, special_names: Mapping[int, str] | None = None,
-                 chat_template: str | None = None, name: str = "kimi"):
+                 chat_template: str | None = None, name: str = "kimi", role_tokens: Mapping[str, str] | None = None):
         ranks = dict(mergeable_ranks)
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError("mergeable ranks must be dense 0..n-1")
@@ -48,13 +64,15 @@ class KimiTokenizer:
         self.special_ids = {tok: tid for tid, tok in self._id_to_special.items()}
         self._enc = tiktoken.Encoding(name, pat_str=_vocab.PAT_STR, mergeable_ranks=ranks,
                                       special_tokens=self.special_ids)
-        self.bos_id = self.id_of("[BOS]")
-        self.eos_id = self.id_of("[EOS]")
-        self.im_end_id = self.id_of("<|im_end|>")
-        self.eot_id = self.id_of("[EOT]")
-        self.pad_id = self.id_of("[PAD]")
-        self.unk_id = self.id_of("[UNK]")
-        self.stop_ids = (self.eos_id, self.im_end_id, self.eot_id)
+        self.message_format = "k3" if all(t in self.special_ids for t in _vocab.K3_STRUCTURAL) else "kimi"
+        # bos/eos/unk/pad token names: the config's `bos_token` etc., else Kimi's defaults
+        self.role_tokens = {**ROLE_TOKENS, **(role_tokens or {})}
+        get = self.special_ids.get
+        self.bos_id, self.eos_id = get(self.role_tokens["bos_token"]), get(self.role_tokens["eos_token"])
+        self.pad_id, self.unk_id = get(self.role_tokens["pad_token"]), get(self.role_tokens["unk_token"])
+        self.eot_id = get("[EOT]")
+        self.im_end_id = get("<|end_of_msg|>") if self.message_format == "k3" else get("<|im_end|>")
+        self.stop_ids = tuple(t for t in (self.eos_id, self.im_end_id, self.eot_id) if t is not None)
         self.chat_template = chat_template
 
     # ---- construction -------------------------------------------------------------------
@@ -86,22 +104,38 @@ class KimiTokenizer:
         if template is None and config_dir is not None and (config_dir / "chat_template.jinja").exists():
             template = (config_dir / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(_vocab.load_tiktoken_bpe(path), special_names=names, chat_template=template,
-                   name=path.name)
+                   name=path.name, role_tokens=_role_tokens(config))
 
     @classmethod
-    def tiny(cls) -> "KimiTokenizer":
-        """The embedded tiny tokenizer: 768 ordinary ids + 256 specials (vocab_size 1024)."""
-        return cls(_vocab.load_tiktoken_bpe(TINY_ASSET), name="kimi-tiny")
+    def tiny(cls, message_format: str = "kimi") -> "KimiTokenizer":
+        """The embedded tiny tokenizer: 768 ordinary ids + 256 specials (vocab_size 1024).
+
+        message_format="k3": the same BPE with K3's special names declared (K3_SPECIAL_OFFSETS),
+        so it speaks the tagged K3 format, as a K3 checkpoint's tokenizer files make it.
+        """
+        if message_format == "kimi":
+            return cls(_vocab.load_tiktoken_bpe(TINY_ASSET), name="kimi-tiny")
+        if message_format != "k3":
+            raise ValueError(f"unknown message format {message_format!r}")
+        ranks = _vocab.load_tiktoken_bpe(TINY_ASSET)
+        return cls(ranks, special_names=_vocab.k3_added_tokens(len(ranks)), name="kimi-k3-tiny")
 
     # ---- ids ----------------------------------------------------------------------------
 
-    def id_of(self, spec_name: str) -> int:
-        """Id of a special token by its spec name (stays right if a config renamed it)."""
-        return self.num_ordinary + _vocab.SPECIAL_OFFSETS[spec_name]
+    def id_of(self, name: str) -> int:
+        """Id of a special token by name; KeyError when this tokenizer does not declare it."""
+        try:
+            return self.special_ids[name]
+        except KeyError:
+            raise KeyError(f"special token {name!r} is not declared by this tokenizer "
+                           f"(message format {self.message_format!r})") from None
 
-    def token_str(self, spec_name: str) -> str:
-        """The token string actually registered at a spec-named special id."""
-        return self._id_to_special[self.id_of(spec_name)]
+    def has_special(self, name: str) -> bool:
+        return name in self.special_ids
+
+    def token_str(self, name: str) -> str:
+        """The token string of a declared special token (checks that it is declared)."""
+        return self._id_to_special[self.id_of(name)]
 
     def is_special(self, token_id: int) -> bool:
         return self.num_ordinary <= token_id < self.vocab_size
@@ -140,19 +174,29 @@ class KimiTokenizer:
     # ---- chat ---------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
-                            thinking: bool = True, tokenize: bool = False, **template_kwargs: Any):
+                            thinking: bool | None = None, tokenize: bool = False, **template_kwargs: Any):
         """Render a conversation (OpenAI-style dicts) into a prompt string, or ids if tokenize.
+
+        A K3-format tokenizer renders K3's tagged format (k3jax.tokenizer.k3_format; template_kwargs
+        are its options: thinking_effort, reasoning_effort, tool_choice, response_format,
+        image_prompts).
 
         With a checkpoint jinja template, it is rendered like transformers does
         (template_kwargs are passed to it) and ids come from encode(..., allow_special=True).
         Otherwise the built-in Kimi renderer is used (see k3jax.tokenizer.chat) and content
         is tokenized with special-token parsing off.
         """
+        if self.message_format == "k3":
+            from k3jax.tokenizer import k3_format
+
+            segments = k3_format.render(messages, tools, add_generation_prompt=add_generation_prompt,
+                                        thinking=thinking, **template_kwargs)
+            return k3_format.encode(self, segments) if tokenize else k3_format.join(segments)
+        thinking = True if thinking is None else thinking   # (K3 also reads enable_thinking / efforts)
         if self.chat_template is not None:
             from k3jax.tokenizer.jinja_chat import render_jinja
 
-            specials = {"bos_token": self.token_str("[BOS]"), "eos_token": self.token_str("[EOS]"),
-                        "unk_token": self.token_str("[UNK]"), "pad_token": self.token_str("[PAD]")}
+            specials = {key: name for key, name in self.role_tokens.items() if self.has_special(name)}
             text = render_jinja(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                 thinking=thinking, **{**specials, **template_kwargs})
             return self.encode(text, allow_special=True) if tokenize else text

@@ -6,9 +6,12 @@ branches (`&&` class intersection, supported by tiktoken's fancy-regex and by th
 module in V1 mode), and every unnamed id among the 256 special ids called
 `<|reserved_token_{id}|>` with its absolute id.
 
-The special ids are laid out relative to the number of ordinary tokens (spec section 8:
-the real vocabulary has 163584 ordinary tokens, so [BOS] is 163584); the tiny tokenizer
-(768 ordinary tokens) uses the same offsets from 768.
+Special tokens are found by name. A checkpoint's `tokenizer_config.json` declares them
+(`added_tokens_decoder`, id -> name); when it declares any, those names are the whole table
+(the rest are reserved), so a K3 checkpoint that puts `<|open|>` where K2 had `<|im_user|>`
+never answers to K2 names. A bare `tiktoken.model` gets the K2 / Kimi Linear layout below,
+relative to the number of ordinary tokens (163584 for real Kimi, 768 for the tiny one).
+K3_SPECIAL_OFFSETS is the K3 layout the tiny K3-format tokenizer declares (spec 8b).
 """
 
 from __future__ import annotations
@@ -57,22 +60,49 @@ SPECIAL_OFFSETS: dict[str, int] = {
     "[PAD]": 255,
 }
 
+# The K3 tagged format's structural tokens (spec 8b) and the K3 layout used by the tiny
+# K3-format tokenizer: K2's ids 2..5 carry the four structural tokens, the chat-role and
+# tool-call markers and <think> are gone, [BOS]/[EOS]/[EOT]/media/[UNK]/[PAD] stay.
+K3_STRUCTURAL = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+K3_SPECIAL_OFFSETS: dict[str, int] = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|end_of_msg|>": 2,
+    "<|open|>": 3,
+    "<|close|>": 4,
+    "<|sep|>": 5,
+    "[EOT]": 9,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+
+
+def k3_added_tokens(num_ordinary: int) -> dict[int, str]:
+    """The K3 layout as `added_tokens_decoder` would declare it: absolute id -> name."""
+    return {num_ordinary + off: name for name, off in K3_SPECIAL_OFFSETS.items()}
+
+
 # Kimi's encode() cuts text into pieces before tiktoken (tiktoken panics on huge inputs and
 # is quadratic on very long runs); we cut at the same places so ids match the reference.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
 
-def special_names(num_ordinary: int, overrides: Mapping[int, str] | None = None) -> dict[int, str]:
+def special_names(num_ordinary: int, declared: Mapping[int, str] | None = None) -> dict[int, str]:
     """id -> token string for the 256 special ids [num_ordinary, num_ordinary + 256).
 
-    Spec names first, then `overrides` (absolute id -> name, e.g. a checkpoint's
-    `added_tokens_decoder`) on top, then `<|reserved_token_{id}|>` for the rest.
+    declared (absolute id -> name, e.g. a checkpoint's `added_tokens_decoder`): when it names
+    any special id, it is the table; when empty or None, the K2 layout (SPECIAL_OFFSETS) is.
+    Unnamed ids are `<|reserved_token_{id}|>`, as in Moonshot's tokenizer.
     """
-    names = {num_ordinary + off: name for name, off in SPECIAL_OFFSETS.items()}
-    for tid, name in (overrides or {}).items():
-        if num_ordinary <= int(tid) < num_ordinary + NUM_SPECIAL:
-            names[int(tid)] = name
+    names = {int(t): n for t, n in (declared or {}).items() if num_ordinary <= int(t) < num_ordinary + NUM_SPECIAL}
+    if not names:
+        names = {num_ordinary + off: name for name, off in SPECIAL_OFFSETS.items()}
     out = {}
     for tid in range(num_ordinary, num_ordinary + NUM_SPECIAL):
         out[tid] = names.get(tid, f"<|reserved_token_{tid}|>")

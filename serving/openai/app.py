@@ -140,8 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = await asyncio.to_thread(chat.render_prompt, state, req.messages, None, {})
-            images = await asyncio.to_thread(chat.load_images, state, req.messages)
+            ids, images = await asyncio.to_thread(chat.render_with_images, state, req.messages, None, {})
             if images:                   # each image's placeholder widened to its token count
                 from serving.multimodal import expand_image_placeholders
                 ids, _ = expand_image_placeholders(ids, images, state.vision.pad_id)

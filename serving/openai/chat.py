@@ -11,6 +11,7 @@ from typing import AsyncIterator, Optional
 
 from serving.openai.errors import APIError, bad_request, from_value_error
 from serving.openai.generation import ServerState, admit_choices, new_id, stream_choices
+from serving.openai.k3_parser import count_tool_calls
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.reasoning_parser import OutputStreamParser, parse_output, thinking_started_from_prompt
 from serving.openai.sse import DONE, error_event, event
@@ -80,6 +81,19 @@ def load_images(state: ServerState, messages) -> list:
     return images
 
 
+def render_with_images(state: ServerState, messages, tools, template_kwargs: dict) -> tuple[list, list]:
+    """(prompt ids, images in prompt order). K3's prompt names each image's size, so its images
+    are loaded first and passed to the renderer as K3 image prompts; Kimi's after rendering."""
+    if getattr(state.tokenizer, "message_format", "kimi") != "k3":
+        prompt = render_prompt(state, messages, tools, template_kwargs)
+        return prompt, load_images(state, messages)
+    images = load_images(state, messages)
+    if images:
+        from k3jax.tokenizer.k3_format import image_prompt
+        template_kwargs = {**template_kwargs, "image_prompts": [image_prompt(img.size) for img in images]}
+    return render_prompt(state, messages, tools, template_kwargs), images
+
+
 class _Plan:
     """Everything decided before generation."""
 
@@ -90,6 +104,16 @@ class _Plan:
             kwargs["thinking"] = False       # the grammar constrains the answer from its first token
         choice = req.tool_choice
         tools = req.tools if req.tools and choice != "none" else None
+        k3 = getattr(tok, "message_format", "kimi") == "k3"
+        if k3:   # K3's prompt itself states tool_choice and response_format (spec 8b)
+            tools = req.tools or None
+            if choice in ("required", "none"):
+                kwargs.setdefault("tool_choice", choice)
+            if req.response_format:
+                kwargs.setdefault("response_format", req.response_format)
+            effort = (req.model_extra or {}).get("reasoning_effort")   # OpenAI's field: low/high/max, none
+            if effort is not None:
+                kwargs.setdefault("reasoning_effort", effort)
         self.forced_name: Optional[str] = None
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
@@ -101,15 +125,16 @@ class _Plan:
         if choice in ("required",) or isinstance(choice, dict):
             if not req.tools:
                 raise bad_request("tool_choice requires tools", param="tool_choice", code="invalid_tool_choice")
-        prompt = render_prompt(state, req.messages, tools, kwargs)
-        self.images = load_images(state, req.messages)
+        prompt, self.images = render_with_images(state, req.messages, tools, kwargs)
         self.thinking = thinking_started_from_prompt(tok, prompt, default=state.thinks_by_default)
         self.forced: list = []
         if choice == "required" or self.forced_name:
-            self.forced = forced_tool_prefix(tok, self.forced_name)
-            self.thinking = None                  # the forced prefix starts the answer itself
+            self.forced = forced_tool_prefix(tok, self.forced_name, prompt)
+            if not k3:   # (K3's prefix closes the open channel itself)
+                self.thinking = None              # the forced prefix starts the answer itself
         self.prompt = prompt + self.forced
-        self.parse_tools = tools is not None
+        self.parse_tools = tools is not None and choice != "none"
+        self.call_number = count_tool_calls(req.messages)   # K3 numbers its call ids over the conversation
         # each image's single placeholder becomes num_tokens placeholders in the engine
         self.num_prompt_tokens = len(self.prompt) + sum(img.num_tokens - 1 for img in self.images)
         if self.num_prompt_tokens >= state.max_model_len:
@@ -125,7 +150,19 @@ class _Plan:
             raise from_value_error(e)
         self.matcher_factory = None
         fmt = req.response_format
-        if self.forced_name:
+        if self.forced and k3:
+            # K3: the forced prefix ends inside the tools channel; a grammar of K3's typed argument
+            # elements (of the named tool, or of any tool for "required") takes it from there.
+            from serving.openai.k3_grammar import tool_call_grammar
+            try:
+                self.matcher_factory = state.structured_compiler().compile_lark(
+                    tool_call_grammar(tok, req.tools, self.forced_name)).matcher
+            except ImportError as e:
+                raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
+            except ValueError as e:
+                raise bad_request(str(e), param="tools")
+            fmt = None
+        elif self.forced_name:
             # Named tool choice: the forced prefix ends at <|tool_call_argument_begin|>, so the grammar of
             # that tool's parameters constrains the arguments from the first generated token.
             from serving.structured import grammar_for_tool_call
@@ -148,10 +185,11 @@ class _Plan:
 
     def parse(self, tok, ids):
         return parse_output(tok, self.forced + list(ids), thinking_started=self.thinking, tools=self.parse_tools
-                            or bool(self.forced))
+                            or bool(self.forced), first_call_number=self.call_number)
 
     def stream_parser(self, tok):
-        p = OutputStreamParser(tok, thinking_started=self.thinking, tools=self.parse_tools or bool(self.forced))
+        p = OutputStreamParser(tok, thinking_started=self.thinking, tools=self.parse_tools or bool(self.forced),
+                               first_call_number=self.call_number)
         first = p.feed(self.forced) if self.forced else []
         return p, first
 

@@ -30,10 +30,16 @@ import dataclasses
 from typing import Iterable, Optional
 
 from k3jax.tokenizer import IncrementalDetokenizer
+from serving.openai import k3_parser
 from serving.openai.tool_parser import (Delta, DeltaList, Markers, ToolCall, ToolCallStreamParser,
-                                        parse_tool_calls)
+                                        merge_deltas, parse_tool_calls)
 
 _REASONING, _CONTENT, _TOOLS = 0, 1, 2
+
+
+def _is_k3(tok) -> bool:
+    # K3 speaks its tagged format (serving.openai.k3_parser); K2 / Kimi Linear the one here
+    return getattr(tok, "message_format", "kimi") == "k3"
 
 
 def thinking_started_from_prompt(tok, prompt_ids: Iterable[int], *, default: Optional[bool] = True
@@ -44,7 +50,10 @@ def thinking_started_from_prompt(tok, prompt_ids: Iterable[int], *, default: Opt
     Otherwise `default`: True suits Kimi's thinking models, which start thinking right after
     `<|im_middle|>`; pass False for a model that does not think (e.g. an Instruct model),
     else its whole answer would be classified as reasoning.
+    A K3-format tokenizer: where its tagged output starts (k3_parser.thinking_started_from_prompt).
     """
+    if _is_k3(tok):
+        return k3_parser.thinking_started_from_prompt(tok, prompt_ids, default=default)
     ids = list(prompt_ids)
     if ids and int(ids[-1]) == tok.id_of("</think>"):
         return None
@@ -150,9 +159,16 @@ class ParsedOutput:
 
 
 def parse_output(tok, token_ids: Iterable[int], *, thinking_started: Optional[bool] = True,
-                 tools: bool = True) -> ParsedOutput:
+                 tools: bool = True, first_call_number: int = 0) -> ParsedOutput:
     """Generated ids [T] -> reasoning, content, tool calls (tools=False: no tool parsing,
-    the content is the content ids decoded with special ids skipped)."""
+    the content is the content ids decoded with special ids skipped).
+
+    first_call_number: tool calls earlier in the conversation (K3 call ids count from it)."""
+    if _is_k3(tok):
+        p = k3_parser.K3OutputParser(tok, thinking_started=thinking_started, tools=tools,
+                                     first_call_number=first_call_number)
+        merged = merge_deltas(p.feed(token_ids) + p.finish()) or {}
+        return ParsedOutput(merged.get("reasoning_content", ""), merged.get("content", ""), p.tool_calls)
     reasoning, content_ids = parse_reasoning(tok, token_ids, thinking_started=thinking_started)
     if not tools:
         return ParsedOutput(reasoning, tok.decode(content_ids, skip_special=True), [])
@@ -168,21 +184,32 @@ class OutputStreamParser:
     forced_tool_prefix ids first.
     """
 
-    def __init__(self, tok, *, thinking_started: Optional[bool] = True, tools: bool = True):
+    def __init__(self, tok, *, thinking_started: Optional[bool] = True, tools: bool = True,
+                 first_call_number: int = 0):
+        self._k3 = k3_parser.K3OutputParser(tok, thinking_started=thinking_started, tools=tools,
+                                            first_call_number=first_call_number) if _is_k3(tok) else None
+        if self._k3 is not None:
+            return
         self._reasoning = ReasoningStreamParser(tok, thinking_started=thinking_started)
         self._tools = ToolCallStreamParser(tok) if tools else None
 
     @property
     def tool_calls(self) -> list[ToolCall]:
+        if self._k3 is not None:
+            return self._k3.tool_calls
         return self._tools.tool_calls if self._tools is not None else []
 
     def feed(self, token_ids: Iterable[int]) -> list[Delta]:
+        if self._k3 is not None:
+            return self._k3.feed(token_ids)
         if self._tools is None:
             return self._reasoning.feed(token_ids)
         deltas, content = self._reasoning.feed_ids(token_ids)
         return deltas + self._tools.feed(content)
 
     def finish(self) -> list[Delta]:
+        if self._k3 is not None:
+            return self._k3.finish()
         if self._tools is None:
             return self._reasoning.finish()
         return self._reasoning.finish() + self._tools.finish()

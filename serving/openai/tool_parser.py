@@ -75,14 +75,18 @@ def tool_call_to_openai(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def forced_tool_prefix(tok, name: Optional[str] = None) -> list[int]:
+def forced_tool_prefix(tok, name: Optional[str] = None, prompt_ids=()) -> list[int]:
     """Ids to append to the prompt so generation starts inside a tool call.
 
     name=None (tool_choice "required"): section-begin + call-begin; the model writes the
     header. name given (named tool_choice): also `functions.{name}:0` + argument-begin, so
     the model writes only the arguments. Feed the same ids to the stream parser before the
     generated ids (it then knows it is inside a call; with a name it emits the header delta).
+    A K3-format tokenizer: k3_parser.forced_tool_prefix (it needs the prompt's open channel).
     """
+    if getattr(tok, "message_format", "kimi") == "k3":
+        from serving.openai import k3_parser
+        return k3_parser.forced_tool_prefix(tok, name, prompt_ids)
     m = Markers(tok)
     ids = [m.section_begin, m.call_begin]
     if name is not None:
