@@ -467,14 +467,15 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
                   moe_intermediate_size=i, hidden_act=activation)
   if fmt == "bf16":
     pe = {"w1": w1, "w3": w3, "w2": w2}
-    out = moe.expert_mlp(x, jnp.asarray(ids), jnp.asarray(wts), w1, w3, w2,
-                         activation=activation, interpret=True)
+    out = moe.expert_mlp(x, jnp.asarray(ids), jnp.asarray(wts), w1, w3, w2, activation=activation,
+                         situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta, interpret=True)
   else:
     q = {n: moe.quantize_mxfp4(jnp.swapaxes(w.astype(jnp.float32), 1, 2))
          for n, w in (("w1", w1), ("w3", w3), ("w2", w2))}
     pe = {f"{n}_{s}": q[n][j] for n in q for j, s in enumerate(("packed", "scale"))}
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(ids), jnp.asarray(wts), q["w1"], q["w3"], q["w2"],
-                               activation=activation, interpret=True)
+                               activation=activation, situ_beta=c.situ_beta,
+                               situ_linear_beta=c.situ_linear_beta, interpret=True)
   ref = layer.routed_experts(pe, x, jnp.asarray(wts), jnp.asarray(ids), c)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   # both round h and the expert outputs to bf16 (at slightly different points): a few
