@@ -88,7 +88,7 @@ def serve(args):
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     if args.layers:
-        args.model = _truncate(args.model, args.layers)
+        args.model = truncated_preset(args.model, args.layers)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
@@ -179,7 +179,7 @@ def full(args):
     from k3jax.offline import LLM, SamplingParams
     name = args.model
     if args.layers:
-        name = _truncate(args.model, args.layers)
+        name = truncated_preset(args.model, args.layers)
     bw = copy_bandwidth()
     rate = matmul_rate()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
@@ -225,7 +225,8 @@ def full(args):
     print("\n".join(rows))
 
 
-def _truncate(model: str, layers: int) -> str:
+def truncated_preset(model: str, layers: int) -> str:
+    """A preset cut to its first `layers` layers (same layer pattern), registered under a new name."""
     from k3jax.presets import preset_config_dict
     import k3jax.presets as presets
     d = preset_config_dict(model)

@@ -116,22 +116,6 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     return ms(total)
 
 
-def truncated_preset(model: str, layers):
-    if not layers:
-        return model
-    import k3jax.presets as presets
-    from k3jax.presets import preset_config_dict
-    d = preset_config_dict(model)
-    t = d.get("text_config", d)
-    t["num_hidden_layers"] = layers
-    lac = t["linear_attn_config"]
-    lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= layers]
-    lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= layers]
-    name = f"{model}-{layers}l"
-    presets._PRESETS[name] = lambda d=d: d
-    return name
-
-
 def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
     from serving.sampling_params import SamplingParams
     import jax
@@ -304,7 +288,8 @@ def main():
     import numpy as np
     from k3jax.api import load_model
     from k3jax.offline import LLM
-    name = truncated_preset(args.model, args.layers)
+    from bench_e2e import truncated_preset
+    name = truncated_preset(args.model, args.layers) if args.layers else args.model
     t0 = time.perf_counter()
     model = load_model(name, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
