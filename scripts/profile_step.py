@@ -164,20 +164,6 @@ def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, o
     summarize(trace_dir, dump_dir, steps=traced)
 
 
-def time_call(fn, *args, reps=10):
-    """Median seconds per call (each sample times `reps` back-to-back calls)."""
-    import jax
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / reps)
-    return statistics.median(samples)
-
-
 def kda_variants(model, T=4096, seqs=2, bucket=64):
     """ops.kda_chunk as the isolated benchmark calls it vs as the model's step calls it: synthetic
     vs the model's own q/k/v/g/beta (layer 0's KDA weights, random bf16 activations), no cu_seqlens
@@ -186,6 +172,7 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
     import jax.numpy as jnp
     import numpy as np
     from k3jax.layers import kda as kda_layer
+    from bench_kda import time_jax as time_call    # imported here: bench_kda sets up jax at import
     from pallas_kernels import ops
     c = model.config
     li = c.kda_layers[0]
