@@ -41,6 +41,52 @@ def _fit(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, *, on_cpu: bool, token_buckets=None,
+                 seq_buckets=None) -> tuple[list, list]:
+    """(token buckets, sequence buckets) of a runner. CPU: few shapes (compiles dominate start-up
+    there); accelerators: x4 steps (padding costs compute)."""
+    tb = token_buckets or (sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
+                           else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+    sb = seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs))
+    return sorted(tb), sorted(sb)
+
+
+def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False) -> list:
+    """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal)."""
+    out = []
+    for T in token_buckets:
+        for N in seq_buckets:
+            if N > T:
+                continue
+            out.append((T, N, False, False))
+            if T <= _fit(token_buckets, N):       # a decode-only step has at most N tokens
+                out.append((T, N, True, False))
+            if multimodal:
+                out.append((T, N, False, True))
+    return out
+
+
+def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, decode: bool, mm: bool, dtype):
+    """(batch, sampling arrays, counters) of a step that fills bucket (T, N) without touching real
+    state: a one-token chunk on the garbage page / slot 0 (resuming from slot 0: decode-only variant)."""
+    rows = [(0, np.zeros((1, config.hidden_size), dtype))] if mm else ()
+    batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], page_size,
+                            num_tokens=T, num_seqs=N, max_pages=max_pages)
+    sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
+    return batch, sarr, np.zeros(N, np.int32)
+
+
+def make_step(c, max_logprobs: int, ep=contextlib.nullcontext):
+    """The jitted engine step (model + sampler): (params, pools, batch, sarr, key_data, counters) ->
+    (tokens, logprobs, top ids, top values, pools). ep(): context the model is traced under."""
+    def step(params, pools, batch, sarr, key_data, counters):
+        with ep():
+            logits, pools = forward_step(params, c, pools, batch)
+        toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters, num_top_logprobs=max_logprobs)
+        return toks, lp, top_ids, top_vals, pools
+    return step
+
+
 def _copy_pages(pools, src, dst):
     return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
 
@@ -55,12 +101,9 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
-        on_cpu = jax.default_backend() == "cpu"
-        # CPU: few shapes (compiles dominate start-up there); accelerators: x4 steps (padding costs compute).
-        self.token_buckets = sorted(token_buckets or (
-            sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
-            else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
-        self.seq_buckets = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
+        self.token_buckets, self.seq_buckets = step_buckets(
+            max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+            token_buckets=token_buckets, seq_buckets=seq_buckets)
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()
@@ -78,13 +121,7 @@ class ModelRunner:
             copy_kw = dict(out_shardings=ps)
             ep = lambda: expert_parallel(mesh)
 
-        def step(params, pools, batch, sarr, key_data, counters):
-            with ep():
-                logits, pools = forward_step(params, c, pools, batch)
-            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters, num_top_logprobs=max_logprobs)
-            return toks, lp, top_ids, top_vals, pools
-
-        self._step = jax.jit(step, donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(make_step(c, max_logprobs, ep), donate_argnums=(1,), **step_kw)
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
         self.num_compiles = 0
 
@@ -131,31 +168,22 @@ class ModelRunner:
     def warmup(self, progress: bool = True, multimodal: bool = False):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
         multimodal: also the variant of each bucket that takes image embeddings."""
-        combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
-        # (small-token buckets also compile a decode-only variant)
-        it = combos
+        shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
+        it = shapes
         if progress:
             from tqdm import tqdm
-            it = tqdm(combos, desc="warm-up (compiling step shapes)", unit="shape")
+            it = tqdm(shapes, desc="warm-up (compiling step shapes)", unit="shape")
         t0 = time.perf_counter()
-        for T, N in it:
-            self._run_padding(T, N, decode=False)
-            if T <= _fit(self.token_buckets, N):       # a decode-only step has at most N tokens
-                self._run_padding(T, N, decode=True)
-            if multimodal:
-                self._run_padding(T, N, decode=False, mm=True)
+        for T, N, decode, mm in it:
+            self._run_padding(T, N, decode=decode, mm=mm)
         self.copy_pages([(0, 0)])
-        log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
+        log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False):
-        # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
-        # resuming from slot 0 gives the decode-only variant of the same bucket.
-        rows = [(0, np.zeros((1, self.config.hidden_size), self.params["embed"].dtype))] if mm else ()
-        batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], self.page_size,
-                                num_tokens=T, num_seqs=N, max_pages=self.max_pages)
-        sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
+        batch, sarr, cnt = padding_step_args(self.config, self.page_size, self.max_pages, T, N, decode, mm,
+                                             self.params["embed"].dtype)
         self._note_shape(("step", T, N, batch.decode_only, mm, self._variant(sarr)))
-        self._call("step", batch, sarr, np.zeros(N, np.int32))
+        self._call("step", batch, sarr, cnt)
 
     # ---- multi-host hook: the one dispatch point of the jitted functions. In a multi-process run
     # process 0 first broadcasts (control, host args) and the followers make this same call
