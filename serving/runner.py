@@ -14,6 +14,8 @@ import jax
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers
+from pallas_kernels.scatter import set_rows
 from k3jax.model import forward_step
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
@@ -88,7 +90,7 @@ def make_step(c, max_logprobs: int, ep=contextlib.nullcontext):
 
 
 def _copy_pages(pools, src, dst):
-    return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, pools.mla_kv[src]))     # every layer at once
 
 
 class ModelRunner:
@@ -96,7 +98,8 @@ class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
-        self.config, self.params = config, params
+        self.config = config
+        self.params = stack_layers(params, config)      # scan layout (a no-op when load_model did it)
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
