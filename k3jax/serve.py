@@ -41,6 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true")
+    ap.add_argument("--unrolled-layers", action="store_true",
+                    help="trace every layer instead of scanning the repeating block (debugging; more memory)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0)
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
@@ -93,7 +95,8 @@ def build_state(args):
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
-        forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
+        encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)

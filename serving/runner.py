@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
-from k3jax.layer_stack import stack_layers
+from k3jax.layer_stack import stack_layers, unstack_layers
 from pallas_kernels.scatter import set_rows
 from k3jax.model import forward_step
 from serving import multihost
@@ -97,9 +97,10 @@ class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
+                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True):
         self.config = config
-        self.params = stack_layers(params, config)      # scan layout (a no-op when load_model did it)
+        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy
+        self.params = stack_layers(params, config) if scan_layers else unstack_layers(params, config)
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs

@@ -85,3 +85,16 @@ def test_loaded_model_holds_the_scan_layout_and_shows_each_layer():
     got = m.layer_params(3)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     np.testing.assert_array_equal(got["attn"]["kv_b_proj"], want["attn"]["kv_b_proj"])
+
+
+def test_engine_unrolled_debug_path_generates_the_same_tokens():
+    from k3jax.offline import LLM
+    from serving.sampling_params import SamplingParams
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, warmup=False, compilation_cache_dir=None)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    outs = []
+    for scan in (True, False):
+        llm = LLM("tiny", dtype="float32", scan_layers=scan, **kw)
+        assert isinstance(llm.engine.runner.params["layers"], dict if scan else list)
+        outs.append([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8, 9], [11, 12]], sp)])
+    assert outs[0] == outs[1] and len(outs[0][0]) == 6
