@@ -28,6 +28,10 @@ def test_stack_unstack_round_trip():
     assert st["layers"]["units"][0]["attn"]["q_proj"].shape == (2,) + params["layers"][2]["attn"]["q_proj"].shape
     np.testing.assert_array_equal(st["layers"]["units"][1]["mlp"]["router"][1], params["layers"][5]["mlp"]["router"])
     assert stack_layers(st, c) is st
+    owned = init_params_numpy(c, 0, jnp.float32)
+    st2 = stack_layers(owned, c, donate=True)                  # load_model's path: sources freed
+    assert owned["layers"][2]["attn"]["q_proj"].is_deleted() and not owned["layers"][0]["attn"]["q_proj"].is_deleted()
+    np.testing.assert_array_equal(st2["layers"]["units"][0]["attn"]["q_proj"], st["layers"]["units"][0]["attn"]["q_proj"])
     back = unstack_layers(st, c)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
