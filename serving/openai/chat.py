@@ -55,7 +55,8 @@ def render_prompt(state: ServerState, messages, tools, template_kwargs: dict) ->
     except TypeError as e:
         if extra and getattr(state.tokenizer, "chat_template", None) is None:   # the built-in template takes `thinking` only
             raise bad_request(f"chat_template_kwargs: this model's chat template takes only 'thinking', not "
-                              f"{', '.join(map(repr, extra))}", param="chat_template_kwargs")
+                              f"{', '.join(map(repr, extra))}", param="chat_template_kwargs",
+                              code="unsupported_template_kwargs")
         raise bad_request(f"messages: cannot render the chat template ({e})", param="messages",
                           code="invalid_conversation")
     except (ValueError, KeyError) as e:

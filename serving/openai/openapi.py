@@ -26,6 +26,7 @@ SEMANTIC_400_CODES = {
     "invalid_tools": "a forced tool whose parameters schema cannot be compiled",
     "invalid_response_format": "a response_format schema that cannot be compiled to a grammar",
     "model_not_found": "a model name other than the served one",
+    "unsupported_template_kwargs": "chat_template_kwargs keys this model's chat template does not take",
 }
 
 _ERRORS = {
@@ -63,8 +64,11 @@ def build_openapi(app, vocab_size: int, max_n: int, model_name: str = None) -> d
             errors = dict(_ERRORS) if method == "post" else {"401": _ERRORS["401"]}
             if path in _STREAMING:
                 errors.update(_GENERATION_ERRORS)
+                # no type: each event's data is a chunk object, an error object or the string [DONE]
+                # (schemathesis validates every event against this; "string" failed every chunk)
                 responses["200"]["content"]["text/event-stream"] = {
-                    "schema": {"type": "string", "description": "server-sent events when stream is true"}}
+                    "schema": {"description": "server-sent events when stream is true: chat.completion.chunk / "
+                                              "text_completion objects, an error object, then [DONE]"}}
             if "{" in path:
                 errors["404"] = "No such model"
                 for param in op.get("parameters", ()):
