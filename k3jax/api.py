@@ -178,7 +178,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The embedded default: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt)
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
         _check_mxfp4_scales(params)
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
