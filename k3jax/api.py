@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
@@ -48,9 +47,8 @@ class VisionModel:
 
 
 class Model:
-    """A loaded model: config, parameters (a pytree of jax arrays; the repeating layers stacked
-    for the scanned decoder, see `layer_params` for one layer), tokenizer, and the vision side
-    (`vision`, None for text-only models)."""
+    """A loaded model: config, parameters (a pytree of jax arrays), tokenizer, and the vision
+    side (`vision`, None for text-only models)."""
 
     def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None,
                  vision: VisionModel | None = None):
@@ -60,16 +58,6 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self.vision = vision
-
-    def checkpoint_params(self) -> dict:
-        """The parameters in the checkpoint layout (params["layers"] a list of per-layer dicts);
-        stacked layers come out as slices, i.e. copies."""
-        from k3jax.layer_stack import unstack_layers
-        return unstack_layers(self.params, self.config)
-
-    def layer_params(self, i: int) -> dict:
-        """Layer i's parameters under their checkpoint names."""
-        return self.checkpoint_params()["layers"][i]
 
     @property
     def dtype(self):
@@ -116,20 +104,23 @@ def _load_tokenizer(path: str | None):
 
 
 def _place(params, mesh, config):
-    """Put every parameter on the mesh by the partition rules (sharding/rules.py), then stack the
-    repeating layers for the scanned decoder (k3jax/layer_stack.py)."""
-    if mesh is not None:
-        from sharding.rules import shard_params
-        params = shard_params(params, mesh, config)
-    return stack_layers(params, config, donate=True)
+    """Put every parameter on the mesh by the partition rules (sharding/rules.py)."""
+    if mesh is None:
+        return params
+    from sharding.rules import shard_params
+    return shard_params(params, mesh, config)
 
 
 def _check_mxfp4_scales(params) -> None:
     """The fast MXFP4 decoder is exact only for a window of E8M0 scales (real checkpoints sit well
     inside it); weights with a scale outside it switch the process to the exact ptx4 decoder."""
-    # (every container kind: the checkpoint layout keeps its layers in a list)
-    found = [val for path, val in jax.tree_util.tree_leaves_with_path(params)
-             if str(getattr(path[-1], "key", "")).endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8]
+    def scales(tree):
+        for key, val in tree.items():
+            if isinstance(val, dict):
+                yield from scales(val)
+            elif key.endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8:
+                yield val
+    found = list(scales(params))
     if not found:
         return
     from pallas_kernels.moe import mxfp4 as mx
@@ -178,7 +169,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The embedded default: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt)
         _check_mxfp4_scales(params)
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)

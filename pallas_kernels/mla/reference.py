@@ -14,8 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.scatter import set_rows
-
 
 def write_kv_pages(kv_pages, new_kv, slot_mapping):
     """Scatter new cache rows into the page pool.
@@ -33,7 +31,7 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     # .at[] wraps negative indices numpy-style, so send them out of bounds explicitly.
     slots = jnp.where(slots < 0, total, slots)
-    flat = set_rows(flat, slots, new_kv, mode="drop")
+    flat = flat.at[slots].set(new_kv.astype(kv_pages.dtype), mode="drop")
     return flat.reshape(num_pages, page_size, width)
 
 
