@@ -61,7 +61,9 @@ def test_random_chunks_match_full_forward(model):
         logits, pools = step(params, pools, make_step_batch(chunks, PAGE, **BUCKET))
         for n, i in enumerate(owners):
             done[i] += len(chunks[n].tokens)
-            assert _rel(np.asarray(logits[n]), refs[i][done[i] - 1]) <= 1e-4
+            # fp32 rounding of two summation orders (chunked vs whole): 1.1e-4 at worst with the jax 0.10.2
+            # CPU build of 2026-12-01 (the same commit measured under 1e-4 before); a wrong state is >1e-2
+            assert _rel(np.asarray(logits[n]), refs[i][done[i] - 1]) <= 2e-4
             checked += 1
     assert checked >= 10
 
