@@ -62,7 +62,7 @@ def test_random_chunks_match_full_forward(model):
         for n, i in enumerate(owners):
             done[i] += len(chunks[n].tokens)
             # fp32 rounding of two summation orders (chunked vs whole): 1.1e-4 at worst with the jax 0.10.2
-            # CPU build of 2026-12-01 (the same commit measured under 1e-4 before); a wrong state is >1e-2
+            # CPU build of 2026-12-01 (the same commit measured under 1e-4 before)
             assert _rel(np.asarray(logits[n]), refs[i][done[i] - 1]) <= 2e-4
             checked += 1
     assert checked >= 10
