@@ -234,7 +234,10 @@ class StructuredOutputCompiler:
             text = json.dumps(schema, ensure_ascii=False)  # key order matters: properties keep it
         except (TypeError, ValueError) as e:
             raise ValueError(f"response_format: schema is not JSON: {e}") from None
-        key = (kind, text, strict)
+        return self._cached((kind, text, strict), lambda: self._build(kind, schema, strict))
+
+    def _cached(self, key, build) -> Grammar:
+        """The LRU-cached grammar of `key`, built outside the lock (llguidance drops the GIL there)."""
         with self._lock:
             g = self._cache.get(key)
             if g is not None:
@@ -242,7 +245,7 @@ class StructuredOutputCompiler:
                 self.hits += 1
                 return g
             self.misses += 1
-        g = self._build(kind, schema, strict)  # outside the lock: llguidance drops the GIL here
+        g = build()
         with self._lock:
             self._cache[key] = g
             self._cache.move_to_end(key)
@@ -253,14 +256,9 @@ class StructuredOutputCompiler:
     def compile_lark(self, source: str, kind: str = "lark") -> Grammar:
         """llguidance lark grammar text -> Grammar (cached like schemas); ValueError if invalid.
         Used for formats that are not one JSON value, e.g. K3's tagged tool calls."""
-        key = (kind, source, None)
-        with self._lock:
-            g = self._cache.get(key)
-            if g is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return g
-            self.misses += 1
+        return self._cached((kind, source, None), lambda: self._build_lark(kind, source))
+
+    def _build_lark(self, kind: str, source: str) -> Grammar:
         llg = _llguidance()
         try:
             grammar = llg.LLMatcher.grammar_from_lark(source)
@@ -269,13 +267,8 @@ class StructuredOutputCompiler:
         m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"invalid grammar: {m.get_error().strip()}")
-        g = Grammar(kind, grammar, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
-                    self.tokenizer.vocab_size, m)
-        with self._lock:
-            self._cache[key] = g
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return g
+        return Grammar(kind, grammar, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
+                       self.tokenizer.vocab_size, m)
 
     def compile_tool_call(self, tools, name: Optional[str] = None) -> Grammar:
         """Grammar for the arguments JSON of a tool call (see grammar_for_tool_call)."""
