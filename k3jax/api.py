@@ -114,13 +114,9 @@ def _place(params, mesh, config):
 def _check_mxfp4_scales(params) -> None:
     """The fast MXFP4 decoder is exact only for a window of E8M0 scales (real checkpoints sit well
     inside it); weights with a scale outside it switch the process to the exact ptx4 decoder."""
-    def scales(tree):
-        for key, val in tree.items():
-            if isinstance(val, dict):
-                yield from scales(val)
-            elif key.endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8:
-                yield val
-    found = list(scales(params))
+    # (every container kind: the checkpoint layout keeps its layers in a list)
+    found = [val for path, val in jax.tree_util.tree_leaves_with_path(params)
+             if str(getattr(path[-1], "key", "")).endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8]
     if not found:
         return
     from pallas_kernels.moe import mxfp4 as mx

@@ -532,7 +532,7 @@ def test_loading_checks_mxfp4_scales_against_the_ptx8_window(monkeypatch, caplog
                                    "w1_packed": jnp.zeros((1, 2), jnp.uint8)}}}
   _check_mxfp4_scales(inside)
   assert mxm.DECODER == "ptx8"
-  outside = {"layers": {"experts": {"w1_scale": jnp.asarray([[lo, hi + 1]], jnp.uint8)}},
+  outside = {"layers": [{"mlp": {"experts": {"w1_scale": jnp.asarray([[lo, hi + 1]], jnp.uint8)}}}],  # a list, as loaded
              "norm_scale": jnp.ones((2,), jnp.float32) * 255}  # not MXFP4: ignored
   _check_mxfp4_scales(outside)
   assert mxm.DECODER == "ptx4"
