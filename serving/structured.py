@@ -264,11 +264,7 @@ class StructuredOutputCompiler:
             grammar = llg.LLMatcher.grammar_from_lark(source)
         except (ValueError, TypeError) as e:
             raise ValueError(f"invalid grammar: {e}") from None
-        m = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"invalid grammar: {m.get_error().strip()}")
-        return Grammar(kind, grammar, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
-                       self.tokenizer.vocab_size, m)
+        return self._grammar(kind, grammar, "invalid grammar")
 
     def compile_tool_call(self, tools, name: Optional[str] = None) -> Grammar:
         """Grammar for the arguments JSON of a tool call (see grammar_for_tool_call)."""
@@ -281,9 +277,13 @@ class StructuredOutputCompiler:
             source = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as e:
             raise ValueError(f"response_format: invalid JSON schema: {e}") from None
-        m = llg.LLMatcher(self.ll_tokenizer, source, log_level=0)
+        return self._grammar(kind, source, "response_format: invalid JSON schema")
+
+    def _grammar(self, kind: str, source: str, error: str) -> Grammar:
+        """Grammar of llguidance grammar text; ValueError(`error`: ...) when llguidance refuses it."""
+        m = _llguidance().LLMatcher(self.ll_tokenizer, source, log_level=0)
         if m.is_error():
-            raise ValueError(f"response_format: invalid JSON schema: {m.get_error().strip()}")
+            raise ValueError(f"{error}: {m.get_error().strip()}")
         return Grammar(kind, source, tuple(m.get_grammar_warnings()), self.vocab_size, self.stop_ids,
                        self.tokenizer.vocab_size, m)
 
