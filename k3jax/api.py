@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
@@ -47,8 +48,9 @@ class VisionModel:
 
 
 class Model:
-    """A loaded model: config, parameters (a pytree of jax arrays), tokenizer, and the vision
-    side (`vision`, None for text-only models)."""
+    """A loaded model: config, parameters (a pytree of jax arrays; the repeating layers stacked
+    for the scanned decoder, see `layer_params` for one layer), tokenizer, and the vision side
+    (`vision`, None for text-only models)."""
 
     def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None,
                  vision: VisionModel | None = None):
@@ -58,6 +60,16 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self.vision = vision
+
+    def checkpoint_params(self) -> dict:
+        """The parameters in the checkpoint layout (params["layers"] a list of per-layer dicts);
+        stacked layers come out as slices, i.e. copies."""
+        from k3jax.layer_stack import unstack_layers
+        return unstack_layers(self.params, self.config)
+
+    def layer_params(self, i: int) -> dict:
+        """Layer i's parameters under their checkpoint names."""
+        return self.checkpoint_params()["layers"][i]
 
     @property
     def dtype(self):
@@ -104,11 +116,12 @@ def _load_tokenizer(path: str | None):
 
 
 def _place(params, mesh, config):
-    """Put every parameter on the mesh by the partition rules (sharding/rules.py)."""
-    if mesh is None:
-        return params
-    from sharding.rules import shard_params
-    return shard_params(params, mesh, config)
+    """Put every parameter on the mesh by the partition rules (sharding/rules.py), then stack the
+    repeating layers for the scanned decoder (k3jax/layer_stack.py)."""
+    if mesh is not None:
+        from sharding.rules import shard_params
+        params = shard_params(params, mesh, config)
+    return stack_layers(params, config, donate=True)
 
 
 def _check_mxfp4_scales(params) -> None:
@@ -165,7 +178,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The embedded default: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt)
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
         _check_mxfp4_scales(params)
     tokenizer = _load_tokenizer(None) if src == "tiny" else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers, unstack_layers
+from pallas_kernels.scatter import set_rows
 from k3jax.model import forward_step
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
@@ -44,15 +46,39 @@ def _fit(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, token_buckets=None, seq_buckets=None):
-    """(token buckets, sequence buckets) of the step shapes: CPU few (compiles dominate start-up there),
-    accelerators x4 steps (padding costs compute)."""
-    on_cpu = jax.default_backend() == "cpu"
-    tb = sorted(token_buckets or (
-        sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
-        else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
-    sb = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
-    return tb, sb
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, *, on_cpu: bool, token_buckets=None,
+                 seq_buckets=None) -> tuple[list, list]:
+    """(token buckets, sequence buckets) of a runner. CPU: few shapes (compiles dominate start-up
+    there); accelerators: x4 steps (padding costs compute)."""
+    tb = token_buckets or (sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
+                           else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+    sb = seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs))
+    return sorted(tb), sorted(sb)
+
+
+def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False) -> list:
+    """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal)."""
+    out = []
+    for T in token_buckets:
+        for N in seq_buckets:
+            if N > T:
+                continue
+            out.append((T, N, False, False))
+            if T <= _fit(token_buckets, N):       # a decode-only step has at most N tokens
+                out.append((T, N, True, False))
+            if multimodal:
+                out.append((T, N, False, True))
+    return out
+
+
+def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, decode: bool, mm: bool, dtype):
+    """(batch, sampling arrays, counters) of a step that fills bucket (T, N) without touching real
+    state: a one-token chunk on the garbage page / slot 0 (resuming from slot 0: decode-only variant)."""
+    rows = [(0, np.zeros((1, config.hidden_size), dtype))] if mm else ()
+    batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], page_size,
+                            num_tokens=T, num_seqs=N, max_pages=max_pages)
+    sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
+    return batch, sarr, np.zeros(N, np.int32)
 
 
 def make_step_fn(config, ep=contextlib.nullcontext):
@@ -81,21 +107,24 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
 
 
 def _copy_pages(pools, src, dst):
-    return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, pools.mla_kv[src]))     # every layer at once
 
 
 class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
-        self.config, self.params = config, params
+                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True):
+        self.config = config
+        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy
+        self.params = stack_layers(params, config) if scan_layers else unstack_layers(params, config)
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
-        self.token_buckets, self.seq_buckets = step_buckets(max_num_seqs, max_num_batched_tokens, token_buckets,
-                                                            seq_buckets)
+        self.token_buckets, self.seq_buckets = step_buckets(
+            max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+            token_buckets=token_buckets, seq_buckets=seq_buckets)
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()
@@ -165,19 +194,14 @@ class ModelRunner:
     def warmup(self, progress: bool = True, multimodal: bool = False):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
         multimodal: also the variant of each bucket that takes image embeddings."""
-        combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
-        # (small-token buckets also compile a decode-only variant)
-        it = combos
+        shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
+        it = shapes
         if progress:
             from tqdm import tqdm
-            it = tqdm(combos, desc="warm-up (compiling step shapes)", unit="shape")
+            it = tqdm(shapes, desc="warm-up (compiling step shapes)", unit="shape")
         t0 = time.perf_counter()
-        for T, N in it:
-            self._run_padding(T, N, decode=False)
-            if T <= _fit(self.token_buckets, N):       # a decode-only step has at most N tokens
-                self._run_padding(T, N, decode=True)
-            if multimodal:
-                self._run_padding(T, N, decode=False, mm=True)
+        for T, N, decode, mm in it:
+            self._run_padding(T, N, decode=decode, mm=mm)
         # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
         # step that holds it: a request with presence_penalty must not compile while others run
         for N in self.seq_buckets:
@@ -186,7 +210,7 @@ class ModelRunner:
                 for masked in (False, True):
                     self._run_padding(T, N, decode=False, penalties=penalties, masked=masked)
         self.copy_pages([(0, 0)])
-        log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
+        log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                      masked: bool = False):

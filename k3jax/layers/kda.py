@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
 from pallas_kernels import ops
+from pallas_kernels.scatter import set_rows
 
 
 def _heads(x, c: ModelConfig):
@@ -132,8 +133,8 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
                               initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c))
     with jax.named_scope("kda_state_write"):
         for dst in (meta["state_dst"], meta["ckpt_dst"]):
-            state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
-            conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
+            state_pool = set_rows(state_pool, dst, s1)
+            conv_pool = set_rows(conv_pool, dst, conv_new)
     with jax.named_scope("kda_out"):
         return _output(p, x, o[0], c), state_pool, conv_pool
 
@@ -154,8 +155,8 @@ def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
     q, k, v, g, beta = _core(p, xs, conv_out, c)
     o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5)
-    conv_pool = conv_pool.at[jnp.where(valid, meta["state_dst"], conv_pool.shape[0])].set(
-        window[:, 1:].astype(conv_pool.dtype), mode="drop")
+    conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
+                         mode="drop")
     out = _output(p, xs, o, c)                                          # [N, D]
     tok_seq = meta["token_seq"]
     tok_ok = jnp.arange(x.shape[0]) < cu[n]

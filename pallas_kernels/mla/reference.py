@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.scatter import set_rows
+
 
 def write_kv_pages(kv_pages, new_kv, slot_mapping):
     """Scatter new cache rows into the page pool.
@@ -31,7 +33,7 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     # .at[] wraps negative indices numpy-style, so send them out of bounds explicitly.
     slots = jnp.where(slots < 0, total, slots)
-    flat = flat.at[slots].set(new_kv.astype(kv_pages.dtype), mode="drop")
+    flat = set_rows(flat, slots, new_kv, mode="drop")
     return flat.reshape(num_pages, page_size, width)
 
 
