@@ -50,15 +50,17 @@ def _add_to(buf, n, x):
     return jax.lax.dynamic_update_index_in_dim(buf, cur + x.astype(buf.dtype), n, 0)
 
 
-def _layer(lp, c: ModelConfig, i, stream, cache, attend):
+def _layer(lp, c: ModelConfig, i, stream, cache, attend, stack_index=None):
     """One decoder layer. i: layer index (int, or traced inside the scan). stream: hidden states
-    (or the AttnRes buffer); attend(p, x, cache) -> (out, cache)."""
+    (or the AttnRes buffer); attend(p, x, cache) -> (out, cache). stack_index: lp's routed experts
+    are stacks over the scanned repeats and this layer is repeat `stack_index` (see _decoder)."""
     eps = c.rms_norm_eps
     B = c.attn_res_block_size
+    mlp = lambda x: mlp_or_moe(lp["mlp"], rms_norm(x, lp["post_attn_norm"], eps), c, layer=stack_index)  # noqa: E731
     if not B:
         a, cache = attend(lp["attn"], rms_norm(stream, lp["input_norm"], eps), cache)
         h = stream + a
-        return h + mlp_or_moe(lp["mlp"], rms_norm(h, lp["post_attn_norm"], eps), c), cache
+        return h + mlp(h), cache
     r = lp["attn_res"]
     buf = stream
     h = _mix(buf, _blocks_before(i, B), r["attn_proj"], r["attn_norm"], eps)
@@ -66,8 +68,21 @@ def _layer(lp, c: ModelConfig, i, stream, cache, attend):
     a, cache = attend(lp["attn"], rms_norm(h, lp["input_norm"], eps), cache)
     buf = _add_to(buf, n, a)
     m_in = _mix(buf, n, r["mlp_proj"], r["mlp_norm"], eps)
-    buf = _add_to(buf, n, mlp_or_moe(lp["mlp"], rms_norm(m_in, lp["post_attn_norm"], eps), c))
+    buf = _add_to(buf, n, mlp(m_in))
     return buf, cache
+
+
+# Routed experts read in place from their stack inside the scan (False: sliced per repeat, as every
+# other weight; scripts/scan_copies.py compares the two).
+EXPERTS_IN_PLACE = True
+
+
+def _split_experts(unit):
+    """A scanned unit's layer params -> (the params without routed experts, the experts or None)."""
+    mlp = unit.get("mlp", {})
+    if "experts" not in mlp:
+        return unit, None
+    return dict(unit, mlp={k: v for k, v in mlp.items() if k != "experts"}), mlp["experts"]
 
 
 def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
@@ -96,6 +111,10 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
             stream, cache = unrolled(lp, i, stream, cache)
         kinds = [c.layer_types[plan.layer(0, j)] for j in range(plan.unit)]
         per_unit = {k: kinds.count(k) for k in ("kda", "mla")}
+        # Routed experts stay whole (closed over, not scanned): the MoE kernels read repeat r's experts
+        # inside the stack, where a scanned slice would be a copy of the layer's experts on GPU.
+        sliced, experts = zip(*(_split_experts(u) for u in st["units"])) if EXPERTS_IN_PLACE else \
+            (st["units"], (None,) * plan.unit)
 
         def body(carry, xs):
             stream, cache = carry
@@ -103,12 +122,15 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
             for j, lp in enumerate(units):
                 kind, i0 = kinds[j], plan.layer(0, j)
                 idx = ordinal[i0] + r * per_unit[kind]
+                if experts[j] is not None:
+                    lp = dict(lp, mlp=dict(lp["mlp"], experts=experts[j]))
                 stream, cache = _layer(lp, c, i0 + r * plan.unit, stream, cache,
-                                       lambda p, x, ch, kind=kind, idx=idx: attention(kind, idx, p, x, ch))
+                                       lambda p, x, ch, kind=kind, idx=idx: attention(kind, idx, p, x, ch),
+                                       stack_index=None if experts[j] is None else r)
             return (stream, cache), None
 
         (stream, cache), _ = jax.lax.scan(body, (stream, cache),
-                                          (st["units"], jnp.arange(plan.repeats, dtype=jnp.int32)))
+                                          (list(sliced), jnp.arange(plan.repeats, dtype=jnp.int32)))
         for i, lp in zip(plan.tail, st["tail"]):
             stream, cache = unrolled(lp, i, stream, cache)
     if B:

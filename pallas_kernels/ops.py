@@ -120,17 +120,19 @@ def gmm(lhs, rhs, group_sizes):
 
 
 def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, situ_beta: float,
-               situ_linear_beta, reference, num_experts_total=None):
+               situ_linear_beta, reference, num_experts_total=None, layer=None):
     """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
     or MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code.
     num_experts_total: the model's expert count; under expert parallelism E is this device's share
-    and the kernels size their tiles from the rows that land here (about T*k / num_experts_total)."""
+    and the kernels size their tiles from the rows that land here (about T*k / num_experts_total).
+    layer (int32, may be traced): every array in experts is a stack over layers ([L, E, ...]) and this
+    layer runs; the kernels read its experts in place (reference() must take the layer's slice)."""
     pallas, interpret = use_pallas()
     if not pallas or _platform() == "tpu":      # TPU: the model's composition, its gmm calls on megablox
         return reference()
     from pallas_kernels import moe
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret,
-              num_experts_total=num_experts_total)
+              num_experts_total=num_experts_total, layer=layer)
     if "w1" in experts:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
     # MXFP4: the in-kernel decode path (expert_mlp_mxfp4 picks per call: decode in the kernel's main

@@ -1,20 +1,26 @@
 """Row scatter into cache pools that never converts the pool.
 
 XLA:CPU runs a bf16 / f16 scatter in f32: it converts the whole operand (a cache pool holding every
-layer) to f32 and back on every update. Scattering the 16-bit patterns as uint16 is exact and
-costs only the rows written, on every backend.
+layer) to f32 and back on every update. On CPU the 16-bit patterns are scattered as uint16 instead
+(exact; XLA:CPU still materializes the bitcast once, half the traffic of the two conversions). GPUs
+scatter 16-bit floats natively, and there a bitcast-convert of a whole pool risks a pool-sized copy,
+so they scatter the pool as it is.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+# None: uint16 bits on CPU only; True / False force it (scripts/scan_copies.py compares the two).
+BITS: bool | None = None
+
 
 def set_rows(pool, idx, rows, mode=None):
     """pool.at[idx].set(rows cast to pool.dtype, mode=mode), in place under donation."""
     rows = rows.astype(pool.dtype)
-    if pool.dtype.itemsize == 2 and jnp.issubdtype(pool.dtype, jnp.floating):
-        bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    bits = jax.default_backend() == "cpu" if BITS is None else BITS
+    if bits and pool.dtype.itemsize == 2 and jnp.issubdtype(pool.dtype, jnp.floating):
+        u16 = jax.lax.bitcast_convert_type(pool, jnp.uint16)
         new = jax.lax.bitcast_convert_type(rows, jnp.uint16)
-        return jax.lax.bitcast_convert_type(bits.at[idx].set(new, mode=mode), pool.dtype)
+        return jax.lax.bitcast_convert_type(u16.at[idx].set(new, mode=mode), pool.dtype)
     return pool.at[idx].set(rows, mode=mode)

@@ -53,20 +53,32 @@ def _pad_last(a, mult):
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, r)])
 
 
-def _check_groups(group_sizes, w):
+def _check_groups(group_sizes, num_groups: int):
   """ragged_dot's rule: one group size per weight group. The kernel would otherwise read only
   the first len(group_sizes) experts without complaint (scripts/check_kernels_gpu.py once
   compared against such a reference: 16 group sizes over 112 experts, 'rel err 1.26')."""
-  if group_sizes.ndim != 1 or group_sizes.shape[0] != w.shape[0]:
-    raise ValueError(f"group_sizes {group_sizes.shape} must be [G] with G = {w.shape[0]}, the "
+  if group_sizes.ndim != 1 or group_sizes.shape[0] != num_groups:
+    raise ValueError(f"group_sizes {group_sizes.shape} must be [G] with G = {num_groups}, the "
                      f"number of weight groups")
 
 
-def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None):
+def _layer_groups(ws, layer):
+  """Stacked weights ([L, G, ...] each) as one flat group axis [L * G, ...] (a free reshape) and the
+  layer's first group; layer None: ws unchanged ([G, ...]), offset None."""
+  if layer is None:
+    return ws, None
+  g = ws[0].shape[1]
+  return tuple(w.reshape((-1,) + w.shape[2:]) for w in ws), layer * g
+
+
+def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None, layer=None):
   """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
-  avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling)."""
+  avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling).
+  layer (int32, may be traced): ws are stacks over layers ([L, G, K, N]) and this layer's groups
+  are used, read in place by the kernel (no per-layer copy of the experts)."""
   m, k = lhs.shape
-  _check_groups(group_sizes, ws[0])
+  _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
+  ws, offset = _layer_groups(ws, layer)
   if ws[0].shape[1] != k:
     raise ValueError(f"lhs K={k} does not match weights {ws[0].shape}")
   n = ws[0].shape[-1]
@@ -80,12 +92,12 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
                  avg_rows=avg_rows)
   x = _pad_rows(lhs, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
-                          interpret=interpret)
+                          interpret=interpret, group_offset=offset)
   return out[:m, :n]
 
 
 def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
-              avg_rows=None):
+              avg_rows=None, layer=None):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
   mode 'kernel': decode in the kernel's main loop (decode regime: each weight byte is
@@ -93,18 +105,22 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   bf16 [G, N, K] and the bf16 kernel reads it (prefill: many row tiles per expert
   would otherwise decode the same weights over and over). None: 'predequant' when the
   average group has >= 128 rows (avg_rows, else M / G).
+  layer: ws are stacks over layers ([L, G, ...]), as in run_bf16.
   """
   m, k = lhs.shape
   g = group_sizes.shape[0]
-  n = ws[0].shape[1]
-  if ws[0].shape[2] * 2 != k:
-    raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
-  _check_groups(group_sizes, ws[0])
   avg = m / g if avg_rows is None else avg_rows
   if mode is None:
     mode = "predequant" if avg >= 128 else "kernel"
+  if layer is not None and mode == "predequant":
+    ws, layer = tuple(w[layer] for w in ws), None      # the decode pass reads the layer's slice
+  _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
+  if ws[0].shape[-1] * 2 != k:
+    raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
+  ws, offset = _layer_groups(ws, layer)
+  n = ws[0].shape[1]
   rn = (-n) % 16
-  if rn:
+  if rn:   # (a copy of the stack when layer is set: the models' widths are multiples of 16)
     ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
   if mode == "predequant":
     wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
@@ -117,7 +133,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     fmt = "mxfp4"
   x = _pad_rows(lhs, t.bm)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
-                          interpret=interpret)
+                          interpret=interpret, group_offset=offset)
   return out[:m, :n]
 
 

@@ -35,7 +35,7 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
-def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, decoder, shift):
+def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, decoder, shift):
   x_refs = refs[:n_x]
   w_refs = refs[n_x:-1]
   o_ref = refs[-1]
@@ -43,6 +43,7 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, 
   ni = pl.program_id(0)
   t = pl.program_id(1)
   gid = tg_ref[t]
+  wid = gid + off_ref[0]  # the group's weights: groups of a layer inside a stack of layers' experts
   start = ts_ref[t]
   end = te_ref[t]
   # Load a full bm-row window that stays in bounds; rows outside [start, end) are
@@ -68,15 +69,15 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, 
       new = []
       for i, acc in enumerate(accs):
         if fmt == "bf16":  # w [G, K, N]
-          wb = w_refs[i][gid, pl.ds(k0, bk), pl.ds(n0, bn)]
+          wb = w_refs[i][wid, pl.ds(k0, bk), pl.ds(n0, bn)]
           new.append(acc + plt.dot(xb, wb))
         elif fmt == "bf16t":  # w [G, N, K]
-          wb = w_refs[i][gid, pl.ds(n0, bn), pl.ds(k0, bk)]
+          wb = w_refs[i][wid, pl.ds(n0, bn), pl.ds(k0, bk)]
           new.append(acc + plt.dot(xb, wb, trans_b=True))
         else:  # packed [G, N, K/2], scales [G, N, K/32]
           p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
-          pb = p_ref[gid, pl.ds(n0, bn), pl.ds(h0, bk // 2)]
-          sb = s_ref[gid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
+          pb = p_ref[wid, pl.ds(n0, bn), pl.ds(h0, bk // 2)]
+          sb = s_ref[wid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
           w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
           if swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
             acc = acc + plt.dot(w_even, xe, trans_b=True)
@@ -99,7 +100,7 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, 
 
 
 def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
-                   act=None, out_dtype=None, interpret: bool = False):
+                   act=None, out_dtype=None, interpret: bool = False, group_offset=None):
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
@@ -108,6 +109,9 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   act(x @ w_a, x @ w_b) (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows
   past sum(group_sizes) are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the
   public wrappers pad).
+  group_offset (int32 scalar, may be traced): group j reads weights[group_offset + j], so the
+  weights may hold several layers' experts ([L * G, ...]) and a scanned layer passes its own
+  without slicing them out (a slice would be a copy of the layer's experts on GPU).
   """
   m, k = x.shape
   g = group_sizes.shape[0]
@@ -123,6 +127,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   else:
     xs = (x,)
   tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
+  off = jnp.zeros((1,), jnp.int32) if group_offset is None else jnp.reshape(group_offset, (1,)).astype(jnp.int32)
   grid = (n // tiling.bn, tg.shape[0])
   kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, g=g,
                            tiling=tiling, act=act, decoder=decoder, shift=shift)
@@ -134,4 +139,4 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
                                          num_stages=tiling.num_stages),
       interpret=interpret,
       name=f"moe_gmm_{fmt}_{n_w}",
-  )(tg, ts, te, *xs, *weights)
+  )(tg, ts, te, off, *xs, *weights)

@@ -32,6 +32,11 @@ def _avg_rows(topk_ids, num_experts, num_experts_total):
   return topk_ids.size / (num_experts_total or num_experts)
 
 
+def _layer_of(ws, layer):
+  """One layer's experts out of stacks [L, E, ...] (the reference path; the kernels index in place)."""
+  return ws if layer is None else tuple(w[layer] for w in ws)
+
+
 def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret):
   """Shared frame of both expert MLPs: sort token copies by expert, run `kernel(xs, gs, interp)`
   (or `reference(xs, gs)` off-accelerator), combine the weighted rows back to token order."""
@@ -44,7 +49,7 @@ def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, inter
 
 def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-               interpret=None, tiling=None, num_experts_total=None):
+               interpret=None, tiling=None, num_experts_total=None, layer=None):
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
@@ -52,33 +57,38 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
   num_experts_total: experts over all devices under expert parallelism (ids of other devices'
   experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
-  expert instead of T*k / E. Returns [T, D] in x.dtype.
+  expert instead of T*k / E. layer (int32, may be traced): w1, w3, w2 are stacks over layers
+  ([L, E, ...]) and layer `layer` runs, its experts read in place. Returns [T, D] in x.dtype.
   """
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
-  avg = _avg_rows(topk_ids, w1.shape[0], num_experts_total)
+  E = w1.shape[0 if layer is None else 1]
+  avg = _avg_rows(topk_ids, E, num_experts_total)
 
   def kernel(xs, gs, interp):
-    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg)
-    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp, avg_rows=avg)
+    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg, layer=layer)
+    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp, avg_rows=avg, layer=layer)
 
-  return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel,
-                     lambda xs, gs: _reference_path(xs, gs, w1, w3, w2, act, x.dtype), interpret)
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
+                     lambda xs, gs: _reference_path(xs, gs, *_layer_of((w1, w3, w2), layer), act, x.dtype),
+                     interpret)
 
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                     interpret=None, tiling=None, num_experts_total=None):
+                     interpret=None, tiling=None, num_experts_total=None, layer=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
-  w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D]."""
+  w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
+  layer: each array is a stack over layers ([L, E, ...]), as in expert_mlp."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
-  deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
-  avg = _avg_rows(topk_ids, w1[0].shape[0], num_experts_total)
+  deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(*_layer_of(w, layer), x.dtype), 1, 2)
+  E = w1[0].shape[0 if layer is None else 1]
+  avg = _avg_rows(topk_ids, E, num_experts_total)
 
   def kernel(xs, gs, interp):
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, avg_rows=avg)
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg, layer=layer)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, avg_rows=avg, layer=layer)
 
-  return _routed_mlp(x, topk_ids, topk_weights, w1[0].shape[0], kernel,
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
                      lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype), interpret)
