@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
@@ -15,7 +16,7 @@ from k3jax.presets import preset_config
 def two_step_logits():
     """(logits of the two real sequences per step, each step batch's decode_only flag)."""
     c = preset_config("tiny")
-    params = init_params_numpy(c, 0, jnp.float32)
+    params = stack_layers(init_params_numpy(c, 0, jnp.float32), c)      # the runner's (scanned) layout
     toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
     steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
              [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
