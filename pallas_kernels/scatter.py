@@ -15,6 +15,13 @@ import jax.numpy as jnp
 BITS: bool | None = None
 
 
+def read_rows(pool, idx):
+    """pool[idx], materialized: for rows that the same step then writes back into the pool. Fused
+    into that scatter, the read would make XLA copy the whole pool first to keep the old rows
+    (on the H200: the KDA conv pool, twice per decode step, scanned or not)."""
+    return jax.lax.optimization_barrier(pool[idx])
+
+
 def set_rows(pool, idx, rows, mode=None):
     """pool.at[idx].set(rows cast to pool.dtype, mode=mode), in place under donation."""
     rows = rows.astype(pool.dtype)

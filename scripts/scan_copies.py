@@ -1,6 +1,6 @@
 """Scanned vs unrolled decoder: step time, scratch memory and the copies XLA put into the step.
 
-  python scripts/scan_copies.py --model kimi-linear-48b-a3b --layers 8            # random weights, timed
+  python scripts/scan_copies.py --model kimi-linear-48b-a3b --layers 13           # random weights, timed
   python scripts/scan_copies.py --model kimi-linear-48b-a3b --abstract --variants scan,unrolled
                                                                                    # full depth, compile only
 
@@ -62,7 +62,7 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
     from k3jax import hlo_stats
     import k3jax.model as model_mod
     from k3jax.cache import pool_shapes, make_pools
-    from k3jax.layer_stack import stack_layers, unstack_layers
+    from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
     from pallas_kernels import scatter
@@ -135,7 +135,8 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
             on_row and on_row(row)
         del params         # the unrolled copy of the stacked layers goes with its last reference
     model_mod.EXPERTS_IN_PLACE, scatter.BITS = True, None
-    return {"model": name, "layers": c.num_layers, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    plan = layer_stack_plan(c)
+    return {"model": name, "layers": c.num_layers, "scanned_layers": plan.unit * plan.repeats, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "abstract": abstract, "load_s": round(load_s, 1), "num_pages": num_pages, "num_slots": num_slots,
             "smallest_pool_mib": round(pool_min / 2**20, 1), "rows": rows}
 
@@ -152,7 +153,8 @@ def _print_row(r):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (same pattern)")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (same pattern; Kimi Linear "
+                    "scans from 9: layer 0 + at least two (KDA, KDA, KDA, MLA) units)")
     ap.add_argument("--variants", default="unrolled,scan-old,scan-slice,scan-bits,scan,scan-dsf")
     ap.add_argument("--abstract", action="store_true", help="compile only, abstract weights (nothing allocated)")
     ap.add_argument("--num-pages", type=int, default=16385)
@@ -168,7 +170,7 @@ def main(argv=None):
     print("| variant | step | ms | compile s | temp MiB | pool-sized moves | moves >= 1 MiB in the layer loop | "
           "largest |\n|---|---|---|---|---|---|---|---|", flush=True)
     res = run(a.model, a.layers, variants, a.abstract, a.num_pages, a.num_slots, a.iters, a.dump, on_row=_print_row)
-    print(f"{res['model']} ({res['layers']} layers) on {res['device']}, jax {res['jax']}; weights "
+    print(f"{res['model']} ({res['layers']} layers, {res['scanned_layers']} in the scan) on {res['device']}, jax {res['jax']}; weights "
           f"{'abstract' if a.abstract else 'loaded in %.1fs' % res['load_s']}; pools {a.num_pages} pages, "
           f"{a.num_slots} slots (smallest pool {res['smallest_pool_mib']} MiB)")
     if a.json:

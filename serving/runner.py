@@ -18,7 +18,7 @@ import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers, unstack_layers
-from pallas_kernels.scatter import set_rows
+from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.model import forward_step
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
@@ -107,7 +107,7 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
 
 
 def _copy_pages(pools, src, dst):
-    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, pools.mla_kv[src]))     # every layer at once
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src)))   # every layer at once
 
 
 class ModelRunner:

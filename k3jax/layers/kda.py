@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
 from pallas_kernels import ops
-from pallas_kernels.scatter import set_rows
+from pallas_kernels.scatter import read_rows, set_rows
 
 
 def _heads(x, c: ModelConfig):
@@ -77,7 +77,7 @@ def kda_full(p, x, c: ModelConfig):
 
 def _gather_state(pool, src):
     """Rows `src` of a pool; negative src means a fresh (zero) state."""
-    rows = pool[jnp.maximum(src, 0)]
+    rows = read_rows(pool, jnp.maximum(src, 0))
     keep = (src >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
     return jnp.where(keep, rows, jnp.zeros_like(rows))
 
@@ -148,7 +148,7 @@ def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     slots = jnp.where(valid, meta["state_src"], -1)
     xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
     x_in = _qkv_in(p, xs)
-    conv0 = conv_pool[jnp.maximum(slots, 0)]                            # [N, Kc-1, C]
+    conv0 = read_rows(conv_pool, jnp.maximum(slots, 0))                 # [N, Kc-1, C]
     w = _conv_weights(p)
     # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
     conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
