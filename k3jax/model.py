@@ -2,7 +2,8 @@
 
 forward_full(params, c, tokens [B, T], mm_embeds?, mm_mask?) -> logits [B, T, V]   no cache
 forward_step(params, c, pools, batch) -> (logits [N, V], pools)  ragged chunks over cache pools
-Both share `_decoder`; only the attention call differs. With params in the scan layout
+Both share `_decoder`; only the attention call differs. Both take `backend` (pallas_kernels/backend.py:
+kernels, expert parallelism, MXFP4 decoder), which the caller builds once and closes over. With params in the scan layout
 (k3jax/layer_stack.py) the repeating block of layers runs as one lax.scan, so trace and compile
 time hardly grow with depth; the checkpoint layout (a list of layers) runs unrolled.
 """
@@ -20,6 +21,7 @@ from k3jax.layers.common import attn_res_stacked, rms_norm, upcast
 from k3jax.layers.kda import kda_full, kda_step
 from k3jax.layers.mla import mla_full, mla_step
 from k3jax.layers.moe import mlp_or_moe
+from pallas_kernels.backend import Backend, resolve
 
 # ---- Attention Residuals as a fixed-size state ------------------------------------------------
 # The block history is a buffer [S, ..., D]: sources 0..n-1 are the finished blocks, source n the
@@ -50,13 +52,13 @@ def _add_to(buf, n, x):
     return jax.lax.dynamic_update_index_in_dim(buf, cur + x.astype(buf.dtype), n, 0)
 
 
-def _layer(lp, c: ModelConfig, i, stream, cache, attend, stack_index=None):
+def _layer(lp, c: ModelConfig, i, stream, cache, attend, backend: Backend, stack_index=None):
     """One decoder layer. i: layer index (int, or traced inside the scan). stream: hidden states
     (or the AttnRes buffer); attend(p, x, cache) -> (out, cache). stack_index: lp's routed experts
     are stacks over the scanned repeats and this layer is repeat `stack_index` (see _decoder)."""
     eps = c.rms_norm_eps
     B = c.attn_res_block_size
-    mlp = lambda x: mlp_or_moe(lp["mlp"], rms_norm(x, lp["post_attn_norm"], eps), c, layer=stack_index)  # noqa: E731
+    mlp = lambda x: mlp_or_moe(lp["mlp"], rms_norm(x, lp["post_attn_norm"], eps), c, stack_index, backend)  # noqa: E731
     if not B:
         a, cache = attend(lp["attn"], rms_norm(stream, lp["input_norm"], eps), cache)
         h = stream + a
@@ -72,11 +74,6 @@ def _layer(lp, c: ModelConfig, i, stream, cache, attend, stack_index=None):
     return buf, cache
 
 
-# Routed experts read in place from their stack inside the scan (False: sliced per repeat, as every
-# other weight; scripts/scan_copies.py compares the two).
-EXPERTS_IN_PLACE = True
-
-
 def _split_experts(unit):
     """A scanned unit's layer params -> (the params without routed experts, the experts or None)."""
     mlp = unit.get("mlp", {})
@@ -85,7 +82,7 @@ def _split_experts(unit):
     return dict(unit, mlp={k: v for k, v in mlp.items() if k != "experts"}), mlp["experts"]
 
 
-def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
+def _decoder(params, c: ModelConfig, h0, attention: Callable, backend: Backend, cache=None):
     """Runs all layers. attention(kind, ordinal, p, x, cache) -> (out, cache), where ordinal is the
     layer's index among the layers of its kind (traced inside the scan). Returns (final-normed
     hidden states, cache)."""
@@ -99,7 +96,7 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
 
     def unrolled(lp, i, stream, cache):
         kind = c.layer_types[i]
-        return _layer(lp, c, i, stream, cache, lambda p, x, ch: attention(kind, ordinal[i], p, x, ch))
+        return _layer(lp, c, i, stream, cache, lambda p, x, ch: attention(kind, ordinal[i], p, x, ch), backend)
 
     if not is_stacked(params):
         for i, lp in enumerate(params["layers"]):
@@ -113,7 +110,7 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
         per_unit = {k: kinds.count(k) for k in ("kda", "mla")}
         # Routed experts stay whole (closed over, not scanned): the MoE kernels read repeat r's experts
         # inside the stack, where a scanned slice would be a copy of the layer's experts on GPU.
-        sliced, experts = zip(*(_split_experts(u) for u in st["units"])) if EXPERTS_IN_PLACE else \
+        sliced, experts = zip(*(_split_experts(u) for u in st["units"])) if backend.experts_in_place else \
             (st["units"], (None,) * plan.unit)
 
         def body(carry, xs):
@@ -126,7 +123,7 @@ def _decoder(params, c: ModelConfig, h0, attention: Callable, cache=None):
                     lp = dict(lp, mlp=dict(lp["mlp"], experts=experts[j]))
                 stream, cache = _layer(lp, c, i0 + r * plan.unit, stream, cache,
                                        lambda p, x, ch, kind=kind, idx=idx: attention(kind, idx, p, x, ch),
-                                       stack_index=None if experts[j] is None else r)
+                                       backend, stack_index=None if experts[j] is None else r)
             return (stream, cache), None
 
         (stream, cache), _ = jax.lax.scan(body, (stream, cache),
@@ -152,12 +149,14 @@ def _embed(params, tokens, mm_embeds=None, mm_mask=None):
     return jnp.where(mm_mask[..., None], mm_embeds.astype(x.dtype), x)
 
 
-def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None):
+def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None, backend: Backend | None = None):
     """tokens int32 [B, T] -> logits fp32 [B, T, V]; every sequence starts empty.
     mm_embeds [B, T, D] / mm_mask [B, T]: optional image embeddings at placeholder positions."""
+    b = resolve(backend)
+
     def attention(kind, _, p, x, cache):
-        return (kda_full(p, x, c) if kind == "kda" else mla_full(p, x, c)), cache
-    h, _ = _decoder(params, c, _embed(params, tokens, mm_embeds, mm_mask), attention)
+        return (kda_full(p, x, c, b) if kind == "kda" else mla_full(p, x, c)), cache
+    h, _ = _decoder(params, c, _embed(params, tokens, mm_embeds, mm_mask), attention, b)
     return _lm_head(params, h)
 
 
@@ -189,8 +188,9 @@ def _flat(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch):
+def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch, backend: Backend | None = None):
     """One engine step. Returns (logits fp32 [N, V] at batch.logits_indices, updated pools)."""
+    b = resolve(backend)
     T = batch.tokens.shape[0]
     seq, local = _token_meta(batch.cu_seqlens, T)
     meta = dict(cu_seqlens=batch.cu_seqlens, token_seq=seq, token_local=local, state_src=batch.state_src,
@@ -202,14 +202,14 @@ def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch):
     def attention(kind, l, p, x, cache):
         kv, st, cv = cache
         if kind == "kda":
-            out, st, cv = kda_step(p, x, c, st, cv, _kda_meta(meta, l, n_kda))
+            out, st, cv = kda_step(p, x, c, st, cv, _kda_meta(meta, l, n_kda), b)
         else:
-            out, kv = mla_step(p, x, c, kv, _mla_meta(meta, l, n_mla, page_size))
+            out, kv = mla_step(p, x, c, kv, _mla_meta(meta, l, n_mla, page_size), b)
         return out, (kv, st, cv)
 
     cache = tuple(_flat(x) if x is not None else None for x in (pools.mla_kv, pools.kda_state, pools.kda_conv))
     h, (kv, st, cv) = _decoder(params, c, _embed(params, batch.tokens, batch.mm_embeds, batch.mm_mask),
-                               attention, cache)
+                               attention, b, cache)
     logits = _lm_head(params, h[batch.logits_indices])
     unflat = lambda x, like: None if x is None else x.reshape(like.shape)
     return logits, CachePools(mla_kv=unflat(kv, pools.mla_kv), kda_state=unflat(st, pools.kda_state),

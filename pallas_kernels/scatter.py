@@ -11,9 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# None: uint16 bits on CPU only; True / False force it (scripts/scan_copies.py compares the two).
-BITS: bool | None = None
-
 
 def read_rows(pool, idx):
     """pool[idx], materialized: for rows that the same step then writes back into the pool. Fused
@@ -22,10 +19,10 @@ def read_rows(pool, idx):
     return jax.lax.optimization_barrier(pool[idx])
 
 
-def set_rows(pool, idx, rows, mode=None):
-    """pool.at[idx].set(rows cast to pool.dtype, mode=mode), in place under donation."""
+def set_rows(pool, idx, rows, mode=None, bits: bool = False):
+    """pool.at[idx].set(rows cast to pool.dtype, mode=mode), in place under donation. bits: scatter
+    16-bit floats as uint16 (Backend.scatter_bits: on CPU)."""
     rows = rows.astype(pool.dtype)
-    bits = jax.default_backend() == "cpu" if BITS is None else BITS
     if bits and pool.dtype.itemsize == 2 and jnp.issubdtype(pool.dtype, jnp.floating):
         u16 = jax.lax.bitcast_convert_type(pool, jnp.uint16)
         new = jax.lax.bitcast_convert_type(rows, jnp.uint16)

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-VARIANTS = {  # name: (scanned layout, experts in place, uint16-bit scatter (None: auto), XLA options)
+VARIANTS = {  # name: (scanned layout, Backend.experts_in_place, Backend.scatter_bits (None: detected), XLA options)
     "unrolled": (False, True, None, {}),
     "scan": (True, True, None, {}),
     "scan-old": (True, False, True, {}),
@@ -60,12 +60,11 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
     import jax.numpy as jnp
     import numpy as np
     from k3jax import hlo_stats
-    import k3jax.model as model_mod
     from k3jax.cache import pool_shapes, make_pools
     from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
-    from pallas_kernels import scatter
+    from pallas_kernels.backend import detect
     from serving.runner import make_step_fn
 
     jax.config.update("jax_enable_compilation_cache", False)
@@ -89,10 +88,12 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
     rows = []
     for v in variants:
         scanned, in_place, bits, opts = VARIANTS[v]
-        model_mod.EXPERTS_IN_PLACE, scatter.BITS = in_place, bits
+        backend = detect().replace(experts_in_place=in_place)
+        if bits is not None:
+            backend = backend.replace(scatter_bits=bits)
         params = stacked if scanned else (jax.eval_shape(lambda p: unstack_layers(p, c), stacked) if abstract
                                           else unstack_layers(stacked, c))
-        step = jax.jit(make_step_fn(c), donate_argnums=(1,))
+        step = jax.jit(make_step_fn(c, backend), donate_argnums=(1,))
         for kind, batch in batches.items():
             row = {"variant": v, "step": kind}
             try:
@@ -134,9 +135,9 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
             rows.append(row)
             on_row and on_row(row)
         del params         # the unrolled copy of the stacked layers goes with its last reference
-    model_mod.EXPERTS_IN_PLACE, scatter.BITS = True, None
     plan = layer_stack_plan(c)
-    return {"model": name, "layers": c.num_layers, "scanned_layers": plan.unit * plan.repeats, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    return {"model": name, "layers": c.num_layers, "scanned_layers": plan.unit * plan.repeats,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "abstract": abstract, "load_s": round(load_s, 1), "num_pages": num_pages, "num_slots": num_slots,
             "smallest_pool_mib": round(pool_min / 2**20, 1), "rows": rows}
 

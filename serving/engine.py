@@ -65,7 +65,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
             cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
-            scan_layers=args.scan_layers)
+            scan_layers=args.scan_layers, backend=getattr(model, "backend", None))
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -105,7 +105,8 @@ class LLMEngine:
         layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them
         params = jax.eval_shape(lambda p: layout(p, c), self.model.params)
         temp = step_temp_bytes(c, params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
-                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype)
+                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
+                               backend=getattr(self.model, "backend", None))
         log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
                  tb[-1], sb[-1], temp / 2**30, time.perf_counter() - t0)
         return temp

@@ -7,7 +7,6 @@ compiled at warm-up per sequence bucket, never a recompile of the model while se
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -20,6 +19,7 @@ from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers, unstack_layers
 from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.model import forward_step
+from pallas_kernels.backend import Backend, resolve
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
@@ -81,17 +81,19 @@ def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, de
     return batch, sarr, np.zeros(N, np.int32)
 
 
-def make_step_fn(config, ep=contextlib.nullcontext):
-    """The jitted step's body: the model forward over the pools -> (logits, pools); the sampler is a
-    jit of its own."""
+def make_step_fn(config, backend: Backend | None = None):
+    """The jitted step's body: the model forward over the pools -> (logits, pools), closed over one
+    backend (None: detected now, once); the sampler is a jit of its own."""
+    backend = resolve(backend)
+
     def step(params, pools, batch):
-        with ep(), jax.named_scope("model"):
-            return forward_step(params, config, pools, batch)
+        with jax.named_scope("model"):
+            return forward_step(params, config, pools, batch, backend)
     return step
 
 
 def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
-                    cache_dtype) -> int:
+                    cache_dtype, backend: Backend | None = None) -> int:
     """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
     ahead-of-time compile against abstract pools (nothing allocated; pools are donated, so their size
     does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
@@ -101,21 +103,23 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
-    lowered = jax.jit(make_step_fn(config), donate_argnums=(1,)).lower(abstract(params), pools, batch)
+    lowered = jax.jit(make_step_fn(config, backend), donate_argnums=(1,)).lower(abstract(params), pools, batch)
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
 
 
-def _copy_pages(pools, src, dst):
-    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src)))   # every layer at once
+def _copy_pages(pools, src, dst, bits: bool):
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src), bits=bits))  # all layers
 
 
 class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True):
+                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
+                 backend: Backend | None = None):
         self.config = config
+        self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
         # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy
         self.params = stack_layers(params, config) if scan_layers else unstack_layers(params, config)
         self.page_size = page_size
@@ -130,7 +134,7 @@ class ModelRunner:
         self._seen: set = set()
         c = config
 
-        step_kw, sample_kw, copy_kw, ep = {}, {}, {}, contextlib.nullcontext
+        step_kw, sample_kw, copy_kw = {}, {}, {}
         if mesh is not None:
             # Pools sharded by the partition rules and kept there; MoE traced expert-parallel.
             from sharding.moe_ep import expert_parallel
@@ -141,13 +145,14 @@ class ModelRunner:
             step_kw = dict(out_shardings=(rep, ps))
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
-            ep = lambda: expert_parallel(mesh)
+            self.backend = expert_parallel(self.backend, mesh)
 
-        self._step = jax.jit(make_step_fn(c, ep), donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(make_step_fn(c, self.backend), donate_argnums=(1,), **step_kw)
         self._sample = jax.jit(functools.partial(sample, num_top_logprobs=max_logprobs), **sample_kw)
         # one penalties variant: output ids padded to the context (a power of two, as the buckets)
         self.penalty_width = 1 << max(0, max_model_len - 1).bit_length()
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
+        self._copy = jax.jit(functools.partial(_copy_pages, bits=self.backend.scatter_bits), donate_argnums=(0,),
+                             **copy_kw)
         self.num_compiles = 0
 
     # ------------------------------------------------------------------ compile accounting

@@ -277,12 +277,10 @@ def test_expert_mlp_mxfp4_matches_numpy(activation):
     ("bf16", False, "jnp", False), ("bf16", True, "jnp", False), ("mxfp4", False, "jnp", False),
     ("mxfp4", True, "jnp", False), ("mxfp4", True, "ptx4", False), ("mxfp4", False, "ptx8", False),
     ("mxfp4", True, "ptx8", True)])
-def test_kernels_lower_to_triton(fmt, fused, decoder, swap, monkeypatch):
+def test_kernels_lower_to_triton(fmt, fused, decoder, swap):
   """The kernels (MXFP4: with each decoder, weights as either MMA operand) lower through
   Pallas' Triton backend for CUDA on CPU; compiling the Triton IR needs the GPU
   (scripts/bench_moe.py)."""
-  from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", decoder)
   m, k, n, g = 256, 256, 128, 8
   act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -296,7 +294,7 @@ def test_kernels_lower_to_triton(fmt, fused, decoder, swap, monkeypatch):
     s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
     t = Tiling(16, 128, 64, 2, 3, swap_ab=swap)
     f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused else (p, s), gs,
-                                         tiling=t, act=act, mode="kernel")
+                                         tiling=t, act=act, mode="kernel", decoder=decoder)
     args = (x, p, s, gs)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "xla.gpu.triton" in text
@@ -388,18 +386,16 @@ def test_ptx8_asm_is_rendered_from_the_recipe():
 
 @pytest.mark.parametrize("decoder", ["jnp", "ptx8"])   # x shift 0 / 64 (interpret: jnp decode)
 @pytest.mark.parametrize("swap", [False, True])
-def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
-  from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", decoder)
+def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap):
   x, packed, scales, gs = _mxfp4_case(12, 50, 128, 64, [7, 0, 30, 5], (110, 135))
   t = Tiling(16, 64, 32, 2, 3, swap_ab=swap)
-  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel")
+  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel", decoder=decoder)
   ref = moe.gmm_mxfp4_reference(x, packed, scales, gs)
   _close(out, ref)
   assert np.all(np.asarray(out[42:], np.float32) == 0.0)
   act = lambda a, b: kn.glu_activation(a, b, "situ")
   out2 = gm.run_mxfp4(x, (packed, scales, packed[::-1], scales[::-1]), gs, tiling=t, act=act,
-                      interpret=True, mode="kernel")
+                      interpret=True, mode="kernel", decoder=decoder)
   ref2 = act(ref.astype(jnp.float32),
              moe.gmm_mxfp4_reference(x, packed[::-1], scales[::-1], gs).astype(jnp.float32))
   _close(out2[:42], ref2[:42])
@@ -407,17 +403,15 @@ def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
 
 # ------------------------------------- expert parallelism: tiles from the local row count
 
-def test_choose_tiling_avg_rows_hint(monkeypatch):
-  from pallas_kernels.moe import mxfp4 as mxm
+def test_choose_tiling_avg_rows_hint():
   from pallas_kernels.moe import schedule as sch
   # K3-EP8 decode, 256 tokens: 4096 rows, 112 local experts, ~4.6 rows per local expert
   assert sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True).bm == 64
   ep = dict(mxfp4=True, fused=True, avg_rows=4096 / 896)
-  monkeypatch.setattr(mxm, "DECODER", "ptx4")
-  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == Tiling(16, 256, 64, 4, 4)
-  monkeypatch.setattr(mxm, "DECODER", "ptx8")  # the ptx8 decoder brings its own decode tiles
-  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == sch.DECODE_MXFP4
-  assert sch.choose_tiling(4096, 2304, 2048, 112, **ep).swap_ab  # K, N keep bk / bn
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep, decoder="ptx4") == Tiling(16, 256, 64, 4, 4)
+  # the ptx8 decoder brings its own decode tiles
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep, decoder="ptx8") == sch.DECODE_MXFP4
+  assert sch.choose_tiling(4096, 2304, 2048, 112, **ep, decoder="ptx8").swap_ab  # K, N keep bk / bn
   assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
@@ -541,22 +535,20 @@ def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
   _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)
 
 
-def test_loading_checks_mxfp4_scales_against_the_ptx8_window(monkeypatch, caplog):
-  """A checkpoint whose E8M0 scales leave ptx8's exact window switches to the exact ptx4 decoder
-  (with a warning); scales inside it keep ptx8."""
-  from k3jax.api import _check_mxfp4_scales
+def test_loading_checks_mxfp4_scales_against_the_ptx8_window(caplog):
+  """A checkpoint whose E8M0 scales leave ptx8's exact window gets the exact ptx4 decoder in its
+  backend (with a warning); scales inside it keep ptx8. Nothing global changes."""
+  from k3jax.api import _backend_for
   from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", "ptx8")
   lo, hi = mxm.PTX8_EXACT_SCALES
   inside = {"layers": {"experts": {"w1_scale": jnp.asarray([[lo, hi]], jnp.uint8),
                                    "w1_packed": jnp.zeros((1, 2), jnp.uint8)}}}
-  _check_mxfp4_scales(inside)
-  assert mxm.DECODER == "ptx8"
+  assert _backend_for(inside).mxfp4_decoder == "ptx8"
   outside = {"layers": [{"mlp": {"experts": {"w1_scale": jnp.asarray([[lo, hi + 1]], jnp.uint8)}}}],  # a list, as loaded
              "norm_scale": jnp.ones((2,), jnp.float32) * 255}  # not MXFP4: ignored
-  _check_mxfp4_scales(outside)
-  assert mxm.DECODER == "ptx4"
+  assert _backend_for(outside).mxfp4_decoder == "ptx4"
   assert "outside the ptx8 decoder's exact window" in caplog.text
+  assert mxm.DECODER == "ptx8"
 
 
 @pytest.mark.parametrize("fused", [False, True])

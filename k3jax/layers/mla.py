@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
 from pallas_kernels import ops
+from pallas_kernels.backend import Backend
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
 _LATENT_NORM_EPS = 1e-6
@@ -69,7 +70,7 @@ def mla_full(p, x, c: ModelConfig):
     return _output(p, x, o, c)
 
 
-def mla_step(p, x, c: ModelConfig, kv_pages, meta):
+def mla_step(p, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
     """One engine step over ragged chunks, absorbed form on the paged latent cache.
 
     x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
@@ -78,12 +79,14 @@ def mla_step(p, x, c: ModelConfig, kv_pages, meta):
     """
     with jax.named_scope("mla_in"):
         q_nope, q_rope = _queries(p, x, c)
-        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"])
+        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"],
+                                      backend=backend)
         w_uk, w_uv = _kv_b(p, c)
         q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
     with jax.named_scope("mla_attn"):
         o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                                     meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
+                                     meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
+                                     backend=backend)
     with jax.named_scope("mla_out"):
         o = jnp.einsum("thl,lhd->thd", o_lat.astype(x.dtype), w_uv)
         return _output(p, x, o, c), kv_pages

@@ -36,6 +36,7 @@ def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
   elif not isinstance(tiling, sch.Tiling):
     tiling = sch.Tiling(*tiling)
   kw.pop("avg_rows", None)
+  kw.pop("decoder", None)
   floor = 32 if kw.get("mxfp4") else 16
   return dataclasses.replace(tiling, bk=sch.pow2_divisor(k, tiling.bk, floor),
                              bn=sch.pow2_divisor(n, tiling.bn))
@@ -97,7 +98,7 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
 
 
 def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
-              avg_rows=None, layer=None):
+              avg_rows=None, layer=None, decoder: str | None = None):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
   mode 'kernel': decode in the kernel's main loop (decode regime: each weight byte is
@@ -105,7 +106,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   bf16 [G, N, K] and the bf16 kernel reads it (prefill: many row tiles per expert
   would otherwise decode the same weights over and over). None: 'predequant' when the
   average group has >= 128 rows (avg_rows, else M / G).
-  layer: ws are stacks over layers ([L, G, ...]), as in run_bf16.
+  layer: ws are stacks over layers ([L, G, ...]), as in run_bf16. decoder: the in-kernel decoder.
   """
   m, k = lhs.shape
   g = group_sizes.shape[0]
@@ -129,11 +130,11 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   else:
     wd = ws
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
-                   avg_rows=avg_rows)
+                   avg_rows=avg_rows, decoder=decoder)
     fmt = "mxfp4"
   x = _pad_rows(lhs, t.bm)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
-                          interpret=interpret, group_offset=offset)
+                          interpret=interpret, group_offset=offset, decoder=decoder)
   return out[:m, :n]
 
 
@@ -151,7 +152,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=Non
 
 
 def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
-              group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None) -> jax.Array:
+              group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None,
+              decoder: str | None = None) -> jax.Array:
   """Grouped matmul with MXFP4 weights decoded inside the kernel.
 
   lhs [M, K] bf16, rhs_packed uint8 [G, N, K/2], rhs_scales uint8 [G, N, K/32]
@@ -162,4 +164,4 @@ def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
   if not use:
     return gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes)
   return run_mxfp4(lhs, (rhs_packed, rhs_scales), group_sizes, tiling=tiling,
-                   interpret=interp, mode=mode)
+                   interpret=interp, mode=mode, decoder=decoder)

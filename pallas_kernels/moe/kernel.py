@@ -100,7 +100,8 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tili
 
 
 def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
-                   act=None, out_dtype=None, interpret: bool = False, group_offset=None):
+                   act=None, out_dtype=None, interpret: bool = False, group_offset=None,
+                   decoder: str | None = None):
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
@@ -109,6 +110,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   act(x @ w_a, x @ w_b) (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows
   past sum(group_sizes) are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the
   public wrappers pad).
+  decoder: the MXFP4 decoder (mxfp4.py; None: DECODER; interpret mode runs "jnp" with its x shift).
   group_offset (int32 scalar, may be traced): group j reads weights[group_offset + j], so the
   weights may hold several layers' experts ([L * G, ...]) and a scanned layer passes its own
   without slicing them out (a slice would be a copy of the layer's experts on GPU).
@@ -118,8 +120,9 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   n_w = len(weights) // 2 if fmt == "mxfp4" else len(weights)
   assert k % tiling.bk == 0 and n % tiling.bn == 0 and m >= tiling.bm, (m, k, n, tiling)
   assert (act is None) == (n_w == 1)
-  decoder = "jnp" if interpret else mx.DECODER
-  shift = mx.x_shift(mx.DECODER)  # interpret mode: the jnp decoder with the GPU decoder's shift
+  decoder = decoder or mx.DECODER   # (None: the default, for direct callers; models pass theirs)
+  shift = mx.x_shift(decoder)  # interpret mode: the jnp decoder with the GPU decoder's shift
+  decoder = "jnp" if interpret else decoder
   if fmt == "mxfp4":  # even / odd columns of x meet the low / high nibbles
     xs = (x[:, 0::2], x[:, 1::2])
     if shift:  # the decoder returns w * 2^-shift: x * 2^shift keeps every product (exact)

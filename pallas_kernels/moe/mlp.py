@@ -76,10 +76,12 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-                     interpret=None, tiling=None, num_experts_total=None, layer=None):
+                     interpret=None, tiling=None, num_experts_total=None, layer=None,
+                     decoder: str | None = None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
-  layer: each array is a stack over layers ([L, E, ...]), as in expert_mlp."""
+  layer: each array is a stack over layers ([L, E, ...]), as in expert_mlp. decoder: the kernel's
+  MXFP4 decoder (mxfp4.py)."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(*_layer_of(w, layer), x.dtype), 1, 2)
@@ -87,8 +89,9 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   avg = _avg_rows(topk_ids, E, num_experts_total)
 
   def kernel(xs, gs, interp):
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg, layer=layer)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, avg_rows=avg, layer=layer)
+    kw = dict(interpret=interp, avg_rows=avg, layer=layer, decoder=decoder)
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, **kw)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, **kw)
 
   return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
                      lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype), interpret)
