@@ -1,17 +1,12 @@
 """scripts/bench_compile.py: every warm-up shape of the default engine, traced and compiled with
 abstract weights (nothing allocated)."""
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from scripts_module import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_compile", ROOT / "scripts" / "bench_compile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_compile")
 
 
 def test_measures_the_runner_warmup_shapes(capsys):

@@ -5,9 +5,6 @@ CPU, abstract weights, float32 pools (XLA:CPU converts bf16 pools for any scatte
 bf16 layout's copies are measured on the GPU by scripts/scan_copies.py). Pools are sized so that each
 is far larger than any activation of the step: a data move of pool size can only be a pool.
 """
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,16 +14,8 @@ from k3jax.cache import pool_shapes
 from k3jax.layer_stack import stack_layers
 from k3jax.params import param_shapes
 from k3jax.presets import preset_config
+from scripts_module import load_script
 from serving.runner import make_step_fn
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _scan_copies():
-    spec = importlib.util.spec_from_file_location("scan_copies", ROOT / "scripts" / "scan_copies.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +24,7 @@ def compiled_steps():
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
     pools = pool_shapes(c, 4097, 16, 514, jnp.float32)
     step = jax.jit(make_step_fn(c), donate_argnums=(1,))
-    batches = _scan_copies().step_batches(16, context=64, prefill=(2, 64))
+    batches = load_script("scan_copies").step_batches(16, context=64, prefill=(2, 64))
     smallest = min(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(pools))
     return {k: step.lower(params, pools, b).compile() for k, b in batches.items()}, smallest
 
