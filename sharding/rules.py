@@ -226,11 +226,15 @@ def param_shardings(config, mesh):
 
 
 def place(tree, shardings):
-    """Put host or device arrays onto shardings; works across processes (each feeds its shards)."""
+    """Put host or device arrays onto shardings; works across processes (each feeds its shards).
+    Arrays already on their sharding (e.g. restored onto it) stay as they are; a global array on
+    another sharding is resharded on the devices (no process can read it back whole)."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
     def one(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == s else jax.device_put(x, s)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
     return jax.tree_util.tree_map(one, tree, shardings)
