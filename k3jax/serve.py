@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-mb", type=float, default=32.0,
                     help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="wait for each step's tokens before scheduling the next (default: the next step is "
+                         "scheduled while one runs on the device)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
@@ -106,7 +109,8 @@ def build_state(args):
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
-        forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup, async_scheduling=not args.no_async_scheduling,
+        encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)

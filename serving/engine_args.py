@@ -30,6 +30,7 @@ class EngineArgs:
     seed: int = 0
     warmup: bool = True
     forbid_compile_after_warmup: bool = False
+    async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
     token_buckets: Optional[tuple] = None
     seq_buckets: Optional[tuple] = None

@@ -44,6 +44,7 @@ class Request:
     checkpoints: list = dataclasses.field(default_factory=list)  # planned checkpoint positions
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    final_sampled: bool = False                 # its last token (max_tokens) is sampled, maybe not fetched yet
     stop: Optional[StopChecker] = None
     detok: object = None
     finish_reason: Optional[str] = None

@@ -127,9 +127,11 @@ class Scheduler:
         if keep_state and self.cache is not None and self.cfg.cache_finished_state:
             self._cache_final_state(req)
         self.free(req)
-        req.status = Status.FINISHED
         if req in self.running:
             self.running.remove(req)
+        elif req.status == Status.WAITING and req in self.waiting:   # preempted while its token was in flight
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
 
     def _cache_final_state(self, req: Request):
         n, unit = req.num_computed, self.cfg.prefix_match_unit
@@ -239,7 +241,9 @@ class Scheduler:
         out = SchedulerOutput([], [], [])
         self._encode = {}
         budget = cfg.max_num_batched_tokens
-        order = sorted(self.running, key=lambda r: (not r.is_decode, r.priority, r.arrival))
+        # (a request whose last token is sampled by the step in flight has nothing left to run)
+        order = sorted((r for r in self.running if not r.final_sampled),
+                       key=lambda r: (not r.is_decode, r.priority, r.arrival))
         scheduled = set()
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)

@@ -192,3 +192,50 @@ def test_bad_requests_raise_value_error(model, tmp_path_factory):
     eng.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
+
+
+def _mixed_run(eng, vocab):
+    """Greedy and seeded sampling, stop ids that fire mid-generation, logprobs, a penalties request (its
+    steps run synchronously), an abort while its token is in flight; returns the finished outputs."""
+    rng = np.random.RandomState(11)
+    stops = list(range(3, vocab, 9))
+    for i in range(14):
+        prompt = rng.randint(0, vocab, rng.randint(5, 90)).tolist()
+        kw = dict(max_tokens=int(rng.randint(3, 30)), logprobs=2 if i % 3 == 0 else None)
+        kw.update(temperature=0.0) if i % 2 else kw.update(temperature=0.9, seed=i)
+        if i % 4 == 1:
+            kw.update(stop_token_ids=stops)
+        if i == 9:
+            kw.update(presence_penalty=0.4)
+        eng.add_request(prompt, SamplingParams(**kw), request_id=f"m{i}")
+    finished, seen = {}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            seen[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                finished[o.request_id] = o
+        if seen.get("m4", 0) >= 2 and "m4" in eng.requests:
+            eng.abort("m4")
+    return finished
+
+
+def test_async_scheduling_gives_the_same_outputs(model, tmp_path_factory):
+    """The next step scheduled while the last one runs (its decode inputs are device-side placeholders)
+    must not change a token, a logprob, a finish reason or a cache hit, under preemption too."""
+    vocab = model.config.vocab_size
+    runs = {}
+    for mode in (False, True):
+        eng = _engine(model, tmp_path_factory, async_scheduling=mode, num_pages=40, num_slots=12, max_num_seqs=8)
+        runs[mode] = _mixed_run(eng, vocab)
+        assert eng.stats()["num_preemptions"] > 0
+        _assert_no_leaks(eng)
+    sync, asy = runs[False], runs[True]
+    assert set(sync) == set(asy) == {f"m{i}" for i in range(14)} - {"m4"}
+    for rid in sync:
+        a, b = sync[rid].outputs[0], asy[rid].outputs[0]
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text), rid
+        assert all(t >= 0 for t in b.token_ids)
+        if a.logprobs is not None:
+            np.testing.assert_allclose([x[0] for x in a.logprobs], [x[0] for x in b.logprobs], rtol=1e-9)
+        assert sync[rid].num_cached_tokens == asy[rid].num_cached_tokens
+    assert sum(o.outputs[0].finish_reason == "stop" for o in sync.values()) >= 2
