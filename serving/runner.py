@@ -213,10 +213,10 @@ class ModelRunner:
                 batch, sarr, counters = args
                 logits, self.pools = self._step(self.params, self.pools, batch)
                 toks, lp, (top_ids, top_vals) = self._sample(logits, sarr, self.key_data, counters)
-                return toks, lp, top_ids, top_vals
+                return multihost.settle((toks, lp, top_ids, top_vals))
             if control == "copy":
                 src, dst = args
-                self.pools = self._copy(self.pools, src, dst)
+                self.pools = multihost.settle(self._copy(self.pools, src, dst))
                 return None
             raise ValueError(f"unknown runner call {control!r}")
     # ---- end of the multi-host hook
