@@ -109,7 +109,7 @@ class Watch:
         self._on_abort.append(callback)
 
     def stop(self):
-        """A clean exit is under way: stop judging (the others are about to exit too)."""
+        """A clean exit is under way: say so, then stop beating and judging (the others exit too)."""
         self.set_stage("shutdown")
         self._stopped.set()
 
@@ -126,8 +126,10 @@ class Watch:
             log.warning("multi-host: process 0 raised during %s (%s); checking the other processes",
                         stage, describe(exc))
             deadline = self._clock() + self.settings.heartbeat_timeout_s + 2 * self.settings.beat_s
-            while self._clock() < deadline:
+            while self._clock() < deadline and not self._ending.locked():
                 time.sleep(self.settings.beat_s)
+        if self._ending.locked():
+            threading.Event().wait()         # the judge is ending the run for the real cause
         log.error("multi-host: process 0 failed during %s", stage, exc_info=exc)
         self.end(f"process 0 failed during {stage}: {describe(exc)}", code)
 
@@ -176,7 +178,7 @@ class Watch:
         self.last_ok = now
 
     def _beat_loop(self):
-        while True:
+        while not self._stopped.is_set():
             try:
                 self._beat()
                 self._read()
@@ -208,7 +210,7 @@ class Watch:
             lead = self.peers[0]
             if lead.stage == "shutdown":
                 return None
-            if now - self.last_ok > min(s.heartbeat_timeout_s, 5.0):
+            if now - self.last_ok > s.heartbeat_timeout_s:
                 return f"lost process 0: the coordination service stopped answering ({self.last_error})"
             if now - lead.changed_at > s.heartbeat_timeout_s:
                 return f"lost process 0 (during {lead.stage}): no heartbeat for {now - lead.changed_at:.0f}s"
