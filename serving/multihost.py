@@ -294,7 +294,7 @@ def follow(model) -> int:
             if watch:
                 watch.seq = chan.seq
         except Exception as e:  # noqa: BLE001 - report and leave; never hang on a dead coordinator
-            log.error("process %d: lost process 0 (coordinator) or the collective failed after %d steps: %s",
+            log.error("process %d: lost process 0 (coordinator), or the call failed, after %d steps: %s",
                       me, steps, e)
             if watch:
                 watch.report_failed(e)

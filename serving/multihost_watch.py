@@ -84,6 +84,7 @@ class Watch:
         self.peers = {i: _Peer(changed_at=now) for i in range(num_processes) if i != process_index}
         self.failed: dict = {}             # process -> "stage|exception"
         self.abort_reason: Optional[str] = None
+        self.own_error: Optional[str] = None    # process 0's own exception while a follower may be the cause
         self.acks: set = set()
         self.last_ok, self.last_error = now, None
         self._count = 0
@@ -125,6 +126,7 @@ class Watch:
             # death: give the judge the time to see the silence and name that follower instead.
             log.warning("multi-host: process 0 raised during %s (%s); checking the other processes",
                         stage, describe(exc))
+            self.own_error = f"process 0 then raised during {stage}: {describe(exc)}"
             deadline = self._clock() + self.settings.heartbeat_timeout_s + 2 * self.settings.beat_s
             while self._clock() < deadline and not self._ending.locked():
                 time.sleep(self.settings.beat_s)
@@ -242,6 +244,8 @@ class Watch:
         """Process 0: end every process of the run for `reason` (never returns)."""
         if not self._ending.acquire(blocking=False):
             threading.Event().wait()         # another thread is ending the run and exits the process
+        if self.own_error and not reason.startswith("process 0"):
+            reason = f"{reason}; {self.own_error}"
         log.error("multi-host: %s; ending all %d processes", reason, self.n)
         for callback in self._on_abort:
             try:

@@ -6,10 +6,12 @@ requests are in flight. Each run must end within seconds with process 0 naming p
 stage and the cause, a non-zero exit, no C++ abort trace, and (serving) every request answered:
 streams end with a 503-style error event and [DONE], whole requests get a 503, /health says why.
 Unit: the watch's verdicts on a fake store and clock (failed key, silence, start-up and step
-timeouts, abort), which the end-to-end runs do not reach in their time budget.
+timeouts, abort), which the end-to-end runs do not reach in their time budget; and a stuck engine
+thread (a collective that never returns) whose requests all get the cause.
 """
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -226,10 +228,12 @@ def test_watch_ends_run_and_follower_exits():
     lead._exit = exits.append
     lead.on_abort(ended.append)
     follower = _watch(1, store, clock)
+    lead.own_error = "process 0 then raised during serve: JaxRuntimeError: connection reset"   # its echo
     lead.end("process 2 lost during serve")
-    assert ended == ["process 2 lost during serve"] and exits == [1]
+    reason = "process 2 lost during serve; process 0 then raised during serve: JaxRuntimeError: connection reset"
+    assert ended == [reason] and exits == [1]
     follower._read()
-    assert follower.verdict() == "process 0 ended the run: process 2 lost during serve"
+    assert follower.verdict() == f"process 0 ended the run: {reason}"
     follower._exit = exits.append
     follower._follower_exit(follower.verdict())
     assert exits == [1, 1] and store.kv[f"{PREFIX}ack/1"] == "1"
@@ -250,3 +254,64 @@ def test_watch_ends_run_and_follower_exits():
     except RuntimeError as e:
         other.last_error = e
     assert other.verdict() == "lost process 0: the coordination service stopped answering (UNAVAILABLE: connection refused)"
+
+
+# ---------------------------------------------------------------------- a stuck engine thread
+
+class StuckEngine:
+    """An LLMEngine whose step never returns, as process 0's does when a follower dies inside a
+    collective that does not notice (NCCL on GPUs, or gloo when the peer is stopped, not killed)."""
+
+    def __init__(self):
+        self.requests, self.in_step, self.release = [], threading.Event(), threading.Event()
+
+    def add_request(self, prompt, params, request_id, **extras):
+        self.requests.append(request_id)
+
+    def abort(self, request_id):
+        return False
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.in_step.set()
+        self.release.wait()
+        return []
+
+    def stats(self):
+        return {}
+
+    def cache_usage(self):
+        return {}
+
+
+def test_failing_a_stuck_engine_answers_every_request():
+    from serving.async_engine import AsyncEngine, EngineDeadError
+    from serving.sampling_params import SamplingParams
+
+    async def run():
+        engine = AsyncEngine(StuckEngine())
+        streams = [engine.submit([1, 2], SamplingParams(max_tokens=4), f"r{i}") for i in range(2)]
+        await asyncio.gather(*(s.admitted() for s in streams))
+        await asyncio.get_running_loop().run_in_executor(None, engine.engine.in_step.wait, 5)
+        waiting = engine.submit([3], SamplingParams(max_tokens=4), "queued")   # never taken by the engine
+        threading.Thread(target=engine.fail, args=("process 1 lost during serve",)).start()
+        outcomes = []
+        for s in streams + [waiting]:
+            with pytest.raises(EngineDeadError) as e:
+                await asyncio.wait_for(s.admitted(), 5)
+                async for _ in s:
+                    pass
+            outcomes.append(str(e.value))
+        with pytest.raises(EngineDeadError) as late:
+            engine.submit([4], SamplingParams(max_tokens=4), "late")
+        result = outcomes, str(late.value), engine.alive, engine.dead_reason
+        engine.engine.release.set()          # let the engine thread end (it stops: the engine failed)
+        await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 5)
+        return result + (engine._thread.is_alive(),)
+
+    outcomes, late, alive, reason, thread_left = asyncio.run(asyncio.wait_for(run(), 20))
+    assert outcomes == ["process 1 lost during serve"] * 3
+    assert late == "engine stopped: process 1 lost during serve"
+    assert not alive and reason == "process 1 lost during serve" and not thread_left
