@@ -27,6 +27,13 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
@@ -74,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     mh.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; others follow its steps")
-    mh.add_argument("--heartbeat-timeout", type=float, default=30.0,
+    mh.add_argument("--heartbeat-timeout", type=_seconds, default=30.0,
                     help="seconds without a heartbeat after which a process counts as lost and every process exits "
                          "(a process that is loading or compiling keeps beating)")
-    mh.add_argument("--startup-timeout", type=float, default=7200.0,
+    mh.add_argument("--startup-timeout", type=_seconds, default=7200.0,
                     help="seconds every process gets to load the checkpoint and warm up before the run is ended")
-    mh.add_argument("--step-timeout", type=float, default=900.0,
+    mh.add_argument("--step-timeout", type=_seconds, default=900.0,
                     help="seconds one multi-host step may stay unfinished (a compile included) before the run is ended")
     return ap
 
