@@ -6,6 +6,8 @@ converted or Hugging Face checkpoint directory (or a preset name with --seed for
 Multi-host: start the same command on every process with --coordinator/--num-processes/--process-id
 (or the K3JAX_* variables the launch scripts set). Process 0 serves HTTP and schedules; the others
 load the model and follow process 0's steps (serving/multihost.py), exiting when it shuts down.
+A process that fails or goes silent ends every process within seconds, process 0 naming it and
+its stage (serving/multihost_watch.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ log = logging.getLogger("k3jax.serve")
 
 def parse_args(argv=None):
     return build_parser().parse_args(argv)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,17 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     mh.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; others follow its steps")
+    mh.add_argument("--heartbeat-timeout", type=_seconds, default=30.0,
+                    help="seconds without a heartbeat after which a process counts as lost and every process exits "
+                         "(a process that is loading or compiling keeps beating)")
+    mh.add_argument("--startup-timeout", type=_seconds, default=7200.0,
+                    help="seconds every process gets to load the checkpoint and warm up before the run is ended")
+    mh.add_argument("--step-timeout", type=_seconds, default=900.0,
+                    help="seconds one multi-host step may stay unfinished (a compile included) before the run is ended")
     return ap
 
 
 def follow(args) -> int:
     """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
     from k3jax.api import load_model
-    from serving import multihost
+    from serving import multihost, multihost_watch
     from serving.engine import enable_compilation_cache
     from serving.engine_args import EngineArgs
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
-    enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
+    try:
+        multihost_watch.set_stage("load")
+        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+        enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
+        multihost_watch.set_stage("warmup")
+    except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
+        multihost_watch.current().fail(e)
     return multihost.exit_follower(multihost.follow(model))
 
 
@@ -96,12 +117,15 @@ def build_state(args):
     from serving.engine_args import EngineArgs
     from serving.openai.generation import ServerState
     from serving.openai.metrics import Metrics
+    from serving.multihost_watch import set_stage
 
     t0 = time.perf_counter()
+    set_stage("load")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
+    set_stage("warmup")
     eargs = EngineArgs(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
@@ -136,16 +160,27 @@ def _image_loader(model, args):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from serving import multihost
-    args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh)
-    if multihost.is_multiprocess():
-        if not multihost.is_leader():
-            return follow(args)
-        try:
-            return _serve(args)
-        finally:           # also after a start-up error: followers waiting for the runner must exit
-            multihost.shutdown_followers()
-    return _serve(args)
+    from serving import multihost, multihost_watch
+    args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,
+                                heartbeat_timeout_s=args.heartbeat_timeout)
+    if not multihost.is_multiprocess():
+        return _serve(args)
+    watch = multihost_watch.start(multihost_watch.WatchSettings(
+        heartbeat_timeout_s=args.heartbeat_timeout, startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout))
+    if not multihost.is_leader():
+        return follow(args)
+    try:
+        code = _serve(args)
+    except Exception as e:  # noqa: BLE001 - a failure on process 0 ends every process (never returns)
+        watch.fail(e, code=2 if isinstance(e, ValueError) else 1)
+    except SystemExit:     # SIGTERM: a clean exit
+        code = 0
+    if code:
+        watch.end(f"process 0 exited with status {code} during {watch.stage}", code)
+    watch.stop()
+    multihost.shutdown_followers()
+    return code
 
 
 def _serve(args):
@@ -155,10 +190,13 @@ def _serve(args):
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); pip install -e .", file=sys.stderr)
         return 2
+    from serving import multihost_watch
     try:
         state = build_state(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        if multihost_watch.current():
+            raise           # main() ends the other processes too
         return 2
     app = build_app(state)
     from serving.openai.shutdown import GracefulServer
@@ -169,6 +207,11 @@ def _serve(args):
     # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the
     # `finally` below; exit through it instead (multi-host: process 0 must still stop the followers).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    watch = multihost_watch.current()
+    if watch:         # a lost process: fail in-flight requests with a 503, /health tells why
+        watch.on_abort(state.engine.fail)
+        state.engine.on_error = watch.fail
+    multihost_watch.set_stage("serve")
     try:
         server.run()
     finally:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from serving.engine import LLMEngine
 from serving.request import RequestOutput
@@ -25,8 +25,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_error: Optional[Callable[[BaseException], None]] = None):
+        """on_error(exc): runs on the engine thread when a step raises, before the waiting requests are
+        failed (multi-host: find the lost process and end the run, so requests learn the real cause)."""
         self.engine = engine
+        self.on_error = on_error
         self._lock = threading.Condition()
         self._submit: list = []                  # (rid, prompt_ids, params, extras, future, queue, loop)
         self._aborts: list = []
@@ -98,9 +101,32 @@ class AsyncEngine:
                 self._lock.notify()
             self._thread.join(5.0)
 
+    def fail(self, reason: str) -> int:
+        """From any thread, when the engine thread may be stuck for good (a multi-host process was
+        lost in the middle of a step): refuse new work, and end every admitted or waiting request
+        now with EngineDeadError(reason) (a 503). Returns how many requests were ended."""
+        err = EngineDeadError(reason)
+        with self._lock:
+            self._dead, self._stopping = err, "now"
+            subs, self._submit = self._submit, []
+            streams, self._streams = self._streams, {}
+            self._lock.notify()
+        for *_, fut, _queue, loop in subs:
+            loop.call_soon_threadsafe(_resolve, fut, err)
+        for queue, loop in streams.values():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            except RuntimeError:                  # the caller's loop is gone
+                pass
+        return len(subs) + len(streams)
+
     @property
     def alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return None if self._dead is None else str(self._dead)
 
     # ------------------------------------------------------------------ engine thread
     def _stats(self, eng) -> dict:
@@ -159,7 +185,9 @@ class AsyncEngine:
                 self.stats_snapshot = self._stats(eng)
         except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
             log.exception("engine loop died")
-            self._dead = e
+            self._dead = self._dead or e      # refuse new work now; fail() may name the cause later
+            if self.on_error is not None:
+                self.on_error(e)
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
 

@@ -247,10 +247,10 @@ class ModelRunner:
                 logits, self.pools = self._step(self.params, self.pools, batch, self.last_tokens)
                 toks, lp, (top_ids, top_vals), self.last_tokens = self._sample(logits, sarr, self.key_data, counters,
                                                                               self.last_tokens)
-                return toks, lp, top_ids, top_vals
+                return multihost.settle((toks, lp, top_ids, top_vals))
             if control == "copy":
                 src, dst = args
-                self.pools = self._copy(self.pools, src, dst)
+                self.pools = multihost.settle(self._copy(self.pools, src, dst))
                 return None
             raise ValueError(f"unknown runner call {control!r}")
     # ---- end of the multi-host hook

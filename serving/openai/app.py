@@ -92,7 +92,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if not state.engine.alive:
-            return JSONResponse({"status": "engine dead"}, status_code=503)
+            return JSONResponse({"status": "engine dead", "error": state.engine.dead_reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
