@@ -1,0 +1,100 @@
+"""Pallas (Triton backend) varlen causal flash attention for MLA prefill in expanded form.
+
+Queries are flat ``[T, H, D]`` (ragged: a step's sequences one after another); keys and values
+are the decompressed caches of those sequences laid out flat in a key buffer ``[K, H, D]``,
+sequence n's positions 0..kv_len-1 at ``kv_start[n]``. A query at cache position p sees keys
+0..p of its own sequence (its cached context plus its chunk, causally).
+
+Heads: 128 nope + 64 rope for q.k (two MMAs: Triton blocks must be powers of two, 192 is not;
+the rope key is one row per token shared by all heads) and 128 for v.
+
+Grid = (tiles, heads): a tile is <= bq query tokens of one sequence (meta row: first token,
+n_valid, cache position of the first token, the sequence's kv_start). Each program walks key
+blocks 0 .. last visible key of the tile, so causal blocks past the diagonal are skipped; keys
+past a tile's end are masked loads that read zeros.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
+
+
+def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, scale):
+    tile = pl.program_id(0)
+    first = meta_ref[tile, 0]
+    n_valid = meta_ref[tile, 1]
+    pos0 = meta_ref[tile, 2]
+    kv_start = meta_ref[tile, 3]
+
+    r = jnp.arange(bq, dtype=jnp.int32)
+    row_ok = r < n_valid
+    pos = pos0 + r  # causal limit of each query row
+    q_rows = pl.ds(first, bq)
+    qn = plgpu.load(qn_ref.at[q_rows, :], mask=row_ok[:, None], other=0)
+    qr = plgpu.load(qr_ref.at[q_rows, :], mask=row_ok[:, None], other=0)
+
+    kv_end = pos0 + n_valid  # exclusive: last visible key of the tile + 1
+    n_blocks = pl.cdiv(kv_end, bk)
+    qk_scale = scale * _LOG2E
+    kdt = kn_ref.dtype
+
+    def body(i, carry):
+        acc, m, l = carry
+        k0 = i * bk
+        keys = k0 + jnp.arange(bk, dtype=jnp.int32)
+        ok = (keys < kv_end)[:, None]
+        k_rows = pl.ds(kv_start + k0, bk)
+        kn = plgpu.load(kn_ref.at[k_rows, :], mask=ok, other=0)
+        kr = plgpu.load(kr_ref.at[k_rows, :], mask=ok, other=0)
+        v = plgpu.load(v_ref.at[k_rows, :], mask=ok, other=0)
+        s = plgpu.dot(qn, kn, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
+        s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), v)
+        return acc, m_new, l_new
+
+    acc0 = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
+    m0 = jnp.full((bq,), _MASK, jnp.float32)
+    l0 = jnp.zeros((bq,), jnp.float32)
+    acc, _, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    plgpu.store(o_ref.at[q_rows, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def varlen_attention_call(meta, q_nope, q_rope, k_nope, k_rope, v, *, scale, bq, bk,
+                          num_warps=4, num_stages=2, interpret=False):
+    """Run the kernel over a tile schedule.
+
+    meta [G, 4] int32 per tile (first token, n_valid, pos of first token, kv_start);
+    q_nope [T + bq, H, Dn], q_rope [T + bq, H, Dr] (padded so every tile slice is in bounds),
+    k_nope [K + bk, H, Dn], k_rope [K + bk, Dr], v [K + bk, H, Dv] (padded likewise).
+    Returns o [T + bq, H, Dv] in q dtype; rows no tile covers are left unwritten.
+    """
+    n_rows, heads, dn = q_nope.shape
+    dr = q_rope.shape[-1]
+    n_keys, _, dv = v.shape
+    kernel = functools.partial(_kernel, bq=bq, bk=bk, scale=float(scale))
+    per_head = lambda rows, d: pl.BlockSpec((rows, None, d), lambda t, h: (0, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(meta.shape[0], heads),
+        in_specs=[pl.BlockSpec(meta.shape, lambda t, h: (0, 0)),
+                  per_head(n_rows, dn), per_head(n_rows, dr), per_head(n_keys, dn),
+                  pl.BlockSpec(k_rope.shape, lambda t, h: (0, 0)), per_head(n_keys, dv)],
+        out_specs=per_head(n_rows, dv),
+        out_shape=jax.ShapeDtypeStruct((n_rows, heads, dv), q_nope.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"mla_expanded_bq{bq}_bk{bk}_w{num_warps}_st{num_stages}",
+    )(meta, q_nope, q_rope, k_nope, k_rope, v)

@@ -1,0 +1,75 @@
+"""Expanded-form MLA prefill (pallas_kernels/mla/expanded.py) vs the absorbed reference.
+
+The two forms are the same attention: scores q_nope.(ckv W_uk) = (q_nope W_uk^T).ckv and output
+P (ckv W_uv) = (P ckv) W_uv. Cases: resumed chunks over paged context, a fresh prompt, decode
+rows, empty sequences and padding tokens, on a pool whose unused slots are NaN.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla.expanded import expanded_attention, gather_latents
+from pallas_kernels.mla.reference import ragged_paged_mla_reference
+from test_mla_ops import build_case
+
+H, L, R, DN, DV = 4, 32, 16, 16, 8
+SCALE = (DN + R) ** -0.5
+
+
+@functools.lru_cache(maxsize=None)
+def _case(page_size):
+    rng = np.random.default_rng(30 + page_size)
+    # resumed prefill chunk, decode row, fresh prompt longer than a tile, empty sequence, chunk on a boundary
+    ctx, new = [13, 20, 0, 0, 2 * page_size], [7, 1, 70, 0, 5]
+    case = build_case(rng, ctx, new, heads=H, lat=L, rope=R, page_size=page_size, pad_tokens=6)
+    t = case["q_latent"].shape[0]
+    w_uk = rng.standard_normal((L, H, DN)).astype(np.float32) / np.sqrt(L)
+    w_uv = rng.standard_normal((L, H, DV)).astype(np.float32) / np.sqrt(L)
+    q_nope = rng.standard_normal((t, H, DN)).astype(np.float32)
+    return case, jnp.asarray(w_uk), jnp.asarray(w_uv), jnp.asarray(q_nope)
+
+
+def _absorbed(case, w_uk, w_uv, q_nope):
+    q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
+    o_lat = ragged_paged_mla_reference(q_lat, *(jnp.asarray(case[k]) for k in (
+        "q_rope", "kv_pages", "block_tables", "cu_seqlens", "kv_lens")), scale=SCALE)
+    return np.asarray(jnp.einsum("thl,lhd->thd", o_lat, w_uv))
+
+
+def _expanded(case, w_uk, w_uv, q_nope, num_keys, **kw):
+    kv_lens = jnp.asarray(case["kv_lens"])
+    rows, starts = gather_latents(jnp.asarray(case["kv_pages"]), jnp.asarray(case["block_tables"]),
+                                  kv_lens, num_keys)
+    ckv = rows[:, :L]
+    k_nope, v = jnp.einsum("kl,lhd->khd", ckv, w_uk), jnp.einsum("kl,lhd->khd", ckv, w_uv)
+    return np.asarray(expanded_attention(q_nope, jnp.asarray(case["q_rope"]), k_nope, rows[:, L:], v,
+                                         jnp.asarray(case["cu_seqlens"]), kv_lens, starts,
+                                         scale=SCALE, **kw))
+
+
+@pytest.mark.parametrize("page_size,interpret,config", [
+    (16, None, None),                                            # jnp reference path
+    (16, True, (("bq", 16), ("bk", 16))),                        # kernel: tiles inside a prompt
+    (8, True, (("bq", 32), ("bk", 16))),                         # kernel: tile spans the sequence end
+])
+def test_expanded_equals_absorbed(page_size, interpret, config):
+    case, w_uk, w_uv, q_nope = _case(page_size)
+    want = _absorbed(case, w_uk, w_uv, q_nope)
+    num_keys = int(case["kv_lens"].sum()) + 9  # slack rows past the last key stay unused
+    got = _expanded(case, w_uk, w_uv, q_nope, num_keys, interpret=interpret, config=config)
+    assert np.all(np.isfinite(got)), "a NaN page slot leaked"
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert np.all(got[case["cu_seqlens"][-1]:] == 0), "padding tokens must be zero"
+
+
+def test_gather_latents_lays_sequences_flat():
+    case, *_ = _case(8)
+    kv_lens = case["kv_lens"]
+    rows, starts = gather_latents(jnp.asarray(case["kv_pages"]), jnp.asarray(case["block_tables"]),
+                                  jnp.asarray(kv_lens), int(kv_lens.sum()) + 3)
+    want = np.concatenate([c for c in case["caches"]] + [np.zeros((3, L + R), np.float32)])
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    np.testing.assert_array_equal(np.asarray(starts), np.cumsum(kv_lens) - kv_lens)
