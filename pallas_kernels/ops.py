@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import reference as kda_ref
+from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
 
 _MODES = ("auto", "reference", "pallas")
@@ -104,6 +105,24 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
                                     scale=scale, interpret=interpret, platform=_platform())
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
+
+
+mla_gather_latents = mla_expanded.gather_latents
+
+
+def mla_expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start, *, scale):
+    """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
+    pallas, interpret = use_pallas()
+    if pallas and _platform() != "tpu":
+        return mla_expanded.expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens,
+                                               kv_start, scale=scale, interpret=interpret)
+    return mla_expanded.expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens,
+                                                     kv_lens, kv_start, scale=scale)
+
+
+def expanded_kernel_available() -> bool:
+    """The expanded MLA form has a fast kernel here (the GPU Triton one)."""
+    return use_pallas()[0] and _platform() == "gpu"
 
 
 # ---- MoE -------------------------------------------------------------------

@@ -73,3 +73,40 @@ def test_gather_latents_lays_sequences_flat():
     want = np.concatenate([c for c in case["caches"]] + [np.zeros((3, L + R), np.float32)])
     np.testing.assert_array_equal(np.asarray(rows), want)
     np.testing.assert_array_equal(np.asarray(starts), np.cumsum(kv_lens) - kv_lens)
+
+
+def test_tiny_model_steps_equal_between_forms():
+    """forward_step logits and caches with the MLA layers forced absorbed vs expanded: a fresh
+    prefill of two prompts, then resumed chunks over paged context with a decode row and padding."""
+    from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.layers import mla
+    from k3jax.model import forward_step
+    from k3jax.params import init_params_numpy
+    from k3jax.presets import preset_config
+
+    c = preset_config("tiny")
+    params = init_params_numpy(c, 5, jnp.float32)
+    rng = np.random.RandomState(1)
+    toks = [rng.randint(0, c.vocab_size, n).astype(np.int32) for n in (37, 20, 9)]
+    tables = [np.arange(1, 9), np.arange(9, 17), np.arange(17, 25)]
+    steps = [[SeqChunk(toks[0][:30], 0, tables[0], -1, 1), SeqChunk(toks[1][:19], 0, tables[1], -1, 2)],
+             [SeqChunk(toks[0][30:], 30, tables[0], 1, 1), SeqChunk(toks[1][19:], 19, tables[1], 2, 2),
+              SeqChunk(toks[2], 0, tables[2], -1, 3)]]
+    out = {}
+    for form in ("absorbed", "expanded"):
+        mla.set_prefill_form(form)
+        try:
+            step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
+            pools = make_pools(c, 26, 8, 5, jnp.float32)
+            logits = []
+            for chunks in steps:
+                batch = make_step_batch(chunks, 8, num_tokens=64, num_seqs=4, max_pages=8)
+                lg, pools = step(params, pools, batch)
+                logits.append(np.asarray(lg)[:len(chunks)])
+            out[form] = logits, [np.asarray(kv) for kv in pools.mla_kv]
+        finally:
+            mla.set_prefill_form(None)
+    for a, b in zip(out["absorbed"][0], out["expanded"][0]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+    for a, b in zip(out["absorbed"][1], out["expanded"][1]):  # later layers' rows see rounding
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
