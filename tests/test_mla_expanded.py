@@ -75,15 +75,17 @@ def test_gather_latents_lays_sequences_flat():
     np.testing.assert_array_equal(np.asarray(starts), np.cumsum(kv_lens) - kv_lens)
 
 
-def test_tiny_model_steps_equal_between_forms():
+def test_tiny_model_steps_equal_between_forms(monkeypatch):
     """forward_step logits and caches with the MLA layers forced absorbed vs expanded: a fresh
-    prefill of two prompts, then resumed chunks over paged context with a decode row and padding."""
+    prefill of two prompts, then resumed chunks over paged context with a decode row and padding.
+    The key buffer covers the whole block tables, so the expanded step has no absorbed fallback."""
     from k3jax.cache import SeqChunk, make_pools, make_step_batch
     from k3jax.layers import mla
     from k3jax.model import forward_step
     from k3jax.params import init_params_numpy
     from k3jax.presets import preset_config
 
+    monkeypatch.setattr(mla, "EXPANDED_KEYS_PER_TOKEN", 4)  # 4 x 64 tokens = 4 seqs x 8 pages x 8
     c = preset_config("tiny")
     params = init_params_numpy(c, 5, jnp.float32)
     rng = np.random.RandomState(1)

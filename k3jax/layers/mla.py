@@ -57,6 +57,7 @@ _form_override: str | None = None
 # "auto": expanded for steps of at least this many tokens (decode-only steps never) when the GPU
 # kernel is available, with a key buffer of EXPANDED_KEYS_PER_TOKEN rows per step token; a step
 # whose sequences hold more keys than that (long contexts) runs absorbed (a runtime lax.cond).
+# "expanded" forces the expanded form whatever the shape (same buffer, same fallback).
 EXPANDED_MIN_TOKENS = 512
 EXPANDED_KEYS_PER_TOKEN = 2
 
@@ -78,16 +79,14 @@ def prefill_form() -> str:
 
 
 def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool) -> int:
-    """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only.
-    "expanded" sizes the buffer for every key the block tables can hold (always fits)."""
+    """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only. At most
+    the keys the block tables can hold (a buffer that large needs no runtime fallback)."""
     form = prefill_form()
     if decode_only or form == "absorbed":
         return 0
-    if form == "expanded":
-        return block_tables_shape[0] * block_tables_shape[1] * page_size
-    if num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available():
+    if form == "auto" and (num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available()):
         return 0
-    return EXPANDED_KEYS_PER_TOKEN * num_tokens
+    return min(EXPANDED_KEYS_PER_TOKEN * num_tokens, block_tables_shape[0] * block_tables_shape[1] * page_size)
 
 
 def scale(c: ModelConfig) -> float:
@@ -149,7 +148,8 @@ def mla_step(p, x, c: ModelConfig, kv_pages, meta):
     with jax.named_scope("mla_attn"):
         absorbed = lambda: _absorbed(p, c, q_nope, q_rope, kv_pages, meta, x.dtype)
         expanded = lambda: _expanded(p, c, q_nope, q_rope, kv_pages, meta, x.dtype, num_keys)
-        if num_keys and prefill_form() == "expanded":  # the buffer holds every key the tables can
+        n_seqs, max_pages = meta["block_tables"].shape
+        if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
             o = expanded()
         elif num_keys:
             o = jax.lax.cond(jnp.sum(meta["kv_lens"]) <= num_keys, expanded, absorbed)
