@@ -9,14 +9,13 @@ mathematically equal, which the tests exploit.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
 from pallas_kernels import ops
+from pallas_kernels.setting import Setting
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
 _LATENT_NORM_EPS = 1e-6
@@ -52,8 +51,6 @@ def _output(p, x, o, c: ModelConfig):
     return o @ p["o_proj"]
 
 
-_PREFILL_FORMS = ("auto", "absorbed", "expanded")
-_form_override: str | None = None
 # "auto": expanded for steps of at least this many tokens (decode-only steps never) when the GPU
 # kernel is available, with a key buffer of EXPANDED_KEYS_PER_TOKEN rows per step token; a step
 # whose sequences hold more keys than that (long contexts) runs absorbed (a runtime lax.cond).
@@ -62,20 +59,9 @@ EXPANDED_MIN_TOKENS = 512
 EXPANDED_KEYS_PER_TOKEN = 2
 
 
-def set_prefill_form(form: str | None):
-    """Force the MLA step form for this process: "auto", "absorbed", "expanded" (None: env/default).
-    Read at trace time: re-jit after changing it."""
-    global _form_override
-    if form is not None and form not in _PREFILL_FORMS:
-        raise ValueError(f"MLA prefill form {form!r}: expected one of {_PREFILL_FORMS}")
-    _form_override = form
-
-
-def prefill_form() -> str:
-    form = _form_override or os.environ.get("K3JAX_MLA_PREFILL", "auto")
-    if form not in _PREFILL_FORMS:
-        raise ValueError(f"K3JAX_MLA_PREFILL={form!r}: expected one of {_PREFILL_FORMS}")
-    return form
+_PREFILL_FORM = Setting("MLA prefill form", "K3JAX_MLA_PREFILL", ("auto", "absorbed", "expanded"))
+set_prefill_form = _PREFILL_FORM.set  # read at trace time: re-jit after changing it
+prefill_form = _PREFILL_FORM.get
 
 
 def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool) -> int:

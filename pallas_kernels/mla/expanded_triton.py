@@ -16,15 +16,13 @@ past a tile's end are masked loads that read zeros.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_LOG2E = math.log2(math.e)
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
+from pallas_kernels.mla.triton_kernel import _LOG2E, _MASK, online_softmax
 
 
 def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, scale):
@@ -56,11 +54,7 @@ def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, s
         kr = plgpu.load(kr_ref.at[k_rows, :], mask=ok, other=0)
         v = plgpu.load(v_ref.at[k_rows, :], mask=ok, other=0)
         s = plgpu.dot(qn, kn, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
-        s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), v)
         return acc, m_new, l_new
 
