@@ -198,7 +198,8 @@ MODEL_PREFILL_SHAPES = [(2, 2048, 0), (64, 64, 0), (2, 2048, 1024), (64, 64, 102
 SWEEP_SHAPES = 2
 EXPANDED_SWEEP = [None, dict(bq=64, bk=64, num_warps=4, num_stages=2), dict(bq=128, bk=64, num_warps=8, num_stages=3),
                   dict(bq=128, bk=128, num_warps=8, num_stages=2), dict(bq=64, bk=64, num_warps=4, num_stages=3),
-                  dict(bq=64, bk=128, num_warps=4, num_stages=2)]  # None: expanded.DEFAULT_TUNING
+                  dict(bq=64, bk=128, num_warps=4, num_stages=2),
+                  dict(bq=128, bk=64, num_warps=8, num_stages=2, split_causal=False)]  # None: expanded.DEFAULT_TUNING
 
 
 def _mla_layer(c, dtype, seed=0):
@@ -297,7 +298,8 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
                                   config=tuple(sorted(cfg.items())))
             try:
                 t = timeit(f, qn, qr, kn, kr, v, meta["cu_seqlens"], meta["kv_lens"], starts, iters=iters)
-                name = "bq{bq} bk{bk} w{num_warps} st{num_stages}".format(**cfg)
+                name = "bq{bq} bk{bk} w{num_warps} st{num_stages}".format(**cfg) + (
+                    "" if cfg.get("split_causal", True) else " all-masked")
                 rows.append((label, f"expanded kernel {name}", t * 1e3, f"{flops / t / 1e12:.0f} TFLOP/s"))
                 log(rows[-1])
             except Exception as e:  # noqa: BLE001

@@ -76,7 +76,7 @@ def expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, 
     return out.astype(q_nope.dtype)
 
 
-DEFAULT_TUNING = dict(bq=128, bk=64, num_warps=8, num_stages=2)
+DEFAULT_TUNING = dict(bq=128, bk=64, num_warps=8, num_stages=2, split_causal=True)
 
 
 def _kernel_path(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start, *, scale,

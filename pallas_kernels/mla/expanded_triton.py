@@ -10,8 +10,9 @@ the rope key is one row per token shared by all heads) and 128 for v.
 
 Grid = (tiles, heads): a tile is <= bq query tokens of one sequence (meta row: first token,
 n_valid, cache position of the first token, the sequence's kv_start). Each program walks key
-blocks 0 .. last visible key of the tile, so causal blocks past the diagonal are skipped; keys
-past a tile's end are masked loads that read zeros.
+blocks 0 .. last visible key of the tile, so causal blocks past the diagonal are skipped: first
+the blocks every row sees whole (no masks), then the diagonal blocks (causal mask; keys past the
+tile's end are masked loads that read zeros).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.mla.triton_kernel import _LOG2E, _MASK, online_softmax
 
 
-def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, scale):
+def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, scale, split_causal):
     tile = pl.program_id(0)
     first = meta_ref[tile, 0]
     n_valid = meta_ref[tile, 1]
@@ -44,30 +45,38 @@ def _kernel(meta_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, *, bq, bk, s
     qk_scale = scale * _LOG2E
     kdt = kn_ref.dtype
 
-    def body(i, carry):
+    def block(i, carry, masked):
         acc, m, l = carry
         k0 = i * bk
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
-        ok = (keys < kv_end)[:, None]
         k_rows = pl.ds(kv_start + k0, bk)
-        kn = plgpu.load(kn_ref.at[k_rows, :], mask=ok, other=0)
-        kr = plgpu.load(kr_ref.at[k_rows, :], mask=ok, other=0)
-        v = plgpu.load(v_ref.at[k_rows, :], mask=ok, other=0)
+        if masked:  # keys past the tile's end read zeros; the causal mask cuts the diagonal
+            ok = (keys < kv_end)[:, None]
+            kn = plgpu.load(kn_ref.at[k_rows, :], mask=ok, other=0)
+            kr = plgpu.load(kr_ref.at[k_rows, :], mask=ok, other=0)
+            v = plgpu.load(v_ref.at[k_rows, :], mask=ok, other=0)
+            visible = keys[None, :] <= pos[:, None]
+        else:       # every key of the block is visible to every row
+            kn, kr, v = kn_ref[k_rows, :], kr_ref[k_rows, :], v_ref[k_rows, :]
+            visible = None
         s = plgpu.dot(qn, kn, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
-        p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
+        p, alpha, m_new, l_new = online_softmax(s, visible, qk_scale, m, l)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), v)
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
-    m0 = jnp.full((bq,), _MASK, jnp.float32)
-    l0 = jnp.zeros((bq,), jnp.float32)
-    acc, _, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+    carry = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), _MASK, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    # blocks whose last key is <= the first row's position need no mask (the context and the
+    # chunk's earlier tiles); the rest (the diagonal) are masked
+    n_full = jnp.minimum((pos0 + 1) // bk, n_blocks) if split_causal else 0
+    carry = jax.lax.fori_loop(0, n_full, functools.partial(block, masked=False), carry)
+    acc, _, l = jax.lax.fori_loop(n_full, n_blocks, functools.partial(block, masked=True), carry)
     o = acc / jnp.where(l > 0, l, 1.0)[:, None]
     plgpu.store(o_ref.at[q_rows, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
 def varlen_attention_call(meta, q_nope, q_rope, k_nope, k_rope, v, *, scale, bq, bk,
-                          num_warps=4, num_stages=2, interpret=False):
+                          num_warps=4, num_stages=2, split_causal=True, interpret=False):
     """Run the kernel over a tile schedule.
 
     meta [G, 4] int32 per tile (first token, n_valid, pos of first token, kv_start);
@@ -78,7 +87,7 @@ def varlen_attention_call(meta, q_nope, q_rope, k_nope, k_rope, v, *, scale, bq,
     n_rows, heads, dn = q_nope.shape
     dr = q_rope.shape[-1]
     n_keys, _, dv = v.shape
-    kernel = functools.partial(_kernel, bq=bq, bk=bk, scale=float(scale))
+    kernel = functools.partial(_kernel, bq=bq, bk=bk, scale=float(scale), split_causal=split_causal)
     per_head = lambda rows, d: pl.BlockSpec((rows, None, d), lambda t, h: (0, h, 0))
     return pl.pallas_call(
         kernel,
@@ -90,5 +99,5 @@ def varlen_attention_call(meta, q_nope, q_rope, k_nope, k_rope, v, *, scale, bq,
         out_shape=jax.ShapeDtypeStruct((n_rows, heads, dv), q_nope.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_expanded_bq{bq}_bk{bk}_w{num_warps}_st{num_stages}",
+        name=f"mla_expanded_bq{bq}_bk{bk}_w{num_warps}_st{num_stages}{'' if split_causal else '_m'}",
     )(meta, q_nope, q_rope, k_nope, k_rope, v)

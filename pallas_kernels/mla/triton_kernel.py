@@ -35,9 +35,9 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = N
 
 
 def online_softmax(s, visible, qk_scale, m, l):
-    """One flash-attention block, rows form: scores s [rows, bk] (masked where not visible, base 2)
-    against the running max m / denominator l [rows]. Returns (p, alpha, m_new, l_new)."""
-    s = jnp.where(visible, s * qk_scale, _MASK)
+    """One flash-attention block, rows form: scores s [rows, bk] (masked where not visible, base 2;
+    visible None: all) against the running max m / denominator l [rows]. Returns (p, alpha, m_new, l_new)."""
+    s = s * qk_scale if visible is None else jnp.where(visible, s * qk_scale, _MASK)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
