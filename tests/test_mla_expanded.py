@@ -112,3 +112,18 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
     for a, b in zip(out["absorbed"][1], out["expanded"][1]):  # later layers' rows see rounding
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_form_setting_rejects_unknown(monkeypatch):
+    from k3jax.layers import mla
+    with pytest.raises(ValueError, match="MLA prefill form"):
+        mla.set_prefill_form("dense")
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "dense")
+    with pytest.raises(ValueError, match="K3JAX_MLA_PREFILL"):
+        mla.prefill_form()
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
+    assert mla.expanded_key_budget(4096, (16, 512), 16, False) == 0
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
+    assert mla.expanded_key_budget(4096, (16, 512), 16, False) == mla.EXPANDED_KEYS_PER_TOKEN * 4096
+    assert mla.expanded_key_budget(64, (2, 8), 4, False) == 2 * 8 * 4  # capped by the block tables
+    assert mla.expanded_key_budget(4096, (16, 512), 16, True) == 0     # decode-only steps stay absorbed
