@@ -96,14 +96,14 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
 mla_gather_latents = mla_expanded.gather_latents
 
 
-def mla_expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start, *, scale):
+def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale):
     """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
     pallas, interpret = use_pallas()
     if pallas and _platform() != "tpu":
-        return mla_expanded.expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens,
-                                               kv_start, scale=scale, interpret=interpret)
-    return mla_expanded.expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens,
-                                                     kv_lens, kv_start, scale=scale)
+        return mla_expanded.expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
+                                               scale=scale, interpret=interpret)
+    return mla_expanded.expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
+                                                     nope_dim=nope_dim, scale=scale)
 
 
 def expanded_kernel_available() -> bool:

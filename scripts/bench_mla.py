@@ -286,18 +286,18 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
             err, ref = _err(outs["expanded"], outs["absorbed"])
             log(f"{label}: max |expanded - absorbed| = {err:.3e} (max |absorbed| {ref:.2f})")
         # the expanded attention kernel alone, on random K/V laid out as the model lays them out
-        ks = jax.random.split(jax.random.PRNGKey(n), 5)
-        qn, qr = jax.random.normal(ks[0], (T, H, DN), dtype), jax.random.normal(ks[1], (T, H, R), dtype)
-        kn, kr = jax.random.normal(ks[2], (keys, H, DN), dtype), jax.random.normal(ks[3], (keys, R), dtype)
-        v = jax.random.normal(ks[4], (keys, H, DV), dtype)
+        ks = jax.random.split(jax.random.PRNGKey(n), 3)
+        q = jax.random.normal(ks[0], (T, H, DN + R), dtype)
+        kvh = jax.random.normal(ks[1], (keys, H, DN + DV), dtype)
+        lat_rows = jax.random.normal(ks[2], (keys, L + R), dtype)
         starts = expanded.key_starts(meta["kv_lens"])
         flops = 2.0 * pairs * H * (DN + R + DV)
         for cfg in sweep if i < SWEEP_SHAPES else sweep[:1]:
             cfg = cfg or expanded.DEFAULT_TUNING
-            f = functools.partial(expanded.expanded_attention, scale=0.07, interpret=interpret,
+            f = functools.partial(expanded.expanded_attention, nope_dim=DN, scale=0.07, interpret=interpret,
                                   config=tuple(sorted(cfg.items())))
             try:
-                t = timeit(f, qn, qr, kn, kr, v, meta["cu_seqlens"], meta["kv_lens"], starts, iters=iters)
+                t = timeit(f, q, kvh, lat_rows, meta["cu_seqlens"], meta["kv_lens"], starts, iters=iters)
                 name = "bq{bq} bk{bk} w{num_warps} st{num_stages}".format(**cfg) + (
                     "" if cfg.get("split_causal", True) else " all-masked")
                 rows.append((label, f"expanded kernel {name}", t * 1e3, f"{flops / t / 1e12:.0f} TFLOP/s"))
@@ -307,7 +307,7 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
         absorbed_flops = 2.0 * pairs * H * (L + R + L)
         rows.append((label, "FLOPs per layer", 0.0, f"absorbed {absorbed_flops / 1e9:.0f} G, expanded "
                      f"{flops / 1e9:.0f} G + K/V decompress {2.0 * keys * L * H * (DN + DV) / 1e9:.0f} G"))
-        del x, kv, meta, qn, qr, kn, kr, v
+        del x, kv, meta, q, kvh, lat_rows
     return rows
 
 

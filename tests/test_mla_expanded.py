@@ -43,11 +43,10 @@ def _expanded(case, w_uk, w_uv, q_nope, num_keys, **kw):
     kv_lens = jnp.asarray(case["kv_lens"])
     rows, starts = gather_latents(jnp.asarray(case["kv_pages"]), jnp.asarray(case["block_tables"]),
                                   kv_lens, num_keys)
-    ckv = rows[:, :L]
-    k_nope, v = jnp.einsum("kl,lhd->khd", ckv, w_uk), jnp.einsum("kl,lhd->khd", ckv, w_uv)
-    return np.asarray(expanded_attention(q_nope, jnp.asarray(case["q_rope"]), k_nope, rows[:, L:], v,
-                                         jnp.asarray(case["cu_seqlens"]), kv_lens, starts,
-                                         scale=SCALE, **kw))
+    kv = jnp.einsum("kl,lhd->khd", rows[:, :L], jnp.concatenate([w_uk, w_uv], axis=-1))
+    q = jnp.concatenate([q_nope, jnp.asarray(case["q_rope"])], axis=-1)
+    return np.asarray(expanded_attention(q, kv, rows, jnp.asarray(case["cu_seqlens"]), kv_lens, starts,
+                                         nope_dim=DN, scale=SCALE, **kw))
 
 
 @pytest.mark.parametrize("page_size,config", [

@@ -21,12 +21,17 @@ from pallas_kernels.setting import Setting
 _LATENT_NORM_EPS = 1e-6
 
 
-def _queries(p, x, c: ModelConfig):
+def _queries_joint(p, x, c: ModelConfig):
+    """q [..., H, nope + rope]."""
     if "q_a_proj" in p:
         q = rms_norm(x @ p["q_a_proj"], p["q_a_norm"], _LATENT_NORM_EPS) @ p["q_b_proj"]
     else:
         q = x @ p["q_proj"]
-    q = q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
+    return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
+
+
+def _queries(p, x, c: ModelConfig):
+    q = _queries_joint(p, x, c)
     return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
 
 
@@ -97,25 +102,23 @@ def mla_full(p, x, c: ModelConfig):
     return _output(p, x, o, c)
 
 
-def _absorbed(p, c: ModelConfig, q_nope, q_rope, kv_pages, meta, dtype):
+def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype):
     """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
     w_uk, w_uv = _kv_b(p, c)
-    q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
-    o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                                 meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
+    q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
+    o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
+                                 kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
     return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
 
 
-def _expanded(p, c: ModelConfig, q_nope, q_rope, kv_pages, meta, dtype, num_keys: int):
+def _expanded(p, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int):
     """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
     by kv_b_proj into per-head K/V, then varlen causal attention."""
     rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
     kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ p["kv_b_proj"]).astype(kv_pages.dtype)
     kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
-    o = ops.mla_expanded_attention(q_nope.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype),
-                                   kv[..., :c.qk_nope_head_dim], rows[:, c.kv_lora_rank:],
-                                   kv[..., c.qk_nope_head_dim:], meta["cu_seqlens"], meta["kv_lens"], starts,
-                                   scale=scale(c))
+    o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"], starts,
+                                   nope_dim=c.qk_nope_head_dim, scale=scale(c))
     return o.astype(dtype)
 
 
@@ -127,13 +130,13 @@ def mla_step(p, x, c: ModelConfig, kv_pages, meta):
     this step), optional static decode_only. Returns (out [T, D], kv_pages).
     """
     with jax.named_scope("mla_in"):
-        q_nope, q_rope = _queries(p, x, c)
+        q = _queries_joint(p, x, c)
         kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"])
     num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
                                    bool(meta.get("decode_only", False)))
     with jax.named_scope("mla_attn"):
-        absorbed = lambda: _absorbed(p, c, q_nope, q_rope, kv_pages, meta, x.dtype)
-        expanded = lambda: _expanded(p, c, q_nope, q_rope, kv_pages, meta, x.dtype, num_keys)
+        absorbed = lambda: _absorbed(p, c, q, kv_pages, meta, x.dtype)
+        expanded = lambda: _expanded(p, c, q, kv_pages, meta, x.dtype, num_keys)
         n_seqs, max_pages = meta["block_tables"].shape
         if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
             o = expanded()

@@ -45,25 +45,28 @@ def gather_latents(kv_pages, block_tables, kv_lens, num_keys):
     return jnp.where(valid[:, None], rows, jnp.zeros((), rows.dtype)), starts
 
 
-def expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start,
-                                 *, scale, batch_size=8):
+def expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale,
+                                 batch_size=8):
     """Pure-jnp varlen causal attention over the flat key buffer.
 
-    q_nope [T, H, Dn], q_rope [T, H, Dr], k_nope [K, H, Dn], k_rope [K, Dr], v [K, H, Dv],
-    cu_seqlens [N+1], kv_lens [N] (after this step), kv_start [N]. Returns [T, H, Dv] in
-    q_nope.dtype; padding tokens get zeros.
+    q [T, H, Dn + Dr] (nope, then rope), kv [K, H, Dn + Dv] (per-head key nope, then value: the
+    latents times kv_b_proj), latents [K, L + Dr] (rope key in the last Dr columns), cu_seqlens [N+1],
+    kv_lens [N] (after this step), kv_start [N]; Dn = nope_dim. Returns [T, H, Dv] in q.dtype;
+    padding tokens get zeros.
     """
-    n_tok = q_nope.shape[0]
+    n_tok = q.shape[0]
+    dr = q.shape[-1] - nope_dim
+    k_nope, v, k_rope = kv[..., :nope_dim], kv[..., nope_dim:], latents[:, latents.shape[-1] - dr:]
     seq, pos, _ = token_positions(cu_seqlens.astype(jnp.int32), kv_lens.astype(jnp.int32), n_tok)
-    keys = jnp.arange(k_nope.shape[0], dtype=jnp.int32)
+    keys = jnp.arange(kv.shape[0], dtype=jnp.int32)
     f32 = jnp.float32
 
     def one(args):
-        qn, qr, n, p = args
+        qt, n, p = args
         lo = kv_start[n]
         visible = (keys >= lo) & (keys <= lo + p)  # p < 0 (padding): nothing visible
-        s = (jnp.einsum("hd,khd->hk", qn, k_nope, preferred_element_type=f32)
-             + jnp.einsum("hd,kd->hk", qr, k_rope, preferred_element_type=f32))
+        s = (jnp.einsum("hd,khd->hk", qt[:, :nope_dim], k_nope, preferred_element_type=f32)
+             + jnp.einsum("hd,kd->hk", qt[:, nope_dim:], k_rope, preferred_element_type=f32))
         s = jnp.where(visible[None, :], s * scale, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         prob = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -72,42 +75,42 @@ def expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, 
         o = jnp.einsum("hk,khd->hd", prob, vv)
         return jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
 
-    out = jax.lax.map(one, (q_nope, q_rope, seq, pos), batch_size=min(batch_size, n_tok))
-    return out.astype(q_nope.dtype)
+    out = jax.lax.map(one, (q, seq, pos), batch_size=min(batch_size, n_tok))
+    return out.astype(q.dtype)
 
 
 DEFAULT_TUNING = dict(bq=128, bk=64, num_warps=8, num_stages=2, split_causal=True)
 
 
-def _kernel_path(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start, *, scale,
-                 interpret, config):
+def _kernel_path(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale, interpret, config):
     from pallas_kernels.mla.expanded_triton import varlen_attention_call
     cfg = {**DEFAULT_TUNING, **dict(config or {})}
     bq, bk = cfg["bq"], cfg["bk"]
-    n_tok = q_nope.shape[0]
+    n_tok = q.shape[0]
     n_seqs = kv_lens.shape[0]
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     seq, first, n_valid, pos0 = chunk_schedule(cu_seqlens, kv_lens, -(-n_tok // bq) + n_seqs, bq)
     meta = jnp.stack([first, n_valid, pos0, kv_start.astype(jnp.int32)[seq]], axis=-1)
-    pad = lambda x, n: jnp.pad(x, ((0, n),) + ((0, 0),) * (x.ndim - 1))
-    out = varlen_attention_call(meta, pad(q_nope, bq), pad(q_rope, bq), pad(k_nope, bk),
-                                pad(k_rope, bk), pad(v, bk), scale=scale, interpret=bool(interpret),
-                                **cfg)[:n_tok]
+    if interpret:  # the interpreter clamps out-of-range slices (see varlen_attention_call)
+        pad = lambda x, n: jnp.pad(x, ((0, n),) + ((0, 0),) * (x.ndim - 1))
+        q, kv, latents = pad(q, bq), pad(kv, bk), pad(latents, bk)
+    out = varlen_attention_call(meta, q, kv, latents, nope_dim=nope_dim, scale=scale,
+                                interpret=bool(interpret), **cfg)[:n_tok]
     tok_ok = jnp.arange(n_tok, dtype=jnp.int32) < cu_seqlens[n_seqs]
     return jnp.where(tok_ok[:, None, None], out, jnp.zeros((), out.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
-def expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start, *, scale,
-                       interpret=None, config=None):
+@functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "interpret", "config"))
+def expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale, interpret=None,
+                       config=None):
     """Varlen causal attention (contract of `expanded_attention_reference`).
 
     GPU -> Pallas Triton kernel; elsewhere the jnp reference unless ``interpret=True``.
     ``config``: optional hashable tuple of (key, value) pairs over DEFAULT_TUNING's keys.
     """
     if not _use_kernel(interpret):
-        return expanded_attention_reference(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens,
-                                            kv_start, scale=scale)
-    return _kernel_path(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens, kv_lens, kv_start,
-                        scale=scale, interpret=interpret, config=config)
+        return expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
+                                            nope_dim=nope_dim, scale=scale)
+    return _kernel_path(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim, scale=scale,
+                        interpret=interpret, config=config)
