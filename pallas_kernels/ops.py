@@ -13,31 +13,18 @@ The model's call sites only ever call the functions below.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import reference as kda_ref
+from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
+from pallas_kernels.setting import Setting
 
 _MODES = ("auto", "reference", "pallas")
-_mode_override: str | None = None
-
-
-def set_kernel_mode(mode: str | None):
-    """Force a mode for this process (None returns to the env/default)."""
-    global _mode_override
-    if mode is not None and mode not in _MODES:
-        raise ValueError(f"kernel mode {mode!r}: expected one of {_MODES}")
-    _mode_override = mode
-
-
-def kernel_mode() -> str:
-    mode = _mode_override or os.environ.get("K3JAX_KERNELS", "auto")
-    if mode not in _MODES:
-        raise ValueError(f"K3JAX_KERNELS={mode!r}: expected one of {_MODES}")
-    return mode
+_KERNEL_MODE = Setting("kernel mode", "K3JAX_KERNELS", _MODES)
+set_kernel_mode = _KERNEL_MODE.set  # force a mode for this process (None returns to the env/default)
+kernel_mode = _KERNEL_MODE.get
 
 
 def _platform() -> str:
@@ -104,6 +91,24 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
                                     scale=scale, interpret=interpret, platform=_platform())
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
+
+
+mla_gather_latents = mla_expanded.gather_latents
+
+
+def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale):
+    """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
+    pallas, interpret = use_pallas()
+    if pallas and _platform() != "tpu":
+        return mla_expanded.expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
+                                               scale=scale, interpret=interpret)
+    return mla_expanded.expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
+                                                     nope_dim=nope_dim, scale=scale)
+
+
+def expanded_kernel_available() -> bool:
+    """The expanded MLA form has a fast kernel here (the GPU Triton one)."""
+    return use_pallas()[0] and _platform() == "gpu"
 
 
 # ---- MoE -------------------------------------------------------------------
