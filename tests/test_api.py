@@ -12,11 +12,11 @@ from k3jax.generate import generate_ids
 
 @pytest.fixture(scope="module")
 def tiny():
-    return k3jax.load_model("tiny", dtype="float32")
+    return k3jax.load_model("tiny-random", dtype="float32")
 
 
 def test_tiny_is_deterministic_and_has_tokenizer(tiny):
-    again = k3jax.load_model("tiny", dtype="float32")
+    again = k3jax.load_model("tiny-random", dtype="float32")
     toks = np.array([[1, 2, 3, 500, 1000]])
     a, b = tiny.logits(toks), again.logits(toks)
     assert a.shape == (1, 5, 1024) and a.dtype == np.float32
@@ -40,7 +40,7 @@ def test_bad_load_arguments():
     with pytest.raises(ValueError, match="ships no weights"):
         k3jax.load_model("kimi-k3")
     with pytest.raises(ValueError, match="dtype"):
-        k3jax.load_model("tiny", dtype="int3")
+        k3jax.load_model("tiny-random", dtype="int3")
 
 
 def test_generate_loop_is_greedy_decoding_of_full_logits(tiny):
@@ -64,18 +64,18 @@ def test_info_counts_parameters_by_eval_shape():
 
 
 def test_generate_cli():
-    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "4")
+    r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert "4 generated" in r.stderr
     # issue 17 item 9: a first run says it is compiling instead of sitting silent
     assert "compiling the model step" in r.stderr and "compiled and ran the first step in" in r.stderr
-    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "0")
+    r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
 def test_info_text_has_units():
     """issue 17 item 9: `info` printed bare numbers (weight_bytes 2641920)."""
-    lines = dict(line.split(None, 1) for line in _run("k3jax.info").stdout.splitlines())
+    lines = dict(line.split(None, 1) for line in _run("k3jax.info", "--model", "tiny-random").stdout.splitlines())
     assert lines["weight_bytes"].endswith(" MiB") and lines["mla_cache_bytes_per_token"] == "320 B"
     assert lines["total_params"].endswith(" params") and lines["max_context"] == "8192 tokens"
     assert lines["kda_state_bytes_per_sequence"] == "73.00 KiB"
