@@ -35,23 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 def build_runner(args):
     import os
     from k3jax.api import load_model
-    from k3jax.offline import LLM
-    from serving.openai.batch import BatchRunner
-    from serving.openai.generation import ServerState
+    from serving.engine_args import EngineArgs
+    from serving.openai.batch import runner_for
     model = load_model(args.model, dtype=args.dtype)
-    if model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer")
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
-    vision = None
-    if model.vision is not None:
-        from serving.image_inputs import ImageLoader, ImagePolicy
-        vision = ImageLoader(model.vision, ImagePolicy(allow_local=False))
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
-    state = ServerState(engine=None, tokenizer=model.tokenizer, model_name=name, max_model_len=llm.engine.max_model_len,
-                        metrics=None, thinks_by_default=model.config.thinks_by_default, vision=vision, max_n=args.max_n)
-    return BatchRunner(state, llm.engine, created=0)
+    eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
+    return runner_for(model, name, eargs, args.max_n)
 
 
 def main(argv=None) -> int:

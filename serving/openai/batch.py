@@ -155,6 +155,21 @@ class BatchRunner:
         return completions.completion_body(self.state, p.req, p.params, list(zip(p.prompts, per_prompt)), rid,
                                            self.created)
 
+    def _generate(self, owner: dict, pending: list, on_done, refused: int) -> dict:
+        """Step the engine until every admitted choice finished: {engine request id: RequestOutput}."""
+        if on_done is not None:
+            on_done(refused)
+        finals = {}
+        left = {p.index: sum(len(r) for r in p.rids) for p in pending}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    left[owner[out.request_id]] -= 1
+                    if on_done is not None and left[owner[out.request_id]] == 0:
+                        on_done(1)
+        return finals
+
     def run_window(self, records, on_done=None) -> list[str]:
         """Result lines (each ending in a newline) of records [(line index, raw bytes)], in order."""
         cache = getattr(self.engine.scheduler, "cache", None)
@@ -174,21 +189,32 @@ class BatchRunner:
                 results[index] = _line(index, e.custom_id, error=(e.code, e.message))
             except APIError as e:
                 results[index] = _line(index, getattr(e, "custom_id", None), status=e.status, body=e.body())
-        if on_done is not None:
-            on_done(len(results))
-        finals = {}
-        left = {p.index: sum(len(r) for r in p.rids) for p in pending}
         owner = {rid: p.index for p in pending for rids in p.rids for rid in rids}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-                    left[owner[out.request_id]] -= 1
-                    if on_done is not None and left[owner[out.request_id]] == 0:
-                        on_done(1)
+        try:
+            finals = self._generate(owner, pending, on_done, len(results))
+        except BaseException:       # Ctrl-C or a crash: leave the engine empty for whoever goes on
+            for rid in owner:
+                self.engine.abort(rid)
+            raise
         for p in pending:
             results[p.index] = _line(p.index, p.cid, status=200, body=self._body(p, finals))
         return [json.dumps(results[i], ensure_ascii=False) + "\n" for i in sorted(results)]
+
+
+def runner_for(model, model_name: str, engine_args, max_n: int = 128) -> BatchRunner:
+    """A BatchRunner over a new LLMEngine for a loaded k3jax Model (images: data URLs only)."""
+    from serving.engine import LLMEngine
+    if model.tokenizer is None:
+        raise ValueError(f"{model_name} has no tokenizer")
+    engine = LLMEngine(model, engine_args)
+    vision = None
+    if model.vision is not None and engine_args.vision:
+        from serving.image_inputs import ImageLoader, ImagePolicy
+        vision = ImageLoader(model.vision, ImagePolicy(allow_local=False))
+    state = ServerState(engine=None, tokenizer=model.tokenizer, model_name=model_name,
+                        max_model_len=engine.max_model_len, metrics=None,
+                        thinks_by_default=model.config.thinks_by_default, vision=vision, max_n=max_n)
+    return BatchRunner(state, engine, created=0)
 
 
 def _line(index: int, cid, *, status: Optional[int] = None, body=None, error=None) -> dict:
@@ -200,13 +226,16 @@ def _line(index: int, cid, *, status: Optional[int] = None, body=None, error=Non
 class BatchJob:
     """Input file -> output file, resumable. The state file sits beside the output."""
 
-    def __init__(self, input_path, output_path, *, window: int = 64, overwrite: bool = False):
+    def __init__(self, input_path, output_path, *, window: int = 64, overwrite: bool = False,
+                 created: Optional[int] = None):
+        """created: the responses' `created` time for a new job (default: now); a resumed job keeps its own."""
         self.input, self.output = Path(input_path), Path(output_path)
         self.state_path = Path(f"{self.output}.state.json")
         self.window = window
         self.lines = JsonlLines(self.input)
         self.iterator = grain.MapDataset.source(self.lines).to_iter_dataset().__iter__()
-        self.done, self.output_bytes, self.created, self.complete = 0, 0, int(time.time()), False
+        self.done, self.output_bytes, self.complete = 0, 0, False
+        self.created = int(time.time()) if created is None else created
         if self.state_path.exists() and not overwrite:
             self._resume()
         elif self.output.exists() and not overwrite:
