@@ -94,3 +94,30 @@ def test_every_cli_flag_has_help_and_shows_its_default(module):
         text = fmt._get_help_string(action)
         assert action.help and "default" in text, (action.option_strings, action.help)
     assert "K3JAX_API_KEY" in parser.format_help() if module == "k3jax.serve" else True
+
+
+def test_default_tiny_is_the_trained_model_or_says_why_not(monkeypatch, caplog, tmp_path):
+    """`tiny` loads the shipped weights (k3jax/assets/tiny-trained.safetensors) with its English
+    tokenizer; without the file it warns that its weights are random, and still loads."""
+    from k3jax import api
+    from k3jax.checkpoint.flat_file import save_flat
+    monkeypatch.setattr(api, "TINY_WEIGHTS", str(tmp_path / "absent.safetensors"))
+    with caplog.at_level("WARNING"):
+        m = k3jax.load_model("tiny")
+    assert "RANDOM weights" in caplog.text
+    tok = m.tokenizer
+    assert m.config.vocab_size == tok.vocab_size == 4096 and m.vision is None
+    assert (tok.bos_id, tok.eos_id) == (3840, 3841) == (m.config.bos_token_id, m.config.eos_token_id)
+    text = "Each application defines its models in a module, and the database stores their fields."
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(k3jax.load_model(
+        "tiny-random").tokenizer.encode(text)) / 1.5            # an English vocabulary: far fewer tokens
+    params = jax_tree_map(lambda x: x + 0 if x.dtype.kind == "u" else x * 0 + 0.5, m.params)
+    save_flat(tmp_path / "w.safetensors", params)
+    monkeypatch.setattr(api, "TINY_WEIGHTS", str(tmp_path / "w.safetensors"))
+    loaded = k3jax.load_model("tiny")
+    assert float(loaded.params["layers"][0]["attn"]["q_proj"][0, 0]) == 0.5
+
+
+def jax_tree_map(fn, tree):
+    import jax
+    return jax.tree_util.tree_map(fn, tree)
