@@ -12,7 +12,8 @@ bf16 routed experts; the export quantizes them to MXFP4 as the preset keeps them
           a wall-clock budget (--train-seconds; the step count follows from the machine's speed).
   ckpt:   orbax CheckpointManager under --ckpt-dir (params, optimizer state, grain iterator state);
           a rerun with the same --ckpt-dir resumes from the latest step.
-  export: --export FILE (one safetensors file, MXFP4 experts) and held-out perplexity of the
+  export: --export FILE (one safetensors file, MXFP4 experts; FILE-bf16-experts.safetensors beside it
+          holds the unquantized experts for the quantization check) and held-out perplexity of the
           exported weights (MXFP4 experts) and, time permitting, of the bf16 experts, printed and
           in FILE.json with the loss history.
 
@@ -108,6 +109,16 @@ def make_train_step(c: ModelConfig, optimizer, dtype):
         return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def bf16_experts_path(export: Path) -> Path:
+    return export.with_name(export.name.replace(".safetensors", "") + "-bf16-experts.safetensors")
+
+
+def experts_only(params):
+    """The routed experts' subtree (layers without experts keep an empty dict: same flat names)."""
+    return {"layers": [{"mlp": {"experts": lp["mlp"]["experts"]}} if "experts" in lp["mlp"] else {}
+                       for lp in params["layers"]]}
 
 
 def parse_args(argv=None):
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
     if args.export is not None:   # written first: the evaluation below may not fit the budget
         args.export.parent.mkdir(parents=True, exist_ok=True)
         save_flat(args.export, weights, {"trained_steps": str(step)})
+        # the unquantized experts, for the MXFP4-vs-bf16 check (scripts/check_tiny_gpu.py); not shipped
+        save_flat(bf16_experts_path(args.export), experts_only(weights_bf16), {"trained_steps": str(step)})
         print(f"wrote {args.export} ({args.export.stat().st_size / 2**20:.1f} MiB)", flush=True)
         Path(f"{args.export}.json").write_text(json.dumps(report, indent=1) + "\n")
     heldout = args.corpus / "heldout"
