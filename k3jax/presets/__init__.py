@@ -69,26 +69,16 @@ TINY_RANDOM = {
 # k3jax/assets/tiny-trained.safetensors): TINY_RANDOM's features at a size that learns readable
 # text in a few H200 minutes, and a 4096-token English BPE (k3jax/assets/tiny-en.tiktoken,
 # special ids relative to 3840). Text only.
+_RANDOM_TEXT = TINY_RANDOM["text_config"]
 TINY = {
     "model_type": "kimi_k3",
     "text_config": {
-        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8,
-        "num_attention_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
-        "qk_nope_head_dim": 48, "qk_rope_head_dim": 16, "v_head_dim": 64,
-        "mla_use_nope": True, "mla_use_output_gate": True,
-        "intermediate_size": 768, "moe_intermediate_size": 128, "first_k_dense_replace": 1,
-        "num_experts": 16, "num_experts_per_token": 4, "num_shared_experts": 1,
-        "routed_expert_hidden_size": 128, "latent_moe_use_norm": True,
-        "routed_scaling_factor": 1.0, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
-        "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-        "attn_res_block_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "max_position_embeddings": 8192,
-        "bos_token_id": 3840, "eos_token_id": 3841, "pad_token_id": 4095,
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
-        "linear_attn_config": {
-            "full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7], "head_dim": 64, "num_heads": 4,
-            "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True,
-        },
+        **_RANDOM_TEXT,
+        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8, "q_lora_rank": 128, "kv_lora_rank": 128,
+        "qk_nope_head_dim": 48, "v_head_dim": 64, "intermediate_size": 768, "moe_intermediate_size": 128,
+        "routed_expert_hidden_size": 128, "bos_token_id": 3840, "eos_token_id": 3841, "pad_token_id": 4095,
+        "linear_attn_config": {**_RANDOM_TEXT["linear_attn_config"], "full_attn_layers": [4, 8],
+                               "kda_layers": [1, 2, 3, 5, 6, 7], "head_dim": 64},
     },
 }
 
