@@ -103,32 +103,39 @@ def main(argv=None) -> int:
                greedy_seconds={"reference": round(t_ref, 2), "auto": round(t_ker, 2)},
                sample_reference=text_ref[:300], sample_auto=text_ker[:300])
 
-    kw = dict(seq_len=args.seq_len, batch_size=8)
-    ppl = {}
-    for name, m, mode in [("mxfp4/auto", model, "auto"), ("mxfp4/reference", model, "reference")] + (
-            [("bf16/auto", with_bf16_experts(model, args.bf16_experts), "auto")] if args.bf16_experts else []):
-        ops.set_kernel_mode(mode)
-        ppl[name] = perplexity(m.params, m.config, m.tokenizer, args.data, **kw)["perplexity"]
-    res["perplexity"] = ppl
-    if "bf16/auto" in ppl:
-        res["mxfp4_vs_bf16"] = ppl["mxfp4/auto"] / ppl["bf16/auto"] - 1
-
     print(f"trained tiny on {dev}: greedy, kernels auto vs reference (bf16, engine), "
           f"{len(prompts)} prompts x {args.max_tokens} tokens")
     print(f"| positions | equal | identical rows | first divergence (median) | s reference | s auto |")
     print(f"|---|---|---|---|---|---|")
     print(f"| {res['greedy_positions']} | {100 * res['greedy_agree']:.1f}% | {res['greedy_identical_rows']}/{len(prompts)} "
           f"| {int(np.median(first))} | {t_ref:.1f} | {t_ker:.1f} |")
+    print(f"\nsample (auto): {text_ker[:200]!r}", flush=True)
+    save(res, args.json)
+
+    kw = dict(seq_len=args.seq_len, batch_size=8)
+    ppl = {}
+    for name, m, mode in [("mxfp4/auto", model, "auto"), ("mxfp4/reference", model, "reference")] + (
+            [("bf16/auto", with_bf16_experts(model, args.bf16_experts), "auto")] if args.bf16_experts else []):
+        ops.set_kernel_mode(mode)
+        ppl[name] = perplexity(m.params, m.config, m.tokenizer, args.data, **kw)["perplexity"]
+        print(f"perplexity {name}: {ppl[name]:.3f}", flush=True)
+    res["perplexity"] = ppl
+    if "bf16/auto" in ppl:
+        res["mxfp4_vs_bf16"] = ppl["mxfp4/auto"] / ppl["bf16/auto"] - 1
+
     print(f"\nheld-out perplexity ({args.data}, windows of {args.seq_len})")
     print("| experts / ops | perplexity |\n|---|---|")
     for k, v in ppl.items():
         print(f"| {k} | {v:.3f} |")
     if "mxfp4_vs_bf16" in res:
         print(f"\nMXFP4 vs bf16 experts (kernels): {100 * res['mxfp4_vs_bf16']:+.2f}%")
-    print(f"\nsample (auto): {text_ker[:200]!r}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    save(res, args.json)
     return 0
+
+
+def save(res: dict, path) -> None:
+    if path:
+        Path(path).write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
