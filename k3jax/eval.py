@@ -29,10 +29,17 @@ def _window_nll(params, tokens, length, *, config):
     return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid)
 
 
+_NLL_FNS: dict = {}
+
+
 def nll_function(config):
-    """jit(params, tokens [B, T+1] int32, length [B] int32) -> (summed NLL, target count)."""
+    """jit(params, tokens [B, T+1] int32, length [B] int32) -> (summed NLL, target count); one per
+    config (keyed by its repr: configs holding dicts are unhashable), so repeated runs compile once."""
     import jax
-    return jax.jit(partial(_window_nll, config=config))
+    key = repr(config)
+    if key not in _NLL_FNS:
+        _NLL_FNS[key] = jax.jit(partial(_window_nll, config=config))
+    return _NLL_FNS[key]
 
 
 def perplexity(params, config, tokenizer, path, *, seq_len: int = 512, batch_size: int = 8,
