@@ -3,7 +3,10 @@
 
 1. Greedy decoding through the engine in bf16, kernels `auto` vs `reference`: the share of positions
    where the two token sequences agree (position by position; after a divergence the rest usually
-   differ too), over --prompts prompts x --max-tokens tokens (EOS ignored, so every row is full).
+   differ too), over --prompts prompts x --max-tokens tokens (EOS ignored, so every row is full);
+   and the argmax agreement over the decode positions whose context was still the same in both runs
+   (up to each row's first divergence). Then teacher-forced: the full forward's argmax, kernels auto
+   vs reference, at every position of held-out windows.
 2. Held-out perplexity (k3jax.eval) with MXFP4 experts (as shipped) and with the unquantized bf16
    experts (--bf16-experts, written by scripts/train_tiny.py beside its export), with the kernels,
    and MXFP4 with the reference ops.
@@ -60,6 +63,29 @@ def greedy(model, prompts, max_tokens: int, mode: str):
     return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0, outs[0].outputs[0].text
 
 
+def teacher_forced(model, data, seq_len: int, max_batches: int) -> dict:
+    """Argmax of the full forward (bf16) with kernels auto vs reference at every position of the
+    first held-out windows: both read the same tokens, so every position is a like-for-like check."""
+    from functools import partial
+    from k3jax.model import forward_full
+    from k3jax.text_data import eval_batches
+    fns = {}
+    for mode in ("reference", "auto"):
+        ops.set_kernel_mode(mode)          # the dispatch is read while tracing: one jit per mode
+        fns[mode] = jax.jit(partial(forward_full, c=model.config)).lower(
+            model.params, tokens=jax.ShapeDtypeStruct((8, seq_len), np.int32)).compile()
+    equal = total = 0
+    for b, batch in enumerate(eval_batches(model.tokenizer, data, seq_len, 8)):
+        if b == max_batches or len(batch["length"]) < 8:
+            break
+        toks = batch["tokens"][:, :-1]
+        am = {m: np.asarray(f(model.params, tokens=toks)).argmax(-1) for m, f in fns.items()}
+        valid = np.arange(seq_len)[None, :] + 1 < batch["length"][:, None]
+        equal += int(((am["auto"] == am["reference"]) & valid).sum())
+        total += int(valid.sum())
+    return {"positions": total, "agree": equal / max(total, 1)}
+
+
 def with_bf16_experts(model, path):
     """The model with its routed experts replaced by the unquantized ones (bf16) from `path`."""
     from safetensors.flax import load_file
@@ -83,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=512, help="perplexity window")
+    ap.add_argument("--tf-batches", type=int, default=4, help="held-out batches (8 windows) teacher-forced")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.weights:
@@ -109,7 +136,18 @@ def main(argv=None) -> int:
     print(f"|---|---|---|---|---|---|")
     print(f"| {res['greedy_positions']} | {100 * res['greedy_agree']:.1f}% | {res['greedy_identical_rows']}/{len(prompts)} "
           f"| {int(np.median(first))} | {t_ref:.1f} | {t_ker:.1f} |")
+    # Up to and including its first divergence a row had the same tokens in both runs: those decode
+    # positions are like-for-like (teacher-forced) comparisons; the rest are not.
+    same_ctx = sum(min(f + 1, args.max_tokens) for f in first)
+    res["engine_same_context"] = {"positions": same_ctx,
+                                  "agree": 1 - sum(f < args.max_tokens for f in first) / same_ctx}
+    print(f"engine decode positions with the same context in both runs: {same_ctx}, argmax equal at "
+          f"{100 * res['engine_same_context']['agree']:.2f}%")
     print(f"\nsample (auto): {text_ker[:200]!r}", flush=True)
+    save(res, args.json)
+    res["teacher_forced"] = teacher_forced(model, args.data, args.seq_len, args.tf_batches)
+    print(f"teacher-forced full forward (bf16), kernels auto vs reference: argmax equal at "
+          f"{100 * res['teacher_forced']['agree']:.2f}% of {res['teacher_forced']['positions']} positions", flush=True)
     save(res, args.json)
 
     kw = dict(seq_len=args.seq_len, batch_size=8)
