@@ -1,9 +1,10 @@
 """Plain text -> fixed-length token windows, through grain pipelines (training and evaluation).
 
-Documents are files (`*.txt` under a folder, or one file); a file larger than PIECE_BYTES is cut
-into pieces at paragraph breaks, so memory stays bounded whatever the input. Every document is
-scored or trained on as `[EOS] + tokens`: the EOS that ends one document in the training stream
-is the context that starts the next.
+Documents are files (`*.txt` under a folder, or one file); a file larger than PIECE_BYTES is read
+in pieces cut at line ends, so memory stays bounded whatever the input. Every document is scored
+or trained on as `[EOS] + tokens`: the EOS that ends one document in the training stream is the
+context that starts the next. (Evaluation scores each piece on its own: a file over a MiB loses
+one target and the context across each cut.)
 
 Training: `train_windows` packs all documents into one token stream cut into [T+1] windows
 (a random-access source, so grain shuffles, shards and checkpoints it by index).

@@ -109,7 +109,8 @@ class BatchRunner:
 
     def _prepare(self, index: int, raw: bytes) -> _Pending:
         cid, url, body = parse_line(raw)
-        body = {"seed": index, **body}
+        if body.get("seed") is None:     # sampled requests reproduce on a rerun
+            body = {**body, "seed": index}
         try:
             try:
                 req = ENDPOINTS[url].model_validate(body)
