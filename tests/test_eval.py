@@ -112,3 +112,21 @@ def test_flat_file_round_trip_with_mxfp4_export(model, tmp_path):
 def jax_leaves(tree):
     import jax
     return jax.tree_util.tree_leaves(tree)
+
+
+def test_training_windows_shard_shuffle_and_resume():
+    from k3jax.text_data import train_windows
+    stream = np.arange(1 + 20 * 8, dtype=np.int32)               # 20 windows of 8 (+1 shifted target)
+    it = iter(train_windows(stream, 8, 2, seed=0))
+    first_epoch = np.concatenate([next(it) for _ in range(10)])
+    assert sorted(first_epoch[:, 0] // 8) == list(range(20))       # every window once per epoch, shuffled
+    assert not np.array_equal(first_epoch[:, 0], np.arange(0, 160, 8))
+    assert all(np.array_equal(w, np.arange(w[0], w[0] + 9)) for w in first_epoch)
+    state = it.get_state()
+    ahead = [next(it) for _ in range(3)]
+    again = iter(train_windows(stream, 8, 2, seed=0))
+    again.set_state(state)                                         # a restored checkpoint
+    assert all(np.array_equal(a, b) for a, b in zip(ahead, [next(again) for _ in range(3)]))
+    shards = [np.concatenate([next(s) for _ in range(5)])[:, 0] for s in
+              (iter(train_windows(stream, 8, 2, seed=0, shard_index=i, shard_count=2)) for i in range(2))]
+    assert sorted(np.concatenate(shards) // 8) == list(range(20))  # two processes: disjoint, covering
