@@ -1,6 +1,6 @@
 """`python -m k3jax.serve`: the OpenAI-compatible server.
 
-With no arguments it serves the embedded tiny model on 127.0.0.1:8000. `--model PATH` serves a
+With no arguments it serves the embedded (trained) tiny model on 127.0.0.1:8000. `--model PATH` serves a
 converted or Hugging Face checkpoint directory (or a preset name with --seed for random weights).
 
 Multi-host: start the same command on every process with --coordinator/--num-processes/--process-id
@@ -37,7 +37,7 @@ def _seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients send and /v1/models lists (default: the --model name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

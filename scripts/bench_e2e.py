@@ -51,7 +51,7 @@ def check(args):
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     from pallas_kernels import ops
-    model = load_model("tiny", dtype="bfloat16")
+    model = load_model("tiny-random", dtype="bfloat16")
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 1000, n).tolist() for n in (5, 40, 130, 300)]
     outs = {}

@@ -338,7 +338,7 @@ def main():
     if args.model_prefill:
         log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__)
         if args.smoke:
-            rows = model_prefill_rows([(2, 24, 0), (3, 8, 20)], model="tiny", page_size=8, max_model_len=64,
+            rows = model_prefill_rows([(2, 24, 0), (3, 8, 20)], model="tiny-random", page_size=8, max_model_len=64,
                                       dtype=jnp.float32, iters=1, interpret=True, sweep=EXPANDED_SWEEP[:1])
         else:
             rows = model_prefill_rows(MODEL_PREFILL_SHAPES, budget=args.budget)

@@ -1,6 +1,6 @@
 """Offline throughput and prefix-hit rate on a shared-prefix workload (prints one table).
 
-  python scripts/bench_offline.py [--model tiny] [--requests 64] [--prefix 512] [--suffix 64] [--max-tokens 32]
+  python scripts/bench_offline.py [--model tiny-random] [--requests 64] [--prefix 512] [--suffix 64] [--max-tokens 32]
 
 Each request = one of a few long shared prefixes (a system prompt / document) + a unique suffix.
 Runs the same workload with prefix caching off and on; reports output tok/s, total tok/s and the
@@ -53,7 +53,7 @@ def run(model, prompts, args, caching: bool, final_state: bool = True):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--seed", type=int, default=None, help="random weights for presets without weights")
     ap.add_argument("--requests", type=int, default=64)

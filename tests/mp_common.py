@@ -33,7 +33,7 @@ def run_all(cmds, env, timeout: float = 200, before_wait=None) -> list:
 # ---------------------------------------------------------------------- multi-host servers
 
 # Small pools and batches: every step compiles fast on CPU.
-SERVE_ARGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+SERVE_ARGS = ["--model", "tiny-random", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256",
               "--cache-memory-mb", "4", "--dtype", "float32", "--log-level", "info"]
 XLA_FAST = "--xla_backend_optimization_level=0"      # halves CPU compile time; same flags for every server
 

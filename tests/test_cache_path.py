@@ -20,7 +20,7 @@ BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
 
 @pytest.fixture(scope="module")
 def model():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
     full = jax.jit(lambda p, t: forward_full(p, c, t))
     step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b), donate_argnums=1)

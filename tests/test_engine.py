@@ -24,7 +24,7 @@ def x64():
 
 @pytest.fixture(scope="module")
 def model(x64, tmp_path_factory):
-    return load_model("tiny", dtype="float64")
+    return load_model("tiny-random", dtype="float64")
 
 
 def _engine(model, tmp_path_factory, **kw):

@@ -85,7 +85,7 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
     from k3jax.presets import preset_config
 
     monkeypatch.setattr(mla, "EXPANDED_KEYS_PER_TOKEN", 4)  # 4 x 64 tokens = 4 seqs x 8 pages x 8
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = init_params_numpy(c, 5, jnp.float32)
     rng = np.random.RandomState(1)
     toks = [rng.randint(0, c.vocab_size, n).astype(np.int32) for n in (37, 20, 9)]

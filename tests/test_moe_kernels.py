@@ -515,7 +515,7 @@ def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
            for a, b in ((d, i), (d, i), (i, d))]
   out = moe.expert_mlp_mxfp4(x, ids, w, *packs, activation="situ", interpret=True,
                              tiling=(Tiling(16, 64, 32), Tiling(16, 32, 64)))
-  c = dataclasses.replace(preset_config("tiny"), num_experts=e)
+  c = dataclasses.replace(preset_config("tiny-random"), num_experts=e)
   pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
   pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
   _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)

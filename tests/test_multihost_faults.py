@@ -76,7 +76,7 @@ async def _requests_through_a_kill(url, follower):
     """Two streams and one whole request in flight, then SIGKILL the follower and send one more request.
     Returns (streams' (status, events), whole requests' (status, body), /health answers after the kill,
     seconds from the kill until every request was answered and the server gone)."""
-    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny-random", "prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     first_token = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         async def stream(prompt):

@@ -36,13 +36,13 @@ async def _answers(url):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
     async def completion(prompt):
-        r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+        r = await client.completions.create(model="tiny-random", prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
                                             extra_body={"ignore_eos": True})
         c = r.choices[0]
         return c.text, c.logprobs.tokens, c.logprobs.token_logprobs
 
     async def chat(messages):
-        r = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+        r = await client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=8, temperature=0,
                                                  logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}})
         c = r.choices[0]
         return c.message.content, [e.token for e in c.logprobs.content], [e.logprob for e in c.logprobs.content]

@@ -46,6 +46,22 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "
                      429: "rate_limit_error"}
 
 
+def check_model(state: ServerState, name) -> None:
+    if name and name != state.model_name:
+        raise APIError(400, f"model {name!r} is not served here (serving {state.model_name!r})",
+                       param="model", code="model_not_found")
+
+
+def check_generation_request(state: ServerState, req) -> None:
+    """The checks a chat or text completion request gets before its handler: model, n, stop ids."""
+    check_model(state, req.model)
+    if req.n > state.max_n:
+        raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+    vocab = state.tokenizer.vocab_size
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
+
+
 def build_app(state: ServerState) -> FastAPI:
     max_body_bytes = state.max_body_bytes
     app = FastAPI(title="k3jax", version="0.1.0")
@@ -85,9 +101,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await call_next(request)
 
     def _check_model(name):
-        if name and name != state.model_name:
-            raise APIError(400, f"model {name!r} is not served here (serving {state.model_name!r})",
-                           param="model", code="model_not_found")
+        check_model(state, name)
 
     @app.get("/health")
     async def health():
@@ -116,12 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def respond(req, raw: Request, stream, whole):
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
-        _check_model(req.model)
-        if req.n > state.max_n:
-            raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
-        vocab = state.tokenizer.vocab_size
-        if any(t >= vocab for t in req.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
+        check_generation_request(state, req)
         if req.stream:
             return StreamingResponse(await stream(state, req), media_type="text/event-stream")
         return await _until_disconnect(raw, whole(state, req))
