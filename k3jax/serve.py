@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-match-unit", type=int, default=16, help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int, default=1024, help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--prefix-wait-steps", type=int, default=64,
+                    help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
+                         "up to this many steps instead of computing it again (0 = admit at once)")
+    ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
+                    help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
+                         "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
+    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
+                    help="largest log-probability difference a verified hit may show")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
     ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
@@ -103,6 +111,8 @@ def build_state(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
+        prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
+        verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,

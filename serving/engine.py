@@ -19,10 +19,11 @@ import jax
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, device_free_bytes, size_pools
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
+from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
 from serving.runner import ModelRunner, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from serving.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LLMEngine:
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
+            prefix_wait_steps=args.prefix_wait_steps,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
@@ -72,6 +74,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        self.verifier = (PrefixCacheVerifier(args.verify_prefix_cache, args.verify_prefix_cache_tolerance, seed=args.seed)
+                         if args.verify_prefix_cache and args.enable_prefix_caching else None)
         self.encoder = None
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
@@ -188,7 +192,10 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for i, ch in enumerate(out.chunks):
-            if ch.sample:
+            if ch.sample and self.verifier is not None and self.verifier.owns(ch.req):
+                self.verifier.recomputed(ch.req, top_ids[i], top_vals[i])
+                self.scheduler.finish(ch.req)
+            elif ch.sample:
                 outputs.append(self._append(ch.req, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
         self.counters["steps"] += 1
         self.counters["step_time"] += time.perf_counter() - t0
@@ -201,6 +208,8 @@ class LLMEngine:
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = now
+            if self.verifier is not None:
+                self._verify(req, top_ids, top_vals)
         req.last_token_time = now
         k = req.params.logprobs
         if k is not None:
@@ -212,6 +221,14 @@ class LLMEngine:
             self.scheduler.finish(req, keep_state=True)
             self.requests.pop(req.request_id, None)
         return self.output_of(req, new_ids=[tok])
+
+    def _verify(self, req: Request, top_ids, top_vals):
+        shadow = self.verifier.shadow_for(req, top_ids, top_vals)
+        if shadow is not None:
+            try:
+                self.scheduler.add(shadow)
+            except QueueFullError:
+                self.verifier.dropped(shadow)
 
     def output_of(self, req: Request, new_ids=()) -> RequestOutput:
         finished = req.status == Status.FINISHED
@@ -233,6 +250,8 @@ class LLMEngine:
         s = self.scheduler.stats()
         s.update(self.counters)
         s["num_compiles"] = self.runner.num_compiles
+        if self.verifier is not None:
+            s.update(self.verifier.stats)
         if self.encoder is not None:
             s.update(self.encoder.stats())
         return s

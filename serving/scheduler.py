@@ -5,6 +5,11 @@ first, then running prefills, then new requests (priority, then FCFS); prefill c
 planned prefix-cache checkpoints so a KDA state is registered only where the model really
 stopped; pages and slots come from ref-counted allocators, evicting unreferenced cache entries
 and then preempting (by recompute) the lowest-priority running request when they run out.
+
+Prefix-aware admission: a waiting request whose prompt shares a longer prefix with a running
+prefill than the cache holds now is passed over (the requests behind it go first) until that
+prefill registers a checkpoint at the shared junction, at most `prefix_wait_steps` schedules;
+otherwise requests admitted while their group's prefix is still being computed compute it again.
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class SchedulerConfig:
     state_block_size: int = 0        # periodic checkpoints inside long prompts (0 = only ends/junctions)
     encoder_budget: int = 0          # image tokens the vision tower may produce per step (0 = no limit)
     cache_finished_state: bool = True  # keep a finished request's final state (see finish)
+    prefix_wait_steps: int = 64      # prefix-aware admission: most schedules a request waits (0 = off)
 
 
 class Scheduler:
@@ -124,7 +130,7 @@ class Scheduler:
     def finish(self, req: Request, keep_state: bool = False):
         """Retire a request. keep_state (a normal finish): its final KDA state and pages join the
         prefix cache first, so a follow-up turn that repeats this conversation resumes at its end."""
-        if keep_state and self.cache is not None and self.cfg.cache_finished_state:
+        if keep_state and self.cache is not None and self.cfg.cache_finished_state and req.use_cache:
             self._cache_final_state(req)
         self.free(req)
         req.status = Status.FINISHED
@@ -204,7 +210,7 @@ class Scheduler:
         if not slot:
             return False
         req.slot = slot
-        if self.cache is not None:
+        if self.cache is not None and req.use_cache:
             if not req.hashes:
                 req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
             hit = self.cache.lookup(req.tokens, req.extra_keys, hashes=req.hashes)
@@ -232,6 +238,69 @@ class Scheduler:
             req.checkpoints = sorted(plan)
         return True
 
+    def _should_wait(self, req: Request, scheduled: dict) -> tuple:
+        """Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
+        longer prefix of its prompt than the cache holds now, budget tokens freed by cutting that prefill's chunk
+        at the junction). See the module docstring. scheduled: request id -> this step's chunk."""
+        limit = self.cfg.prefix_wait_steps
+        if self.cache is None or not req.use_cache or not limit or req.waited_steps >= limit:
+            return False, 0
+        if req.wait_for is not None:
+            owner, pos = req.wait_for
+            if owner.status == Status.RUNNING and owner.num_computed < pos and pos in owner.checkpoints:
+                req.waited_steps += 1
+                return True, 0
+            req.wait_for = None          # registered (or the owner left): look again
+        if not req.hashes:
+            req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
+        unit = self.cfg.prefix_match_unit
+        max_units = min(len(req.hashes), (len(req.prompt_ids) - 1) // unit)   # a hit leaves a token to compute
+        owner, pos = None, 0
+        for r in self.running:
+            if r.use_cache and r.num_computed < len(r.prompt_ids):
+                shared = self._shared_units(req.hashes, r.hashes, max_units) * unit
+                if shared > max(pos, r.num_computed):
+                    owner, pos = r, shared
+        if owner is None or pos <= self.cache.lookup(req.prompt_ids, req.extra_keys, hashes=req.hashes,
+                                                     record=False).num_tokens:
+            return False, 0
+        freed = self._plan_checkpoint(owner, pos, scheduled.get(owner.request_id))
+        if freed is None:
+            return False, 0
+        req.wait_for = (owner, pos)
+        req.waited_steps += 1
+        return True, freed
+
+    @staticmethod
+    def _shared_units(a, b, limit: int) -> int:
+        """Units two chained hash lists share from the start (a binary search: sharing unit m implies
+        sharing every unit before it)."""
+        lo, hi = 0, min(limit, len(a), len(b))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[mid - 1] == b[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _plan_checkpoint(self, r: Request, pos: int, chunk: Optional[ScheduledChunk]) -> Optional[int]:
+        """Make running prefill `r` register a checkpoint at pos (> r.num_computed): plan it into r's chunking,
+        or, when this step's chunk of r reaches pos already, checkpoint the chunk there (cutting it short if
+        it goes further). Returns the budget tokens the cut freed, or None when no checkpoint can be had."""
+        if self.cache.has_checkpoint(r.hashes, pos):
+            return None                  # one exists, yet no hit reaches it (its pages are gone): do not wait
+        freed = 0
+        if chunk is not None and pos <= chunk.end:
+            if not chunk.ckpt_dst:
+                chunk.ckpt_dst = self._alloc_slot()
+                if not chunk.ckpt_dst:
+                    return None
+            freed, chunk.end = chunk.end - pos, pos
+        if pos not in r.checkpoints:
+            r.checkpoints = sorted(r.checkpoints + [pos])
+        return freed
+
     def schedule(self) -> SchedulerOutput:
         if self.cache is not None:
             self.cache.commit_pending()      # last step's registrations are now complete
@@ -240,7 +309,7 @@ class Scheduler:
         self._encode = {}
         budget = cfg.max_num_batched_tokens
         order = sorted(self.running, key=lambda r: (not r.is_decode, r.priority, r.arrival))
-        scheduled = set()
+        scheduled = {}                       # request id -> its chunk of this step
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)
             ch = self._chunk(req, budget)
@@ -258,11 +327,15 @@ class Scheduler:
                 continue
             req.pages += new
             out.chunks.append(ch)
-            scheduled.add(req.request_id)
+            scheduled[req.request_id] = ch
             budget -= ch.end - ch.start
-        while (self.waiting and budget > 0 and len(out.chunks) < cfg.max_num_seqs
-               and len(self.running) < cfg.max_num_seqs):
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or len(self.running) >= cfg.max_num_seqs:
+                break
+            wait, freed = self._should_wait(req, scheduled)
+            budget += freed
+            if wait:
+                continue
             if not self._admit(req, out):
                 break
             ch = self._chunk(req, budget)
@@ -274,10 +347,12 @@ class Scheduler:
                 self.free(req)
                 break
             req.pages += new
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
+            req.wait_for = None
             self.running.append(req)
             out.chunks.append(ch)
+            scheduled[req.request_id] = ch
             budget -= ch.end - ch.start
         out.encode = list(self._encode.values())
         return out
@@ -287,7 +362,7 @@ class Scheduler:
         for ch in out.chunks:
             req = ch.req
             req.num_computed = ch.end
-            if self.cache is None:
+            if self.cache is None or not req.use_cache:
                 continue
             if req.hit is not None:
                 self.cache.release_copy_sources(req.hit)

@@ -28,3 +28,10 @@ class ScriptedMatcher:
         ok = self.pos < len(self.script) and token_id == self.script[self.pos]
         self.pos += 1
         return ok
+
+
+def corrupt_checkpoint(engine, slot: int, scale: float = 1.0) -> None:
+    """Add `scale` to every entry of a KDA state slot in every KDA layer (a deliberately corrupted prefix-cache
+    checkpoint, for the prefix-cache verifier's tests). Single-process engines only."""
+    pools = engine.runner.pools
+    engine.runner.pools = pools.replace(kda_state=[s.at[slot].add(scale) for s in pools.kda_state])
