@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -100,16 +101,19 @@ def main():
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
     prompts = workload(args.requests, args.prefix, args.suffix, model.config.vocab_size, args.groups,
                        grouped=args.grouped)
-    rows = [(n, run(model, prompts, args, **ROWS[n])) for n in names]
     dev = jax.devices()[0]
     print(f"\n# bench_offline  {datetime.date.today()}  {dev.platform}:{dev.device_kind}  host={platform.node()}")
     print(f"model={args.model} requests={args.requests} groups={args.groups}{' grouped' if args.grouped else ''} "
           f"turns={args.turns} prompt={args.prefix}+{args.suffix} out={args.max_tokens} "
           f"max_num_seqs={args.max_num_seqs} budget={args.max_num_batched_tokens}")
     print("| prefix caching | seconds | output tok/s | total tok/s | prompt tokens from cache |")
-    print("|---|---|---|---|---|")
-    for name, r in rows:
-        print(f"| {name} | {r['seconds']:.2f} | {r['out_tps']:.1f} | {r['total_tps']:.1f} | {r['hit']:.1%} |")
+    print("|---|---|---|---|---|", flush=True)
+    rows = []
+    for name in names:              # each row as it finishes (a long run cut short keeps what it measured)
+        r = run(model, prompts, args, **ROWS[name])
+        gc.collect()                # the row's engine and its cache pools go before the next one allocates
+        rows.append((name, r))
+        print(f"| {name} | {r['seconds']:.2f} | {r['out_tps']:.1f} | {r['total_tps']:.1f} | {r['hit']:.1%} |", flush=True)
     by = dict(rows)
     for a, b in (("on", "off"), ("on", "at-once")):
         if a in by and b in by:
