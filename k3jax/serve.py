@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
     ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
                     help="largest log-probability difference a verified hit may show")
+    ap.add_argument("--host-cache-mb", type=int, default=0,
+                    help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off)")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
     ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
@@ -113,6 +115,7 @@ def build_state(args):
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
         prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
         verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
+        host_cache_bytes=args.host_cache_mb << 20,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,

@@ -14,7 +14,9 @@ Rows (--rows, default all that apply): `off`; `at-once`: caching on, every reque
 there is room (prefix_wait_steps 0: requests admitted while their group's prefix is still being computed
 compute it again); `no-final-state` (--turns > 1 only); `on`: the engine's defaults (prefix-aware
 admission); `verify` (only with --verify F): `on` that also recomputes a fraction F of its hits in the
-background (--verify-prefix-cache) and reports checks, mismatches and the largest log-probability distance.
+background (--verify-prefix-cache) and reports checks, mismatches and the largest log-probability distance;
+`host` (only with --host-cache-mb M): `on` with an M MiB host-memory tier for evicted checkpoints (with
+--cache-mb small enough that the device cache evicts, e.g. multi-turn chats whose history outgrows it).
 
 The issue-21 workload (8 groups x 8 requests, 3072 shared + 64 own tokens, arriving group by group):
   python scripts/bench_offline.py --model kimi-linear-48b-a3b --seed 0 --dtype bfloat16 --requests 64 --groups 8 \
@@ -46,7 +48,7 @@ def workload(n: int, prefix: int, suffix: int, vocab: int, n_prefixes: int = 4, 
 
 
 ROWS = {"off": dict(enable_prefix_caching=False), "at-once": dict(prefix_wait_steps=0),
-        "no-final-state": dict(cache_finished_state=False), "on": {}, "verify": {}}
+        "no-final-state": dict(cache_finished_state=False), "on": {}, "verify": {}, "host": {}}
 
 
 def run(model, prompts, args, **engine_args):
@@ -69,7 +71,7 @@ def run(model, prompts, args, **engine_args):
     dt = time.perf_counter() - t0
     st = llm.engine.stats()
     return dict(seconds=dt, out_tps=gen / dt, total_tps=(gen + prompt) / dt, hit=cached / prompt,
-                **{k: v for k, v in st.items() if k.startswith("prefix_verify")})
+                **{k: v for k, v in st.items() if k.startswith(("prefix_verify", "host_"))})
 
 
 def main():
@@ -89,11 +91,18 @@ def main():
     ap.add_argument("--grouped", action="store_true", help="each prefix's requests arrive together (default: round robin)")
     ap.add_argument("--rows", default=None, help=f"comma list of {','.join(ROWS)} (default: all that apply)")
     ap.add_argument("--verify", type=float, default=0.0, help="--verify-prefix-cache fraction of the `verify` row")
+    ap.add_argument("--cache-mb", type=int, default=None, help="device cache budget in MiB (default: the engine's)")
+    ap.add_argument("--host-cache-mb", type=int, default=0, help="host-memory tier of the `host` row, in MiB")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     ROWS["verify"] = dict(verify_prefix_cache=args.verify)
+    ROWS["host"] = dict(host_cache_bytes=args.host_cache_mb << 20)
+    if args.cache_mb:
+        for r in ROWS.values():
+            r["cache_memory_bytes"] = args.cache_mb << 20
     names = args.rows.split(",") if args.rows else [r for r in ROWS if (r != "no-final-state" or args.turns > 1)
-                                                    and (r != "verify" or args.verify)]
+                                                    and (r != "verify" or args.verify)
+                                                    and (r != "host" or args.host_cache_mb)]
     if not set(names) <= set(ROWS):
         ap.error(f"--rows: unknown {sorted(set(names) - set(ROWS))}; choose from {list(ROWS)}")
     import jax
@@ -122,6 +131,10 @@ def main():
         v = by["verify"]
         print(f"verify: {v['prefix_verify_checks']} checks, {v['prefix_verify_mismatches']} mismatches, "
               f"{v['prefix_verify_skipped']} skipped, largest distance {v['prefix_verify_max_distance']:.3g}")
+    if "host" in by:
+        h = by["host"]
+        print(f"host tier: {h.get('host_saved', 0)} checkpoints saved, {h.get('host_restored', 0)} copied back, "
+              f"{h.get('host_evicted', 0)} dropped, {h.get('host_bytes', 0) / 2**20:.1f} MiB held at the end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": f"{dev.platform}:{dev.device_kind}", "rows": dict(rows)}, f, indent=1)

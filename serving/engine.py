@@ -76,6 +76,14 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
         self.verifier = (PrefixCacheVerifier(args.verify_prefix_cache, args.verify_prefix_cache_tolerance, seed=args.seed)
                          if args.verify_prefix_cache and args.enable_prefix_caching else None)
+        self.host_io = None
+        if args.host_cache_bytes and self.scheduler.cache is not None:
+            from serving import multihost
+            from serving.host_tier import HostCacheIO, HostTier
+            if multihost.is_multiprocess():
+                raise ValueError("host_cache_bytes: the host-memory tier needs a single-process engine")
+            self.host_io = HostCacheIO(self.runner, HostTier(args.host_cache_bytes))
+            self.scheduler.attach_host_tier(self.host_io.tier, self.host_io.save)
         self.encoder = None
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
@@ -172,8 +180,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if out.restores:
+            self.host_io.restore(out.restores)
         if not out.chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not out.restores:
                 raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
             return []
         self.runner.copy_pages(out.page_copies)

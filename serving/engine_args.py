@@ -25,6 +25,7 @@ class EngineArgs:
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
+    host_cache_bytes: int = 0                     # host-memory tier for evicted checkpoints and their pages (0 = off)
     memory_fraction: float = 0.85                 # of device memory left after the weights
     cache_memory_bytes: Optional[int] = None      # explicit cache budget (CPU default: 256 MiB)
     state_fraction: float = 0.5                   # share of the cache budget for KDA state slots
@@ -60,6 +61,8 @@ class EngineArgs:
             raise ValueError("verify_prefix_cache compares top log-probabilities: max_logprobs must be >= 1")
         if not self.verify_prefix_cache_tolerance >= 0:
             raise ValueError(f"verify_prefix_cache_tolerance must be >= 0, got {self.verify_prefix_cache_tolerance!r}")
+        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be a non-negative int, got {self.host_cache_bytes!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0 < self.state_fraction < 1:

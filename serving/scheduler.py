@@ -50,6 +50,7 @@ class SchedulerOutput:
     page_copies: list            # (src_page, dst_page) copy-on-write copies to issue before the step
     preempted: list
     encode: list = dataclasses.field(default_factory=list)   # images to run through the vision tower first
+    restores: list = dataclasses.field(default_factory=list)  # (HostEntry, [(row, page)], slot) to copy back first
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +84,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.is_encoded = lambda digest: False   # the engine's encoder-output cache answers this
+        self.host = None                          # serving.host_tier.HostTier (attach_host_tier)
         self._encode: dict = {}
+
+    def attach_host_tier(self, tier, save) -> None:
+        """Evicted checkpoints go to `tier` through save(CacheEntry); waiting requests get them back."""
+        if self.cache is not None:
+            self.host = tier
+            self.cache.on_evict = save
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request):
@@ -271,6 +279,43 @@ class Scheduler:
         req.waited_steps += 1
         return True, freed
 
+    def _restore_from_host(self, req: Request, out: SchedulerOutput) -> bool:
+        """Copy back the longest prefix of req's prompt the host tier holds beyond the device cache's hit:
+        pages and a slot allocated, registered as pending entries, their data written by the engine before
+        this step (out.restores). Returns whether it did (the request then waits a step)."""
+        if not req.use_cache or not len(self.host):
+            return False
+        if not req.hashes:
+            req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
+        unit, ps = self.cfg.prefix_match_unit, self.cfg.page_size
+        device = self.cache.lookup(req.prompt_ids, req.extra_keys, hashes=req.hashes, record=False).num_tokens
+        key = self.host.longest(req.hashes, unit, (len(req.prompt_ids) - 1) // unit, device // unit)
+        if key is None:
+            return False
+        entry = self.host.pop(key)
+        n = entry.num_tokens
+        have = [self.cache.page_id(h) for h in entry.page_hashes[:n // ps]] + ([None] if n % ps else [])
+        reuse = [p for p in have if p is not None]
+        self.pages.incref(reuse)             # pinned: the allocations below may evict
+        new = self._alloc_pages(have.count(None))
+        slot = self._alloc_slot() if new is not None else 0
+        if not slot:
+            self.pages.decref(reuse + (new or []))
+            self.host.put(key, entry)
+            return False
+        fresh = iter(new)
+        bt = [p if p is not None else next(fresh) for p in have]
+        self.cache.register_pages(req.hashes, bt, n)
+        registered = self.cache.register_checkpoint(req.hashes, n, slot, bt)
+        if not registered:
+            self.slots.decref([slot])
+        # every page the index took must get its data (visible next step), the partial one with the checkpoint
+        rows = [(j, p) for j, (p, h) in enumerate(zip(bt, entry.page_hashes)) if have[j] is None
+                and self.cache.page_id(h) == p] + ([(len(bt) - 1, bt[-1])] if n % ps and registered else [])
+        self.pages.decref(reuse + new)
+        out.restores.append((entry, rows, slot if registered else 0))
+        return True
+
     @staticmethod
     def _shared_units(a, b, limit: int) -> int:
         """Units two chained hash lists share from the start (a binary search: sharing unit m implies
@@ -332,6 +377,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or len(self.running) >= cfg.max_num_seqs:
                 break
+            if self.host is not None and self._restore_from_host(req, out):
+                continue                 # its prefix is being copied back: it hits next step
             wait, freed = self._should_wait(req, scheduled)
             budget += freed
             if wait:
@@ -380,6 +427,8 @@ class Scheduler:
             "page_usage": self.pages.usage, "slot_usage": self.slots.usage,
             "num_preemptions": self.num_preemptions,
         }
+        if self.host is not None:
+            s.update(self.host.stats, host_entries=len(self.host), host_bytes=self.host.bytes)
         if self.cache is not None:
             s["prefix_queried_tokens"] = self.cache.stats["queried_tokens"]
             s["prefix_hit_tokens"] = self.cache.stats["hit_tokens"]

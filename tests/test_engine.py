@@ -192,6 +192,28 @@ def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint
     _assert_no_leaks(eng)
 
 
+def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
+    """issue 21 item 4: checkpoints evicted from small device pools go to host memory with their pages; a later
+    prompt that extends an evicted prefix gets it copied back and hits it (outputs as without the tier)."""
+    rng = np.random.RandomState(13)
+    base = rng.randint(0, 1024, 150).tolist()
+    others = [rng.randint(0, 1024, 150).tolist() for _ in range(4)]
+    follow = base + rng.randint(0, 1024, 20).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    res = {}
+    for host_bytes in (64 << 20, 0):
+        eng = _engine(model, tmp_path_factory, max_num_seqs=4, seq_buckets=(4,), num_pages=40, num_slots=8,
+                      host_cache_bytes=host_bytes)
+        for i, p in enumerate([base] + others):
+            _run_one(eng, p, params, f"p{i}")
+        out = _run_one(eng, follow, params, "f")
+        res[host_bytes] = (out.outputs[0].token_ids, out.num_cached_tokens, eng.stats())
+        _assert_no_leaks(eng)
+    (on, hit_on, st), (off, hit_off, _) = res[64 << 20], res[0]
+    assert on == off and hit_off == 0
+    assert hit_on == 144 and st["host_restored"] >= 1 and st["host_saved"] >= 3, st
+
+
 def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_factory):
     work = make_workload(3, 24, model.config.vocab_size, max_new=(24, 40))
     roomy = run_workload(_engine(model, tmp_path_factory), work)
