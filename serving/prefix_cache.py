@@ -365,6 +365,15 @@ class PrefixCacheIndex:
         return CacheEntry(c.num_tokens, self.page_size, self.unit, list(c.page_hashes), c.key,
                           [self._page[h].id for h in c.page_hashes], c.partial_page, c.id)
 
+    def unit_checkpoint(self, hashes: Sequence[bytes], max_units: int) -> Optional[CacheEntry]:
+        """The longest visible unit-aligned checkpoint of this chain within max_units, with its pages, as a
+        CacheEntry (what prefill/decode disaggregation ships), or None."""
+        for m in range(min(max_units, len(hashes)), 0, -1):
+            c = self._ckpt.get(hashes[m - 1])
+            if c is not None and c.visible and c.tail_of is None:
+                return self.export(c)
+        return None
+
     def page_id(self, key: bytes) -> Optional[int]:
         """The page indexed under a page hash, or None."""
         e = self._page.get(key)
