@@ -54,7 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
                     help="largest log-probability difference a verified hit may show")
     ap.add_argument("--host-cache-mb", type=int, default=0,
-                    help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off)")
+                    help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
+                         "--role decode: at least 1024, entries from the prefill peer pass through it)")
+    dg = ap.add_argument_group("prefill/decode disaggregation")
+    dg.add_argument("--role", choices=["single", "prefill", "decode"], default="single",
+                    help="prefill: compute prompts for decode servers (POST /internal/prefill) and offer their cache "
+                         "entries; decode: serve clients, have --prefill-peer compute prompts, pull their entries")
+    dg.add_argument("--prefill-peer", default=None, help="HOST:PORT of the prefill server (--role decode)")
+    dg.add_argument("--prefill-timeout", type=float, default=30.0,
+                    help="seconds for the peer's prefill and for the transfer; past them the request prefills locally")
+    dg.add_argument("--transfer-address", default=None,
+                    help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
     ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
@@ -115,14 +125,26 @@ def build_state(args):
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
         prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
         verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
-        host_cache_bytes=args.host_cache_mb << 20,
+        host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
+    if args.role == "decode" and not args.prefill_peer:
+        raise ValueError("--role decode needs --prefill-peer HOST:PORT")
+    if args.role != "single" and args.no_prefix_caching:
+        raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
     engine = LLMEngine(model, eargs)
+    disagg = {}
+    if args.role != "single":
+        from serving.kv_transfer import Transport
+        from serving.openai.disagg import PrefillPeer, PrefillService
+        transport = Transport(args.transfer_address or f"{args.host}:0")
+        disagg = ({"prefill_service": PrefillService(transport)} if args.role == "prefill" else
+                  {"prefill_peer": PrefillPeer(args.prefill_peer, transport, args.prefill_timeout, args.api_key)})
+        log.info("role %s: transfer server at %s", args.role, transport.address)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
@@ -130,7 +152,7 @@ def build_state(args):
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
-                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None)
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
 
 
 def _image_loader(model, args):

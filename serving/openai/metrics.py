@@ -35,6 +35,11 @@ class Metrics:
         self.verify_mismatches = Counter("k3jax:prefix_cache_verify_mismatches", "Verified hits whose first token's "
                                          "log-probabilities differ from the recompute", lab, registry=r)
         self._counted = {}
+        self.disagg = {k: Gauge(f"k3jax:{k}", h, lab, registry=r) for k, h in (
+            ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
+            ("disagg_local_prefills", "Requests prefilled here although a prefill peer is set"),
+            ("disagg_peer_failures", "Prefill-peer calls that failed or timed out (the request went on locally)"),
+            ("disagg_transfer_bytes", "Cache bytes pulled from the prefill peer"))}
         self.model = model_name
 
     def render(self, stats: dict) -> bytes:
@@ -54,6 +59,9 @@ class Metrics:
             if new > 0:
                 counter.labels(m).inc(new)
                 self._counted[key] = stats[key]
+        for key, gauge in self.disagg.items():
+            if key in stats:
+                gauge.labels(m).set(stats[key])
         for state in ("in_use", "cached", "free"):
             self.pages.labels(m, state).set(stats.get(f"pages_{state}", 0))
             self.slots.labels(m, state).set(stats.get(f"slots_{state}", 0))
