@@ -87,8 +87,8 @@ class PrefillPeer:
             return
         self.stats["disagg_remote_prefills"] += 1
         self.stats["disagg_transfer_bytes"] += desc["nbytes"]
-        self.stats["disagg_remote_prefill_ms"] += int(1000 * (t1 - t0))
-        self.stats["disagg_transfer_ms"] += int(1000 * (t2 - t1))
+        self.stats["disagg_remote_prefill_ms"] += 1000 * (t1 - t0)
+        self.stats["disagg_transfer_ms"] += 1000 * (t2 - t1)
 
     def _post(self, prompt_ids: list) -> dict:
         headers = {"content-type": "application/json"}

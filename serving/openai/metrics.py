@@ -39,7 +39,9 @@ class Metrics:
             ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
             ("disagg_local_prefills", "Requests prefilled here although a prefill peer is set"),
             ("disagg_peer_failures", "Prefill-peer calls that failed or timed out (the request went on locally)"),
-            ("disagg_transfer_bytes", "Cache bytes pulled from the prefill peer"))}
+            ("disagg_transfer_bytes", "Cache bytes pulled from the prefill peer"),
+            ("disagg_transfer_ms", "Milliseconds spent pulling cache entries from the prefill peer"),
+            ("disagg_remote_prefill_ms", "Milliseconds the prefill peer took to answer, as the decode server saw it"))}
         self.model = model_name
 
     def render(self, stats: dict) -> bytes:
