@@ -7,6 +7,7 @@ import pytest
 
 import jax
 
+from engine_workloads import run_one
 from k3jax import load_model
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
@@ -29,14 +30,6 @@ def _engine(model, tmp_path_factory, **kw):
     return LLMEngine(model, EngineArgs(**args))
 
 
-def _run_one(eng, prompt, params, rid):
-    eng.add_request(prompt, params, request_id=rid)
-    done = None
-    while eng.has_unfinished():
-        done = next((o for o in eng.step() if o.finished), done)
-    return done
-
-
 def test_decode_engine_continues_from_the_transferred_entry(model, tmp_path_factory):
     with jax.enable_x64(True):
         prefill, decode = _engine(model, tmp_path_factory), _engine(model, tmp_path_factory)
@@ -47,13 +40,13 @@ def test_decode_engine_continues_from_the_transferred_entry(model, tmp_path_fact
         prompts = [shared + rng.randint(0, 1024, n).tolist() for n in (23, 40, 9)]
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         for i, p in enumerate(prompts):
-            _run_one(prefill, p, SamplingParams(temperature=0.0, max_tokens=1), f"p{i}")
+            run_one(prefill, p, SamplingParams(temperature=0.0, max_tokens=1), f"p{i}")
             desc, flat = export_prefix(prefill, p)
             got = receiver.fetch(sender.address, sender.offer(flat), desc)
             assert [list(x.shape) for x in got] == [s for s, _ in desc["specs"]]
             assert import_prefix(decode, p, desc, got)
-            out = _run_one(decode, p, params, f"d{i}")
-            ref = _run_one(single, p, params, f"s{i}")
+            out = run_one(decode, p, params, f"d{i}")
+            ref = run_one(single, p, params, f"s{i}")
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids, i
             assert out.num_cached_tokens == desc["num_tokens"] == (len(p) - 1) // 16 * 16
         # prompts 1 and 2 hit the shared prefix on the prefill side (1 at the state block, 64; prompt 1 then plans a
@@ -67,7 +60,7 @@ def test_a_mismatched_chain_is_refused(model, tmp_path_factory):
     with jax.enable_x64(True):
         prefill, decode = _engine(model, tmp_path_factory), _engine(model, tmp_path_factory)
         p = list(range(1, 60))
-        _run_one(prefill, p, SamplingParams(temperature=0.0, max_tokens=1), "p")
+        run_one(prefill, p, SamplingParams(temperature=0.0, max_tokens=1), "p")
         desc, flat = export_prefix(prefill, p)
         other = [7] + p[1:]                           # another prompt: the chain differs from the first unit on
         assert not import_prefix(decode, other, desc, flat)

@@ -8,7 +8,7 @@ import pytest
 
 import jax
 
-from engine_workloads import make_workload, run_workload
+from engine_workloads import make_workload, run_one, run_workload
 from k3jax import load_model
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
@@ -87,12 +87,12 @@ def test_follow_up_turn_resumes_at_the_end_of_the_previous_generation(model, tmp
     results = {}
     for caching in (True, False):
         eng = _engine(model, tmp_path_factory, enable_prefix_caching=caching)
-        first = _run_one(eng, prompt, params, "a")
+        first = run_one(eng, prompt, params, "a")
         answer = first.outputs[0].token_ids
         follow = prompt + answer + rng.randint(0, 768, 9).tolist() if caching else results["follow"]
-        second = _run_one(eng, follow, SamplingParams(temperature=0.0, max_tokens=4), "b")
+        second = run_one(eng, follow, SamplingParams(temperature=0.0, max_tokens=4), "b")
         branch = prompt + answer[:5] + [answer[5] ^ 1] + answer[6:] if caching else results["branch"]
-        third = _run_one(eng, branch, SamplingParams(temperature=0.0, max_tokens=4), "c")
+        third = run_one(eng, branch, SamplingParams(temperature=0.0, max_tokens=4), "c")
         results.update({caching: (answer, second.outputs[0].token_ids, third.outputs[0].token_ids),
                         "follow": follow, "branch": branch, f"cached{caching}": (second.num_cached_tokens,
                                                                                   third.num_cached_tokens)})
@@ -101,14 +101,6 @@ def test_follow_up_turn_resumes_at_the_end_of_the_previous_generation(model, tmp
     n = len(prompt) + 21 - 1                          # the last sampled token was never fed back
     assert n % 16 and results["cachedTrue"][0] == n
     assert results["cachedTrue"][1] == 48             # diverges inside the answer: the prompt's checkpoint
-
-
-def _run_one(eng, prompt, params, rid):
-    eng.add_request(prompt, params, request_id=rid)
-    done = None
-    while eng.has_unfinished():
-        done = next((o for o in eng.step() if o.finished), done)
-    return done
 
 
 def test_same_step_registration_is_not_reused(model, tmp_path_factory):
@@ -178,14 +170,14 @@ def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint
     rng = np.random.RandomState(11)
     base = rng.randint(0, 1024, 100).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    _run_one(eng, base, params, "a")
-    hit = _run_one(eng, base + rng.randint(0, 1024, 20).tolist(), params, "b")
+    run_one(eng, base, params, "a")
+    hit = run_one(eng, base + rng.randint(0, 1024, 20).tolist(), params, "b")
     s = eng.stats()
     assert hit.num_cached_tokens == 96 and s["prefix_verify_checks"] == 1 and s["prefix_verify_mismatches"] == 0
     for e in eng.scheduler.cache.entries():
         corrupt_checkpoint(eng, e.slot_id, 0.5)
     with caplog.at_level("WARNING", logger="serving.prefix_verify"):
-        bad = _run_one(eng, base + rng.randint(0, 1024, 20).tolist(), params, "c")
+        bad = run_one(eng, base + rng.randint(0, 1024, 20).tolist(), params, "c")
     s = eng.stats()
     assert bad.num_cached_tokens >= 96 and s["prefix_verify_checks"] == 2 and s["prefix_verify_mismatches"] == 1
     assert "prefix cache mismatch: request c " in caplog.text
@@ -205,8 +197,8 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
         eng = _engine(model, tmp_path_factory, max_num_seqs=4, seq_buckets=(4,), num_pages=40, num_slots=8,
                       host_cache_bytes=host_bytes)
         for i, p in enumerate([base] + others):
-            _run_one(eng, p, params, f"p{i}")
-        out = _run_one(eng, follow, params, "f")
+            run_one(eng, p, params, f"p{i}")
+        out = run_one(eng, follow, params, "f")
         res[host_bytes] = (out.outputs[0].token_ids, out.num_cached_tokens, eng.stats())
         _assert_no_leaks(eng)
     (on, hit_on, st), (off, hit_off, _) = res[64 << 20], res[0]

@@ -78,7 +78,7 @@ class PrefillPeer:
                 None, self.transport.fetch, desc["address"], desc["uuid"], desc), self.timeout_s)
             t2 = time.perf_counter()
             if not await engine.call(lambda eng: import_prefix(eng, prompt_ids, desc, flat)):
-                raise RuntimeError("the peer's entry does not match this engine")
+                raise RuntimeError("the peer's entry was not kept (another hash chain, or larger than the host tier)")
         except Exception as e:  # noqa: BLE001 - the request goes on locally
             self._skip_until = time.monotonic() + RETRY_AFTER_S
             self.stats["disagg_local_prefills"] += 1
