@@ -23,14 +23,14 @@ def model():
 
 def _engine(model, tmp_path_factory, **kw):
     args = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, page_size=16, prefix_match_unit=16,
-                state_block_size=64, num_pages=120, num_slots=24, token_buckets=(32, 128), seq_buckets=(4,),
+                state_block_size=64, num_pages=120, num_slots=24, token_buckets=(128,), seq_buckets=(4,), warmup=False,
                 host_cache_bytes=16 << 20, compilation_cache_dir=str(tmp_path_factory.getbasetemp() / "xla"),
                 vision=False)
     args.update(kw)
     return LLMEngine(model, EngineArgs(**args))
 
 
-def test_decode_engine_continues_from_the_transferred_entry(model, tmp_path_factory):
+def test_decode_engine_continues_from_the_transferred_entry_and_refuses_a_foreign_one(model, tmp_path_factory):
     with jax.enable_x64(True):
         prefill, decode = _engine(model, tmp_path_factory), _engine(model, tmp_path_factory)
         single = _engine(model, tmp_path_factory, enable_prefix_caching=False)
@@ -54,14 +54,8 @@ def test_decode_engine_continues_from_the_transferred_entry(model, tmp_path_fact
         # pages already there
         assert prefill.stats()["prefix_hit_tokens"] == 64 + 80
         assert decode.stats()["host_restored"] == 3
+        # an entry offered for another prompt (its chain differs from the first unit on) is refused
+        other = [prompts[0][0] ^ 1] + prompts[0][1:]
+        assert not import_prefix(decode, other, desc, got)
+        assert export_prefix(prefill, other) is None      # nothing cached for it on the prefill side either
 
-
-def test_a_mismatched_chain_is_refused(model, tmp_path_factory):
-    with jax.enable_x64(True):
-        prefill, decode = _engine(model, tmp_path_factory), _engine(model, tmp_path_factory)
-        p = list(range(1, 60))
-        run_one(prefill, p, SamplingParams(temperature=0.0, max_tokens=1), "p")
-        desc, flat = export_prefix(prefill, p)
-        other = [7] + p[1:]                           # another prompt: the chain differs from the first unit on
-        assert not import_prefix(decode, other, desc, flat)
-        assert export_prefix(prefill, other) is None  # nothing cached for it
