@@ -377,7 +377,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or len(self.running) >= cfg.max_num_seqs:
                 break
-            if self.host is not None and self._restore_from_host(req, out):
+            if self.host is not None and req.wait_for is None and self._restore_from_host(req, out):
                 continue                 # its prefix is being copied back: it hits next step
             wait, freed = self._should_wait(req, scheduled)
             budget += freed
