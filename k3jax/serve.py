@@ -108,12 +108,19 @@ def follow(args) -> int:
 
 def build_state(args):
     from k3jax.api import load_model
+    from serving import multihost
     from serving.async_engine import AsyncEngine
     from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
     from serving.openai.generation import ServerState
     from serving.openai.metrics import Metrics
 
+    if args.role != "single" and multihost.is_multiprocess():
+        raise ValueError(f"--role {args.role}: disaggregation runs single-process servers (no --coordinator)")
+    if args.role == "decode" and not args.prefill_peer:
+        raise ValueError("--role decode needs --prefill-peer HOST:PORT")
+    if args.role != "single" and args.no_prefix_caching:
+        raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
     if model.tokenizer is None:
@@ -132,10 +139,6 @@ def build_state(args):
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
-    if args.role == "decode" and not args.prefill_peer:
-        raise ValueError("--role decode needs --prefill-peer HOST:PORT")
-    if args.role != "single" and args.no_prefix_caching:
-        raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
     engine = LLMEngine(model, eargs)
     disagg = {}
     if args.role != "single":

@@ -189,13 +189,12 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
     prompt that extends an evicted prefix gets it copied back and hits it (outputs as without the tier)."""
     rng = np.random.RandomState(13)
     base = rng.randint(0, 1024, 150).tolist()
-    others = [rng.randint(0, 1024, 150).tolist() for _ in range(4)]
+    others = [rng.randint(0, 1024, 150).tolist() for _ in range(5)]
     follow = base + rng.randint(0, 1024, 20).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=3)
     res = {}
     for host_bytes in (64 << 20, 0):
-        eng = _engine(model, tmp_path_factory, max_num_seqs=4, seq_buckets=(4,), num_pages=40, num_slots=8,
-                      host_cache_bytes=host_bytes)
+        eng = _engine(model, tmp_path_factory, num_pages=40, num_slots=18, host_cache_bytes=host_bytes)
         for i, p in enumerate([base] + others):
             run_one(eng, p, params, f"p{i}")
         out = run_one(eng, follow, params, "f")
