@@ -66,7 +66,7 @@ class HostTier:
             self.bytes -= e.nbytes
         return e
 
-    def longest(self, hashes, unit: int, max_units: int, min_units: int) -> Optional[bytes]:
+    def longest(self, hashes, max_units: int, min_units: int) -> Optional[bytes]:
         """Key of the longest prefix in the tier with min_units < units <= max_units (refreshed as used)."""
         for m in range(min(max_units, len(hashes)), min_units, -1):
             if hashes[m - 1] in self._entries:
@@ -83,6 +83,16 @@ def _bucket(n: int) -> int:
 def _read(pools, pages, slot):
     return ([kv[pages] for kv in pools.mla_kv], [s[slot] for s in pools.kda_state],
             [c[slot] for c in pools.kda_conv])
+
+
+def read_entry(pools, ce) -> tuple:
+    """Device copies of a CacheEntry's data: (MLA pages per layer [rows padded to a power of two, ...], KDA state
+    per layer, conv state per layer, number of real rows: its full pages, then the partial one if any)."""
+    ids = list(ce.page_ids) + ([ce.partial_page] if ce.partial_page is not None else [])
+    pages = np.zeros(_bucket(max(len(ids), 1)), np.int32)
+    pages[:len(ids)] = ids
+    mla, state, conv = _read(pools, pages, np.int32(ce.slot_id))
+    return mla, state, conv, len(ids)
 
 
 def _write(pools, pages, slot, mla, state, conv):
@@ -103,11 +113,7 @@ class HostCacheIO:
 
     def save(self, ce) -> None:
         """PrefixCacheIndex.on_evict: copy an evicted checkpoint (a serving.prefix_cache.CacheEntry) out."""
-        ids = list(ce.page_ids) + ([ce.partial_page] if ce.partial_page is not None else [])
-        n = len(ids)
-        pages = np.zeros(_bucket(max(n, 1)), np.int32)
-        pages[:n] = ids
-        mla, state, conv = jax.device_get(_read(self.runner.pools, pages, np.int32(ce.slot_id)))
+        mla, state, conv, n = jax.device_get(read_entry(self.runner.pools, ce))
         self.tier.put(ce.checkpoint_hash, HostEntry(ce.num_tokens, list(ce.page_hashes), [np.array(m[:n]) for m in mla],
                                                     list(state), list(conv)))
 

@@ -23,9 +23,8 @@ import time
 from typing import Optional
 
 import jax
-import numpy as np
 
-from serving.host_tier import HostEntry, _bucket, _read
+from serving.host_tier import HostEntry, read_entry
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +40,10 @@ def export_prefix(engine, prompt_ids, extra_keys=None) -> Optional[tuple]:
     ce = cache.unit_checkpoint(hashes, (len(prompt_ids) - 1) // unit)
     if ce is None:
         return None
-    ids = list(ce.page_ids) + ([ce.partial_page] if ce.partial_page is not None else [])
-    pages = np.zeros(_bucket(max(len(ids), 1)), np.int32)
-    pages[:len(ids)] = ids
-    mla, state, conv = _read(engine.runner.pools, pages, np.int32(ce.slot_id))
+    mla, state, conv, rows = read_entry(engine.runner.pools, ce)
     flat = list(mla) + list(state) + list(conv)
     desc = {"num_tokens": ce.num_tokens, "checkpoint_hash": ce.checkpoint_hash.hex(),
-            "page_hashes": [h.hex() for h in ce.page_hashes], "num_rows": len(ids), "page_size": ps, "unit": unit,
+            "page_hashes": [h.hex() for h in ce.page_hashes], "num_rows": rows, "page_size": ps, "unit": unit,
             "layout": [len(mla), len(state)], "specs": [[list(x.shape), str(x.dtype)] for x in flat],
             "nbytes": int(sum(x.nbytes for x in flat))}
     return desc, flat

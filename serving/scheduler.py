@@ -289,7 +289,7 @@ class Scheduler:
             req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
         unit, ps = self.cfg.prefix_match_unit, self.cfg.page_size
         device = self.cache.lookup(req.prompt_ids, req.extra_keys, hashes=req.hashes, record=False).num_tokens
-        key = self.host.longest(req.hashes, unit, (len(req.prompt_ids) - 1) // unit, device // unit)
+        key = self.host.longest(req.hashes, (len(req.prompt_ids) - 1) // unit, device // unit)
         if key is None:
             return False
         entry = self.host.pop(key)

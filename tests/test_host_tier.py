@@ -13,7 +13,7 @@ def test_lru_stays_within_its_bytes_and_longest_refreshes():
     tier = HostTier(300)
     for k in (b"a", b"b", b"c"):
         tier.put(k, _entry(100))
-    assert tier.longest([b"x", b"a"], 16, 2, 0) == b"a"        # a is now the most recent
+    assert tier.longest([b"x", b"a"], 2, 0) == b"a"        # a is now the most recent
     tier.put(b"d", _entry(100))
     assert b"b" not in tier and {b"a", b"c", b"d"} <= set(tier._entries) and tier.bytes == 300
     tier.put(b"big", _entry(301))                              # larger than the whole tier: not kept
@@ -25,7 +25,7 @@ def test_longest_respects_the_unit_window():
     hashes = [b"h1", b"h2", b"h3", b"h4"]
     tier.put(b"h2", _entry(10))
     tier.put(b"h4", _entry(10))
-    assert tier.longest(hashes, 16, 4, 0) == b"h4"
-    assert tier.longest(hashes, 16, 3, 0) == b"h2"             # h4 would leave no token to compute
-    assert tier.longest(hashes, 16, 3, 2) is None              # the device already holds 2 units
+    assert tier.longest(hashes, 4, 0) == b"h4"
+    assert tier.longest(hashes, 3, 0) == b"h2"             # h4 would leave no token to compute
+    assert tier.longest(hashes, 3, 2) is None              # the device already holds 2 units
     assert tier.pop(b"h2").num_tokens == 16 and tier.bytes == 10
