@@ -194,7 +194,8 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     res = {}
     for host_bytes in (64 << 20, 0):
-        eng = _engine(model, tmp_path_factory, num_pages=40, num_slots=18, host_cache_bytes=host_bytes)
+        eng = _engine(model, tmp_path_factory, num_pages=40, num_slots=18, state_block_size=0,
+                      host_cache_bytes=host_bytes)
         for i, p in enumerate([base] + others):
             run_one(eng, p, params, f"p{i}")
         out = run_one(eng, follow, params, "f")
