@@ -38,6 +38,9 @@ def test_decode_server_matches_one_server_and_survives_its_peer(tmp_path_factory
         assert decode.metric("k3jax:disagg_remote_prefills") == 3
         assert decode.metric("k3jax:disagg_transfer_bytes") > 0
         assert prefill.metric("k3jax:prefix_cache_hit_tokens") > 0
+        for bad in ({"prompt_token_ids": "x"}, {"prompt_token_ids": [1, 10**9]}, {}):   # 400s in OpenAI's shape
+            r = httpx.post(prefill.url + "/internal/prefill", headers=H, json=bad, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         prefill.proc.kill()                             # the peer dies mid-run
         prefill.proc.wait(30)
         assert _complete(decode, prompts[3]) == ref[3]  # prefilled locally
