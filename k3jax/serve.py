@@ -54,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-match-unit", type=int, default=16, help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int, default=1024, help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--prefix-wait-steps", type=int, default=64,
+                    help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
+                         "up to this many steps instead of computing it again (0 = admit at once)")
+    ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
+                    help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
+                         "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
+    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
+                    help="largest log-probability difference a verified hit may show")
+    ap.add_argument("--host-cache-mb", type=int, default=0,
+                    help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
+                         "--role decode: at least 1024, entries from the prefill peer pass through it)")
+    dg = ap.add_argument_group("prefill/decode disaggregation")
+    dg.add_argument("--role", choices=["single", "prefill", "decode"], default="single",
+                    help="prefill: compute prompts for decode servers (POST /internal/prefill) and offer their cache "
+                         "entries; decode: serve clients, have --prefill-peer compute prompts, pull their entries")
+    dg.add_argument("--prefill-peer", default=None, help="HOST:PORT of the prefill server (--role decode)")
+    dg.add_argument("--prefill-timeout", type=float, default=30.0,
+                    help="seconds for the peer's prefill and for the transfer; past them the request prefills locally")
+    dg.add_argument("--transfer-address", default=None,
+                    help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
     ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
@@ -112,6 +132,7 @@ def follow(args) -> int:
 
 def build_state(args):
     from k3jax.api import load_model
+    from serving import multihost
     from serving.async_engine import AsyncEngine
     from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
@@ -119,6 +140,12 @@ def build_state(args):
     from serving.openai.metrics import Metrics
     from serving.multihost_watch import set_stage
 
+    if args.role != "single" and multihost.is_multiprocess():
+        raise ValueError(f"--role {args.role}: disaggregation runs single-process servers (no --coordinator)")
+    if args.role == "decode" and not args.prefill_peer:
+        raise ValueError("--role decode needs --prefill-peer HOST:PORT")
+    if args.role != "single" and args.no_prefix_caching:
+        raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
     t0 = time.perf_counter()
     set_stage("load")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
@@ -130,6 +157,9 @@ def build_state(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
+        prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
+        verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
+        host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
@@ -138,6 +168,14 @@ def build_state(args):
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)
+    disagg = {}
+    if args.role != "single":
+        from serving.kv_transfer import Transport
+        from serving.openai.disagg import PrefillPeer, PrefillService
+        transport = Transport(args.transfer_address or f"{args.host}:0")
+        disagg = ({"prefill_service": PrefillService(transport)} if args.role == "prefill" else
+                  {"prefill_peer": PrefillPeer(args.prefill_peer, transport, args.prefill_timeout, args.api_key)})
+        log.info("role %s: transfer server at %s", args.role, transport.address)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
@@ -145,7 +183,7 @@ def build_state(args):
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
-                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None)
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
 
 
 def _image_loader(model, args):

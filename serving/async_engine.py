@@ -33,6 +33,7 @@ class AsyncEngine:
         self._lock = threading.Condition()
         self._submit: list = []                  # (rid, prompt_ids, params, extras, future, queue, loop)
         self._aborts: list = []
+        self._calls: list = []                   # (fn, future, loop): fn(engine) run between steps
         self._streams: dict[str, tuple] = {}     # rid -> (queue, loop)
         self._stopping = False
         self._dead: Optional[BaseException] = None
@@ -68,6 +69,18 @@ class AsyncEngine:
             raise
         async for out in stream:
             yield out
+
+    def call(self, fn) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between two steps (the cache pools change every step, so
+        reading or writing them from elsewhere races); await the returned future for its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, fut, loop))
+            self._lock.notify()
+        return fut
 
     def abort(self, request_id: str):
         with self._lock:
@@ -150,18 +163,19 @@ class AsyncEngine:
 
     def _take_work(self):
         with self._lock:
-            while not (self._submit or self._aborts or self._stopping or self.engine.has_unfinished()):
+            while not (self._submit or self._aborts or self._calls or self._stopping or self.engine.has_unfinished()):
                 self._lock.wait()
             subs, self._submit = self._submit, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
             end, self._end_reason = self._end_reason, None
-            return subs, aborts, end
+            return subs, aborts, calls, end
 
     def _loop(self):
         eng = self.engine
         try:
             while True:
-                subs, aborts, end = self._take_work()
+                subs, aborts, calls, end = self._take_work()
                 if end is not None:
                     for rid in list(self._streams):
                         eng.abort(rid)
@@ -173,6 +187,12 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(_resolve, fut, None)
                     except (ValueError, QueueFullError) as e:
                         loop.call_soon_threadsafe(_resolve, fut, e)
+                for fn, fut, loop in calls:
+                    try:
+                        result, exc = fn(eng), None
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        result, exc = None, e
+                    loop.call_soon_threadsafe(_settle, fut, result, exc)
                 for rid in aborts:
                     if eng.abort(rid):
                         log.info("aborted %s", rid)
@@ -225,10 +245,14 @@ class RequestStream:
             self.close()
 
 
-def _resolve(fut, exc):
+def _settle(fut, result, exc):
     if fut.done():
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(exc)
+
+
+def _resolve(fut, exc):
+    _settle(fut, None, exc)

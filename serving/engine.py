@@ -19,10 +19,11 @@ import jax
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, device_free_bytes, size_pools
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
+from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
 from serving.runner import ModelRunner, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from serving.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LLMEngine:
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
+            prefix_wait_steps=args.prefix_wait_steps,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
@@ -74,6 +76,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        self.verifier = (PrefixCacheVerifier(args.verify_prefix_cache, args.verify_prefix_cache_tolerance, seed=args.seed)
+                         if args.verify_prefix_cache and args.enable_prefix_caching else None)
+        self.host_io = None
+        if args.host_cache_bytes and self.scheduler.cache is not None:
+            from serving import multihost
+            from serving.host_tier import HostCacheIO, HostTier
+            if multihost.is_multiprocess():
+                raise ValueError("host_cache_bytes: the host-memory tier needs a single-process engine")
+            self.host_io = HostCacheIO(self.runner, HostTier(args.host_cache_bytes))
+            self.scheduler.attach_host_tier(self.host_io.tier, self.host_io.save)
         self.encoder = None
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
@@ -203,8 +215,10 @@ class LLMEngine:
         runner substitutes them into the next step's input); _resolve replaces it with the token.
         Returns (device results, [(row, request, output index)]) or None when nothing was scheduled."""
         out = self.scheduler.schedule()
+        if out.restores:
+            self.host_io.restore(out.restores)
         if not out.chunks:
-            if self.scheduler.waiting and not self.scheduler.running and not in_flight:
+            if self.scheduler.waiting and not self.scheduler.running and not in_flight and not out.restores:
                 raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
             return None
         self.runner.copy_pages(out.page_copies)
@@ -238,6 +252,10 @@ class LLMEngine:
         for i, req, at in rows:
             if req.status == Status.FINISHED:     # aborted, or finished by its previous token
                 continue
+            if self.verifier is not None and self.verifier.owns(req):
+                self.verifier.recomputed(req, top_ids[i], top_vals[i])
+                self.scheduler.finish(req)
+                continue
             outputs.append(self._append(req, at, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
         return outputs
 
@@ -248,6 +266,8 @@ class LLMEngine:
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = now
+            if self.verifier is not None:
+                self._verify(req, top_ids, top_vals)
         req.last_token_time = now
         k = req.params.logprobs
         if k is not None:
@@ -264,6 +284,14 @@ class LLMEngine:
     def _forget(self, req: Request):
         self.requests.pop(req.request_id, None)
         self._sync_ids.discard(req.request_id)
+
+    def _verify(self, req: Request, top_ids, top_vals):
+        shadow = self.verifier.shadow_for(req, top_ids, top_vals)
+        if shadow is not None:
+            try:
+                self.scheduler.add(shadow)
+            except QueueFullError:
+                self.verifier.dropped(shadow)
 
     def output_of(self, req: Request, new_ids=()) -> RequestOutput:
         finished = req.status == Status.FINISHED
@@ -288,6 +316,8 @@ class LLMEngine:
         s = self.scheduler.stats()
         s.update(self.counters)
         s["num_compiles"] = self.runner.num_compiles
+        if self.verifier is not None:
+            s.update(self.verifier.stats)
         if self.encoder is not None:
             s.update(self.encoder.stats())
         return s

@@ -56,3 +56,10 @@ def fault_point(stage: str, process_index: int):
     if action == "raise":
         raise RuntimeError(f"injected fault (K3JAX_TEST_FAULT={spec})")
     os.kill(os.getpid(), {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}[action])
+
+
+def corrupt_checkpoint(engine, slot: int, scale: float = 1.0) -> None:
+    """Add `scale` to every entry of a KDA state slot in every KDA layer (a deliberately corrupted prefix-cache
+    checkpoint, for the prefix-cache verifier's tests). Single-process engines only."""
+    pools = engine.runner.pools
+    engine.runner.pools = pools.replace(kda_state=[s.at[slot].add(scale) for s in pools.kda_state])

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai import chat, completions
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
-from serving.openai.generation import ServerState
+from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -111,7 +111,27 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(state.engine.stats_snapshot), media_type="text/plain; version=0.0.4")
+        stats = state.engine.stats_snapshot
+        if state.prefill_peer is not None:
+            stats = {**stats, **state.prefill_peer.stats}
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    if state.prefill_service is not None:
+        @app.post("/internal/prefill", include_in_schema=False)
+        async def internal_prefill(request: Request):
+            """--role prefill: compute a prompt and offer its prefix-cache entry (serving/openai/disagg.py)."""
+            try:
+                body = await request.json()
+                ids = body["prompt_token_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                    raise ValueError
+            except Exception:  # noqa: BLE001 - any malformed body is the same 400
+                raise APIError(400, "prompt_token_ids: expected a non-empty list of token ids",
+                               param="prompt_token_ids") from None
+            try:
+                return await state.prefill_service.prefill(state.engine, ids)
+            except Exception as e:  # noqa: BLE001 - engine refusals become their 4xx / 503
+                raise engine_error(e) from e
 
     def model_card():
         return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3jax",
