@@ -126,6 +126,11 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
 
 
+# Rows per expert from which the expert MLP lets the up kernel gather token rows in place
+# (instead of an XLA gather writing T*k rows) and skips the rows of other devices' experts.
+GATHER_MIN_ROWS = 1 << 30  # off until measured (scripts/bench_moe.py --prefill)
+
+
 # Hopper's shared memory per block (227 KiB) less room for the epilogue.
 SMEM_LIMIT = 232448 - 4096
 
