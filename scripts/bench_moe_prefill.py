@@ -1,0 +1,253 @@
+"""MoE expert MLP at prefill (issue 25): bf16 vs MXFP4, fused MLP vs the plain grouped matmul.
+
+  python scripts/bench_moe.py --prefill [--deadline 200] [--json PATH]   # on the GPU, <= 4 min
+  python scripts/bench_moe.py --prefill --smoke                          # CPU script check
+
+Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tokens, 112 of
+896 experts top-16), in one run and one process:
+  - the plain bf16 grouped matmul of the up projection (D -> 2I as one weight) on the local
+    rows: the rate the fused MLP is held to;
+  - each stage alone as the new MLP runs it (up = fused gate+up+SiTU reading the token rows in
+    place, down = the second grouped matmul), bf16 and MXFP4, a few tilings each (MXFP4: weights
+    decoded in the kernel as the MMA's B operand, or as its A operand with swap_ab);
+  - the whole expert MLP (sort, up, down, combine): today's path at its default tiles, and the
+    new one ('gather' routing) with the fastest up / down tilings measured just before;
+  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s), each MLP's error vs the bf16
+    MLP on the dequantized weights (MXFP4) or today's bf16 MLP (bf16).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import moe
+from pallas_kernels.moe import grouped as gm
+from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe.schedule import Tiling
+
+T = Tiling
+# (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is today's default at these shapes
+BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 128, 128, 8, 3),
+           T(256, 64, 64, 8, 3)]
+BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 256, 8, 4)]
+Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3),
+        T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(256, 64, 64, 8, 3, True),
+        T(128, 64, 64, 4, 3, True), T(256, 128, 64, 8, 3, True)]
+Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3), T(256, 64, 128, 8, 3),
+          T(128, 64, 128, 8, 3, True), T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
+
+SHAPES = [  # label, tokens, d, inter, e_global, e_local, k
+    ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8),
+    ("K3-EP8 prefill 32k tok", 32768, 3584, 3072, 896, 112, 16),
+]
+
+
+def tname(t):
+  return f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float32)
+  ref = np.asarray(ref, np.float32)
+  return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+class Run:
+  """Rows of one run: (shape, op, tiling, us, TFLOP/s, note)."""
+
+  def __init__(self, time_fn, log, deadline):
+    self.time_fn, self.log, self.deadline, self.t0 = time_fn, log, deadline, time.time()
+    self.rows: list[dict] = []
+
+  def late(self, frac=1.0):
+    return time.time() - self.t0 > self.deadline * frac
+
+  def time(self, label, op, fn, args, flops, tiling=None, note=""):
+    try:
+      t = self.time_fn(fn, *args)
+    except Exception as e:  # noqa: BLE001 - a failing variant must not end the run
+      self.log(f"{label} {op} {tiling and tname(tiling)} FAILED: {type(e).__name__}: {str(e)[:300]}")
+      self.rows.append(dict(shape=label, op=op, tiling=tiling and tname(tiling), us=None,
+                            tflops=None, note="failed"))
+      return None
+    row = dict(shape=label, op=op, tiling=tiling and tname(tiling), us=t * 1e6,
+               tflops=flops / t / 1e12, note=note)
+    self.rows.append(row)
+    self.log(f"{label} {op} {row['tiling'] or ''}: {t * 1e6:.1f} us, {row['tflops']:.1f} TFLOP/s {note}")
+    return t
+
+  def sweep(self, label, op, make, args, flops, tilings, frac):
+    """Time make(tiling) for each tiling (until the deadline share); returns the fastest."""
+    best = (None, None)
+    for t in tilings:
+      if self.late(frac) and best[0] is not None:
+        break
+      tt = self.time(label, op, make(t), args, flops, t)
+      if tt is not None and (best[1] is None or tt < best[1]):
+        best = (t, tt)
+    return best
+
+
+def _inputs(tokens, d, inter, e_global, e_local, k):
+  key = jax.random.key(2)
+  ids = jnp.argsort(jax.random.uniform(key, (tokens, e_global)), axis=-1)[:, :k]
+  ids = jnp.where(ids < e_local, ids, -1).astype(jnp.int32)  # other devices' experts
+  wts = jax.random.uniform(jax.random.key(3), (tokens, k), jnp.float32)
+  x = jax.random.normal(jax.random.key(4), (tokens, d), jnp.bfloat16)
+  mk = lambda s, i: (jax.random.normal(jax.random.key(5 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+  return ids, wts, x, mk((e_local, d, inter), 0), mk((e_local, d, inter), 1), mk((e_local, inter, d), 2)
+
+
+def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
+  """All rows of one shape; its sweeps stop within window = (start, end) fractions of the
+  deadline, leaving the end of the window to the MLP rows."""
+  at = lambda f: window[0] + (window[1] - window[0]) * f
+  ids, wts, x, w1, w3, w2 = _inputs(tokens, d, inter, e_global, e_local, k)
+  tok, gs, _ = moe.sort_by_expert(ids, e_local)
+  rows = int(gs.sum())
+  flops_up, flops_down = 2.0 * rows * d * 2 * inter, 2.0 * rows * inter * d
+  flops_mlp = flops_up + flops_down
+  tot = e_global if e_global > e_local else None
+  avg = rows / e_local
+  label = f"{label} ({rows} local rows, {d}->{inter}x2->{d})"
+  act = functools.partial(kn.glu_activation, activation="situ")
+
+  # the plain grouped matmul, up projection as one weight, on the local rows only
+  xs_local = x[tok[:rows]]
+  w13 = jnp.concatenate([w1, w3], axis=-1)
+  run.time(label, "bf16 plain gmm (D -> 2I, one weight)", jax.jit(functools.partial(moe.gmm, tiling=PLAIN)),
+           (xs_local, w13, gs), flops_up, PLAIN)
+  del xs_local, w13
+
+  # stages alone, as the gather MLP runs them
+  up_bf16 = lambda t: jax.jit(lambda x, tok, gs: gm.run_bf16(x, (w1, w3), gs, tiling=t, act=act,
+                                                            row_index=tok, zero_tail=False))
+  best_up, _ = run.sweep(label, "bf16 up: fused gate+up+SiTU (gather)", up_bf16, (x, tok, gs),
+                         flops_up, BF16_UP, at(0.2))
+  h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
+  down_bf16 = lambda t: jax.jit(lambda h, gs: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False))
+  best_down, _ = run.sweep(label, "bf16 down gmm", down_bf16, (h, gs), flops_down, BF16_DOWN,
+                           at(0.3))
+
+  q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
+  q1, q3, q2 = q(w1), q(w3), q(w2)
+  shift = mx.x_shift(mx.DECODER)
+  xh = mx.to_halves(x, shift)
+  up_q = lambda t: jax.jit(lambda x, tok, gs: gm.run_mxfp4(
+      x, (*q1, *q3), gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True,
+      zero_tail=False, out_halves=True))
+  best_qup, _ = run.sweep(label, f"mxfp4 up: fused gate+up+SiTU ({mx.DECODER}, gather)", up_q,
+                          (xh, tok, gs), flops_up, Q_UP, at(0.55))
+  down_q = lambda t: jax.jit(lambda h, gs: gm.run_mxfp4(h, q2, gs, tiling=t, mode="kernel",
+                                                        x_halves=True, zero_tail=False))
+  best_qdown, _ = run.sweep(label, f"mxfp4 down gmm ({mx.DECODER})", down_q, (h, gs), flops_down,
+                            Q_DOWN, at(0.7))
+  del h
+
+  # whole MLPs
+  args = (x, ids, wts, w1, w3, w2)
+  mlp = lambda **kw: jax.jit(functools.partial(moe.expert_mlp, activation="situ",
+                                               num_experts_total=tot, **kw))
+  ref16 = mlp(gather=False)(*args)
+  run.time(label, "bf16 MLP, today (materialized rows, default tiles)", mlp(gather=False), args, flops_mlp)
+  if best_up and best_down:
+    f = mlp(gather=True, tiling=(best_up, best_down))
+    err = rel_err(f(*args), ref16)
+    run.time(label, "bf16 MLP, gather + fastest stages", f, args, flops_mlp,
+             note=f"up {tname(best_up)} / down {tname(best_down)}; rel err vs today {err:.1e}")
+  del w1, w3, w2
+  qargs = (x, ids, wts, q1, q3, q2)
+  deq = lambda w: jnp.swapaxes(moe.dequantize_mxfp4(w[0], w[1], jnp.bfloat16), 1, 2)
+  refq = jax.jit(lambda x, ids, wts, q1, q3, q2: moe.expert_mlp(
+      x, ids, wts, deq(q1), deq(q3), deq(q2), activation="situ", num_experts_total=tot,
+      gather=False))(*qargs)
+  qmlp = lambda **kw: jax.jit(functools.partial(moe.expert_mlp_mxfp4, activation="situ",
+                                                num_experts_total=tot, **kw))
+  variants = [("mxfp4 MLP, today (default: predequant above 128 rows/expert)", dict(gather=False))]
+  if best_up and best_down:
+    variants.append(("mxfp4 MLP, predequant + gather + fastest bf16 stages",
+                     dict(gather=True, mode="predequant", tiling=(best_up, best_down))))
+  if best_qup and best_qdown:
+    variants.append((f"mxfp4 MLP, in-kernel {mx.DECODER} + gather + fastest stages",
+                     dict(gather=True, mode="kernel", tiling=(best_qup, best_qdown))))
+  for op, kw in variants:
+    f = qmlp(**kw)
+    try:
+      err = f"rel err vs bf16 MLP on dequantized weights {rel_err(f(*qargs), refq):.1e}"
+    except Exception as e:  # noqa: BLE001
+      err = f"check failed: {type(e).__name__}"
+    tl = kw.get("tiling")
+    run.time(label, op, f, qargs, flops_mlp,
+             note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + err)
+  _ratios(run, label)
+
+
+def _ratios(run, label):
+  got = {r["op"]: r for r in run.rows if r["shape"] == label and r["tflops"]}
+  best = lambda prefix: max((r for op, r in got.items() if op.startswith(prefix)),
+                            key=lambda r: r["tflops"], default=None)
+  plain = got.get("bf16 plain gmm (D -> 2I, one weight)")
+  b16, q4 = best("bf16 MLP"), best("mxfp4 MLP")
+  up16 = best("bf16 up")
+  for what, a, b in (("mxfp4 MLP / bf16 MLP (best of each, TFLOP/s)", q4, b16),
+                     ("bf16 MLP / plain bf16 gmm", b16, plain),
+                     ("mxfp4 MLP / plain bf16 gmm", q4, plain),
+                     ("bf16 fused up / plain bf16 gmm", up16, plain)):
+    if a and b:
+      run.rows.append(dict(shape=label, op="ratio " + what, tiling=None, us=None,
+                           tflops=None, ratio=a["tflops"] / b["tflops"],
+                           note=f"{a['op']} vs {b['op']}"))
+
+
+def table(run, head):
+  lines = [head, "", "| shape | op | tiling | time us | TFLOP/s | ratio | note |",
+           "|---|---|---|---|---|---|---|"]
+  f = lambda v, s: "" if v is None else s.format(v)
+  for r in run.rows:
+    lines.append(f"| {r['shape']} | {r['op']} | {r['tiling'] or ''} | {f(r['us'], '{:.1f}')} | "
+                 f"{f(r['tflops'], '{:.1f}')} | {f(r.get('ratio'), '{:.3f}')} | {r['note']} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(a, time_fn, log, peak_f):
+  """Entry from bench_moe.py --prefill (a: its parsed args)."""
+  global BF16_UP, BF16_DOWN, Q_UP, Q_DOWN, PLAIN
+  shapes = SHAPES
+  if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
+    shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
+              for lab, tok, d, inter, eg, el, k in shapes]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[3:5], Q_DOWN[3:5]
+    small = lambda ts: [Tiling(16, 32, 16, t.num_warps, t.num_stages, t.swap_ab) for t in ts]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = map(small, (BF16_UP, BF16_DOWN, Q_UP, Q_DOWN))
+    PLAIN = Tiling(16, 32, 32)
+  if a.only:
+    shapes = [s for s in shapes if any(o in s[0] for o in a.only.split(","))]
+  run = Run(time_fn, log, a.deadline)
+  dev = jax.devices()[0].device_kind
+  head = (f"# MoE prefill (issue 25), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {dev}, "
+          f"jax {jax.__version__}, MXFP4 decoder {mx.DECODER}; bf16 matmul 8192^3 in this run "
+          f"{peak_f / 1e12:.0f} TFLOP/s")
+  for i, sh in enumerate(shapes):
+    log("==", sh[0])
+    bench_shape(run, *sh, window=(i / len(shapes), (i + 1) / len(shapes)))
+    _write(run, head, a)
+  print(_write(run, head, a), flush=True)
+
+
+def _write(run, head, a):
+  out = table(run, head)
+  if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "bench_moe_prefill.md"), "w") as fh:
+      fh.write(out)
+  if a.json:
+    with open(a.json, "w") as fh:
+      json.dump(run.rows, fh, indent=1)
+  return out
