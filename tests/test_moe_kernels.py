@@ -551,3 +551,71 @@ def test_default_tiles_fit_shared_memory(fused):
     t = sch.choose_tiling(16 * 8, 2304, 2048, 256, fused=True)
     assert t.bm == 16 and t.num_stages == 4
     assert sch.choose_tiling(1024 * 8, 2304, 2048, 256, fused=True).num_stages == 3
+
+
+# ------------------------- issue 25: rows gathered in the kernel, MXFP4 halves order, local combine
+
+def test_combine_valid_rows_never_reads_rows_past_the_groups():
+  """Rows past valid_rows (other devices' experts, left unwritten by the kernels) are poisoned
+  with NaN: the combine must neither read them nor let them through."""
+  r = _rng(21)
+  ids = jnp.asarray([[0, 5], [1, 0], [-1, 2]], jnp.int32)  # E=3 local; 5 and -1 are foreign
+  tok, gs, inv = moe.sort_by_expert(ids, 3)
+  y = np.asarray(r.standard_normal((6, 4)), np.float32)
+  y[4:] = np.nan  # 4 local rows
+  wts = r.random((3, 2)).astype(np.float32)
+  out = np.asarray(moe.combine(jnp.asarray(y), jnp.asarray(wts), inv, valid_rows=jnp.sum(gs)))
+  flat_inv = np.asarray(inv).reshape(3, 2)
+  ref = np.zeros((3, 4), np.float64)
+  for t in range(3):
+    for j in range(2):
+      if 0 <= int(ids[t, j]) < 3:
+        ref[t] += wts[t, j] * y[flat_inv[t, j]]
+  np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
+def test_mxfp4_halves_output_is_the_next_kernels_input():
+  """out_halves writes [even columns | odd columns] * 2^shift: bit for bit to_halves of the plain
+  output; a down kernel fed that (x_halves) equals the plain chain."""
+  from pallas_kernels.moe import mxfp4 as mxm
+  x, packed, scales, gs = _mxfp4_case(22, 40, 64, 64, [20, 0, 17, 3], (115, 135))
+  shift = mxm.x_shift(mxm.DECODER)
+  t = Tiling(16, 32, 32)
+  plain = gm.run_mxfp4(x, (packed, scales), gs, tiling=t, mode="kernel", interpret=True)
+  halves = gm.run_mxfp4(mxm.to_halves(x, shift), (packed, scales), gs, tiling=t, mode="kernel",
+                        interpret=True, x_halves=True, out_halves=True)
+  np.testing.assert_array_equal(np.asarray(halves, np.float32),
+                                np.asarray(mxm.to_halves(plain, shift), np.float32))
+  p2, s2 = moe.quantize_mxfp4(jnp.asarray(_rng(23).standard_normal((4, 32, 64)) / 8, jnp.float32))
+  down = gm.run_mxfp4(halves, (p2, s2), gs, tiling=t, mode="kernel", interpret=True, x_halves=True)
+  ref = moe.gmm_mxfp4_reference(plain, p2, s2, gs)
+  _close(down[:40], ref[:40])
+
+
+@pytest.mark.parametrize("fmt,swap", [("bf16", False), ("mxfp4", False), ("mxfp4", True)])
+def test_expert_mlp_gather_expert_parallel_matches_numpy(fmt, swap):
+  """The gather routing (token rows read by the up kernel, rows past the local groups never
+  written nor read) with other devices' experts among the ids and several row tiles per expert,
+  vs the float64 loop over the local experts; MXFP4 with the weights as either MMA operand."""
+  r = _rng(24)
+  t, d, i, e_loc, e_tot, k = 24, 64, 64, 3, 6, 3
+  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
+  local = np.where(ids < e_loc, ids, -1)
+  x = _bf16(r.standard_normal((t, d)))
+  wts = r.random((t, k)).astype(np.float32)
+  ws = [jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32)
+        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
+  q1, q3, q2 = (moe.quantize_mxfp4(w) for w in ws)
+  deq = lambda q: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
+  ref = _np_moe(x, np.maximum(local, 0), np.where(local >= 0, wts, 0.0), deq(q1), deq(q3), deq(q2),
+                "situ")
+  tiles = (Tiling(16, 32, 16, 2, 3, swap), Tiling(16, 32, 32, 2, 3, swap))
+  kw = dict(activation="situ", interpret=True, tiling=tiles, gather=True, num_experts_total=e_tot)
+  if fmt == "bf16":
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts),
+                         *(jnp.asarray(deq(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, mode="kernel",
+                               **kw)
+  assert out.shape == x.shape and np.all(np.isfinite(np.asarray(out, np.float32)))
+  _close(out, ref, rel=2e-2)
