@@ -36,12 +36,13 @@ T = Tiling
 # (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is today's default at these shapes
 BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 128, 128, 8, 3),
            T(256, 64, 64, 8, 3)]
-BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 256, 8, 4)]
-Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3),
+BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 256, 8, 4), T(256, 64, 128, 8, 3)]
+Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3), T(256, 64, 64, 8, 3),
         T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(256, 64, 64, 8, 3, True),
         T(128, 64, 64, 4, 3, True), T(256, 128, 64, 8, 3, True)]
 Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3), T(256, 64, 128, 8, 3),
-          T(128, 64, 128, 8, 3, True), T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+          T(128, 64, 128, 8, 3, True), T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True),
+          T(256, 128, 128, 8, 3, True)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 
 SHAPES = [  # label, tokens, d, inter, e_global, e_local, k
@@ -224,7 +225,7 @@ def main(a, time_fn, log, peak_f):
   if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
     shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
               for lab, tok, d, inter, eg, el, k in shapes]
-    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[3:5], Q_DOWN[3:5]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[4:6], Q_DOWN[3:5]
     small = lambda ts: [Tiling(16, 32, 16, t.num_warps, t.num_stages, t.swap_ab) for t in ts]
     BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = map(small, (BF16_UP, BF16_DOWN, Q_UP, Q_DOWN))
     PLAIN = Tiling(16, 32, 32)
