@@ -421,6 +421,28 @@ def test_choose_tiling_avg_rows_hint(monkeypatch):
   assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
+def _ep_case(seed, t, d, i, e_loc, e_tot, k, activation):
+  """Expert-parallel MLP inputs: ids over e_tot experts (those >= e_loc -> -1, another device's),
+  MXFP4 experts (q1, q3, q2), and the float64 loop over the local experts on their dequantized
+  values."""
+  r = _rng(seed)
+  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[0, 0] = 1
+  x = _bf16(r.standard_normal((t, d)))
+  wts = r.random((t, k)).astype(np.float32)
+  qs = [moe.quantize_mxfp4(jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32))
+        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
+  local = np.where(ids < e_loc, ids, -1)
+  ref = _np_moe(x, np.maximum(local, 0), np.where(local >= 0, wts, 0.0),
+                *(_deq_in_out(q) for q in qs), activation)
+  return x, local, wts, qs, ref
+
+
+def _deq_in_out(q):
+  """MXFP4 (packed, scales) in HF [E, out, in] -> float32 numpy [E, in, out]."""
+  return np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
+
+
 def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
   """Under expert parallelism most rows belong to other devices' experts: num_experts_total
   sizes the tiles from the local rows (bm 16 here, bm 64 without it); same result either way
@@ -429,19 +451,8 @@ def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
   orig = kn.grouped_matmul
   monkeypatch.setattr(gm.kn, "grouped_matmul",
                       lambda *a, **kw: seen.append(kw["tiling"]) or orig(*a, **kw))
-  r = _rng(13)
-  t, d, i, e_loc, e_tot, k = 32, 64, 32, 4, 32, 8
-  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
-  ids[0, 0] = 1
-  x = _bf16(r.standard_normal((t, d)))
-  wts = r.random((t, k)).astype(np.float32)
-  ws = [jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32)
-        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
-  q1, q3, q2 = (moe.quantize_mxfp4(w) for w in ws)
-  deq = lambda q: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
-  local = np.where(ids < e_loc, ids, -1)
-  wl = np.where(local >= 0, wts, 0.0)
-  ref = _np_moe(x, np.maximum(local, 0), wl, deq(q1), deq(q3), deq(q2), "silu")
+  e_tot = 32
+  x, local, wts, (q1, q3, q2), ref = _ep_case(13, 32, 64, 32, 4, e_tot, 8, "silu")
   for total, bm in ((None, 64), (e_tot, 16)):
     seen.clear()
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2,
@@ -597,23 +608,13 @@ def test_expert_mlp_gather_expert_parallel_matches_numpy(fmt, swap):
   """The gather routing (token rows read by the up kernel, rows past the local groups never
   written nor read) with other devices' experts among the ids and several row tiles per expert,
   vs the float64 loop over the local experts; MXFP4 with the weights as either MMA operand."""
-  r = _rng(24)
-  t, d, i, e_loc, e_tot, k = 24, 64, 64, 3, 6, 3
-  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
-  local = np.where(ids < e_loc, ids, -1)
-  x = _bf16(r.standard_normal((t, d)))
-  wts = r.random((t, k)).astype(np.float32)
-  ws = [jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32)
-        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
-  q1, q3, q2 = (moe.quantize_mxfp4(w) for w in ws)
-  deq = lambda q: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
-  ref = _np_moe(x, np.maximum(local, 0), np.where(local >= 0, wts, 0.0), deq(q1), deq(q3), deq(q2),
-                "situ")
+  e_tot = 6
+  x, local, wts, (q1, q3, q2), ref = _ep_case(24, 24, 64, 64, 3, e_tot, 3, "situ")
   tiles = (Tiling(16, 32, 16, 2, 3, swap), Tiling(16, 32, 32, 2, 3, swap))
   kw = dict(activation="situ", interpret=True, tiling=tiles, gather=True, num_experts_total=e_tot)
   if fmt == "bf16":
     out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts),
-                         *(jnp.asarray(deq(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
+                         *(jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
   else:
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, mode="kernel",
                                **kw)
