@@ -133,6 +133,12 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
                                                             row_index=tok, zero_tail=False))
   best_up, _ = run.sweep(label, "bf16 up: fused gate+up+SiTU (gather)", up_bf16, (x, tok, gs),
                          flops_up, BF16_UP, at(0.2))
+  if best_up:  # the same kernel on materialized rows: what the in-kernel gather costs or saves
+    xs = x[tok]
+    run.time(label, "bf16 up: fused gate+up+SiTU (rows materialized)", jax.jit(
+        lambda xs, gs: gm.run_bf16(xs, (w1, w3), gs, tiling=best_up, act=act, zero_tail=False)),
+        (xs, gs), flops_up, best_up)
+    del xs
   h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
   down_bf16 = lambda t: jax.jit(lambda h, gs: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False))
   best_down, _ = run.sweep(label, "bf16 down gmm", down_bf16, (h, gs), flops_down, BF16_DOWN,
