@@ -34,21 +34,19 @@ from pallas_kernels.moe.schedule import Tiling
 
 T = Tiling
 # (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is today's default at these shapes
-BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 128, 128, 8, 3),
-           T(256, 64, 64, 8, 3)]
-BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 256, 8, 4), T(256, 64, 128, 8, 3)]
-Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3), T(256, 64, 64, 8, 3),
-        T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(256, 64, 64, 8, 3, True),
-        T(128, 64, 64, 4, 3, True), T(256, 128, 64, 8, 3, True)]
-Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 128, 128, 8, 3), T(256, 64, 128, 8, 3),
-          T(128, 64, 128, 8, 3, True), T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True),
-          T(256, 128, 128, 8, 3, True)]
+BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 128, 128, 8, 3)]
+BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(256, 64, 128, 8, 3)]
+Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(256, 64, 64, 8, 3),
+        T(128, 64, 128, 8, 3, True), T(256, 64, 64, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 128, 8, 3, True),
+          T(256, 64, 128, 8, 3, True)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 
-SHAPES = [  # label, tokens, d, inter, e_global, e_local, k
-    ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8),
+SHAPES = [  # label, tokens, d, inter, e_global, e_local, k (K3 first: the shape with the targets)
     ("K3-EP8 prefill 32k tok", 32768, 3584, 3072, 896, 112, 16),
+    ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8),
 ]
+COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the variants side by side
 
 
 def tname(t):
@@ -61,8 +59,14 @@ def rel_err(out, ref):
   return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
 
 
+def compile_fn(fn, args):
+  """Ahead-of-time compile; every array is an argument (a closed-over weight would be captured as
+  a constant of the program: GBs, and minutes of compile)."""
+  return jax.jit(fn).lower(*args).compile()
+
+
 class Run:
-  """Rows of one run: (shape, op, tiling, us, TFLOP/s, note)."""
+  """Rows of one run: dicts (shape, op, tiling, us, tflops, note)."""
 
   def __init__(self, time_fn, log, deadline):
     self.time_fn, self.log, self.deadline, self.t0 = time_fn, log, deadline, time.time()
@@ -71,30 +75,48 @@ class Run:
   def late(self, frac=1.0):
     return time.time() - self.t0 > self.deadline * frac
 
+  def _row(self, label, op, tiling, t, flops, note):
+    row = dict(shape=label, op=op, tiling=tiling and tname(tiling), us=t and t * 1e6,
+               tflops=t and flops / t / 1e12, note=note)
+    self.rows.append(row)
+    self.log(f"{label} {op} {row['tiling'] or ''}: " +
+             (f"{t * 1e6:.1f} us, {row['tflops']:.1f} TFLOP/s {note}" if t else note))
+
   def time(self, label, op, fn, args, flops, tiling=None, note=""):
     try:
       t = self.time_fn(fn, *args)
     except Exception as e:  # noqa: BLE001 - a failing variant must not end the run
-      self.log(f"{label} {op} {tiling and tname(tiling)} FAILED: {type(e).__name__}: {str(e)[:300]}")
-      self.rows.append(dict(shape=label, op=op, tiling=tiling and tname(tiling), us=None,
-                            tflops=None, note="failed"))
+      self._row(label, op, tiling, None, flops, f"failed: {type(e).__name__}: {str(e)[:200]}")
       return None
-    row = dict(shape=label, op=op, tiling=tiling and tname(tiling), us=t * 1e6,
-               tflops=flops / t / 1e12, note=note)
-    self.rows.append(row)
-    self.log(f"{label} {op} {row['tiling'] or ''}: {t * 1e6:.1f} us, {row['tflops']:.1f} TFLOP/s {note}")
+    self._row(label, op, tiling, t, flops, note)
     return t
 
-  def sweep(self, label, op, make, args, flops, tilings, frac):
-    """Time make(tiling) for each tiling (until the deadline share); returns the fastest."""
-    best = (None, None)
-    for t in tilings:
-      if self.late(frac) and best[0] is not None:
-        break
-      tt = self.time(label, op, make(t), args, flops, t)
-      if tt is not None and (best[1] is None or tt < best[1]):
-        best = (t, tt)
-    return best
+  def sweep(self, label, groups, frac):
+    """groups: [(op, fn(tiling) -> callable of args, args, flops, tilings)]. Compiles every
+    variant side by side, then times them one after another (nothing else running: a compile
+    thread holding the GIL would starve the timed loop's dispatch) until frac of the deadline,
+    at least one per op. Returns {op: fastest tiling or None}."""
+    jobs = [(op, t, args, flops, make(t)) for op, make, args, flops, tilings in groups for t in tilings]
+    done = compile_all([(fn, args) for _, _, args, _, fn in jobs])
+    best = {op: (None, None) for op, *_ in groups}
+    for (op, t, args, flops, _), (exe, err) in zip(jobs, done):
+      if err is not None:
+        self._row(label, op, t, None, flops, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
+      elif self.late(frac) and best[op][0] is not None:
+        self._row(label, op, t, None, flops, "skipped: deadline")
+      else:
+        tt = self.time(label, op, exe, args, flops, t)
+        if tt is not None and (best[op][1] is None or tt < best[op][1]):
+          best[op] = (t, tt)
+    return {op: b[0] for op, b in best.items()}
+
+
+def compile_all(jobs):
+  """[(fn, args)] -> [(compiled or None, exception or None)], compiled on a thread pool."""
+  from concurrent.futures import ThreadPoolExecutor
+  with ThreadPoolExecutor(COMPILE_THREADS) as pool:
+    futs = [pool.submit(compile_fn, fn, args) for fn, args in jobs]
+  return [(None, f.exception()) if f.exception() else (f.result(), None) for f in futs]
 
 
 def _inputs(tokens, d, inter, e_global, e_local, k):
@@ -107,9 +129,34 @@ def _inputs(tokens, d, inter, e_global, e_local, k):
   return ids, wts, x, mk((e_local, d, inter), 0), mk((e_local, d, inter), 1), mk((e_local, inter, d), 2)
 
 
+UP16 = "bf16 up: fused gate+up+SiTU (gather)"
+DOWN16 = "bf16 down gmm"
+UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves out)"
+DOWNQ = "mxfp4 down gmm (halves in)"
+
+
+def _stage_groups(act, x, tok, gs, h, hq, ws, qs, flops_up, flops_down):
+  """The four stage sweeps, each array an argument of the function it times."""
+  w1, w3, w2 = ws
+  (p1, s1), (p3, s3), (p2, s2) = qs
+  xh = mx.to_halves(x, mx.x_shift(mx.DECODER))
+  up16 = lambda t: lambda x, tok, gs, w1, w3: gm.run_bf16(
+      x, (w1, w3), gs, tiling=t, act=act, row_index=tok, zero_tail=False)
+  down16 = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
+  upq = lambda t: lambda x, tok, gs, p1, s1, p3, s3: gm.run_mxfp4(
+      x, (p1, s1, p3, s3), gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True,
+      zero_tail=False, out_halves=True)
+  downq = lambda t: lambda h, gs, p2, s2: gm.run_mxfp4(h, (p2, s2), gs, tiling=t, mode="kernel",
+                                                       x_halves=True, zero_tail=False)
+  return [(UP16, up16, (x, tok, gs, w1, w3), flops_up, BF16_UP),
+          (DOWN16, down16, (h, gs, w2), flops_down, BF16_DOWN),
+          (UPQ, upq, (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
+          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN)]
+
+
 def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
-  """All rows of one shape; its sweeps stop within window = (start, end) fractions of the
-  deadline, leaving the end of the window to the MLP rows."""
+  """All rows of one shape; its sweeps stop at 55% of window = (start, end) fractions of the
+  deadline, the MLP rows follow (today's paths only while the window lasts)."""
   at = lambda f: window[0] + (window[1] - window[0]) * f
   ids, wts, x, w1, w3, w2 = _inputs(tokens, d, inter, e_global, e_local, k)
   tok, gs, _ = moe.sort_by_expert(ids, e_local)
@@ -117,7 +164,6 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
   flops_up, flops_down = 2.0 * rows * d * 2 * inter, 2.0 * rows * inter * d
   flops_mlp = flops_up + flops_down
   tot = e_global if e_global > e_local else None
-  avg = rows / e_local
   label = f"{label} ({rows} local rows, {d}->{inter}x2->{d})"
   act = functools.partial(kn.glu_activation, activation="situ")
 
@@ -128,72 +174,56 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
            (xs_local, w13, gs), flops_up, PLAIN)
   del xs_local, w13
 
-  # stages alone, as the gather MLP runs them
-  up_bf16 = lambda t: jax.jit(lambda x, tok, gs: gm.run_bf16(x, (w1, w3), gs, tiling=t, act=act,
-                                                            row_index=tok, zero_tail=False))
-  best_up, _ = run.sweep(label, "bf16 up: fused gate+up+SiTU (gather)", up_bf16, (x, tok, gs),
-                         flops_up, BF16_UP, at(0.2))
-  if best_up:  # the same kernel on materialized rows: what the in-kernel gather costs or saves
-    xs = x[tok]
-    run.time(label, "bf16 up: fused gate+up+SiTU (rows materialized)", jax.jit(
-        lambda xs, gs: gm.run_bf16(xs, (w1, w3), gs, tiling=best_up, act=act, zero_tail=False)),
-        (xs, gs), flops_up, best_up)
-    del xs
-  h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
-  down_bf16 = lambda t: jax.jit(lambda h, gs: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False))
-  best_down, _ = run.sweep(label, "bf16 down gmm", down_bf16, (h, gs), flops_down, BF16_DOWN,
-                           at(0.3))
-
   q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
-  q1, q3, q2 = q(w1), q(w3), q(w2)
-  shift = mx.x_shift(mx.DECODER)
-  xh = mx.to_halves(x, shift)
-  up_q = lambda t: jax.jit(lambda x, tok, gs: gm.run_mxfp4(
-      x, (*q1, *q3), gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True,
-      zero_tail=False, out_halves=True))
-  best_qup, _ = run.sweep(label, f"mxfp4 up: fused gate+up+SiTU ({mx.DECODER}, gather)", up_q,
-                          (xh, tok, gs), flops_up, Q_UP, at(0.55))
-  down_q = lambda t: jax.jit(lambda h, gs: gm.run_mxfp4(h, q2, gs, tiling=t, mode="kernel",
-                                                        x_halves=True, zero_tail=False))
-  best_qdown, _ = run.sweep(label, f"mxfp4 down gmm ({mx.DECODER})", down_q, (h, gs), flops_down,
-                            Q_DOWN, at(0.7))
-  del h
+  qs = (q(w1), q(w3), q(w2))
+  h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
+  hq = h * jnp.asarray(2.0 ** mx.x_shift(mx.DECODER), h.dtype)
+  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, hq, (w1, w3, w2), qs, flops_up,
+                                        flops_down), at(0.55))
+  del h, hq
 
-  # whole MLPs
+  # whole MLPs (compiled side by side, then run one after another); the bf16 MLP's program is the
+  # MXFP4 rows' reference too (the same shapes, fed the dequantized weights)
   args = (x, ids, wts, w1, w3, w2)
-  mlp = lambda **kw: jax.jit(functools.partial(moe.expert_mlp, activation="situ",
-                                               num_experts_total=tot, **kw))
-  ref16 = mlp(gather=False)(*args)
-  run.time(label, "bf16 MLP, today (materialized rows, default tiles)", mlp(gather=False), args, flops_mlp)
-  if best_up and best_down:
-    f = mlp(gather=True, tiling=(best_up, best_down))
-    err = rel_err(f(*args), ref16)
-    run.time(label, "bf16 MLP, gather + fastest stages", f, args, flops_mlp,
-             note=f"up {tname(best_up)} / down {tname(best_down)}; rel err vs today {err:.1e}")
-  del w1, w3, w2
-  qargs = (x, ids, wts, q1, q3, q2)
-  deq = lambda w: jnp.swapaxes(moe.dequantize_mxfp4(w[0], w[1], jnp.bfloat16), 1, 2)
-  refq = jax.jit(lambda x, ids, wts, q1, q3, q2: moe.expert_mlp(
-      x, ids, wts, deq(q1), deq(q3), deq(q2), activation="situ", num_experts_total=tot,
-      gather=False))(*qargs)
-  qmlp = lambda **kw: jax.jit(functools.partial(moe.expert_mlp_mxfp4, activation="situ",
-                                                num_experts_total=tot, **kw))
-  variants = [("mxfp4 MLP, today (default: predequant above 128 rows/expert)", dict(gather=False))]
-  if best_up and best_down:
-    variants.append(("mxfp4 MLP, predequant + gather + fastest bf16 stages",
-                     dict(gather=True, mode="predequant", tiling=(best_up, best_down))))
-  if best_qup and best_qdown:
+  qargs = (x, ids, wts, *qs)
+  mlp = lambda **kw: functools.partial(moe.expert_mlp, activation="situ", num_experts_total=tot, **kw)
+  qmlp = lambda **kw: functools.partial(moe.expert_mlp_mxfp4, activation="situ",
+                                        num_experts_total=tot, **kw)
+  b16, bq = (best[UP16], best[DOWN16]), (best[UPQ], best[DOWNQ])
+  variants = [("bf16 MLP, today (materialized rows, default tiles)", mlp(gather=False), args, None)]
+  if all(b16):
+    variants.append(("bf16 MLP, gather + fastest stages", mlp(gather=True, tiling=b16), args, b16))
+  if all(bq):
     variants.append((f"mxfp4 MLP, in-kernel {mx.DECODER} + gather + fastest stages",
-                     dict(gather=True, mode="kernel", tiling=(best_qup, best_qdown))))
-  for op, kw in variants:
-    f = qmlp(**kw)
+                     qmlp(gather=True, mode="kernel", tiling=bq), qargs, bq))
+  if all(b16):
+    variants.append(("mxfp4 MLP, predequant + gather + fastest bf16 stages",
+                     qmlp(gather=True, mode="predequant", tiling=b16), qargs, b16))
+  variants.append(("mxfp4 MLP, today (predequant above 128 rows/expert)", qmlp(gather=False), qargs,
+                   None))
+  deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0], q[1], jnp.bfloat16), 1, 2)
+  done = compile_all([(fn, a) for _, fn, a, _ in variants] + [(deq, (qs[0],)), (deq, (qs[2],))])
+  exes = {op: ex for (op, *_), ex in zip(variants, done)}
+  (deq_up, _), (deq_down, _) = done[-2:]
+  ref16, _ = exes[variants[0][0]]
+  ref16 = ref16 and ref16(*args)
+  f16 = exes.get("bf16 MLP, gather + fastest stages", (None, None))[0] or exes[variants[0][0]][0]
+  refq = None
+  if f16 is not None and deq_up is not None and deq_down is not None:
+    refq = f16(x, ids, wts, deq_up(qs[0]), deq_up(qs[1]), deq_down(qs[2]))
+  for op, _, a, tl in variants:
+    exe, err = exes[op]
+    if err is not None:
+      run._row(label, op, None, None, flops_mlp, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
+      continue
+    ref = (None if op == variants[0][0] else ref16) if a is args else refq
+    what = "today's bf16 MLP" if a is args else "bf16 MLP on dequantized weights"
     try:
-      err = f"rel err vs bf16 MLP on dequantized weights {rel_err(f(*qargs), refq):.1e}"
+      note = "" if ref is None else f"rel err vs {what} {rel_err(exe(*a), ref):.1e}"
     except Exception as e:  # noqa: BLE001
-      err = f"check failed: {type(e).__name__}"
-    tl = kw.get("tiling")
-    run.time(label, op, f, qargs, flops_mlp,
-             note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + err)
+      note = f"check failed: {type(e).__name__}: {str(e)[:200]}"
+    run.time(label, op, exe, a, flops_mlp,
+             note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + note)
   _ratios(run, label)
 
 
@@ -231,7 +261,7 @@ def main(a, time_fn, log, peak_f):
   if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
     shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
               for lab, tok, d, inter, eg, el, k in shapes]
-    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[4:6], Q_DOWN[3:5]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[2:4], Q_DOWN[1:3]
     small = lambda ts: [Tiling(16, 32, 16, t.num_warps, t.num_stages, t.swap_ab) for t in ts]
     BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = map(small, (BF16_UP, BF16_DOWN, Q_UP, Q_DOWN))
     PLAIN = Tiling(16, 32, 32)
