@@ -106,7 +106,8 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   mode 'kernel': decode in the kernel's main loop, each weight tile decoded once per row tile
   (decode tiles when few rows per expert, schedule.choose_tiling's prefill tiles otherwise).
   mode 'predequant': one XLA pass writes bf16 [G, N, K] and the bf16 kernel reads it.
-  None: 'predequant' when the average group has >= 128 rows (avg_rows, else M / G), else 'kernel'.
+  None: 'predequant' when the average group has >= schedule.PREDEQUANT_MIN_ROWS rows (avg_rows, else
+  M / G), else 'kernel'.
   row_index, zero_tail: as run_bf16. x_halves: lhs is already mxfp4.to_halves(x, shift).
   out_halves: write the output in halves order, times 2^shift (the next MXFP4 kernel's x_halves
   operand); needs N % (2 bn) == 0.
@@ -119,7 +120,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   _check_groups(group_sizes, ws[0])
   if mode is None:
     avg = m / g if avg_rows is None else avg_rows
-    mode = "predequant" if avg >= 128 and not x_halves else "kernel"
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not x_halves else "kernel"
   rn = (-n) % 16
   if rn:
     if out_halves:

@@ -90,7 +90,7 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      mode=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
-  mode: grouped.run_mxfp4's (None: by rows per expert). With gather (and mode 'kernel') x goes
+  mode: grouped.run_mxfp4's (None: by rows per expert). With gather and mode 'kernel' x goes
   to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
   kernel: no split pass over the rows."""
   act = _act(activation, situ_beta, situ_linear_beta)
@@ -98,8 +98,10 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
   avg = _avg_rows(topk_ids, w1[0].shape[0], num_experts_total)
   use_gather = _use_gather(gather, avg)
-  halves = use_gather and mode in (None, "kernel")
-  kw = dict(act=None, avg_rows=avg, mode="kernel" if halves else mode, zero_tail=not use_gather)
+  if mode is None:
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS else "kernel"
+  halves = use_gather and mode == "kernel"
+  kw = dict(act=None, avg_rows=avg, mode=mode, zero_tail=not use_gather)
 
   def kernel(xs, tok, gs, interp):
     if halves:
