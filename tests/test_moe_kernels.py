@@ -620,3 +620,29 @@ def test_expert_mlp_gather_expert_parallel_matches_numpy(fmt, swap):
                                **kw)
   assert out.shape == x.shape and np.all(np.isfinite(np.asarray(out, np.float32)))
   _close(out, ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_prefill_defaults(fmt, monkeypatch):
+  """At prefill (here 80 rows per expert) the MLP runs what scripts/bench_moe.py --prefill
+  measured: schedule.PREFILL_TILES, rows gathered in the kernel from GATHER_MIN_ROWS on, MXFP4
+  decoded in the kernel below PREDEQUANT_MIN_ROWS; and stays equal to the float64 loop."""
+  from pallas_kernels.moe import schedule as sch
+  seen = []
+  orig = kn.grouped_matmul
+  monkeypatch.setattr(gm.kn, "grouped_matmul", lambda *a, **kw: seen.append(kw) or orig(*a, **kw))
+  x, local, wts, (q1, q3, q2), ref = _ep_case(25, 80, 64, 64, 2, 2, 2, "silu")
+  kw = dict(activation="silu", interpret=True)
+  if fmt == "bf16":
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts),
+                         *(jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, **kw)
+  _close(out, ref, rel=2e-2)
+  mx4 = fmt == "mxfp4"
+  want_fmt = ("mxfp4" if 80 < sch.PREDEQUANT_MIN_ROWS else "bf16t") if mx4 else "bf16"
+  assert [s["fmt"] for s in seen] == [want_fmt] * 2
+  for s, fused in zip(seen, (True, False)):
+    t = sch.PREFILL_TILES[(mx4 and want_fmt == "mxfp4", fused)]
+    assert (s["tiling"].bm, s["tiling"].swap_ab, s["tiling"].num_warps) == (128, t.swap_ab, t.num_warps)
+  assert (seen[0]["row_index"] is not None) == (80 >= sch.GATHER_MIN_ROWS)
