@@ -646,3 +646,14 @@ def test_expert_mlp_prefill_defaults(fmt, monkeypatch):
     t = sch.PREFILL_TILES[(mx4 and want_fmt == "mxfp4", fused)]
     assert (s["tiling"].bm, s["tiling"].swap_ab, s["tiling"].num_warps) == (128, t.swap_ab, t.num_warps)
   assert (seen[0]["row_index"] is not None) == (80 >= sch.GATHER_MIN_ROWS)
+
+
+def test_prefill_tiles_survive_the_shared_memory_check():
+  """The measured prefill winners come out of choose_tiling unchanged at the bench shapes (the
+  shared-memory loop would silently drop a stage)."""
+  from pallas_kernels.moe import schedule as sch
+  for (k, n), fused in (((3584, 3072), True), ((3072, 3584), False), ((2304, 1024), True),
+                        ((1024, 2304), False)):
+    for mx4 in (False, True):
+      assert sch.choose_tiling(524288, k, n, 112, mxfp4=mx4, fused=fused, avg_rows=585.0) == \
+          sch.PREFILL_TILES[(mx4, fused)]
