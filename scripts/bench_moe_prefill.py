@@ -33,13 +33,14 @@ from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe.schedule import Tiling
 
 T = Tiling
-# (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is today's default at these shapes
-BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 128, 128, 8, 3)]
+# (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is the pre-issue-25 default, the
+# fastest of run 5 (docs/bench_moe.md) is schedule.PREFILL_TILES now
+BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4)]
 BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(256, 64, 128, 8, 3)]
 Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(256, 64, 64, 8, 3),
-        T(128, 64, 128, 8, 3, True), T(256, 64, 64, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+        T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(128, 128, 128, 8, 4, True)]
 Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 128, 8, 3, True),
-          T(256, 64, 128, 8, 3, True)]
+          T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 
 SHAPES = [  # label, tokens, d, inter, e_global, e_local, k (K3 first: the shape with the targets)
