@@ -120,7 +120,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   fmt 'bf16': weights = (w [G, K, N], ...); 'bf16t': (w [G, N, K], ...); 'mxfp4':
   (packed [G, N, K/2], scales [G, N, K/32], ...). One weight -> x @ w per group; two ->
   act(x @ w_a, x @ w_b) (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows
-  past sum(group_sizes) are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the
+  past sum(group_sizes) are zero (zero_tail). Requires K % bk == 0, N % bn == 0, M >= bm (the
   public wrappers pad).
 
   row_index [M] int32: row r of the sorted order is x[row_index[r]] (x [T, K]), gathered by

@@ -101,13 +101,13 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   if mode is None:
     mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS else "kernel"
   halves = use_gather and mode == "kernel"
-  kw = dict(act=None, avg_rows=avg, mode=mode, zero_tail=not use_gather)
+  kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather)
 
   def kernel(xs, tok, gs, interp):
     if halves:
       xs = mx.to_halves(xs, mx.x_shift(mx.DECODER))
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, interpret=interp, row_index=tok,
-                     x_halves=halves, out_halves=halves, **{**kw, "act": act})
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
+                     x_halves=halves, out_halves=halves, **kw)
     return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=halves, **kw)
 
   return _routed_mlp(x, topk_ids, topk_weights, w1[0].shape[0], kernel,

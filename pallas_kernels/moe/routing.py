@@ -45,6 +45,6 @@ def combine(expert_out: jax.Array, weights: jax.Array, inverse: jax.Array,
   local = (inverse < valid_rows).reshape(t, k, 1)
   y = expert_out[jnp.where(inverse < valid_rows, inverse, 0)].reshape(t, k, -1)
   y = jnp.where(local, y.astype(jnp.float32), 0.0)
-  # multiply + reduce over k: one reduction fusion with the gather (no [T, k, D] fp32 array)
+  # multiply + reduce over k, so that XLA can fuse the gather into the reduction
   out = jnp.sum(y * weights.astype(jnp.float32)[:, :, None], axis=1)
   return out.astype(out_dtype or expert_out.dtype)
