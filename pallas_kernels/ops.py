@@ -138,11 +138,11 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
               num_experts_total=num_experts_total)
     if "w1" in experts:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
-    # MXFP4: the in-kernel decode path (expert_mlp_mxfp4 picks per call: decode in the kernel's main
-    # loop when the average expert has < 128 rows, else one XLA decode pass + the bf16 kernel).
-    # H200, 2026-11-29 (scripts/bench_moe.py): 435-673 us per decode MoE layer where dequantizing all
-    # experts first and running the bf16 kernel took 25-59 ms. (The "rel err 1.26 at K3 shapes" that
-    # once made this path suspect was a wrong reference in scripts/check_kernels_gpu.py.)
+    # MXFP4: weights decoded in the kernels' main loop at every row count (decode tiles for few rows
+    # per expert, schedule.PREFILL_TILES from 65 on). H200 (scripts/bench_moe.py, docs/bench_moe.md):
+    # 435-673 us per decode MoE layer where dequantizing all experts first took 25-59 ms; at prefill
+    # 1.36-1.49x faster than one XLA decode pass + the bf16 kernels (2026-12-01). (The "rel err 1.26
+    # at K3 shapes" that once made this path suspect was a wrong reference in check_kernels_gpu.py.)
     return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, (experts["w1_packed"], experts["w1_scale"]),
                                 (experts["w3_packed"], experts["w3_scale"]),
                                 (experts["w2_packed"], experts["w2_scale"]), **kw)
