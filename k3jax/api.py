@@ -105,10 +105,13 @@ class Model:
         return f"Model({self.name or 'custom'}, layers={self.config.num_layers}, dtype={jnp.dtype(self.dtype).name})"
 
 
-def _load_tokenizer(path: str | None):
+TINY_WEIGHTS = os.path.join(os.path.dirname(__file__), "assets", "tiny-trained.safetensors")
+
+
+def _load_tokenizer(path: str | None, preset: str = "tiny-random"):
     from k3jax.tokenizer import KimiTokenizer
     if path is None:
-        return KimiTokenizer.tiny()
+        return KimiTokenizer.tiny_english() if preset == "tiny" else KimiTokenizer.tiny()
     for name in ("tiktoken.model", "tokenizer.model"):
         f = os.path.join(path, name)
         if os.path.exists(f):
@@ -116,6 +119,18 @@ def _load_tokenizer(path: str | None):
             return KimiTokenizer.from_file(f, tokenizer_config=cfg if os.path.exists(cfg) else None)
     log.warning("%s has no tiktoken.model: the model is loaded without a tokenizer", path)
     return None
+
+
+def _tiny_params(config: ModelConfig, seed: int | None, dtype):
+    """The trained tiny weights shipped in the package; random ones (with a warning saying why)
+    when the file is absent or `seed` asks for them."""
+    if seed is None and os.path.exists(TINY_WEIGHTS):
+        from k3jax.checkpoint.flat_file import load_flat
+        return load_flat(TINY_WEIGHTS, config, dtype)
+    if seed is None:
+        log.warning("%s is missing (build it with scripts/train_tiny.py): 'tiny' has RANDOM weights and "
+                    "prints noise; load 'tiny-random' to ask for random weights", TINY_WEIGHTS)
+    return init_params_numpy(config, TINY_SEED if seed is None else seed, dtype)
 
 
 def _place(params, mesh, config):
@@ -161,7 +176,9 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     mesh: a jax Mesh or a spec like "data=2,expert=4": parameters are placed by the partition rules
     and the serving engine shards its pools and runs MoE expert-parallel on it.
 
-    Presets other than "tiny" have no weights: `seed=` gives them random weights (benchmarks).
+    "tiny" is the trained embedded model (k3jax/assets/tiny-trained.safetensors); "tiny-random" the
+    seeded random model the tests use. Other presets have no weights: `seed=` gives them random
+    weights (benchmarks); for "tiny", `seed=` asks for random weights of its shape.
     """
     dt = _dtype(dtype)
     mesh = _mesh(mesh)
@@ -177,16 +194,18 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
     config = preset_config(src)
-    if src != "tiny" and seed is None:
+    embedded = src in ("tiny", "tiny-random")
+    if not embedded and seed is None:
         raise ValueError(f"preset {src!r} ships no weights: pass seed= for random weights, or a checkpoint path")
     if src == "tiny":
-        # The embedded default: the same weights on every platform, made on the host in milliseconds.
+        params = _tiny_params(config, seed, dt)
+    elif src == "tiny-random":
+        # The seeded test model: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
-        backend = detect()
     else:
         params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
-        backend = _backend_for(params)
-    tokenizer = _load_tokenizer(None) if src == "tiny" else None
+    backend = _backend_for(params)
+    tokenizer = _load_tokenizer(None, src) if embedded else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
     return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
 
@@ -200,7 +219,7 @@ def _media_pad_id(config: ModelConfig, tokenizer) -> int:
 
 def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) -> VisionModel | None:
     """Random (numpy-seeded) tower weights for presets that declare a full vision_config."""
-    if not config.vision or name not in ("tiny",):
+    if not config.vision or name != "tiny-random":
         return None
     from k3jax.presets import TINY_IMAGE_PROCESSOR
     from k3jax.vision.config import VisionConfig

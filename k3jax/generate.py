@@ -48,7 +48,7 @@ def _generate_with_progress(llm, ids, params):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
     ap.add_argument("--prompt", default="Hello", help="prompt text")
     ap.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -1,11 +1,13 @@
 """`python -m k3jax.serve`: the OpenAI-compatible server.
 
-With no arguments it serves the embedded tiny model on 127.0.0.1:8000. `--model PATH` serves a
+With no arguments it serves the embedded (trained) tiny model on 127.0.0.1:8000. `--model PATH` serves a
 converted or Hugging Face checkpoint directory (or a preset name with --seed for random weights).
 
 Multi-host: start the same command on every process with --coordinator/--num-processes/--process-id
 (or the K3JAX_* variables the launch scripts set). Process 0 serves HTTP and schedules; the others
 load the model and follow process 0's steps (serving/multihost.py), exiting when it shuts down.
+A process that fails or goes silent ends every process within seconds, process 0 naming it and
+its stage (serving/multihost_watch.py).
 """
 from __future__ import annotations
 
@@ -25,10 +27,17 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients send and /v1/models lists (default: the --model name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -45,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-match-unit", type=int, default=16, help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int, default=1024, help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--prefix-wait-steps", type=int, default=64,
+                    help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
+                         "up to this many steps instead of computing it again (0 = admit at once)")
+    ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
+                    help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
+                         "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
+    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
+                    help="largest log-probability difference a verified hit may show")
+    ap.add_argument("--host-cache-mb", type=int, default=0,
+                    help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
+                         "--role decode: at least 1024, entries from the prefill peer pass through it)")
+    dg = ap.add_argument_group("prefill/decode disaggregation")
+    dg.add_argument("--role", choices=["single", "prefill", "decode"], default="single",
+                    help="prefill: compute prompts for decode servers (POST /internal/prefill) and offer their cache "
+                         "entries; decode: serve clients, have --prefill-peer compute prompts, pull their entries")
+    dg.add_argument("--prefill-peer", default=None, help="HOST:PORT of the prefill server (--role decode)")
+    dg.add_argument("--prefill-timeout", type=float, default=30.0,
+                    help="seconds for the peer's prefill and for the transfer; past them the request prefills locally")
+    dg.add_argument("--transfer-address", default=None,
+                    help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
     ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
@@ -52,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-mb", type=float, default=32.0,
                     help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="wait for each step's tokens before scheduling the next (default: the next step is "
+                         "scheduled while one runs on the device)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
@@ -74,45 +106,79 @@ def build_parser() -> argparse.ArgumentParser:
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     mh.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; others follow its steps")
+    mh.add_argument("--heartbeat-timeout", type=_seconds, default=30.0,
+                    help="seconds without a heartbeat after which a process counts as lost and every process exits "
+                         "(a process that is loading or compiling keeps beating)")
+    mh.add_argument("--startup-timeout", type=_seconds, default=7200.0,
+                    help="seconds every process gets to load the checkpoint and warm up before the run is ended")
+    mh.add_argument("--step-timeout", type=_seconds, default=900.0,
+                    help="seconds one multi-host step may stay unfinished (a compile included) before the run is ended")
     return ap
 
 
 def follow(args) -> int:
     """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
     from k3jax.api import load_model
-    from serving import multihost
+    from serving import multihost, multihost_watch
     from serving.engine import enable_compilation_cache
     from serving.engine_args import EngineArgs
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
-    enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
+    try:
+        multihost_watch.set_stage("load")
+        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+        enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
+        multihost_watch.set_stage("warmup")
+    except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
+        multihost_watch.current().fail(e)
     return multihost.exit_follower(multihost.follow(model))
 
 
 def build_state(args):
     from k3jax.api import load_model
+    from serving import multihost
     from serving.async_engine import AsyncEngine
     from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
     from serving.openai.generation import ServerState
     from serving.openai.metrics import Metrics
+    from serving.multihost_watch import set_stage
 
+    if args.role != "single" and multihost.is_multiprocess():
+        raise ValueError(f"--role {args.role}: disaggregation runs single-process servers (no --coordinator)")
+    if args.role == "decode" and not args.prefill_peer:
+        raise ValueError("--role decode needs --prefill-peer HOST:PORT")
+    if args.role != "single" and args.no_prefix_caching:
+        raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
     t0 = time.perf_counter()
+    set_stage("load")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
+    set_stage("warmup")
     eargs = EngineArgs(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
+        prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
+        verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
+        host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
+        async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     engine = LLMEngine(model, eargs)
+    disagg = {}
+    if args.role != "single":
+        from serving.kv_transfer import Transport
+        from serving.openai.disagg import PrefillPeer, PrefillService
+        transport = Transport(args.transfer_address or f"{args.host}:0")
+        disagg = ({"prefill_service": PrefillService(transport)} if args.role == "prefill" else
+                  {"prefill_peer": PrefillPeer(args.prefill_peer, transport, args.prefill_timeout, args.api_key)})
+        log.info("role %s: transfer server at %s", args.role, transport.address)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
@@ -120,7 +186,7 @@ def build_state(args):
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
-                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None)
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
 
 
 def _image_loader(model, args):
@@ -135,16 +201,27 @@ def _image_loader(model, args):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from serving import multihost
-    args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh)
-    if multihost.is_multiprocess():
-        if not multihost.is_leader():
-            return follow(args)
-        try:
-            return _serve(args)
-        finally:           # also after a start-up error: followers waiting for the runner must exit
-            multihost.shutdown_followers()
-    return _serve(args)
+    from serving import multihost, multihost_watch
+    args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,
+                                heartbeat_timeout_s=args.heartbeat_timeout)
+    if not multihost.is_multiprocess():
+        return _serve(args)
+    watch = multihost_watch.start(multihost_watch.WatchSettings(
+        heartbeat_timeout_s=args.heartbeat_timeout, startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout))
+    if not multihost.is_leader():
+        return follow(args)
+    try:
+        code = _serve(args)
+    except Exception as e:  # noqa: BLE001 - a failure on process 0 ends every process (never returns)
+        watch.fail(e, code=2 if isinstance(e, ValueError) else 1)
+    except SystemExit:     # SIGTERM: a clean exit
+        code = 0
+    if code:
+        watch.end(f"process 0 exited with status {code} during {watch.stage}", code)
+    watch.stop()
+    multihost.shutdown_followers()
+    return code
 
 
 def _serve(args):
@@ -154,10 +231,13 @@ def _serve(args):
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); pip install -e .", file=sys.stderr)
         return 2
+    from serving import multihost_watch
     try:
         state = build_state(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        if multihost_watch.current():
+            raise           # main() ends the other processes too
         return 2
     app = build_app(state)
     from serving.openai.shutdown import GracefulServer
@@ -168,6 +248,11 @@ def _serve(args):
     # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the
     # `finally` below; exit through it instead (multi-host: process 0 must still stop the followers).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    watch = multihost_watch.current()
+    if watch:         # a lost process: fail in-flight requests with a 503, /health tells why
+        watch.on_abort(state.engine.fail)
+        state.engine.on_error = watch.fail
+    multihost_watch.set_stage("serve")
     try:
         server.run()
     finally:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.kda import reference as kda_ref
+from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
 
 
@@ -77,6 +78,26 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
                                               kv_lens, scale=scale)
 
 
+mla_gather_latents = mla_expanded.gather_latents
+
+
+def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale,
+                           backend: Backend | None = None):
+    """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
+    b = resolve(backend)
+    if b.kernels and b.platform != "tpu":
+        return mla_expanded.expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
+                                               scale=scale, interpret=b.interpret)
+    return mla_expanded.expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
+                                                     nope_dim=nope_dim, scale=scale)
+
+
+def expanded_kernel_available(backend: Backend | None = None) -> bool:
+    """The expanded MLA form has a fast kernel here (the GPU Triton one)."""
+    b = resolve(backend)
+    return b.kernels and b.platform == "gpu"
+
+
 # ---- MoE -------------------------------------------------------------------
 def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
     """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""
@@ -106,11 +127,11 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
               num_experts_total=num_experts_total, layer=layer)
     if "w1" in experts:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
-    # MXFP4: the in-kernel decode path (expert_mlp_mxfp4 picks per call: decode in the kernel's main
-    # loop when the average expert has < 128 rows, else one XLA decode pass + the bf16 kernel).
-    # H200, 2026-11-29 (scripts/bench_moe.py): 435-673 us per decode MoE layer where dequantizing all
-    # experts first and running the bf16 kernel took 25-59 ms. (The "rel err 1.26 at K3 shapes" that
-    # once made this path suspect was a wrong reference in scripts/check_kernels_gpu.py.)
+    # MXFP4: weights decoded in the kernels' main loop at every row count (decode tiles for few rows
+    # per expert, schedule.PREFILL_TILES from 65 on). H200 (scripts/bench_moe.py, docs/bench_moe.md):
+    # 435-673 us per decode MoE layer where dequantizing all experts first took 25-59 ms; at prefill
+    # 1.36-1.49x faster than one XLA decode pass + the bf16 kernels (2026-12-01). (The "rel err 1.26
+    # at K3 shapes" that once made this path suspect was a wrong reference in check_kernels_gpu.py.)
     return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, (experts["w1_packed"], experts["w1_scale"]),
                                 (experts["w3_packed"], experts["w3_scale"]),
                                 (experts["w2_packed"], experts["w2_scale"]), decoder=b.mxfp4_decoder, **kw)

@@ -51,7 +51,7 @@ def check(args):
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     from pallas_kernels.backend import detect
-    model = load_model("tiny", dtype="bfloat16")
+    model = load_model("tiny-random", dtype="bfloat16")
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 1000, n).tolist() for n in (5, 40, 130, 300)]
     outs = {}
@@ -206,14 +206,17 @@ def full(args):
         tps = n * L / secs
         rows.append(f"| prefill {n} x {L} | {tps:,.0f} prompt tok/s | {tps / roof:.2f} of roofline ({roof:,.0f}) | | |")
         print(rows[-1], flush=True)
-    for conc, out in ((16, 1024), (64, 256)):
+    runs = [(16, 1024, True), (64, 256, True)] + [(16, 1024, False)] * args.compare_sync
+    for conc, out, overlap in runs:
+        eng.args.async_scheduling = overlap
         secs, first, steps = _drive(eng, rand(conc, 1024), SamplingParams(temperature=0, max_tokens=out,
                                                                           ignore_eos=True))
         decode = [dt for dt, k in steps if k == conc][conc:] or [float("nan")]
         med = statistics.median(decode)
         fb = floor_bytes(c, conc, 1024 + out // 2)
         floor_s = sum(v for k, v in fb.items() if k != "touched") / bw
-        rows.append(f"| c{conc}, 1024 in / {out} out | {conc * out / secs:,.1f} output tok/s | mean TTFT "
+        rows.append(f"| c{conc}, 1024 in / {out} out{'' if overlap else ', synchronous steps'} | "
+                    f"{conc * out / secs:,.1f} output tok/s | mean TTFT "
                     f"{statistics.mean(first.values()):.2f} s | decode step {med * 1e3:.2f} ms | floor "
                     f"{floor_s * 1e3:.2f} ms ({med / floor_s:.2f}x) |")
         print(rows[-1], flush=True)
@@ -249,6 +252,8 @@ def main():
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--compare-sync", action="store_true",
+                    help="full: also run c16 with synchronous steps (async scheduling off)")
     args = ap.parse_args()
     {"full": full, "check": check, "serve": serve}[args.what](args)
 

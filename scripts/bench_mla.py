@@ -8,6 +8,10 @@ times a few kernel configs. `--smoke` runs tiny shapes on CPU in interpret mode.
 Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
   [--configs T-w4,T-w4-st3,...] [--check SPECS] [--shapes 64x8192x32,...] [--no-ref]
   [--prefill SPECS]   (spec grammar: see parse_spec)
+
+`--model-prefill` prints instead the MLA prefill table *as the model calls it*: one MLA layer's
+`mla_step` (Kimi-Linear-48B dims, engine-shaped step batch) absorbed vs expanded vs the form
+`auto` picks, plus the expanded attention kernel alone over a few tile configs.
 """
 from __future__ import annotations
 
@@ -189,6 +193,133 @@ def resolve(knobs, heads, page_size, max_pages, n_seqs):
     return tuple(sorted(knobs.items()))
 
 
+# (sequences, new tokens each, context each); the first SWEEP_SHAPES also time the kernel sweep
+MODEL_PREFILL_SHAPES = [(2, 2048, 0), (64, 64, 0), (2, 2048, 1024), (64, 64, 1024), (8, 64, 0), (4, 256, 1024)]
+SWEEP_SHAPES = 2
+EXPANDED_SWEEP = [None, dict(bq=64, bk=64, num_warps=4, num_stages=2), dict(bq=128, bk=64, num_warps=8, num_stages=3),
+                  dict(bq=128, bk=128, num_warps=8, num_stages=2), dict(bq=64, bk=64, num_warps=4, num_stages=3),
+                  dict(bq=64, bk=128, num_warps=4, num_stages=2),
+                  dict(bq=128, bk=64, num_warps=8, num_stages=2, split_causal=False)]  # None: expanded.DEFAULT_TUNING
+
+
+def _mla_layer(c, dtype, seed=0):
+    """Random parameters of one MLA layer of config c (shapes from the model's own param tree)."""
+    from k3jax.params import param_shapes
+    shapes = param_shapes(c, dtype)["layers"][c.mla_layers[0]]["attn"]
+    rng = np.random.default_rng(seed)
+    def leaf(s):
+        if len(s.shape) == 1:  # norm weights
+            return jnp.asarray(1 + 0.1 * rng.standard_normal(s.shape), s.dtype)
+        return jnp.asarray(rng.standard_normal(s.shape, np.float32) * s.shape[-2] ** -0.5, s.dtype)
+    return jax.tree_util.tree_map(leaf, shapes)
+
+
+def _step_inputs(c, n, new, ctx, page_size, max_pages, dtype, seed=1):
+    """(x [T, D], kv_pages, meta) of an engine step: n sequences of `new` tokens after `ctx` cached
+    ones, pages shuffled, block tables as wide as the engine's (max_model_len / page_size)."""
+    from k3jax.cache import SeqChunk, make_step_batch
+    rng = np.random.default_rng(seed)
+    per_seq = -(-(ctx + new) // page_size)
+    pages = rng.permutation(np.arange(1, n * per_seq + 1))
+    chunks = [SeqChunk(np.zeros(new, np.int32), ctx, pages[i * per_seq:(i + 1) * per_seq], -1, 0)
+              for i in range(n)]
+    b = make_step_batch(chunks, page_size, num_tokens=n * new, num_seqs=n, max_pages=max_pages)
+    kv = jnp.asarray(rng.standard_normal((n * per_seq + 1, page_size, c.mla_cache_dim), np.float32), dtype)
+    x = jnp.asarray(rng.standard_normal((n * new, c.hidden_size), np.float32), dtype)
+    meta = dict(cu_seqlens=jnp.asarray(b.cu_seqlens), slot_mapping=jnp.asarray(b.slot_mapping),
+                block_tables=jnp.asarray(b.block_tables), kv_lens=jnp.asarray(b.kv_lens))
+    return x, kv, meta
+
+
+def _time_step(f, p, x, kv, meta, iters):
+    """Median ms of `iters` chained mla_step calls (pool donated and threaded, as the engine does)."""
+    kv = jax.block_until_ready(f(p, x, kv, meta)[1])
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out, kv = f(p, x, kv, meta)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts)) * 1e3, out, kv
+
+
+def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max_model_len=8192,
+                       dtype=jnp.bfloat16, iters=10, interpret=None, sweep=EXPANDED_SWEEP, budget=170.0):
+    """One MLA layer's step per shape and form; rows (shape, form, ms, note)."""
+    from k3jax.layers import mla
+    from k3jax.presets import preset_config
+    from pallas_kernels.mla import expanded
+    c = preset_config(model)
+    p = _mla_layer(c, dtype)
+    H, L, R, DN, DV = c.mla_num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+    rows = []
+    for i, (n, new, ctx) in enumerate(shapes):
+        if time.time() - T0 > budget:
+            log("budget reached, skipping", (n, new, ctx))
+            continue
+        x, kv, meta = _step_inputs(c, n, new, ctx, page_size, -(-max_model_len // page_size), dtype)
+        T, keys = n * new, n * (ctx + new)
+        pairs = n * sum(range(ctx + 1, ctx + new + 1))  # (query, visible key) pairs
+        label = f"T={T} ({n}x{new}, ctx {ctx})"
+        outs = {}
+        # expanded: a key buffer just large enough for this step's keys; auto: the model's defaults
+        for form, kpt in (("absorbed", None), ("expanded", -(-keys // T)), ("auto", None)):
+            default_kpt = mla.EXPANDED_KEYS_PER_TOKEN
+            mla.set_prefill_form(form)
+            mla.EXPANDED_KEYS_PER_TOKEN = kpt or default_kpt
+            try:
+                f = jax.jit(lambda p_, x_, kv_, m_: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False}),
+                            donate_argnums=2)
+                ms, outs[form], kv = _time_step(f, p, x, kv, meta, iters)
+                budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False)
+                note = (f"key buffer {budget_keys}" + (" (sum kv_lens fits)" if keys <= budget_keys else
+                        " (overflow: absorbed fallback)")) if budget_keys else "absorbed"
+                rows.append((label, f"mla_step {form}", ms, note))
+                log(rows[-1])
+            except Exception as e:  # noqa: BLE001 - report and continue
+                log(f"{label} {form} FAILED: {type(e).__name__}: {str(e)[:600]}")
+            finally:
+                mla.set_prefill_form(None)
+                mla.EXPANDED_KEYS_PER_TOKEN = default_kpt
+        if "absorbed" in outs and "expanded" in outs:
+            err, ref = _err(outs["expanded"], outs["absorbed"])
+            log(f"{label}: max |expanded - absorbed| = {err:.3e} (max |absorbed| {ref:.2f})")
+        # the expanded attention kernel alone, on random K/V laid out as the model lays them out
+        ks = jax.random.split(jax.random.PRNGKey(n), 3)
+        q = jax.random.normal(ks[0], (T, H, DN + R), dtype)
+        kvh = jax.random.normal(ks[1], (keys, H, DN + DV), dtype)
+        lat_rows = jax.random.normal(ks[2], (keys, L + R), dtype)
+        starts = expanded.key_starts(meta["kv_lens"])
+        flops = 2.0 * pairs * H * (DN + R + DV)
+        for cfg in sweep if i < SWEEP_SHAPES else sweep[:1]:
+            cfg = cfg or expanded.DEFAULT_TUNING
+            f = functools.partial(expanded.expanded_attention, nope_dim=DN, scale=0.07, interpret=interpret,
+                                  config=tuple(sorted(cfg.items())))
+            try:
+                t = timeit(f, q, kvh, lat_rows, meta["cu_seqlens"], meta["kv_lens"], starts, iters=iters)
+                name = "bq{bq} bk{bk} w{num_warps} st{num_stages}".format(**cfg) + (
+                    "" if cfg.get("split_causal", True) else " all-masked")
+                rows.append((label, f"expanded kernel {name}", t * 1e3, f"{flops / t / 1e12:.0f} TFLOP/s"))
+                log(rows[-1])
+            except Exception as e:  # noqa: BLE001
+                log(f"{label} kernel {cfg} FAILED: {type(e).__name__}: {str(e)[:600]}")
+        absorbed_flops = 2.0 * pairs * H * (L + R + L)
+        rows.append((label, "FLOPs per layer", 0.0, f"absorbed {absorbed_flops / 1e9:.0f} G, expanded "
+                     f"{flops / 1e9:.0f} G + K/V decompress {2.0 * keys * L * H * (DN + DV) / 1e9:.0f} G"))
+        del x, kv, meta, q, kvh, lat_rows
+    return rows
+
+
+def print_model_prefill(rows, device_kind):
+    print()
+    print(f"MLA prefill as the model calls it (one layer's mla_step), {device_kind}, {time.strftime('%Y-%m-%d')}")
+    print("| step | what | ms | note |")
+    print("|---|---|---|---|")
+    for label, what, ms, note in rows:
+        print(f"| {label} | {what} | {ms:.3f} | {note} |" if ms else f"| {label} | {what} | | {note} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
@@ -201,7 +332,18 @@ def main():
                     help="comma-separated specs timed on ragged prefill (default: no prefill)")
     ap.add_argument("--shapes", default=None, help="e.g. 64x8192x32,16x131072x96")
     ap.add_argument("--no-ref", action="store_true", help="skip the plain-jnp rows")
+    ap.add_argument("--model-prefill", action="store_true",
+                    help="only the MLA prefill table as the model calls it (absorbed vs expanded)")
     args = ap.parse_args()
+    if args.model_prefill:
+        log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__)
+        if args.smoke:
+            rows = model_prefill_rows([(2, 24, 0), (3, 8, 20)], model="tiny-random", page_size=8, max_model_len=64,
+                                      dtype=jnp.float32, iters=1, interpret=True, sweep=EXPANDED_SWEEP[:1])
+        else:
+            rows = model_prefill_rows(MODEL_PREFILL_SHAPES, budget=args.budget)
+        print_model_prefill(rows, jax.devices()[0].device_kind)
+        return
     args.check = [c for c in args.check.split(",") if c]
     args.prefill = None if args.prefill is None else [c for c in args.prefill.split(",") if c]
     sweep = [("default", None)]  # paged.default_tuning

@@ -3,6 +3,7 @@
   python scripts/bench_moe.py [--deadline 180] [--no-check] [--quick] [--no-anchors]
   python scripts/bench_moe.py --ncu   # two MXFP4 decode launches (new, old decoder) for ncu
   python scripts/bench_moe.py --sass  # no GPU: main-loop SASS counts per decoder / tiling
+  python scripts/bench_moe.py --prefill --no-check  # issue 25: prefill expert MLP (bench_moe_prefill.py)
 
 Shapes (random routing, uniform top-k without replacement):
   Kimi-Linear: E=256, top-8, d=2304, I=1024 -> up gmm 2304 -> 2048 (w1|w3), down 1024 -> 2304.
@@ -497,6 +498,9 @@ def main():
   ap.add_argument("--ncu", action="store_true", help="only the two launches ncu_target() makes")
   ap.add_argument("--sass", action="store_true",
                   help="offline: main-loop SASS counts of the MXFP4 decode kernels (pip install triton)")
+  ap.add_argument("--prefill", action="store_true",
+                  help="issue 25: the expert MLP at the prefill shapes, bf16 vs MXFP4 variants")
+  ap.add_argument("--json", default="", help="--prefill: also write its rows here as JSON")
   a = ap.parse_args()
   if a.ncu:
     return ncu_target()
@@ -510,6 +514,11 @@ def main():
     log(f"check max rel err {check(256 if a.smoke else 4096):.2e}")
   peak_f, peak_bw = peaks(512, 1 << 20) if a.smoke else peaks()
   log(f"peaks {peak_f / 1e12:.0f} TFLOP/s, {peak_bw / 1e12:.2f} TB/s")
+  if a.prefill:
+    import bench_moe_prefill
+    if a.smoke:
+      SAMPLES[0] = 1
+    return bench_moe_prefill.main(a, time_fn, log, peak_f)
   pre_t = [Tiling(128, 64, 256, 8, 3), Tiling(128, 64, 256, 8, 4), Tiling(128, 64, 128, 4, 4)]
   pre_glu = [Tiling(128, 64, 64, 8, 3), Tiling(128, 64, 128, 8, 3)]
   pre_q = [(Tiling(128, 64, 256, 8, 3), "predequant", "jnp"),

@@ -83,7 +83,7 @@ def moe_case(fmt, T, D, I, E, k):
     # num_experts must be E: with tiny's 16 the reference routed only ids < 16 (on the GPU the
     # Pallas gmm took 16 group sizes over 112 experts without complaint), which once showed
     # up here as "rel err 1.26" at E=112 although the kernel was right.
-    c = dataclasses.replace(preset_config("tiny"), num_experts=E)
+    c = dataclasses.replace(preset_config("tiny-random"), num_experts=E)
     pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
     pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
     return rel(out, routed_experts_reference(pe, x, w, ids, c))

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from serving.engine import LLMEngine
 from serving.request import RequestOutput
@@ -25,11 +25,15 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_error: Optional[Callable[[BaseException], None]] = None):
+        """on_error(exc): runs on the engine thread when a step raises, before the waiting requests are
+        failed (multi-host: find the lost process and end the run, so requests learn the real cause)."""
         self.engine = engine
+        self.on_error = on_error
         self._lock = threading.Condition()
         self._submit: list = []                  # (rid, prompt_ids, params, extras, future, queue, loop)
         self._aborts: list = []
+        self._calls: list = []                   # (fn, future, loop): fn(engine) run between steps
         self._streams: dict[str, tuple] = {}     # rid -> (queue, loop)
         self._stopping = False
         self._dead: Optional[BaseException] = None
@@ -66,6 +70,18 @@ class AsyncEngine:
         async for out in stream:
             yield out
 
+    def call(self, fn) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between two steps (the cache pools change every step, so
+        reading or writing them from elsewhere races); await the returned future for its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, fut, loop))
+            self._lock.notify()
+        return fut
+
     def abort(self, request_id: str):
         with self._lock:
             self._aborts.append(request_id)
@@ -98,9 +114,32 @@ class AsyncEngine:
                 self._lock.notify()
             self._thread.join(5.0)
 
+    def fail(self, reason: str) -> int:
+        """From any thread, when the engine thread may be stuck for good (a multi-host process was
+        lost in the middle of a step): refuse new work, and end every admitted or waiting request
+        now with EngineDeadError(reason) (a 503). Returns how many requests were ended."""
+        err = EngineDeadError(reason)
+        with self._lock:
+            self._dead, self._stopping = err, "now"
+            subs, self._submit = self._submit, []
+            streams, self._streams = self._streams, {}
+            self._lock.notify()
+        for *_, fut, _queue, loop in subs:
+            loop.call_soon_threadsafe(_resolve, fut, err)
+        for queue, loop in streams.values():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            except RuntimeError:                  # the caller's loop is gone
+                pass
+        return len(subs) + len(streams)
+
     @property
     def alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return None if self._dead is None else str(self._dead)
 
     # ------------------------------------------------------------------ engine thread
     def _stats(self, eng) -> dict:
@@ -124,18 +163,19 @@ class AsyncEngine:
 
     def _take_work(self):
         with self._lock:
-            while not (self._submit or self._aborts or self._stopping or self.engine.has_unfinished()):
+            while not (self._submit or self._aborts or self._calls or self._stopping or self.engine.has_unfinished()):
                 self._lock.wait()
             subs, self._submit = self._submit, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
             end, self._end_reason = self._end_reason, None
-            return subs, aborts, end
+            return subs, aborts, calls, end
 
     def _loop(self):
         eng = self.engine
         try:
             while True:
-                subs, aborts, end = self._take_work()
+                subs, aborts, calls, end = self._take_work()
                 if end is not None:
                     for rid in list(self._streams):
                         eng.abort(rid)
@@ -147,6 +187,12 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(_resolve, fut, None)
                     except (ValueError, QueueFullError) as e:
                         loop.call_soon_threadsafe(_resolve, fut, e)
+                for fn, fut, loop in calls:
+                    try:
+                        result, exc = fn(eng), None
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        result, exc = None, e
+                    loop.call_soon_threadsafe(_settle, fut, result, exc)
                 for rid in aborts:
                     if eng.abort(rid):
                         log.info("aborted %s", rid)
@@ -159,7 +205,9 @@ class AsyncEngine:
                 self.stats_snapshot = self._stats(eng)
         except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
             log.exception("engine loop died")
-            self._dead = e
+            self._dead = self._dead or e      # refuse new work now; fail() may name the cause later
+            if self.on_error is not None:
+                self.on_error(e)
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
 
@@ -197,10 +245,14 @@ class RequestStream:
             self.close()
 
 
-def _resolve(fut, exc):
+def _settle(fut, result, exc):
     if fut.done():
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(exc)
+
+
+def _resolve(fut, exc):
+    _settle(fut, None, exc)

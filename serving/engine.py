@@ -19,10 +19,11 @@ import jax
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, device_free_bytes, size_pools
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
+from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
 from serving.runner import ModelRunner, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from serving.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LLMEngine:
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
+            prefix_wait_steps=args.prefix_wait_steps,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
@@ -70,9 +72,21 @@ class LLMEngine:
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
         self.requests: dict[str, Request] = {}
+        self._sync_ids: set = set()      # requests that need synchronous steps (see step)
+        self._pending = None             # the launched step whose tokens are not fetched yet
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        self.verifier = (PrefixCacheVerifier(args.verify_prefix_cache, args.verify_prefix_cache_tolerance, seed=args.seed)
+                         if args.verify_prefix_cache and args.enable_prefix_caching else None)
+        self.host_io = None
+        if args.host_cache_bytes and self.scheduler.cache is not None:
+            from serving import multihost
+            from serving.host_tier import HostCacheIO, HostTier
+            if multihost.is_multiprocess():
+                raise ValueError("host_cache_bytes: the host-memory tier needs a single-process engine")
+            self.host_io = HostCacheIO(self.runner, HostTier(args.host_cache_bytes))
+            self.scheduler.attach_host_tier(self.host_io.tier, self.host_io.save)
         self.encoder = None
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
@@ -156,28 +170,63 @@ class LLMEngine:
             req.detok = IncrementalDetokenizer(self.tokenizer, skip_special=True)
         self.scheduler.add(req)
         self.requests[rid] = req
+        if matcher is not None or params.uses_penalties:
+            self._sync_ids.add(rid)      # the host must see each token before the next sample
         self.counters["prompt_tokens"] += len(ids)
         return rid
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
+        self._forget(req)
         self.scheduler.abort(req)
         req.finish_reason = "abort"
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """Run one model step; return the outputs of the step whose tokens are known now.
+
+        With async scheduling the next step is scheduled and dispatched while the last one still runs
+        on the device: its decode rows take their input tokens from the device (placeholders, see
+        _launch), and the host fetches and processes the last step's tokens while the device works.
+        Outputs therefore arrive one step() call later. A step falls back to running synchronously
+        when some request needs the host to see its tokens before the next sample (structured output,
+        penalties)."""
         t0 = time.perf_counter()
+        prev, self._pending = self._pending, None
+        outputs = []
+        if prev is not None and self._sync_ids:
+            outputs += self._resolve(prev)
+            prev = None
+        cur = self._launch(in_flight=prev is not None)
+        if prev is not None:
+            outputs += self._resolve(prev)
+        if cur is not None:
+            if self.args.async_scheduling and not self._sync_ids:
+                self._pending = cur
+            else:
+                outputs += self._resolve(cur)
+        self.counters["steps"] += cur is not None
+        self.counters["step_time"] += time.perf_counter() - t0
+        return outputs
+
+    def _launch(self, in_flight: bool):
+        """Schedule and dispatch one step without waiting for it. Every sampled row gets a placeholder
+        token -(row + 1) appended to its request (the step's sampled tokens stay on the device; the
+        runner substitutes them into the next step's input); _resolve replaces it with the token.
+        Returns (device results, [(row, request, output index)]) or None when nothing was scheduled."""
         out = self.scheduler.schedule()
+        if out.restores:
+            self.host_io.restore(out.restores)
         if not out.chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not in_flight and not out.restores:
                 raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
-            return []
+            return None
         self.runner.copy_pages(out.page_copies)
         if out.encode:
             self.encoder.encode(out.encode)
@@ -185,28 +234,46 @@ class LLMEngine:
         chunks = [SeqChunk(r.token_slice(ch.start, ch.end), ch.start, r.page_array(), ch.state_src, r.slot, ch.ckpt_dst,
                            mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images else ())
                   for r, ch in zip(reqs, out.chunks)]
+        sampled = [(i, ch.req) for i, ch in enumerate(out.chunks) if ch.sample]
         masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None
                  for r, ch in zip(reqs, out.chunks)]
-        toks, lps, top_ids, top_vals = self.runner.execute(
+        results = self.runner.launch(
             chunks, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks)
         self.scheduler.after_step(out)
+        rows = []
+        for i, req in sampled:
+            rows.append((i, req, len(req.output_ids)))
+            req.output_ids.append(-(i + 1))
+            # its last token is sampled now: nothing more to schedule for it
+            req.final_sampled = len(req.output_ids) >= req.params.max_tokens
+        return results, rows
+
+    def _resolve(self, launched) -> list[RequestOutput]:
+        """Fetch a launched step's tokens (waits for the device) and account them to their requests."""
+        results, rows = launched
+        toks, lps, top_ids, top_vals = self.runner.fetch(results)
         now = time.monotonic()
         outputs = []
-        for i, ch in enumerate(out.chunks):
-            if ch.sample:
-                outputs.append(self._append(ch.req, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
-        self.counters["steps"] += 1
-        self.counters["step_time"] += time.perf_counter() - t0
+        for i, req, at in rows:
+            if req.status == Status.FINISHED:     # aborted, or finished by its previous token
+                continue
+            if self.verifier is not None and self.verifier.owns(req):
+                self.verifier.recomputed(req, top_ids[i], top_vals[i])
+                self.scheduler.finish(req)
+                continue
+            outputs.append(self._append(req, at, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
-        req.output_ids.append(tok)
+    def _append(self, req: Request, at: int, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
+        req.output_ids[at] = tok
         if req.matcher is not None:
             req.matcher.accept(tok)
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = now
+            if self.verifier is not None:
+                self._verify(req, top_ids, top_vals)
         req.last_token_time = now
         k = req.params.logprobs
         if k is not None:
@@ -214,17 +281,33 @@ class LLMEngine:
         delta = req.detok.push(tok) if req.detok is not None else ""
         done = req.stop.append(tok, delta)
         if done is not None:
+            del req.output_ids[at + 1:]           # a placeholder of a step in flight: its token is dropped
             req.finish_reason, req.stop_reason = done.finish_reason, done.stop_reason
             self.scheduler.finish(req, keep_state=True)
-            self.requests.pop(req.request_id, None)
+            self._forget(req)
         return self.output_of(req, new_ids=[tok])
+
+    def _forget(self, req: Request):
+        self.requests.pop(req.request_id, None)
+        self._sync_ids.discard(req.request_id)
+
+    def _verify(self, req: Request, top_ids, top_vals):
+        shadow = self.verifier.shadow_for(req, top_ids, top_vals)
+        if shadow is not None:
+            try:
+                self.scheduler.add(shadow)
+            except QueueFullError:
+                self.verifier.dropped(shadow)
 
     def output_of(self, req: Request, new_ids=()) -> RequestOutput:
         finished = req.status == Status.FINISHED
         text = req.stop.text if finished or not req.params.stop else req.stop.stream_text()
         if finished and req.detok is not None and req.finish_reason == "length":
             text = req.stop.text + req.detok.flush()
-        comp = CompletionOutput(0, text, list(req.output_ids), list(req.logprobs) if req.params.logprobs is not None
+        ids = req.output_ids
+        if ids and ids[-1] < 0:           # the placeholder of a step in flight
+            ids = ids[:-1]
+        comp = CompletionOutput(0, text, list(ids), list(req.logprobs) if req.params.logprobs is not None
                                 else None, req.finish_reason, req.stop_reason)
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time, "last_token": req.last_token_time,
                    "new_token_ids": list(new_ids), "num_preemptions": req.num_preemptions}
@@ -239,6 +322,8 @@ class LLMEngine:
         s = self.scheduler.stats()
         s.update(self.counters)
         s["num_compiles"] = self.runner.num_compiles
+        if self.verifier is not None:
+            s.update(self.verifier.stats)
         if self.encoder is not None:
             s.update(self.encoder.stats())
         return s

@@ -20,6 +20,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     cache_finished_state: bool = True             # a finished request's final state stays cached (follow-up turns
                                                   # resume at its end; one KDA slot each until evicted)
+    prefix_wait_steps: int = 64                   # a waiting request whose prefix a running prefill is computing waits
+                                                  # for its checkpoint up to this many steps (0 = admit at once)
+    verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
+                                                  # compare the first token's log-probabilities (0 = off)
+    verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
+    host_cache_bytes: int = 0                     # host-memory tier for evicted checkpoints and their pages (0 = off)
     memory_fraction: float = 0.85                 # of device memory left after the weights
     cache_memory_bytes: Optional[int] = None      # explicit cache budget (CPU default: 256 MiB)
     state_fraction: float = 0.5                   # share of the cache budget for KDA state slots
@@ -30,6 +36,7 @@ class EngineArgs:
     seed: int = 0
     warmup: bool = True
     forbid_compile_after_warmup: bool = False
+    async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
     token_buckets: Optional[tuple] = None
     scan_layers: bool = True                      # the repeating layers as one scanned block (False: every
@@ -49,6 +56,16 @@ class EngineArgs:
         if self.state_block_size < 0 or self.state_block_size % self.prefix_match_unit:
             raise ValueError(f"state_block_size ({self.state_block_size}) must be a non-negative multiple of "
                              f"prefix_match_unit ({self.prefix_match_unit})")
+        if not isinstance(self.prefix_wait_steps, int) or self.prefix_wait_steps < 0:
+            raise ValueError(f"prefix_wait_steps must be a non-negative int, got {self.prefix_wait_steps!r}")
+        if not 0 <= self.verify_prefix_cache <= 1:
+            raise ValueError(f"verify_prefix_cache must be a fraction in [0, 1], got {self.verify_prefix_cache!r}")
+        if self.verify_prefix_cache and self.max_logprobs < 1:
+            raise ValueError("verify_prefix_cache compares top log-probabilities: max_logprobs must be >= 1")
+        if not self.verify_prefix_cache_tolerance >= 0:
+            raise ValueError(f"verify_prefix_cache_tolerance must be >= 0, got {self.verify_prefix_cache_tolerance!r}")
+        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be a non-negative int, got {self.host_cache_bytes!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0 < self.state_fraction < 1:

@@ -19,8 +19,10 @@ Wire format, two collectives per message (`broadcast_one_to_all` from process 0)
      bytes. Any pytree works, so new or optional StepBatch fields with per-step shapes travel as is.
 "shutdown" sends the header only. The sender is the same program on a trusted cluster network.
 
-Failures: a follower whose coordinator dies sees the collective fail (or JAX's coordination
-service ends the process): it logs that and exits with status 1 rather than waiting forever.
+Failures: serving/multihost_watch.py ends every process within seconds when one fails or goes
+silent (process 0 names it); here the messages report progress to it, and process 0 waits for each
+call's result inside `leading` so a message counts as finished only when it has run. A follower
+whose collective fails (process 0 died) logs that and exits with status 1.
 """
 from __future__ import annotations
 
@@ -62,12 +64,17 @@ def is_leader() -> bool:
 
 
 def start(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-          mesh=None):
+          mesh=None, heartbeat_timeout_s: float | None = None):
     """Start jax.distributed from the arguments or K3JAX_* env (no-op for one process, or when
     `sharding.launch` already did). Returns the mesh to load the model on: a multi-process run needs
-    one spanning every process's devices, so None becomes the default layout ("")."""
+    one spanning every process's devices, so None becomes the default layout ("").
+    heartbeat_timeout_s: the fault watch's (multihost_watch); JAX's own heartbeat timeout is set 30 s
+    above it, so the watch reports a lost process before JAX's runtime aborts, and a clean exit waits
+    at most a minute at JAX's shutdown barrier."""
     from sharding import distributed
-    distributed.initialize(coordinator, num_processes, process_id)
+    kw = {} if heartbeat_timeout_s is None else {"heartbeat_timeout_s": int(heartbeat_timeout_s) + 30,
+                                                 "shutdown_timeout_s": 60}
+    distributed.initialize(coordinator, num_processes, process_id, **kw)
     if is_multiprocess() and mesh is None:
         import jax
         log.info("multi-host: no mesh given, using the default layout over all %d devices", jax.device_count())
@@ -182,9 +189,26 @@ def leading(control: str, args=()):
     if not is_leader():
         yield
         return
+    from serving import multihost_watch
+    watch = multihost_watch.current()
     with _LOCK:
-        _lead_channel().send(control, args)
+        channel = _lead_channel()
+        if watch:
+            watch.message_started(channel.seq + 1)
+        channel.send(control, args)
         yield
+        if watch:
+            watch.message_finished(channel.seq)
+
+
+def settle(result):
+    """Process 0 of a multi-process run waits for a call's result inside `leading`, so the fault
+    watch knows when a message has really run. (This gives up async scheduling's overlap of host work
+    with the device step in multi-process runs.)"""
+    if is_leader():
+        import jax
+        jax.block_until_ready(result)
+    return result
 
 
 def announce_init(init):
@@ -236,34 +260,47 @@ def follow(model) -> int:
     """Run process 0's jitted calls on this process until it says "shutdown". Returns an exit status.
 
     model: this process's Model, loaded with the same arguments (mesh included) as process 0's.
-    On a lost coordinator (the collective fails) logs it and returns 1.
+    On a lost coordinator (the collective fails) logs it and returns 1. Reports each finished
+    message to the fault watch (multihost_watch), and a failure before returning non-zero.
     """
     import jax
+    from serving import multihost_watch
     from serving.runner import ModelRunner
-    me = jax.process_index()
+    from serving.test_hooks import fault_point
+    me, watch = jax.process_index(), multihost_watch.current()
     chan, runner, steps = _Channel(), None, 0
     log.info("process %d/%d: following process 0", me, jax.process_count())
     while True:
         try:
             control, tree = chan.receive()
+            if watch:
+                fault_point(watch.stage, me)
             if control == "shutdown":
                 log.info("process %d: shutdown from process 0 after %d steps", me, steps)
+                if watch:
+                    watch.stop()
                 return 0
             if control == "init":
                 if tree["config"] != model.config:
                     log.error("process %d: process 0 serves a different model config than this process loaded; "
                               "start every process with the same --model/--dtype/--mesh", me)
+                    if watch:
+                        watch.report_failed(ValueError("process 0 serves a different model config"))
                     return 2
                 runner = ModelRunner(model.config, model.params, mesh=model.mesh, backend=model.backend,
                                      **tree["kwargs"])
-                continue
-            if runner is None:
+            elif runner is None:
                 raise RuntimeError(f"multi-host: {control!r} before the runner was set up")
-            runner._call(control, *tree)
-            steps += control == "step"
+            else:
+                jax.block_until_ready((runner._call(control, *tree), runner.pools))   # finished, not queued
+                steps += control == "step"
+            if watch:
+                watch.seq = chan.seq
         except Exception as e:  # noqa: BLE001 - report and leave; never hang on a dead coordinator
-            log.error("process %d: lost process 0 (coordinator) or the collective failed after %d steps: %s",
+            log.error("process %d: lost process 0 (coordinator), or the call failed, after %d steps: %s",
                       me, steps, e)
+            if watch:
+                watch.report_failed(e)
             return 1
 
 

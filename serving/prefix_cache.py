@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import Counter, deque
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from serving.allocator import PageAllocator, SlotAllocator
 from serving.hashing import ExtraKeys, chain_hashes, tail_hash
@@ -113,6 +113,9 @@ class PrefixCacheIndex:
         self._clock = 0
         self._tails: Counter = Counter()    # unit hash -> tail checkpoints hanging off it
         self.stats = Counter()
+        # Called with an evicted unit-aligned checkpoint (its pages are still indexed then, children go
+        # first), before its ids are freed: the host-memory tier copies it out (serving/host_tier.py).
+        self.on_evict: Optional[Callable[[CacheEntry], None]] = None
         pages.set_listener(lambda ids: self._on_last_ref(self._by_page_id, ids))
         slots.set_listener(lambda ids: self._on_last_ref(self._by_slot, ids))
 
@@ -295,6 +298,8 @@ class PrefixCacheIndex:
             self.pages.watch([e.id], False)
             self.pages.decref([e.id])
         else:
+            if self.on_evict is not None and e.tail_of is None and e.visible:
+                self.on_evict(self.export(e))
             del self._ckpt[e.key], self._by_slot[e.id]
             if e.tail_of is not None:
                 self._tails[e.tail_of] -= 1
@@ -359,6 +364,20 @@ class PrefixCacheIndex:
     def export(self, c: _Entry) -> CacheEntry:
         return CacheEntry(c.num_tokens, self.page_size, self.unit, list(c.page_hashes), c.key,
                           [self._page[h].id for h in c.page_hashes], c.partial_page, c.id)
+
+    def unit_checkpoint(self, hashes: Sequence[bytes], max_units: int) -> Optional[CacheEntry]:
+        """The longest visible unit-aligned checkpoint of this chain within max_units, with its pages, as a
+        CacheEntry (what prefill/decode disaggregation ships), or None."""
+        for m in range(min(max_units, len(hashes)), 0, -1):
+            c = self._ckpt.get(hashes[m - 1])
+            if c is not None and c.visible and c.tail_of is None:
+                return self.export(c)
+        return None
+
+    def page_id(self, key: bytes) -> Optional[int]:
+        """The page indexed under a page hash, or None."""
+        e = self._page.get(key)
+        return None if e is None else e.id
 
     def num_entries(self) -> Dict[str, int]:
         return {"pages": len(self._page), "checkpoints": len(self._ckpt)}

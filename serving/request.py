@@ -42,8 +42,12 @@ class Request:
     hit: Optional[Hit] = None                   # prefix hit whose copy sources are still held
     hashes: list = dataclasses.field(default_factory=list)       # prompt unit hash chain
     checkpoints: list = dataclasses.field(default_factory=list)  # planned checkpoint positions
+    use_cache: bool = True                      # False: never reads or writes the prefix cache (a verifier's recompute)
+    wait_for: Optional[tuple] = None            # (running request, position): its prefix checkpoint this one waits for
+    waited_steps: int = 0                       # schedules spent waiting for a running request's prefix
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    final_sampled: bool = False                 # its last token (max_tokens) is sampled, maybe not fetched yet
     stop: Optional[StopChecker] = None
     detok: object = None
     finish_reason: Optional[str] = None

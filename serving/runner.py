@@ -13,6 +13,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
@@ -112,6 +113,21 @@ def _copy_pages(pools, src, dst, bits: bool):
     return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src), bits=bits))  # all layers
 
 
+def _with_previous_tokens(step):
+    """The step with placeholder tokens -(r + 1) replaced by row r of the previous step's sampled tokens
+    (async scheduling: the host has not seen them yet)."""
+    def run(params, pools, batch, last_tokens):
+        t = batch.tokens
+        prev = last_tokens[jnp.clip(-t - 1, 0, last_tokens.shape[0] - 1)]
+        return step(params, pools, batch.replace(tokens=jnp.where(t < 0, prev, t)))
+    return run
+
+
+def _sample_and_keep(logits, sarr, key_data, counters, last_tokens, *, num_top_logprobs):
+    toks, lp, top = sample(logits, sarr, key_data, counters, num_top_logprobs=num_top_logprobs)
+    return toks, lp, top, jax.lax.dynamic_update_slice(last_tokens, toks.astype(last_tokens.dtype), (0,))
+
+
 class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
@@ -147,8 +163,13 @@ class ModelRunner:
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
 
-        self._step = jax.jit(make_step_fn(c, self.backend), donate_argnums=(1,), **step_kw)
-        self._sample = jax.jit(functools.partial(sample, num_top_logprobs=max_logprobs), **sample_kw)
+        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend)), donate_argnums=(1,), **step_kw)
+        self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
+                               donate_argnums=(4,), **sample_kw)
+        # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
+        self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)
+        if mesh is not None:
+            self.last_tokens = jax.device_put(self.last_tokens, rep)
         # one penalties variant: output ids padded to the context (a power of two, as the buckets)
         self.penalty_width = 1 << max(0, max_model_len - 1).bit_length()
         self._copy = jax.jit(functools.partial(_copy_pages, bits=self.backend.scatter_bits), donate_argnums=(0,),
@@ -182,6 +203,15 @@ class ModelRunner:
     def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
                 prompt_ids=None, output_ids=None, allowed_masks=None):
         """Run one step. Returns numpy (tokens [N], logprobs [N], top_ids [N, K], top_vals [N, K])."""
+        n = len(chunks)
+        out = self.fetch(self.launch(chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks))
+        return tuple(x[:n] for x in out)
+
+    def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
+               prompt_ids=None, output_ids=None, allowed_masks=None):
+        """Dispatch one step without waiting: device (tokens, logprobs, top_ids, top_vals), one row per
+        bucket sequence. A negative token -(r + 1) in a chunk stands for row r of the previous step's
+        sampled tokens, which are still on the device."""
         T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
         N = _fit(self.seq_buckets, len(chunks))
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages)
@@ -192,9 +222,12 @@ class ModelRunner:
         cnt[:len(counters)] = counters
         self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None))
         self._note_shape(("sample", N, self._variant(sarr)))
-        toks, lp, top_ids, top_vals = self._call("step", batch, sarr, cnt)
-        n = len(chunks)
-        return (np.asarray(toks)[:n], np.asarray(lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_vals)[:n])
+        return self._call("step", batch, sarr, cnt)
+
+    @staticmethod
+    def fetch(results):
+        """Wait for a launched step and bring its results to the host (one transfer for all)."""
+        return tuple(np.asarray(x) for x in jax.device_get(results))
 
     def warmup(self, progress: bool = True, multimodal: bool = False):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
@@ -240,12 +273,13 @@ class ModelRunner:
         with multihost.leading(control, args):
             if control == "step":
                 batch, sarr, counters = args
-                logits, self.pools = self._step(self.params, self.pools, batch)
-                toks, lp, (top_ids, top_vals) = self._sample(logits, sarr, self.key_data, counters)
-                return toks, lp, top_ids, top_vals
+                logits, self.pools = self._step(self.params, self.pools, batch, self.last_tokens)
+                toks, lp, (top_ids, top_vals), self.last_tokens = self._sample(logits, sarr, self.key_data, counters,
+                                                                              self.last_tokens)
+                return multihost.settle((toks, lp, top_ids, top_vals))
             if control == "copy":
                 src, dst = args
-                self.pools = self._copy(self.pools, src, dst)
+                self.pools = multihost.settle(self._copy(self.pools, src, dst))
                 return None
             raise ValueError(f"unknown runner call {control!r}")
     # ---- end of the multi-host hook

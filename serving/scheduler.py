@@ -5,6 +5,11 @@ first, then running prefills, then new requests (priority, then FCFS); prefill c
 planned prefix-cache checkpoints so a KDA state is registered only where the model really
 stopped; pages and slots come from ref-counted allocators, evicting unreferenced cache entries
 and then preempting (by recompute) the lowest-priority running request when they run out.
+
+Prefix-aware admission: a waiting request whose prompt shares a longer prefix with a running
+prefill than the cache holds now is passed over (the requests behind it go first) until that
+prefill registers a checkpoint at the shared junction, at most `prefix_wait_steps` schedules;
+otherwise requests admitted while their group's prefix is still being computed compute it again.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class SchedulerOutput:
     page_copies: list            # (src_page, dst_page) copy-on-write copies to issue before the step
     preempted: list
     encode: list = dataclasses.field(default_factory=list)   # images to run through the vision tower first
+    restores: list = dataclasses.field(default_factory=list)  # (HostEntry, [(row, page)], slot) to copy back first
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,7 @@ class SchedulerConfig:
     state_block_size: int = 0        # periodic checkpoints inside long prompts (0 = only ends/junctions)
     encoder_budget: int = 0          # image tokens the vision tower may produce per step (0 = no limit)
     cache_finished_state: bool = True  # keep a finished request's final state (see finish)
+    prefix_wait_steps: int = 64      # prefix-aware admission: most schedules a request waits (0 = off)
 
 
 class Scheduler:
@@ -77,7 +84,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.is_encoded = lambda digest: False   # the engine's encoder-output cache answers this
+        self.host = None                          # serving.host_tier.HostTier (attach_host_tier)
         self._encode: dict = {}
+
+    def attach_host_tier(self, tier, save) -> None:
+        """Evicted checkpoints go to `tier` through save(CacheEntry); waiting requests get them back."""
+        if self.cache is not None:
+            self.host = tier
+            self.cache.on_evict = save
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request):
@@ -124,12 +138,14 @@ class Scheduler:
     def finish(self, req: Request, keep_state: bool = False):
         """Retire a request. keep_state (a normal finish): its final KDA state and pages join the
         prefix cache first, so a follow-up turn that repeats this conversation resumes at its end."""
-        if keep_state and self.cache is not None and self.cfg.cache_finished_state:
+        if keep_state and self.cache is not None and self.cfg.cache_finished_state and req.use_cache:
             self._cache_final_state(req)
         self.free(req)
-        req.status = Status.FINISHED
         if req in self.running:
             self.running.remove(req)
+        elif req.status == Status.WAITING and req in self.waiting:   # preempted while its token was in flight
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
 
     def _cache_final_state(self, req: Request):
         n, unit = req.num_computed, self.cfg.prefix_match_unit
@@ -204,7 +220,7 @@ class Scheduler:
         if not slot:
             return False
         req.slot = slot
-        if self.cache is not None:
+        if self.cache is not None and req.use_cache:
             if not req.hashes:
                 req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
             hit = self.cache.lookup(req.tokens, req.extra_keys, hashes=req.hashes)
@@ -232,6 +248,106 @@ class Scheduler:
             req.checkpoints = sorted(plan)
         return True
 
+    def _should_wait(self, req: Request, scheduled: dict) -> tuple:
+        """Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
+        longer prefix of its prompt than the cache holds now, budget tokens freed by cutting that prefill's chunk
+        at the junction). See the module docstring. scheduled: request id -> this step's chunk."""
+        limit = self.cfg.prefix_wait_steps
+        if self.cache is None or not req.use_cache or not limit or req.waited_steps >= limit:
+            return False, 0
+        if req.wait_for is not None:
+            owner, pos = req.wait_for
+            if owner.status == Status.RUNNING and owner.num_computed < pos and pos in owner.checkpoints:
+                req.waited_steps += 1
+                return True, 0
+            req.wait_for = None          # registered (or the owner left): look again
+        if not req.hashes:
+            req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
+        unit = self.cfg.prefix_match_unit
+        max_units = min(len(req.hashes), (len(req.prompt_ids) - 1) // unit)   # a hit leaves a token to compute
+        owner, pos = None, 0
+        for r in self.running:
+            if r.use_cache and r.num_computed < len(r.prompt_ids):
+                shared = self._shared_units(req.hashes, r.hashes, max_units) * unit
+                if shared > max(pos, r.num_computed):
+                    owner, pos = r, shared
+        if owner is None or pos <= self.cache.lookup(req.prompt_ids, req.extra_keys, hashes=req.hashes,
+                                                     record=False).num_tokens:
+            return False, 0
+        freed = self._plan_checkpoint(owner, pos, scheduled.get(owner.request_id))
+        if freed is None:
+            return False, 0
+        req.wait_for = (owner, pos)
+        req.waited_steps += 1
+        return True, freed
+
+    def _restore_from_host(self, req: Request, out: SchedulerOutput) -> bool:
+        """Copy back the longest prefix of req's prompt the host tier holds beyond the device cache's hit:
+        pages and a slot allocated, registered as pending entries, their data written by the engine before
+        this step (out.restores). Returns whether it did (the request then waits a step)."""
+        if not req.use_cache or not len(self.host):
+            return False
+        if not req.hashes:
+            req.hashes = self.cache.hashes(req.prompt_ids, req.extra_keys)
+        unit, ps = self.cfg.prefix_match_unit, self.cfg.page_size
+        device = self.cache.lookup(req.prompt_ids, req.extra_keys, hashes=req.hashes, record=False).num_tokens
+        key = self.host.longest(req.hashes, (len(req.prompt_ids) - 1) // unit, device // unit)
+        if key is None:
+            return False
+        entry = self.host.pop(key)
+        n = entry.num_tokens
+        have = [self.cache.page_id(h) for h in entry.page_hashes[:n // ps]] + ([None] if n % ps else [])
+        reuse = [p for p in have if p is not None]
+        self.pages.incref(reuse)             # pinned: the allocations below may evict
+        new = self._alloc_pages(have.count(None))
+        slot = self._alloc_slot() if new is not None else 0
+        if not slot:
+            self.pages.decref(reuse + (new or []))
+            self.host.put(key, entry)
+            return False
+        fresh = iter(new)
+        bt = [p if p is not None else next(fresh) for p in have]
+        self.cache.register_pages(req.hashes, bt, n)
+        registered = self.cache.register_checkpoint(req.hashes, n, slot, bt)
+        if not registered:
+            self.slots.decref([slot])
+        # every page the index took must get its data (visible next step), the partial one with the checkpoint
+        rows = [(j, p) for j, (p, h) in enumerate(zip(bt, entry.page_hashes)) if have[j] is None
+                and self.cache.page_id(h) == p] + ([(len(bt) - 1, bt[-1])] if n % ps and registered else [])
+        self.pages.decref(reuse + new)
+        out.restores.append((entry, rows, slot if registered else 0))
+        return True
+
+    @staticmethod
+    def _shared_units(a, b, limit: int) -> int:
+        """Units two chained hash lists share from the start (a binary search: sharing unit m implies
+        sharing every unit before it)."""
+        lo, hi = 0, min(limit, len(a), len(b))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[mid - 1] == b[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _plan_checkpoint(self, r: Request, pos: int, chunk: Optional[ScheduledChunk]) -> Optional[int]:
+        """Make running prefill `r` register a checkpoint at pos (> r.num_computed): plan it into r's chunking,
+        or, when this step's chunk of r reaches pos already, checkpoint the chunk there (cutting it short if
+        it goes further). Returns the budget tokens the cut freed, or None when no checkpoint can be had."""
+        if self.cache.has_checkpoint(r.hashes, pos):
+            return None                  # one exists, yet no hit reaches it (its pages are gone): do not wait
+        freed = 0
+        if chunk is not None and pos <= chunk.end:
+            if not chunk.ckpt_dst:
+                chunk.ckpt_dst = self._alloc_slot()
+                if not chunk.ckpt_dst:
+                    return None
+            freed, chunk.end = chunk.end - pos, pos
+        if pos not in r.checkpoints:
+            r.checkpoints = sorted(r.checkpoints + [pos])
+        return freed
+
     def schedule(self) -> SchedulerOutput:
         if self.cache is not None:
             self.cache.commit_pending()      # last step's registrations are now complete
@@ -239,8 +355,10 @@ class Scheduler:
         out = SchedulerOutput([], [], [])
         self._encode = {}
         budget = cfg.max_num_batched_tokens
-        order = sorted(self.running, key=lambda r: (not r.is_decode, r.priority, r.arrival))
-        scheduled = set()
+        # (a request whose last token is sampled by the step in flight has nothing left to run)
+        order = sorted((r for r in self.running if not r.final_sampled),
+                       key=lambda r: (not r.is_decode, r.priority, r.arrival))
+        scheduled = {}                       # request id -> its chunk of this step
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)
             ch = self._chunk(req, budget)
@@ -258,11 +376,17 @@ class Scheduler:
                 continue
             req.pages += new
             out.chunks.append(ch)
-            scheduled.add(req.request_id)
+            scheduled[req.request_id] = ch
             budget -= ch.end - ch.start
-        while (self.waiting and budget > 0 and len(out.chunks) < cfg.max_num_seqs
-               and len(self.running) < cfg.max_num_seqs):
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or len(self.running) >= cfg.max_num_seqs:
+                break
+            if self.host is not None and req.wait_for is None and self._restore_from_host(req, out):
+                continue                 # its prefix is being copied back: it hits next step
+            wait, freed = self._should_wait(req, scheduled)
+            budget += freed
+            if wait:
+                continue
             if not self._admit(req, out):
                 break
             ch = self._chunk(req, budget)
@@ -274,10 +398,12 @@ class Scheduler:
                 self.free(req)
                 break
             req.pages += new
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
+            req.wait_for = None
             self.running.append(req)
             out.chunks.append(ch)
+            scheduled[req.request_id] = ch
             budget -= ch.end - ch.start
         out.encode = list(self._encode.values())
         return out
@@ -287,7 +413,7 @@ class Scheduler:
         for ch in out.chunks:
             req = ch.req
             req.num_computed = ch.end
-            if self.cache is None:
+            if self.cache is None or not req.use_cache:
                 continue
             if req.hit is not None:
                 self.cache.release_copy_sources(req.hit)
@@ -305,6 +431,8 @@ class Scheduler:
             "page_usage": self.pages.usage, "slot_usage": self.slots.usage,
             "num_preemptions": self.num_preemptions,
         }
+        if self.host is not None:
+            s.update(self.host.stats, host_entries=len(self.host), host_bytes=self.host.bytes)
         if self.cache is not None:
             s["prefix_queried_tokens"] = self.cache.stats["queried_tokens"]
             s["prefix_hit_tokens"] = self.cache.stats["hit_tokens"]

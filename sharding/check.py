@@ -26,7 +26,7 @@ def run(mesh_spec: str | None, max_new: int = 6) -> tuple[list, list]:
     from sharding.rules import shard_params, shard_pools
     from sharding.step import greedy, sharded_step
 
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     mesh = make_mesh(mesh_spec)
     split = mesh.shape["data"] * mesh.shape["expert"]
     n_pages = n_slots = max(8, split)

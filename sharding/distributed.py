@@ -13,6 +13,7 @@ processes lives in serving/multihost.py.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 
@@ -24,14 +25,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, local_device_ids=None, auto: bool | None = None, cpu_collectives: str | None = "gloo",
-               timeout_s: int = 300) -> bool:
+               timeout_s: int = 300, heartbeat_timeout_s: int | None = None,
+               shutdown_timeout_s: int | None = None) -> bool:
     """Start the multi-process runtime; call before anything touches a JAX device.
 
     coordinator "host:port" of process 0; num_processes; process_id (0-based). Missing values
     come from K3JAX_* env vars; with none given, auto=True (or K3JAX_DISTRIBUTED=auto) lets JAX
     detect the cluster (TPU pods, SLURM), otherwise nothing happens (single process).
     cpu_collectives: "gloo" (CPU processes need it for cross-process collectives) or None to
-    leave JAX's setting alone. Returns whether the distributed runtime was started.
+    leave JAX's setting alone. heartbeat_timeout_s: seconds of silence after which JAX's
+    coordination service aborts every process (None: JAX's default); shutdown_timeout_s: how long
+    a clean exit waits for the others at JAX's shutdown barrier (None: JAX's default, 5 minutes).
+    Returns whether the distributed runtime was started.
     """
     coordinator = coordinator or os.environ.get("K3JAX_COORDINATOR")
     if num_processes is None and os.environ.get("K3JAX_NUM_PROCESSES"):
@@ -49,6 +54,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     kw = {}
     if local_device_ids is not None:
         kw["local_device_ids"] = local_device_ids
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    for name, value in (("heartbeat_timeout_seconds", heartbeat_timeout_s),
+                        ("shutdown_timeout_seconds", shutdown_timeout_s)):
+        if value is not None and name in accepted:
+            kw[name] = int(value)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s, **kw)
     return True

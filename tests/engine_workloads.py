@@ -50,3 +50,12 @@ def run_workload(engine, work, arrivals_per_step: int = 3):
         if not engine.has_unfinished() and pending and added == 0:
             raise AssertionError("workload stuck: follow-ups whose parents never finished")
     return done
+
+
+def run_one(engine, prompt, params, request_id):
+    """Run one request to the end (and whatever else is queued); returns its final RequestOutput."""
+    engine.add_request(prompt, params, request_id=request_id)
+    done = None
+    while engine.has_unfinished():
+        done = next((o for o in engine.step() if o.finished and o.request_id == request_id), done)
+    return done

@@ -15,7 +15,7 @@ from k3jax.presets import preset_config
 
 def two_step_logits(backend):
     """(logits of the two real sequences per step, each step batch's decode_only flag), run on `backend`."""
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = stack_layers(init_params_numpy(c, 0, jnp.float32), c)      # the runner's (scanned) layout
     toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
     steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],

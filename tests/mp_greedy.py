@@ -32,7 +32,7 @@ def main():
     from mp_common import GEN, MAX_NEW, POOL, PROMPTS
 
     assert jax.process_count() == nproc and len(jax.devices()) == nproc * jax.local_device_count()
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     mesh = make_mesh(mesh_spec)
     params = shard_params(init_params_numpy(c, TINY_SEED, jnp.float32), mesh, c)
     pools = shard_pools(make_pools(c, POOL["num_pages"], POOL["page_size"], POOL["num_slots"], jnp.float32), mesh)

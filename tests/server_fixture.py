@@ -24,7 +24,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tmp_dir, f"server-{self.port}.log")
         env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "k3jax.serve", "--port", str(self.port), "--max-model-len", "512",
+        cmd = [sys.executable, "-m", "k3jax.serve", "--model", "tiny-random", "--port", str(self.port), "--max-model-len", "512",
                "--api-key", API_KEY, "--enable-test-hooks", "--compilation-cache-dir", os.path.join(tmp_dir, "xla"),
                "--log-level", "warning", *extra_args]
         self.log = open(self.log_path, "w")

@@ -33,7 +33,7 @@ def k3_config_dict(quantized: bool = True, top_level_quant: bool = False, **text
     """K3 config.json: the tiny preset's text_config (with overrides), a full compressed-tensors
     quantization_config (in text_config like the kimi-k3 preset, or at the top level where HF
     usually writes it) and a vision_config."""
-    raw = copy.deepcopy(preset_config_dict("tiny"))
+    raw = copy.deepcopy(preset_config_dict("tiny-random"))
     text = raw["text_config"]
     text.pop("quantization_config", None)
     text.update(text_overrides)

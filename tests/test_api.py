@@ -12,11 +12,11 @@ from k3jax.generate import generate_ids
 
 @pytest.fixture(scope="module")
 def tiny():
-    return k3jax.load_model("tiny", dtype="float32")
+    return k3jax.load_model("tiny-random", dtype="float32")
 
 
 def test_tiny_is_deterministic_and_has_tokenizer(tiny):
-    again = k3jax.load_model("tiny", dtype="float32")
+    again = k3jax.load_model("tiny-random", dtype="float32")
     toks = np.array([[1, 2, 3, 500, 1000]])
     a, b = tiny.logits(toks), again.logits(toks)
     assert a.shape == (1, 5, 1024) and a.dtype == np.float32
@@ -40,7 +40,7 @@ def test_bad_load_arguments():
     with pytest.raises(ValueError, match="ships no weights"):
         k3jax.load_model("kimi-k3")
     with pytest.raises(ValueError, match="dtype"):
-        k3jax.load_model("tiny", dtype="int3")
+        k3jax.load_model("tiny-random", dtype="int3")
 
 
 def test_generate_loop_is_greedy_decoding_of_full_logits(tiny):
@@ -64,18 +64,18 @@ def test_info_counts_parameters_by_eval_shape():
 
 
 def test_generate_cli():
-    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "4")
+    r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert "4 generated" in r.stderr
     # issue 17 item 9: a first run says it is compiling instead of sitting silent
     assert "compiling the model step" in r.stderr and "compiled and ran the first step in" in r.stderr
-    r = _run("k3jax.generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "0")
+    r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
 def test_info_text_has_units():
     """issue 17 item 9: `info` printed bare numbers (weight_bytes 2641920)."""
-    lines = dict(line.split(None, 1) for line in _run("k3jax.info").stdout.splitlines())
+    lines = dict(line.split(None, 1) for line in _run("k3jax.info", "--model", "tiny-random").stdout.splitlines())
     assert lines["weight_bytes"].endswith(" MiB") and lines["mla_cache_bytes_per_token"] == "320 B"
     assert lines["total_params"].endswith(" params") and lines["max_context"] == "8192 tokens"
     assert lines["kda_state_bytes_per_sequence"] == "73.00 KiB"
@@ -94,3 +94,30 @@ def test_every_cli_flag_has_help_and_shows_its_default(module):
         text = fmt._get_help_string(action)
         assert action.help and "default" in text, (action.option_strings, action.help)
     assert "K3JAX_API_KEY" in parser.format_help() if module == "k3jax.serve" else True
+
+
+def test_default_tiny_is_the_trained_model_or_says_why_not(monkeypatch, caplog, tmp_path):
+    """`tiny` loads the shipped weights (k3jax/assets/tiny-trained.safetensors) with its English
+    tokenizer; without the file it warns that its weights are random, and still loads."""
+    from k3jax import api
+    from k3jax.checkpoint.flat_file import save_flat
+    monkeypatch.setattr(api, "TINY_WEIGHTS", str(tmp_path / "absent.safetensors"))
+    with caplog.at_level("WARNING"):
+        m = k3jax.load_model("tiny")
+    assert "RANDOM weights" in caplog.text
+    tok = m.tokenizer
+    assert m.config.vocab_size == tok.vocab_size == 4096 and m.vision is None
+    assert (tok.bos_id, tok.eos_id) == (3840, 3841) == (m.config.bos_token_id, m.config.eos_token_id)
+    text = "Each application defines its models in a module, and the database stores their fields."
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(k3jax.load_model(
+        "tiny-random").tokenizer.encode(text)) / 1.5            # an English vocabulary: far fewer tokens
+    params = jax_tree_map(lambda x: x + 0 if x.dtype.kind == "u" else x * 0 + 0.5, m.params)
+    save_flat(tmp_path / "w.safetensors", params)
+    monkeypatch.setattr(api, "TINY_WEIGHTS", str(tmp_path / "w.safetensors"))
+    loaded = k3jax.load_model("tiny")
+    assert float(loaded.params["layers"][0]["attn"]["q_proj"][0, 0]) == 0.5
+
+
+def jax_tree_map(fn, tree):
+    import jax
+    return jax.tree_util.tree_map(fn, tree)

@@ -21,7 +21,7 @@ BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
 
 @pytest.fixture(scope="module")
 def model():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
     # both through the scanned decoder (tests/test_layer_stack.py checks scan == unrolled)
     full = jax.jit(lambda p, t: forward_full(stack_layers(p, c), c, t))

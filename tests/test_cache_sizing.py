@@ -12,7 +12,7 @@ from serving.runner import step_temp_bytes
 
 
 def test_pools_sized_after_the_largest_steps_activations(monkeypatch):
-    model = load_model("tiny", dtype="bfloat16")
+    model = load_model("tiny-random", dtype="bfloat16")
     c, dt = model.config, model.params["embed"].dtype
     w = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
     free = 64 << 20

@@ -34,7 +34,7 @@ def test_kimi_linear_layout():
 
 
 def test_unknown_field_warns(caplog):
-    d = preset_config_dict("tiny")
+    d = preset_config_dict("tiny-random")
     d["text_config"]["brand_new_field"] = 1
     with caplog.at_level(logging.WARNING):
         ModelConfig.from_dict(d)
@@ -49,14 +49,14 @@ def test_unknown_field_warns(caplog):
     ("num_experts_per_token", 99),
 ])
 def test_unsupported_values_name_the_field(field, value):
-    d = preset_config_dict("tiny")
+    d = preset_config_dict("tiny-random")
     d["text_config"][field] = value
     with pytest.raises(ValueError, match=field.split("_")[0]):
         ModelConfig.from_dict(d)
 
 
 def test_bad_layer_index_and_bad_json(tmp_path):
-    d = preset_config_dict("tiny")
+    d = preset_config_dict("tiny-random")
     d["text_config"]["linear_attn_config"]["full_attn_layers"] = [4, 7]
     with pytest.raises(ValueError, match="full_attn_layers"):
         ModelConfig.from_dict(d)
@@ -64,7 +64,7 @@ def test_bad_layer_index_and_bad_json(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_json_file(bad)
-    assert json.loads(json.dumps(preset_config_dict("tiny")))  # presets are plain JSON
+    assert json.loads(json.dumps(preset_config_dict("tiny-random")))  # presets are plain JSON
 
 
 @pytest.mark.parametrize("given, expected", [({}, (1.0, None)),
@@ -74,7 +74,7 @@ def test_bad_layer_index_and_bad_json(tmp_path):
                                               (2.0, 7.0))])
 def test_situ_defaults_follow_the_k3_modeling_code(given, expected):
     # K3's modeling code (and sglang): beta = config value or 1.0; linear beta = config value or none
-    raw = json.loads(json.dumps(preset_config_dict("tiny")))
+    raw = json.loads(json.dumps(preset_config_dict("tiny-random")))
     text = raw["text_config"]
     for k in ("activation_situ_beta", "activation_situ_linear_beta"):
         text.pop(k, None)

@@ -12,7 +12,7 @@ PROMPTS = [np.random.RandomState(i).randint(0, 1000, n).tolist() for i, n in enu
 
 
 def _greedy(mesh):
-    llm = LLM("tiny", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
+    llm = LLM("tiny-random", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
               warmup=False)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], llm
@@ -28,7 +28,7 @@ def test_engine_on_mesh_matches_one_device(mesh):
 
 
 def test_generate_cli_with_mesh():
-    r = subprocess.run([sys.executable, "-m", "k3jax.generate", "--model", "tiny", "--mesh", "data=2,expert=4",
+    r = subprocess.run([sys.executable, "-m", "k3jax.generate", "--model", "tiny-random", "--mesh", "data=2,expert=4",
                         "--prompt", "Hello", "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     bad = subprocess.run([sys.executable, "-m", "k3jax.generate", "--mesh", "data=3"], capture_output=True, text=True,
@@ -45,7 +45,7 @@ def test_image_chat_on_mesh_matches_one_device(tmp_path):
                                          {"type": "text", "text": "What is it?"}]}]
     outs = []
     for mesh in (None, "data=2,expert=4"):
-        llm = LLM("tiny", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
+        llm = LLM("tiny-random", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
                   warmup=False)
         out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), thinking=False)
         text_only = llm.chat([{"role": "user", "content": "What is it?"}],

@@ -26,7 +26,7 @@ class _Images:
 def _plan(tok, **req):
     state = ServerState(engine=None, tokenizer=tok, model_name="m", max_model_len=8192, metrics=None,
                         vision=_Images())
-    return chat._Plan(state, ChatCompletionRequest(model="m", **req))
+    return chat.Plan(state, ChatCompletionRequest(model="m", **req))
 
 
 @pytest.fixture(scope="module")

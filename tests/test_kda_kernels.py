@@ -244,3 +244,22 @@ def test_state_tiles_fill_one_wave_then_widen():
     assert state_tiles(64, 128, sms=132)[0] == 64      # 256 programs at 32 wide: two waves
     assert state_tiles(512, 128, sms=132)[0] == 128    # many sequences: fewest programs
     assert state_tiles(512, 32, sms=132)[0] == 32      # capped at V
+
+
+def test_state_tiles_follow_the_live_sequence_count(monkeypatch):
+    """A padded sequence bucket picks the state kernel's tiles by the sequences that have tokens (a runtime
+    switch): the same executable is exact for 1 live sequence (narrow V blocks) and for 3 (wide)."""
+    from pallas_kernels.kda import chunk_pallas
+    monkeypatch.setattr(chunk_pallas, "num_sms", lambda: 4)
+    H, K, V, T = 2, 16, 64, 70
+    assert len({chunk_pallas.state_tiles(n * H, V) for n in (1, 2, 3)}) == 3
+    q, k, v, g, beta = _inputs(5, 1, T, H, K, V)
+    h0 = jax.random.normal(jax.random.PRNGKey(2), (4, H, K, V))
+    run = jax.jit(lambda *a, cu: chunk_kda(*a, initial_state=h0, cu_seqlens=cu, interpret=True),
+                  compiler_options=_FAST_COMPILE)
+    for cu in ([0, 70, 70, 70, 70], [0, 20, 21, 60, 60]):
+        cu = jnp.asarray(cu, jnp.int32)
+        o, S = run(q, k, v, g, beta, cu=cu)
+        o2, S2 = recurrent_kda_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        n = int(cu[-1])
+        assert _rel(o[:, :n], o2[:, :n]) < 1e-5 and _rel(S, S2) < 1e-5

@@ -25,7 +25,7 @@ GROUPED = dict(num_expert_group=4, topk_group=2)
 
 
 def _config(name):
-    return preset_config("tiny").replace(**VARIANTS[name])
+    return preset_config("tiny-random").replace(**VARIANTS[name])
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -71,7 +71,7 @@ def test_float64_comparison_can_fail(float64_run, change):
 def test_group_limited_routing_float64():
     """Grouped routing (DeepSeek-style group limit) against the numpy reference, in float64: in
     fp32 a near-tie between two groups' scores can flip a group and the comparison with it."""
-    c = preset_config("tiny").replace(**GROUPED)
+    c = preset_config("tiny-random").replace(**GROUPED)
     tokens = np.random.RandomState(7).randint(0, c.vocab_size, 40).astype(np.int32)
     with jax.enable_x64(True):
         params = init_params_numpy(c, 8, jnp.float64)
@@ -85,7 +85,7 @@ def test_group_limited_routing_float64():
 
 def test_group_limited_routing_changes_the_choice():
     """The grouped test above tests something: with these sizes the group limit changes picks."""
-    c = preset_config("tiny").replace(**GROUPED)
+    c = preset_config("tiny-random").replace(**GROUPED)
     rng = np.random.RandomState(0)
     choices = rng.randn(64, c.num_experts)
     grouped = [set(numpy_model.routed_experts(ch, c)) for ch in choices]

@@ -415,6 +415,28 @@ def test_choose_tiling_avg_rows_hint():
   assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
+def _ep_case(seed, t, d, i, e_loc, e_tot, k, activation):
+  """Expert-parallel MLP inputs: ids over e_tot experts (those >= e_loc -> -1, another device's),
+  MXFP4 experts (q1, q3, q2), and the float64 loop over the local experts on their dequantized
+  values."""
+  r = _rng(seed)
+  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[0, 0] = 1
+  x = _bf16(r.standard_normal((t, d)))
+  wts = r.random((t, k)).astype(np.float32)
+  qs = [moe.quantize_mxfp4(jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32))
+        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
+  local = np.where(ids < e_loc, ids, -1)
+  ref = _np_moe(x, np.maximum(local, 0), np.where(local >= 0, wts, 0.0),
+                *(_deq_in_out(q) for q in qs), activation)
+  return x, local, wts, qs, ref
+
+
+def _deq_in_out(q):
+  """MXFP4 (packed, scales) in HF [E, out, in] -> float32 numpy [E, in, out]."""
+  return np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
+
+
 def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
   """Under expert parallelism most rows belong to other devices' experts: num_experts_total
   sizes the tiles from the local rows (bm 16 here, bm 64 without it); same result either way
@@ -423,19 +445,8 @@ def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
   orig = kn.grouped_matmul
   monkeypatch.setattr(gm.kn, "grouped_matmul",
                       lambda *a, **kw: seen.append(kw["tiling"]) or orig(*a, **kw))
-  r = _rng(13)
-  t, d, i, e_loc, e_tot, k = 32, 64, 32, 4, 32, 8
-  ids = np.stack([r.choice(e_tot, k, replace=False) for _ in range(t)]).astype(np.int32)
-  ids[0, 0] = 1
-  x = _bf16(r.standard_normal((t, d)))
-  wts = r.random((t, k)).astype(np.float32)
-  ws = [jnp.asarray(r.standard_normal(sh) / np.sqrt(sh[-1]), jnp.float32)
-        for sh in ((e_loc, i, d), (e_loc, i, d), (e_loc, d, i))]
-  q1, q3, q2 = (moe.quantize_mxfp4(w) for w in ws)
-  deq = lambda q: np.swapaxes(np.asarray(moe.dequantize_mxfp4(*q, jnp.float32)), 1, 2)
-  local = np.where(ids < e_loc, ids, -1)
-  wl = np.where(local >= 0, wts, 0.0)
-  ref = _np_moe(x, np.maximum(local, 0), wl, deq(q1), deq(q3), deq(q2), "silu")
+  e_tot = 32
+  x, local, wts, (q1, q3, q2), ref = _ep_case(13, 32, 64, 32, 4, e_tot, 8, "silu")
   for total, bm in ((None, 64), (e_tot, 16)):
     seen.clear()
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2,
@@ -529,7 +540,7 @@ def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
            for a, b in ((d, i), (d, i), (i, d))]
   out = moe.expert_mlp_mxfp4(x, ids, w, *packs, activation="situ", interpret=True,
                              tiling=(Tiling(16, 64, 32), Tiling(16, 32, 64)))
-  c = dataclasses.replace(preset_config("tiny"), num_experts=e)
+  c = dataclasses.replace(preset_config("tiny-random"), num_experts=e)
   pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
   pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
   _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)
@@ -563,3 +574,98 @@ def test_default_tiles_fit_shared_memory(fused):
     t = sch.choose_tiling(16 * 8, 2304, 2048, 256, fused=True)
     assert t.bm == 16 and t.num_stages == 4
     assert sch.choose_tiling(1024 * 8, 2304, 2048, 256, fused=True).num_stages == 3
+
+
+# ------------------------- issue 25: rows gathered in the kernel, MXFP4 halves order, local combine
+
+def test_combine_valid_rows_never_reads_rows_past_the_groups():
+  """Rows past valid_rows (other devices' experts, left unwritten by the kernels) are poisoned
+  with NaN: the combine must neither read them nor let them through."""
+  r = _rng(21)
+  ids = jnp.asarray([[0, 5], [1, 0], [-1, 2]], jnp.int32)  # E=3 local; 5 and -1 are foreign
+  tok, gs, inv = moe.sort_by_expert(ids, 3)
+  y = np.asarray(r.standard_normal((6, 4)), np.float32)
+  y[4:] = np.nan  # 4 local rows
+  wts = r.random((3, 2)).astype(np.float32)
+  out = np.asarray(moe.combine(jnp.asarray(y), jnp.asarray(wts), inv, valid_rows=jnp.sum(gs)))
+  flat_inv = np.asarray(inv).reshape(3, 2)
+  ref = np.zeros((3, 4), np.float64)
+  for t in range(3):
+    for j in range(2):
+      if 0 <= int(ids[t, j]) < 3:
+        ref[t] += wts[t, j] * y[flat_inv[t, j]]
+  np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
+def test_mxfp4_halves_output_is_the_next_kernels_input():
+  """out_halves writes [even columns | odd columns] * 2^shift: bit for bit to_halves of the plain
+  output; a down kernel fed that (x_halves) equals the plain chain."""
+  from pallas_kernels.moe import mxfp4 as mxm
+  x, packed, scales, gs = _mxfp4_case(22, 40, 64, 64, [20, 0, 17, 3], (115, 135))
+  shift = mxm.x_shift(mxm.DECODER)
+  t = Tiling(16, 32, 32)
+  plain = gm.run_mxfp4(x, (packed, scales), gs, tiling=t, mode="kernel", interpret=True)
+  halves = gm.run_mxfp4(mxm.to_halves(x, shift), (packed, scales), gs, tiling=t, mode="kernel",
+                        interpret=True, x_halves=True, out_halves=True)
+  np.testing.assert_array_equal(np.asarray(halves, np.float32),
+                                np.asarray(mxm.to_halves(plain, shift), np.float32))
+  p2, s2 = moe.quantize_mxfp4(jnp.asarray(_rng(23).standard_normal((4, 32, 64)) / 8, jnp.float32))
+  down = gm.run_mxfp4(halves, (p2, s2), gs, tiling=t, mode="kernel", interpret=True, x_halves=True)
+  ref = moe.gmm_mxfp4_reference(plain, p2, s2, gs)
+  _close(down[:40], ref[:40])
+
+
+@pytest.mark.parametrize("fmt,swap", [("bf16", False), ("mxfp4", False), ("mxfp4", True)])
+def test_expert_mlp_gather_expert_parallel_matches_numpy(fmt, swap):
+  """The gather routing (token rows read by the up kernel, rows past the local groups never
+  written nor read) with other devices' experts among the ids and several row tiles per expert,
+  vs the float64 loop over the local experts; MXFP4 with the weights as either MMA operand."""
+  e_tot = 6
+  x, local, wts, (q1, q3, q2), ref = _ep_case(24, 24, 64, 64, 3, e_tot, 3, "situ")
+  tiles = (Tiling(16, 32, 16, 2, 3, swap), Tiling(16, 32, 32, 2, 3, swap))
+  kw = dict(activation="situ", interpret=True, tiling=tiles, gather=True, num_experts_total=e_tot)
+  if fmt == "bf16":
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts),
+                         *(jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, mode="kernel",
+                               **kw)
+  assert out.shape == x.shape and np.all(np.isfinite(np.asarray(out, np.float32)))
+  _close(out, ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_prefill_defaults(fmt, monkeypatch):
+  """At prefill (here 80 rows per expert) the MLP runs what scripts/bench_moe.py --prefill
+  measured: schedule.PREFILL_TILES, rows gathered in the kernel from GATHER_MIN_ROWS on, MXFP4
+  decoded in the kernel below PREDEQUANT_MIN_ROWS; and stays equal to the float64 loop."""
+  from pallas_kernels.moe import schedule as sch
+  seen = []
+  orig = kn.grouped_matmul
+  monkeypatch.setattr(gm.kn, "grouped_matmul", lambda *a, **kw: seen.append(kw) or orig(*a, **kw))
+  x, local, wts, (q1, q3, q2), ref = _ep_case(25, 80, 64, 64, 2, 2, 2, "silu")
+  kw = dict(activation="silu", interpret=True)
+  if fmt == "bf16":
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts),
+                         *(jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2)), **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, **kw)
+  _close(out, ref, rel=2e-2)
+  mx4 = fmt == "mxfp4"
+  want_fmt = ("mxfp4" if 80 < sch.PREDEQUANT_MIN_ROWS else "bf16t") if mx4 else "bf16"
+  assert [s["fmt"] for s in seen] == [want_fmt] * 2
+  for s, fused in zip(seen, (True, False)):
+    t = sch.PREFILL_TILES[(mx4 and want_fmt == "mxfp4", fused)]
+    assert (s["tiling"].bm, s["tiling"].swap_ab, s["tiling"].num_warps) == (128, t.swap_ab, t.num_warps)
+  assert (seen[0]["row_index"] is not None) == (80 >= sch.GATHER_MIN_ROWS)
+
+
+def test_prefill_tiles_survive_the_shared_memory_check():
+  """The measured prefill winners come out of choose_tiling unchanged at the bench shapes (the
+  shared-memory loop would silently drop a stage)."""
+  from pallas_kernels.moe import schedule as sch
+  for (k, n), fused in (((3584, 3072), True), ((3072, 3584), False), ((2304, 1024), True),
+                        ((1024, 2304), False)):
+    for mx4 in (False, True):
+      assert sch.choose_tiling(524288, k, n, 112, mxfp4=mx4, fused=fused, avg_rows=585.0) == \
+          sch.PREFILL_TILES[(mx4, fused)]

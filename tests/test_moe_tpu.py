@@ -29,7 +29,7 @@ def test_gmm_tpu_equals_ragged_dot(m, k, n, g):
 
 
 def test_model_moe_on_the_tpu_path_equals_the_reference(monkeypatch):
-    c = preset_config("tiny")                    # MXFP4 experts: dequantized, then megablox gmm
+    c = preset_config("tiny-random")                    # MXFP4 experts: dequantized, then megablox gmm
     params = init_params_numpy(c, 0, jnp.float32)
     layer = next(lp["mlp"] for lp, t in zip(params["layers"], c.mlp_types) if t == "moe")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((80, c.hidden_size)), jnp.float32)

@@ -4,21 +4,15 @@ serves HTTP and broadcasts every step; process 1 follows. Greedy completions and
 must equal those of a single-process server on 1 device, and a SIGTERM to process 0 must end
 both processes with status 0."""
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
-import httpx
 import openai
 import pytest
 
+from mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
 from server_fixture import free_port
 
-SERVE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--cache-memory-mb", "4",
-         "--dtype", "float32", "--log-level", "info"]
-XLA_FAST = "--xla_backend_optimization_level=0"      # halves CPU compile time; same flags for both servers
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 10, 11, 12, 13], [42, 42, 42]]
 CHAT = [{"role": "user", "content": "Hello there"}]
 
@@ -37,51 +31,18 @@ def _image_chat():
                                          {"type": "text", "text": "What is this?"}]}]
 
 
-def _env(devices: int, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3JAX_")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}", **extra)
-    return env
-
-
-def _start(tmp_path, name, args, env):
-    log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "k3jax.serve", *args], stdout=log, stderr=subprocess.STDOUT,
-                            env=env), tmp_path / f"{name}.log"
-
-
-def _tail(path, n=3000):
-    text = path.read_text()
-    return "\n".join(line for line in text.splitlines() if not line.startswith("[Gloo]"))[-n:]
-
-
-def _wait_ready(url, procs, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for p, log in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{log.name} exited with {p.returncode}:\n{_tail(log)}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not ready in {timeout}s:\n" + "\n".join(_tail(log) for _, log in procs))
-
-
 async def _answers(url):
     """Completions with logprobs (token strings + logprobs stand in for ids) and a chat answer, concurrently."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
     async def completion(prompt):
-        r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+        r = await client.completions.create(model="tiny-random", prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
                                             extra_body={"ignore_eos": True})
         c = r.choices[0]
         return c.text, c.logprobs.tokens, c.logprobs.token_logprobs
 
     async def chat(messages):
-        r = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+        r = await client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=8, temperature=0,
                                                  logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}})
         c = r.choices[0]
         return c.message.content, [e.token for e in c.logprobs.content], [e.logprob for e in c.logprobs.content]
@@ -102,16 +63,15 @@ def test_two_process_server_matches_one_device(tmp_path):
     port, ref_port = free_port(), free_port()
     cache = ["--compilation-cache-dir", str(tmp_path / "xla")]
     t0 = time.time()
-    group = [_start(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4",
-                                           "--coordinator", coord, "--num-processes", "2", "--process-id", str(i),
-                                           *SERVE, *cache], _env(4))
+    group = [start_server(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4",
+                                                 *group_args(coord, 2, i), *SERVE_ARGS, *cache], serve_env(4))
              for i in range(2)]
     # the reference compiles on demand (fewer shapes); the multi-host server warms up through the followers
-    ref = _start(tmp_path, "ref", ["--port", str(ref_port), "--no-warmup", *SERVE, *cache], _env(1))
+    ref = start_server(tmp_path, "ref", ["--port", str(ref_port), "--no-warmup", *SERVE_ARGS, *cache], serve_env(1))
     try:
         url, ref_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ref_port}"
-        _wait_ready(ref_url, [ref], 200)
-        _wait_ready(url, group, 200)
+        wait_ready(ref_url, [ref], 200)
+        wait_ready(url, group, 200)
         ready = time.time() - t0
         want, got = asyncio.run(_both(ref_url, url))
         served = time.time() - t0 - ready
@@ -122,15 +82,12 @@ def test_two_process_server_matches_one_device(tmp_path):
         # a follower logged that it is following and has run steps; process 0 stops both on SIGTERM
         group[0][0].send_signal(signal.SIGTERM)
         codes = [p.wait(60) for p, _ in group]
-        assert codes == [0, 0], "\n".join(_tail(log) for _, log in group)
-        follower = _tail(group[1][1], 100000)
+        assert codes == [0, 0], "\n".join(log_tail(log) for _, log in group)
+        follower = log_tail(group[1][1], 100000)
         assert "following process 0" in follower and "shutdown from process 0" in follower
         print(f"ready {ready:.1f}s, requests {served:.1f}s, shutdown {time.time() - t0 - ready - served:.1f}s")
     finally:
-        for p, _ in group + [ref]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(group + [ref])
 
 
 @pytest.mark.timeout(120)
@@ -139,21 +96,17 @@ def test_follower_exits_when_process0_dies(tmp_path):
     collective, must exit non-zero within seconds (its own log line, or JAX's coordination service
     ending it), not hang."""
     coord, port = f"127.0.0.1:{free_port()}", free_port()
-    group = [_start(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4", "--no-warmup",
-                                           "--coordinator", coord, "--num-processes", "2", "--process-id", str(i),
-                                           *SERVE], _env(4))
+    group = [start_server(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4", "--no-warmup",
+                                                 *group_args(coord, 2, i), *SERVE_ARGS], serve_env(4))
              for i in range(2)]
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", group, 100)
+        wait_ready(f"http://127.0.0.1:{port}", group, 100)
         group[0][0].kill()
         t = time.time()
         code = group[1][0].wait(60)
-        log = _tail(group[1][1], 100000)
+        log = log_tail(group[1][1], 100000)
         assert code != 0, log
         assert "lost process 0" in log or "JAX distributed service detected fatal errors" in log, log
         print(f"follower exited with {code} {time.time() - t:.1f}s after process 0 was killed")
     finally:
-        for p, _ in group:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(group)

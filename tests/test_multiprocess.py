@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def _single_device():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = init_params_numpy(c, TINY_SEED, jnp.float32)
     pools = make_pools(c, POOL["num_pages"], POOL["page_size"], POOL["num_slots"], jnp.float32)
     logits = []

@@ -47,7 +47,7 @@ def test_transformers_round_trip_logits(tmp_path, spelling):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    cfg = preset_config("tiny")
+    cfg = preset_config("tiny-random")
     rng = np.random.default_rng(11)          # numpy values: init_params is slow with 8 fake devices
     params = jax.tree_util.tree_map(lambda l: synthetic_k3.random_leaf("", l, rng).astype(
         np.uint8 if l.kind.startswith("mx") else np.float32), param_spec(cfg), is_leaf=is_leaf)
@@ -141,7 +141,7 @@ def test_load_model_converted_dir(saved, tmp_path):
     # A converted dir (config.json + k3jax_params) loads through load_model, no mesh: first device.
     os.symlink(path, tmp_path / "k3jax_params")
     from k3jax.presets import preset_config_dict
-    (tmp_path / "config.json").write_text(json.dumps(preset_config_dict("tiny")))
+    (tmp_path / "config.json").write_text(json.dumps(preset_config_dict("tiny-random")))
     m = load_model(str(tmp_path), dtype="float32")
     assert m.tokenizer is None
     for k, g, want in _pairs(m.checkpoint_params(), params):

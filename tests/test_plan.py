@@ -23,7 +23,7 @@ def _bytes_per_device(tree) -> dict:
 
 @pytest.mark.parametrize("spec", ["data=2,expert=2,tensor=2", "tensor=8", "expert=8"])
 def test_plan_matches_allocated_shards(spec):
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     r = planmod.plan(c, spec, memory_gib=1.0, page_size=16, context=100, batch=3)
     mesh = make_mesh(spec)
     params = shard_params(init_params_numpy(c, 0, jnp.bfloat16), mesh, c)
@@ -43,7 +43,7 @@ def test_plan_matches_allocated_shards(spec):
     from k3jax import load_model
     from sharding.rules import shard_vision
     from k3jax.vision.tower import stack_blocks
-    tower = load_model("tiny").vision.params
+    tower = load_model("tiny-random").vision.params
     for tree in (tower, stack_blocks(tower)):
         v = _bytes_per_device(shard_vision(tree, mesh))
         assert len(v) == 8 and set(v.values()) == {r["vision_bytes"]}
@@ -90,7 +90,7 @@ def test_k3_layouts_fit_or_say_so(capsys):
 def test_devices_and_errors():
     assert {"h100", "h200", "b200", "tpu-v5p", "tpu-v6e"} <= set(planmod.DEVICES)
     assert planmod.DEVICES["h100"] == 80 and planmod.DEVICES["tpu-v6e"] == 32
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     with pytest.raises(ValueError, match="device 'a100'"):
         planmod.plan(c, "expert=2", "a100")
     with pytest.raises(ValueError, match="unknown axes"):

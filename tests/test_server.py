@@ -34,13 +34,13 @@ def tok():
 
 
 def _chat(client, **kw):
-    args = dict(model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0)
+    args = dict(model="tiny-random", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0)
     args.update(kw)
     return client.chat.completions.create(**args)
 
 
 def test_models_and_chat(client, server):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny-random"]
     prompt = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
                         json={"messages": [{"role": "user", "content": "Hello there"}]}).json()
     assert _chat(client, max_tokens=1).usage.prompt_tokens == prompt["count"]
@@ -51,7 +51,7 @@ def test_models_and_chat(client, server):
 
 
 def test_completion_logprobs_and_stop(client):
-    r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, logprobs=2,
+    r = client.completions.create(model="tiny-random", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, logprobs=2,
                                   extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert r.usage.completion_tokens == 6 and len(c.logprobs.token_logprobs) == 6
@@ -59,7 +59,7 @@ def test_completion_logprobs_and_stop(client):
     text = c.text
     cut = next((i for i in range(1, len(text) - 1) if text[i].isprintable() and text[i] != "\ufffd"), None)
     if cut is not None:
-        stopped = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
+        stopped = client.completions.create(model="tiny-random", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
                                             stop=[text[cut]], extra_body={"ignore_eos": True})
         assert stopped.choices[0].text == text[:text.index(text[cut])]
         assert stopped.choices[0].finish_reason == "stop"
@@ -161,7 +161,7 @@ def test_scripted_reasoning(client, tok):
 
 def test_many_concurrent_streams(server):
     async def one(ac, i):
-        stream = await ac.completions.create(model="tiny", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,
+        stream = await ac.completions.create(model="tiny-random", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,
                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         usage, pieces = None, 0
         async for ch in stream:
@@ -180,7 +180,7 @@ def test_many_concurrent_streams(server):
 def test_disconnect_frees_pages_and_slot(server):
     base_pages = server.metric("k3jax:page_pool_usage")
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": "tiny", "prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny-random", "prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -232,7 +232,7 @@ def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory):
     streams = {"short": [], "long": []}
 
     def consume(name, max_tokens):
-        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120, headers=AUTH) as r:
             streams[name].extend(x for x in r.iter_lines() if x)
 
@@ -286,7 +286,7 @@ def test_chat_with_one_and_two_images(client, server):
     again = _chat(client, messages=_image_msg(_data_url(90, 60)), max_tokens=4, extra_body=NO_THINK)
     assert again.choices[0].message.content == one.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    stream = client.chat.completions.create(model="tiny", messages=_image_msg(_data_url(90, 60)), max_tokens=4,
+    stream = client.chat.completions.create(model="tiny-random", messages=_image_msg(_data_url(90, 60)), max_tokens=4,
                                             temperature=0, stream=True, extra_body=NO_THINK)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == one.choices[0].message.content
 
@@ -482,8 +482,8 @@ def test_cache_gauges_separate_in_use_from_cached(server):
 
 def test_get_one_model(server, client):
     """issue 17 item 9: GET /v1/models/{id} was a 404 for the served model too."""
-    m = client.models.retrieve("tiny")
-    assert (m.id, m.owned_by, m.model_extra["max_model_len"]) == ("tiny", "k3jax", 512)
+    m = client.models.retrieve("tiny-random")
+    assert (m.id, m.owned_by, m.model_extra["max_model_len"]) == ("tiny-random", "k3jax", 512)
     err = _assert_openai_error(httpx.get(server.url + "/v1/models/gpt-9", headers=AUTH), 404, "model")
     assert err["code"] == "model_not_found"
 

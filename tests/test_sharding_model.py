@@ -34,7 +34,7 @@ def _run(mesh, params, c):
 
 @pytest.fixture(scope="module")
 def model():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     return c, init_params_numpy(c, TINY_SEED, jnp.float32)
 
 

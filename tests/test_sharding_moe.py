@@ -13,7 +13,7 @@ from sharding.rules import shard_params
 
 
 def _setup(fmt, dtype, T=13):
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     if fmt == "bf16":
         c = c.replace(expert_format="bf16")
     params = init_params_numpy(c, 1, dtype)

@@ -15,9 +15,10 @@ from sharding.mesh import make_mesh, parse_mesh_spec
 
 
 def _configs():
-    tiny = preset_config("tiny")
+    tiny = preset_config("tiny-random")
     return {
         "tiny": tiny,
+        "tiny-trained": preset_config("tiny"),
         "tiny-bf16-tied": tiny.replace(expert_format="bf16", tie_word_embeddings=True, attn_res_block_size=None),
         "tiny-no-qlora-lowrank-gate": tiny.replace(q_lora_rank=None, kda_full_rank_gate=False, mla_output_gate=False,
                                                    routed_expert_hidden_size=None, latent_moe_norm=False,
@@ -76,7 +77,7 @@ def test_every_leaf_has_an_explicit_rule(name):
 
 
 def test_unmatched_leaf_and_wrong_rank_raise():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     shapes = param_shapes(c)
     shapes["layers"][2]["attn"]["new_proj"] = jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)
     with pytest.raises(KeyError, match="layers.2.attn.new_proj"):
@@ -106,7 +107,7 @@ def test_specs_of_representative_leaves():
 
 
 def test_indivisible_dims_fall_back_with_a_note(caplog):
-    c = preset_config("tiny")               # 4 KDA/MLA heads, 16 experts, I/32 = 2 MXFP4 blocks
+    c = preset_config("tiny-random")               # 4 KDA/MLA heads, 16 experts, I/32 = 2 MXFP4 blocks
     rules._noted.clear()
     with caplog.at_level(logging.WARNING, logger="sharding.rules"):
         specs = rules.param_specs(c, {"data": 1, "expert": 1, "tensor": 8})
@@ -125,7 +126,7 @@ def test_indivisible_dims_fall_back_with_a_note(caplog):
 
 
 def test_shard_params_and_pools_place_arrays():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     mesh = make_mesh("data=2,expert=2,tensor=2")
     params = init_params_numpy(c, 0, jnp.float32)
     sharded = rules.shard_params(params, mesh)                   # no config: heads inferred
@@ -142,7 +143,7 @@ def test_shard_params_and_pools_place_arrays():
     assert rules.shard_shape((8, 4, 4, 32, 32), rules.pool_specs(pools, mesh).kda_state, mesh) == (2, 4, 2, 32, 32)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "kimi-k3"])
+@pytest.mark.parametrize("preset", ["tiny-random", "kimi-k3"])
 def test_every_vision_leaf_has_a_replicated_rule(preset):
     from k3jax.params import is_leaf
     from k3jax.vision.config import VisionConfig

@@ -27,7 +27,7 @@ def x64():
 
 @pytest.fixture(scope="module")
 def model(x64):
-    return load_model("tiny", dtype="float64")
+    return load_model("tiny-random", dtype="float64")
 
 
 def picture(seed, w, h):

@@ -1,7 +1,10 @@
 """MLA (multi-head latent attention, no rotary) layer.
 
 kda-like pair of entry points: `mla_full` expands keys/values per head (the plain form), and
-`mla_step` runs the absorbed form directly on the paged 576-wide latent cache. The two forms are
+`mla_step` runs an engine step on the paged 576-wide latent cache, in one of two equal forms:
+absorbed (queries folded into the latent space; decode and small steps) or expanded (the step's
+cached latents decompressed by kv_b_proj into per-head K/V, then varlen causal flash attention:
+3.4x fewer FLOPs per (query, key) pair, the better form for prefill). The forms are
 mathematically equal, which the tests exploit.
 """
 from __future__ import annotations
@@ -12,18 +15,23 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
 from pallas_kernels import ops
-from pallas_kernels.backend import Backend
+from pallas_kernels.backend import Backend, resolve
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
 _LATENT_NORM_EPS = 1e-6
 
 
-def _queries(p, x, c: ModelConfig):
+def _queries_joint(p, x, c: ModelConfig):
+    """q [..., H, nope + rope]."""
     if "q_a_proj" in p:
         q = rms_norm(x @ p["q_a_proj"], p["q_a_norm"], _LATENT_NORM_EPS) @ p["q_b_proj"]
     else:
         q = x @ p["q_proj"]
-    q = q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
+    return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
+
+
+def _queries(p, x, c: ModelConfig):
+    q = _queries_joint(p, x, c)
     return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
 
 
@@ -48,6 +56,30 @@ def _output(p, x, o, c: ModelConfig):
     return o @ p["o_proj"]
 
 
+# "auto": expanded for steps of at least this many tokens (decode-only steps never) when the GPU
+# kernel is available, with a key buffer of EXPANDED_KEYS_PER_TOKEN rows per step token; a step
+# whose sequences hold more keys than that (long contexts) runs absorbed (a runtime lax.cond).
+# "expanded" forces the expanded form whatever the shape (same buffer, same fallback).
+# H200 per layer (docs/bench_mla.md): T=4096 of 2x2048 1.05 ms vs 2.69 absorbed, of 64x64 0.90 vs
+# 1.00; T=512 of 8x64 0.35 vs 0.22 (the gather, decompress and cond cost ~0.1-0.3 ms whatever the
+# work), so steps under 2048 tokens stay absorbed. Overflow costs the cond, ~0.1 ms over absorbed.
+EXPANDED_MIN_TOKENS = 2048
+EXPANDED_KEYS_PER_TOKEN = 2
+
+
+def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool,
+                        backend: Backend | None = None) -> int:
+    """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only. At most
+    the keys the block tables can hold (a buffer that large needs no runtime fallback). The form
+    is the backend's mla_prefill (K3JAX_MLA_PREFILL when the backend was built)."""
+    b = resolve(backend)
+    if decode_only or b.mla_prefill == "absorbed":
+        return 0
+    if b.mla_prefill == "auto" and (num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available(b)):
+        return 0
+    return min(EXPANDED_KEYS_PER_TOKEN * num_tokens, block_tables_shape[0] * block_tables_shape[1] * page_size)
+
+
 def scale(c: ModelConfig) -> float:
     return c.qk_head_dim ** -0.5
 
@@ -70,23 +102,50 @@ def mla_full(p, x, c: ModelConfig):
     return _output(p, x, o, c)
 
 
+def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
+    """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
+    w_uk, w_uv = _kv_b(p, c)
+    q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
+    o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
+                                 kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
+                                 backend=backend)
+    return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
+
+
+def _expanded(p, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
+    """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
+    by kv_b_proj into per-head K/V, then varlen causal attention."""
+    rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
+    kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ p["kv_b_proj"]).astype(kv_pages.dtype)
+    kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"], starts,
+                                   nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
+    return o.astype(dtype)
+
+
 def mla_step(p, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
-    """One engine step over ragged chunks, absorbed form on the paged latent cache.
+    """One engine step over ragged chunks on the paged latent cache (form: `expanded_key_budget`).
 
     x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
     -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
-    this step). Returns (out [T, D], kv_pages).
+    this step), optional static decode_only. Returns (out [T, D], kv_pages).
     """
     with jax.named_scope("mla_in"):
-        q_nope, q_rope = _queries(p, x, c)
+        q = _queries_joint(p, x, c)
         kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"],
                                       backend=backend)
-        w_uk, w_uv = _kv_b(p, c)
-        q_lat = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
+    backend = resolve(backend)
+    num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
+                                   bool(meta.get("decode_only", False)), backend)
     with jax.named_scope("mla_attn"):
-        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                                     meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
-                                     backend=backend)
+        absorbed = lambda: _absorbed(p, c, q, kv_pages, meta, x.dtype, backend)
+        expanded = lambda: _expanded(p, c, q, kv_pages, meta, x.dtype, num_keys, backend)
+        n_seqs, max_pages = meta["block_tables"].shape
+        if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
+            o = expanded()
+        elif num_keys:
+            o = jax.lax.cond(jnp.sum(meta["kv_lens"]) <= num_keys, expanded, absorbed)
+        else:
+            o = absorbed()
     with jax.named_scope("mla_out"):
-        o = jnp.einsum("thl,lhd->thd", o_lat.astype(x.dtype), w_uv)
         return _output(p, x, o, c), kv_pages

@@ -28,10 +28,11 @@ KIMI_LINEAR_48B = {
     },
 }
 
-# The embedded default: every K3 feature on (AttnRes, SiTU, latent MoE + norm, safe gate,
-# full-rank KDA gate, MLA output gate + q_lora, MXFP4 experts), a few MB, a 1024-token vocab
-# whose tokenizer ships in k3jax/assets. Special ids follow the Kimi layout relative to 768.
-TINY = {
+# The seeded random model the tests use: every K3 feature on (AttnRes, SiTU, latent MoE + norm,
+# safe gate, full-rank KDA gate, MLA output gate + q_lora, MXFP4 experts, a vision tower), a few
+# MB, a 1024-token vocab whose tokenizer ships in k3jax/assets. Special ids follow the Kimi layout
+# relative to 768.
+TINY_RANDOM = {
     "model_type": "kimi_k3",
     "text_config": {
         "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 6,
@@ -64,7 +65,24 @@ TINY = {
     },
 }
 
-# Its image preprocessing: at most 256 patches (64 image tokens) per image keeps CPU runs fast.
+# The embedded default, trained on English documentation (scripts/train_tiny.py; weights in
+# k3jax/assets/tiny-trained.safetensors): TINY_RANDOM's features at a size that learns readable
+# text in a few H200 minutes, and a 4096-token English BPE (k3jax/assets/tiny-en.tiktoken,
+# special ids relative to 3840). Text only.
+_RANDOM_TEXT = TINY_RANDOM["text_config"]
+TINY = {
+    "model_type": "kimi_k3",
+    "text_config": {
+        **_RANDOM_TEXT,
+        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8, "q_lora_rank": 128, "kv_lora_rank": 128,
+        "qk_nope_head_dim": 48, "v_head_dim": 64, "intermediate_size": 768, "moe_intermediate_size": 128,
+        "routed_expert_hidden_size": 128, "bos_token_id": 3840, "eos_token_id": 3841, "pad_token_id": 4095,
+        "linear_attn_config": {**_RANDOM_TEXT["linear_attn_config"], "full_attn_layers": [4, 8],
+                               "kda_layers": [1, 2, 3, 5, 6, 7], "head_dim": 64},
+    },
+}
+
+# TINY_RANDOM's image preprocessing: at most 256 patches (64 image tokens) per image keeps CPU runs fast.
 TINY_IMAGE_PROCESSOR = {"patch_size": 14, "merge_size": 2, "max_patches": 256, "max_patches_per_side": 32}
 
 TINY_SEED = 0
@@ -77,6 +95,7 @@ def _k3() -> dict:
 
 _PRESETS = {
     "tiny": lambda: TINY,
+    "tiny-random": lambda: TINY_RANDOM,
     "kimi-linear-48b-a3b": lambda: KIMI_LINEAR_48B,
     "kimi-k3": _k3,
 }

@@ -13,6 +13,7 @@ from k3jax.tokenizer import chat as _chat
 from k3jax.tokenizer import vocab as _vocab
 
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny.tiktoken"
+TINY_EN_ASSET = TINY_ASSET.with_name("tiny-en.tiktoken")
 
 
 ROLE_TOKENS = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
@@ -119,6 +120,12 @@ class KimiTokenizer:
             raise ValueError(f"unknown message format {message_format!r}")
         ranks = _vocab.load_tiktoken_bpe(TINY_ASSET)
         return cls(ranks, special_names=_vocab.k3_added_tokens(len(ranks)), name="kimi-k3-tiny")
+
+    @classmethod
+    def tiny_english(cls) -> "KimiTokenizer":
+        """The trained tiny model's tokenizer: a 3840-token English BPE + 256 specials (vocab 4096),
+        Kimi's layout (scripts/make_tiny_tokenizer.py --english)."""
+        return cls(_vocab.load_tiktoken_bpe(TINY_EN_ASSET), name="kimi-tiny-en")
 
     # ---- ids ----------------------------------------------------------------------------
 

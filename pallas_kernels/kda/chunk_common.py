@@ -103,6 +103,29 @@ def _compiler_params(backend, num_warps, num_stages):
     return {}
 
 
+def _real_chunks_only(kernel, programs_per_chunk=1, *, interpret=False):
+    """A kernel whose grid's first axis walks laid-out chunks (programs_per_chunk programs each), with an
+    extra first ref n [1] = the number of chunks real sequences use: programs past them return at once.
+    Their rows are layout padding that no later stage reads (the varlen bound reserves up to N - 1 chunks
+    per step that most steps leave empty: 80 chunks for 64 used at 2 x 2048 tokens, 127 for 64 at 64 x 64).
+    Interpret mode runs every program: it cannot evaluate program_id inside the skip's cond (jax 0.10)."""
+    def run(n_ref, *refs, **kw):
+        if interpret:
+            return kernel(*refs, **kw)
+
+        @pl.when(pl.program_id(0) < n_ref[0] * programs_per_chunk)
+        def _():
+            kernel(*refs, **kw)
+    return run
+
+
+def _chunk_count(n_chunks, R, C):
+    """n_chunks as the [1] int32 operand of _real_chunks_only (None: all R // C chunks)."""
+    if n_chunks is None:
+        return jnp.full((1,), R // C, jnp.int32)
+    return jnp.asarray(n_chunks, jnp.int32).reshape(1)
+
+
 def _tp(backend, num_warps, num_stages):
     return _compiler_params(backend, num_warps, num_stages)
 

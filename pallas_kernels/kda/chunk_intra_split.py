@@ -11,8 +11,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_common import (
-    _F32, _LOG2E, _PREC, _brow, _diag_column, _dot, _dot_nt, _rows, _tp, _unit_tril_inv, _unit_tril_inv_many,
-    _unit_tril_inv_power)
+    _F32, _LOG2E, _PREC, _brow, _chunk_count, _diag_column, _dot, _dot_nt, _real_chunks_only, _rows, _tp,
+    _unit_tril_inv, _unit_tril_inv_many, _unit_tril_inv_power)
 
 
 # ---- Split intra stage (FLA's structure): three kernels, each with a small register footprint ----
@@ -272,12 +272,13 @@ def _wu_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qg_ref, k
 
 
 @functools.partial(jax.jit, static_argnames=("bc", "mode", "prec", "num_warps", "num_stages", "bh",
-                                             "interpret", "backend"))
+                                             "interpret", "backend", "chunk_size"))
 def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4, num_stages=1, bh=1,
-               interpret=False, backend="triton"):
+               interpret=False, backend="triton", n_chunks=None, chunk_size=64):
     """Split stage 1a: diagonal blocks dq (A_qk), dk (beta A_kk) [R, H, bc] fp32 (see _diag_kernel;
     mode "token": `_diag_token_kernel` with `bh` heads per program)."""
     R, H, K = q.shape
+    n = _chunk_count(n_chunks, R, chunk_size)
     if mode == "token":
         if H % bh:
             raise ValueError(f"H={H} must be a multiple of bh={bh}")
@@ -285,19 +286,21 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
         sub = pl.BlockSpec((bc, bh, K), lambda t, h: (t // bc, h, 0))
         out = pl.BlockSpec((None, bh, bc), lambda t, h: (t, h, 0))
         return pl.pallas_call(
-            functools.partial(_diag_token_kernel, bc=bc), grid=(R, H // bh),
-            in_specs=[tok, tok, sub, sub, pl.BlockSpec((None, bh), lambda t, h: (t, h))],
+            _real_chunks_only(functools.partial(_diag_token_kernel, bc=bc), chunk_size, interpret=interpret),
+            grid=(R, H // bh),
+            in_specs=[pl.no_block_spec, tok, tok, sub, sub, pl.BlockSpec((None, bh), lambda t, h: (t, h))],
             out_specs=[out, out],
             out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
             interpret=interpret, name="kda_intra_diag_token", **_tp(backend, num_warps, num_stages),
-        )(q, k, k, g, beta)
+        )(n, q, k, k, g, beta)
     return pl.pallas_call(
-        functools.partial(_diag_kernel, mode=mode, prec=prec), grid=(R // bc, H),
-        in_specs=[_rows(bc, K), _rows(bc, K), _rows(bc, K), _brow(bc)],
+        _real_chunks_only(functools.partial(_diag_kernel, mode=mode, prec=prec), chunk_size // bc, interpret=interpret),
+        grid=(R // bc, H),
+        in_specs=[pl.no_block_spec, _rows(bc, K), _rows(bc, K), _rows(bc, K), _brow(bc)],
         out_specs=[_rows(bc, bc), _rows(bc, bc)],
         out_shape=[jax.ShapeDtypeStruct((R, H, bc), _F32)] * 2,
         interpret=interpret, name="kda_intra_diag", **_tp(backend, num_warps, 1),
-    )(q, k, g, beta)
+    )(n, q, k, g, beta)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "bk", "prec", "inv", "t_dtype",
@@ -305,7 +308,7 @@ def intra_diag(q, k, g, beta, *, bc=16, mode="loop", prec="highest", num_warps=4
                                              "num_stages", "interpret", "backend"))
 def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="highest",
                 inv="loop", t_dtype=_F32, a_dtype=_F32, shift=None, bc=16, unroll=True, passes=1,
-                num_warps=4, num_stages=1, interpret=False, backend="triton"):
+                num_warps=4, num_stages=1, interpret=False, backend="triton", n_chunks=None):
     """Split stage 1b: causal A_qk [R, H, C] in a_dtype and T = (I + L)^-1 [R, H, C] in t_dtype.
     dq, dk: the diagonal blocks from intra_diag, or None with `shift` (safe gates: see
     _solve_kernel)."""
@@ -319,20 +322,20 @@ def intra_solve(q, k, g, beta, dq=None, dk=None, *, chunk_size=64, bk=32, prec="
         raise ValueError("pass either the diagonal blocks (dq, dk) or a safe-gate shift")
     diag = [] if dq is None else [dq, dk]
     return pl.pallas_call(
-        functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift, unroll=unroll,
-                          passes=passes),
+        _real_chunks_only(functools.partial(_solve_kernel, bc=bc, bk=bk, prec=prec, inv=inv, shift=shift,
+                                            unroll=unroll, passes=passes), interpret=interpret),
         grid=(R // C, H),
-        in_specs=[_rows(C, K), _rows(C, K), _rows(C, K), _brow(C)] + [_rows(C, bc)] * len(diag),
+        in_specs=[pl.no_block_spec, _rows(C, K), _rows(C, K), _rows(C, K), _brow(C)] + [_rows(C, bc)] * len(diag),
         out_specs=[_rows(C, C), _rows(C, C)],
         out_shape=[jax.ShapeDtypeStruct((R, H, C), a_dtype), jax.ShapeDtypeStruct((R, H, C), t_dtype)],
         interpret=interpret, name="kda_intra_solve", **_tp(backend, num_warps, num_stages),
-    )(q, k, g, beta, *diag)
+    )(_chunk_count(n_chunks, R, C), q, k, g, beta, *diag)
 
 
 @functools.partial(jax.jit, static_argnames=("bk", "prec", "u_dtype", "unroll", "num_warps",
                                              "num_stages", "interpret", "backend"))
 def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, unroll=True, num_warps=4,
-             num_stages=2, interpret=False, backend="triton"):
+             num_stages=2, interpret=False, backend="triton", n_chunks=None):
     """Split stage 1c: w, qg, kd [R, H, K] (q.dtype), u [R, H, V] (u_dtype)."""
     R, H, K = q.shape
     V = v.shape[-1]
@@ -342,20 +345,21 @@ def intra_wu(q, k, v, g, beta, t, *, bk=32, prec="highest", u_dtype=_F32, unroll
         raise ValueError(f"K={K}, V={V} must be multiples of bk={bk}")
     sd = q.dtype
     w, u, qg, kd = pl.pallas_call(
-        functools.partial(_wu_kernel, bk=bk, bv=bv, prec=prec, unroll=unroll), grid=(R // C, H),
-        in_specs=[_rows(C, K), _rows(C, K), _rows(C, V), _rows(C, K), _brow(C), _rows(C, C)],
+        _real_chunks_only(functools.partial(_wu_kernel, bk=bk, bv=bv, prec=prec, unroll=unroll), interpret=interpret),
+        grid=(R // C, H),
+        in_specs=[pl.no_block_spec, _rows(C, K), _rows(C, K), _rows(C, V), _rows(C, K), _brow(C), _rows(C, C)],
         out_specs=[_rows(C, K), _rows(C, V), _rows(C, K), _rows(C, K)],
         out_shape=[jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, V), u_dtype),
                    jax.ShapeDtypeStruct((R, H, K), sd), jax.ShapeDtypeStruct((R, H, K), sd)],
         interpret=interpret, name="kda_intra_wu", **_tp(backend, num_warps, num_stages),
-    )(q, k, v, g, beta, t)
+    )(_chunk_count(n_chunks, R, C), q, k, v, g, beta, t)
     return w, qg, kd, u
 
 
 def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="highest", inv="loop",
                       t_dtype="f32", u_dtype="f32", a_dtype="f32", warps=(4, 4, 4), stages=(1, 1, 2),
                       diag_mode="loop", diag_bh=1, safe_shift=None, wu_bk=None, solve_unroll=True,
-                      solve_passes=1, wu_unroll=True, interpret=False, backend="triton"):
+                      solve_passes=1, wu_unroll=True, interpret=False, backend="triton", n_chunks=None):
     """Stage 1 as three kernels (intra_diag / intra_solve / intra_wu); same inputs and outputs as
     `chunk_intra` (u in u_dtype, A_qk in a_dtype: "f32" or "sd" = the dot dtype). t_dtype: the
     stored inverse and the w/u dot operands, "f32" (dots in `prec`) or "sd" (bf16 operands for
@@ -363,11 +367,11 @@ def chunk_intra_split(q, k, v, g, beta, *, chunk_size=64, bc=16, bk=32, prec="hi
     the diagonal blocks (see _solve_kernel)."""
     sd = q.dtype
     dt = lambda name: _F32 if name == "f32" else sd  # noqa: E731
-    kw = dict(interpret=interpret, backend=backend)
+    kw = dict(interpret=interpret, backend=backend, n_chunks=n_chunks)
     diag = ()
     if safe_shift is None:
         diag = intra_diag(q, k, g, beta, bc=bc, mode=diag_mode, prec=prec, num_warps=warps[0],
-                          num_stages=stages[0], bh=math.gcd(diag_bh, q.shape[1]), **kw)  # heads per program divide H
+                          num_stages=stages[0], bh=math.gcd(diag_bh, q.shape[1]), chunk_size=chunk_size, **kw)  # heads per program divide H
     a, t = intra_solve(q, k, g, beta, *diag, chunk_size=chunk_size, bk=bk, prec=prec, inv=inv,
                        t_dtype=dt(t_dtype), a_dtype=dt(a_dtype), shift=safe_shift, bc=bc,
                        unroll=solve_unroll, passes=solve_passes,

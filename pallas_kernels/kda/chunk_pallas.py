@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.device_info import num_sms
 from pallas_kernels.kda.chunk_common import (
-    _F32, _LOG2E, _PREC, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _tp, _unit_tril_inv, _unit_tril_inv_power)
+    _F32, _LOG2E, _PREC, _chunk_count, _diag_column, _dot, _dot_nt, _dot_tn, _exp, _real_chunks_only, _tp,
+    _unit_tril_inv, _unit_tril_inv_power)
 from pallas_kernels.kda.chunk_intra_split import (  # noqa: F401 - re-exported for benchmarks
     chunk_intra_split, intra_diag, intra_solve, intra_wu)
 
@@ -197,7 +198,7 @@ def _out_kernel(qg_ref, h_ref, a_ref, vn_ref, o_ref):
 @functools.partial(jax.jit, static_argnames=("chunk_size", "gate", "lower_bound", "interpret",
                                              "backend"))
 def chunk_cumsum(g, mask, a_log, dt_bias, *, chunk_size=64, gate=False, lower_bound=None,
-                 interpret=False, backend="triton"):
+                 interpret=False, backend="triton", n_chunks=None):
     """g [R, H, K] (raw f when gate) -> chunk-local cumsum of the log decay [R, H, K] fp32, in log2
     units (times log2 e: the kernels below take exp2 of it).
     mask [R] fp32 (0 on layout padding rows), a_log [H] fp32, dt_bias [H, K] fp32 (gate only)."""
@@ -205,14 +206,14 @@ def chunk_cumsum(g, mask, a_log, dt_bias, *, chunk_size=64, gate=False, lower_bo
     C = chunk_size
     spec = pl.BlockSpec((C, None, K), lambda c, h: (c, h, 0))
     return pl.pallas_call(
-        functools.partial(_cumsum_kernel, gate=gate, lower_bound=lower_bound),
+        _real_chunks_only(functools.partial(_cumsum_kernel, gate=gate, lower_bound=lower_bound), interpret=interpret),
         grid=(R // C, H),
-        in_specs=[spec, pl.BlockSpec((C,), lambda c, h: (c,)), pl.no_block_spec,
+        in_specs=[pl.no_block_spec, spec, pl.BlockSpec((C,), lambda c, h: (c,)), pl.no_block_spec,
                   pl.BlockSpec((None, K), lambda c, h: (h, 0))],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct((R, H, K), _F32),
         interpret=interpret, name="kda_chunk_cumsum", **_tp(backend, 4, 1),
-    )(g, mask, a_log, dt_bias)
+    )(_chunk_count(n_chunks, R, C), g, mask, a_log, dt_bias)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "bc", "diag", "num_warps", "prec", "inv",
@@ -300,21 +301,21 @@ def chunk_state(w, kd, u, g, cs, h0, *, chunk_size=64, block_v=32, num_warps=4, 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_warps", "out_dtype", "interpret",
                                              "backend"))
 def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, interpret=False,
-              backend="triton"):
+              backend="triton", n_chunks=None):
     """Two-pass stage 2b, parallel over (chunk, head): o [R, H, V] = qg h_c + A_qk v'."""
     R, H, K = qg.shape
     V = vn.shape[-1]
     C = chunk_size
     row_spec = lambda D: pl.BlockSpec((C, None, D), lambda c, hh: (c, hh, 0))  # noqa: E731
     return pl.pallas_call(
-        _out_kernel,
+        _real_chunks_only(_out_kernel, interpret=interpret),
         grid=(R // C, H),
-        in_specs=[row_spec(K), pl.BlockSpec((None, None, K, V), lambda c, hh: (c, hh, 0, 0)),
+        in_specs=[pl.no_block_spec, row_spec(K), pl.BlockSpec((None, None, K, V), lambda c, hh: (c, hh, 0, 0)),
                   row_spec(C), row_spec(V)],
         out_specs=row_spec(V),
         out_shape=jax.ShapeDtypeStruct((R, H, V), out_dtype or vn.dtype),
         interpret=interpret, name="kda_chunk_out", **_tp(backend, num_warps, 1),
-    )(qg, h, a, vn)
+    )(_chunk_count(n_chunks, R, C), qg, h, a, vn)
 
 
 # Kernel choices for chunk_kda (scripts/bench_kda.py sweeps them on the GPU).
@@ -375,10 +376,28 @@ def state_tiles(n_seq_heads, V, sms=None):
     return min(128, V), 8, 2
 
 
+def _state_for_live_sequences(w, kd, u, g, cs, h0, **kw):
+    """chunk_state with the tiles state_tiles picks for the sequences that have tokens, not the padded
+    count: an engine step of 2 prompts in a 16-sequence bucket would otherwise run 128-wide V blocks on
+    64 of the SMs (1.9x the time of the exact count, H200). The choice is a runtime switch between the
+    (at most three) distinct tilings."""
+    N, H = h0.shape[:2]
+    V = u.shape[-1]
+    per_count = [state_tiles(max(n, 1) * H, V) for n in range(N + 1)]
+    options = sorted(set(per_count))
+    run = [functools.partial(chunk_state, block_v=bv, num_warps=nw, num_stages=ns, **kw) for bv, nw, ns in options]
+    if len(run) == 1:
+        return run[0](w, kd, u, g, cs, h0)
+    live = jnp.sum((cs[1:] > cs[:-1]).astype(jnp.int32))
+    which = jnp.asarray([options.index(t) for t in per_count], jnp.int32)[live]
+    return lax.switch(which, run, w, kd, u, g, cs, h0)
+
+
 def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=False,
                        interpret=False, backend="triton", **overrides):
     """Stages 1 + 2 on laid-out rows (g already the chunk-local cumsum in log2 units, chunk_cumsum's). See chunk_intra / chunk_inter.
     safe_gate: caller guarantees every g >= -5, which allows the one-matmul diagonal blocks."""
+    n_chunks = cs[-1:]          # chunk-parallel kernels skip the layout's unused tail (see _real_chunks_only)
     cfg = dict(CONFIG, **overrides)
     diag = "mid" if safe_gate else cfg["diag"]
     # fp32 inputs keep IEEE fp32 dots (the 1e-5 path); bf16 inputs use cfg["intra_prec"]
@@ -392,19 +411,20 @@ def chunk_kda_laid_out(q, k, v, g, beta, cs, h0, *, chunk_size=64, safe_gate=Fal
             warps=cfg["split_warps"], diag_mode=cfg["split_diag"], diag_bh=cfg["diag_bh"],
             safe_shift=cfg["safe_shift"] if safe_gate else None, wu_bk=cfg["wu_bk"],
             solve_unroll=cfg["solve_unroll"], solve_passes=cfg["solve_passes"], wu_unroll=cfg["wu_unroll"],
-            stages=cfg["split_stages"], interpret=interpret, backend=backend)
+            stages=cfg["split_stages"], interpret=interpret, backend=backend, n_chunks=n_chunks)
     else:
         w, qg, kd, u, a = chunk_intra(q, k, v, g, beta, chunk_size=chunk_size, diag=diag,
                                       num_warps=cfg["intra_warps"], prec=prec, inv=cfg["inv"],
                                       interpret=interpret, backend=backend)
     if cfg["inter"] == "two_pass":
-        bv, nw, ns = cfg["block_v"], cfg["inter_warps"], cfg["state_stages"]
-        if bv == "auto":
-            bv, nw, ns = state_tiles(h0.shape[0] * h0.shape[1], v.shape[-1])
-        h, vn, ht = chunk_state(w, kd, u, g, cs, h0, chunk_size=chunk_size, block_v=bv,
-                                num_warps=nw, num_stages=ns, interpret=interpret, backend=backend)
+        kw = dict(chunk_size=chunk_size, interpret=interpret, backend=backend)
+        if cfg["block_v"] == "auto":
+            h, vn, ht = _state_for_live_sequences(w, kd, u, g, cs, h0, **kw)
+        else:
+            h, vn, ht = chunk_state(w, kd, u, g, cs, h0, block_v=cfg["block_v"], num_warps=cfg["inter_warps"],
+                                    num_stages=cfg["state_stages"], **kw)
         o = chunk_out(qg, h, a, vn, chunk_size=chunk_size, num_warps=cfg["out_warps"],
-                      out_dtype=v.dtype, interpret=interpret, backend=backend)
+                      out_dtype=v.dtype, interpret=interpret, backend=backend, n_chunks=n_chunks)
         return o, ht
     bv = cfg["block_v"] if cfg["block_v"] != "auto" else 32
     return chunk_inter(w, qg, kd, u, a, g, cs, h0, chunk_size=chunk_size, block_v=bv,

@@ -100,7 +100,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         a, dt = _gate_params(A_log, dt_bias, H, K)
         kern = dict(interpret=(mode == "interpret"), backend=mode)
         gc = chunk_cumsum(xs[3], xs[5], a, dt, chunk_size=C, gate=bool(use_gate_in_kernel),
-                          lower_bound=lower_bound, **kern)
+                          lower_bound=lower_bound, n_chunks=cs[-1:], **kern)
         o, ht = chunk_kda_laid_out(xs[0], xs[1], xs[2], gc, xs[4], cs, h0, chunk_size=C,
                                    safe_gate=safe_gate, **kern)
     if lay is None:

@@ -76,25 +76,38 @@ def default_tuning(num_heads, decode, max_keys=None):
     return {"num_warps": 8, "transposed": False}
 
 
+def chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq):
+    """Cut each sequence's query tokens into chunks of <= bq tokens (one sequence per chunk).
+
+    Returns int32 [n_chunks] each: seq, first (flat token index), n_valid (0 = empty chunk) and
+    pos0 (cache position of the chunk's first token). n_chunks >= ceil(T / bq) + N covers any
+    ragged layout of T tokens over N sequences.
+    """
+    n_seqs = kv_lens.shape[0]
+    c = jnp.arange(n_chunks, dtype=jnp.int32)
+    n_tok = cu_seqlens[1:] - cu_seqlens[:-1]
+    cu_ch = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                             jnp.cumsum((n_tok + bq - 1) // bq).astype(jnp.int32)])
+    seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right"), 0, n_seqs - 1)
+    seq = seq.astype(jnp.int32)
+    local = c - cu_ch[seq]
+    first = cu_seqlens[seq] + local * bq
+    n_valid = jnp.where(c < cu_ch[n_seqs], jnp.clip(n_tok[seq] - local * bq, 0, bq), 0)
+    pos0 = kv_lens[seq] - (cu_seqlens[seq + 1] - first)
+    pos0 = jnp.where(n_valid > 0, pos0, 0)  # empty chunk: no keys, no work
+    first = jnp.where(n_valid > 0, first, 0)
+    return seq, first, n_valid, pos0
+
+
 def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
     """[n_chunks * H/bh, 4] int32 tiles (seq, start_row, n_valid, pos of first token)."""
-    n_seqs = kv_lens.shape[0]
     hb = num_heads // bh
-    c = jnp.arange(n_chunks, dtype=jnp.int32)
     if decode:
+        c = jnp.arange(n_chunks, dtype=jnp.int32)
         seq, first, n_valid = c, c, jnp.ones_like(c)
+        pos0 = kv_lens[seq] - (cu_seqlens[seq + 1] - first)
     else:
-        n_tok = cu_seqlens[1:] - cu_seqlens[:-1]
-        cu_ch = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                 jnp.cumsum((n_tok + bq - 1) // bq).astype(jnp.int32)])
-        seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right"), 0, n_seqs - 1)
-        seq = seq.astype(jnp.int32)
-        local = c - cu_ch[seq]
-        first = cu_seqlens[seq] + local * bq
-        n_valid = jnp.where(c < cu_ch[n_seqs], jnp.clip(n_tok[seq] - local * bq, 0, bq), 0)
-    pos0 = kv_lens[seq] - (cu_seqlens[seq + 1] - first)
-    pos0 = jnp.where(n_valid > 0, pos0, 0)  # empty tile: no keys, no work
-    first = jnp.where(n_valid > 0, first, 0)
+        seq, first, n_valid, pos0 = chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq)
     j = jnp.arange(hb, dtype=jnp.int32)
     start_row = first[:, None] * num_heads + j[None, :] * bh
     meta = jnp.stack([jnp.broadcast_to(seq[:, None], start_row.shape), start_row,

@@ -34,6 +34,16 @@ _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
 
 
+def online_softmax(s, visible, qk_scale, m, l):
+    """One flash-attention block, rows form: scores s [rows, bk] (masked where not visible, base 2;
+    visible None: all) against the running max m / denominator l [rows]. Returns (p, alpha, m_new, l_new)."""
+    s = s * qk_scale if visible is None else jnp.where(visible, s * qk_scale, _MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l * alpha + jnp.sum(p, axis=1)
+
+
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
     tile = pl.program_id(0)
@@ -97,11 +107,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             acc = acc * alpha[None, :] + plgpu.dot(ckv, pt.astype(kdt), trans_a=True)
             return acc, m_new, l_new
         s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
-        s = jnp.where(keys[None, :] <= pos[:, None], s * qk_scale, _MASK)  # [rows, bk]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
         return acc, m_new, l_new
 

@@ -72,12 +72,27 @@ def _layer_groups(ws, layer):
   return tuple(w.reshape((-1,) + w.shape[2:]) for w in ws), layer * g
 
 
-def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None, layer=None):
+def _rows(lhs, row_index):
+  return lhs.shape[0] if row_index is None else row_index.shape[0]
+
+
+def _pad_rows_or_index(lhs, row_index, bm):
+  """Pad the sorted rows to bm: x itself, or (gathered) the row index with row 0."""
+  if row_index is None:
+    return _pad_rows(lhs, bm), None
+  m = row_index.shape[0]
+  return lhs, (row_index if m >= bm else jnp.pad(row_index, (0, bm - m)))
+
+
+def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None, layer=None,
+             row_index=None, zero_tail=True):
   """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
   avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling).
   layer (int32, may be traced): ws are stacks over layers ([L, G, K, N]) and this layer's groups
-  are used, read in place by the kernel (no per-layer copy of the experts)."""
-  m, k = lhs.shape
+  are used, read in place by the kernel (no per-layer copy of the experts).
+  row_index, zero_tail: see kernel.grouped_matmul (rows gathered from lhs [T, K] in the kernel;
+  rows past the groups left unwritten)."""
+  m, k = _rows(lhs, row_index), lhs.shape[1]
   _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
   ws, offset = _layer_groups(ws, layer)
   if ws[0].shape[1] != k:
@@ -91,39 +106,47 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
   np_ = ws[0].shape[-1]
   t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None,
                  avg_rows=avg_rows)
-  x = _pad_rows(lhs, t.bm)
+  x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
-                          interpret=interpret, group_offset=offset)
+                          interpret=interpret, group_offset=offset, row_index=idx, zero_tail=zero_tail)
   return out[:m, :n]
 
 
 def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
-              avg_rows=None, layer=None, decoder: str | None = None):
+              avg_rows=None, layer=None, decoder: str | None = None, row_index=None, x_halves=False,
+              zero_tail=True, out_halves=False):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
-  mode 'kernel': decode in the kernel's main loop (decode regime: each weight byte is
-  read once, so decode cost is per byte read). mode 'predequant': one XLA pass writes
-  bf16 [G, N, K] and the bf16 kernel reads it (prefill: many row tiles per expert
-  would otherwise decode the same weights over and over). None: 'predequant' when the
-  average group has >= 128 rows (avg_rows, else M / G).
+  mode 'kernel': decode in the kernel's main loop, each weight tile decoded once per row tile
+  (decode tiles when few rows per expert, schedule.choose_tiling's prefill tiles otherwise).
+  mode 'predequant': one XLA pass writes bf16 [G, N, K] and the bf16 kernel reads it.
+  None: 'predequant' when the average group has >= schedule.PREDEQUANT_MIN_ROWS rows (avg_rows, else
+  M / G), else 'kernel'.
   layer: ws are stacks over layers ([L, G, ...]), as in run_bf16. decoder: the in-kernel decoder.
+  row_index, zero_tail: as run_bf16. x_halves: lhs is already mxfp4.to_halves(x, shift).
+  out_halves: write the output in halves order, times 2^shift (the next MXFP4 kernel's x_halves
+  operand); needs N % (2 bn) == 0.
   """
-  m, k = lhs.shape
+  m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
-  avg = m / g if avg_rows is None else avg_rows
+  if ws[0].shape[-1] * 2 != k:
+    raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
   if mode is None:
-    mode = "predequant" if avg >= 128 else "kernel"
+    avg = m / g if avg_rows is None else avg_rows
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not x_halves else "kernel"
   if layer is not None and mode == "predequant":
     ws, layer = tuple(w[layer] for w in ws), None      # the decode pass reads the layer's slice
   _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
-  if ws[0].shape[-1] * 2 != k:
-    raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
   ws, offset = _layer_groups(ws, layer)
   n = ws[0].shape[1]
   rn = (-n) % 16
   if rn:   # (a copy of the stack when layer is set: the models' widths are multiples of 16)
+    if out_halves:
+      raise ValueError(f"out_halves needs N % 16 == 0 (N={n})")
     ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
   if mode == "predequant":
+    if x_halves:
+      raise ValueError("predequant takes x in plain column order")
     wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
     t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None, avg_rows=avg_rows)
     fmt = "bf16t"
@@ -132,9 +155,14 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
                    avg_rows=avg_rows, decoder=decoder)
     fmt = "mxfp4"
-  x = _pad_rows(lhs, t.bm)
+  if out_halves and (n + rn) % (2 * t.bn):
+    t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
+  x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
+  shift = mx.x_shift(decoder or mx.DECODER)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
-                          interpret=interpret, group_offset=offset, decoder=decoder)
+                          interpret=interpret, group_offset=offset, decoder=decoder, row_index=idx,
+                          x_halves=x_halves, zero_tail=zero_tail, split_rows=out_halves,
+                          out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 
 

@@ -35,7 +35,9 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
-def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tiling, act, decoder, shift):
+def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, act, decoder, shift,
+            gather, zero_tail, split_rows, out_scale):
+  idx_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
   x_refs = refs[:n_x]
   w_refs = refs[n_x:-1]
   o_ref = refs[-1]
@@ -53,6 +55,12 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tili
   mask = (rows >= start) & (rows < end)
   n0 = pl.multiple_of(ni * bn, bn)
   out_view = o_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)]
+  # gather: row r of the sorted order is row idx[r] of x (the token), read in place
+  x_rows = idx_ref[pl.ds(lo, bm)] if gather else pl.ds(lo, bm)
+  if split_rows:  # output columns [0, n/2) are weight rows 0, 2, 4, ...; [n/2, n) rows 1, 3, ...
+    w_rows = pl.ds(jnp.where(n0 < n // 2, 2 * n0, 2 * (n0 - n // 2) + 1), bn, stride=2)
+  else:
+    w_rows = pl.ds(n0, bn)
 
   swap = tiling.swap_ab and fmt == "mxfp4"
 
@@ -61,23 +69,24 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tili
     def body(kk, accs):
       k0 = pl.multiple_of(kk * bk, bk)
       h0 = pl.multiple_of(kk * (bk // 2), bk // 2)
-      if fmt == "mxfp4":  # x split into even / odd columns: [M, K/2] each
-        xe = x_refs[0][pl.ds(lo, bm), pl.ds(h0, bk // 2)]
-        xo = x_refs[1][pl.ds(lo, bm), pl.ds(h0, bk // 2)]
+      if fmt == "mxfp4":  # x's even / odd columns: two [M, K/2] arrays or halves of one
+        xe = x_refs[0][x_rows, pl.ds(h0, bk // 2)]
+        xo = (x_refs[1][x_rows, pl.ds(h0, bk // 2)] if n_x == 2 else
+              x_refs[0][x_rows, pl.ds(k // 2 + h0, bk // 2)])
       else:
-        xb = x_refs[0][pl.ds(lo, bm), pl.ds(k0, bk)]
+        xb = x_refs[0][x_rows, pl.ds(k0, bk)]
       new = []
       for i, acc in enumerate(accs):
         if fmt == "bf16":  # w [G, K, N]
           wb = w_refs[i][wid, pl.ds(k0, bk), pl.ds(n0, bn)]
           new.append(acc + plt.dot(xb, wb))
         elif fmt == "bf16t":  # w [G, N, K]
-          wb = w_refs[i][wid, pl.ds(n0, bn), pl.ds(k0, bk)]
+          wb = w_refs[i][wid, w_rows, pl.ds(k0, bk)]
           new.append(acc + plt.dot(xb, wb, trans_b=True))
         else:  # packed [G, N, K/2], scales [G, N, K/32]
           p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
-          pb = p_ref[wid, pl.ds(n0, bn), pl.ds(h0, bk // 2)]
-          sb = s_ref[wid, pl.ds(n0, bn), pl.ds(kk * (bk // 32), bk // 32)]
+          pb = p_ref[wid, w_rows, pl.ds(h0, bk // 2)]
+          sb = s_ref[wid, w_rows, pl.ds(kk * (bk // 32), bk // 32)]
           w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
           if swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
             acc = acc + plt.dot(w_even, xe, trans_b=True)
@@ -90,40 +99,54 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, g, tili
     zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
     accs = jax.lax.fori_loop(0, k // bk, body, (zero,) * n_w)
     out = accs[0] if act is None else act(*accs)
+    if out_scale != 1:
+      out = out * jnp.float32(out_scale)
     if swap:
       out = out.T
     plt.store(out_view, out.astype(o_ref.dtype), mask=mask)
 
-  @pl.when((end > start) & (gid == g))
-  def _zero_tail():
-    plt.store(out_view, jnp.zeros((bm, bn), o_ref.dtype), mask=mask)
+  if zero_tail:
+    @pl.when((end > start) & (gid == g))
+    def _zero_tail():
+      plt.store(out_view, jnp.zeros((bm, bn), o_ref.dtype), mask=mask)
 
 
 def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
                    act=None, out_dtype=None, interpret: bool = False, group_offset=None,
-                   decoder: str | None = None):
+                   decoder: str | None = None, row_index=None, x_halves: bool = False, zero_tail: bool = True,
+                   split_rows: bool = False, out_scale: float = 1.0):
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
   fmt 'bf16': weights = (w [G, K, N], ...); 'bf16t': (w [G, N, K], ...); 'mxfp4':
   (packed [G, N, K/2], scales [G, N, K/32], ...). One weight -> x @ w per group; two ->
   act(x @ w_a, x @ w_b) (act: fp32 (acc_a, acc_b) -> [bm, bn]). Returns [M, N]; rows
-  past sum(group_sizes) are zero. Requires K % bk == 0, N % bn == 0, M >= bm (the
+  past sum(group_sizes) are zero (zero_tail). Requires K % bk == 0, N % bn == 0, M >= bm (the
   public wrappers pad).
   decoder: the MXFP4 decoder (mxfp4.py; None: DECODER; interpret mode runs "jnp" with its x shift).
   group_offset (int32 scalar, may be traced): group j reads weights[group_offset + j], so the
   weights may hold several layers' experts ([L * G, ...]) and a scanned layer passes its own
   without slicing them out (a slice would be a copy of the layer's experts on GPU).
+
+  row_index [M] int32: row r of the sorted order is x[row_index[r]] (x [T, K]), gathered by
+  the kernel's loads instead of an XLA gather that writes M rows. x_halves (mxfp4): x is
+  already [even columns | odd columns] * 2^shift (mxfp4.to_halves). zero_tail=False leaves
+  rows past sum(group_sizes) unwritten (the caller never reads them). split_rows (bf16t,
+  mxfp4): output column c < N/2 is weight row 2c, c >= N/2 row 2(c - N/2) + 1, so the output
+  is in halves order for an MXFP4 consumer. out_scale: factor on the fp32 result (a power of
+  two: exact).
   """
-  m, k = x.shape
+  m = x.shape[0] if row_index is None else row_index.shape[0]
+  k = x.shape[1]
   g = group_sizes.shape[0]
   n_w = len(weights) // 2 if fmt == "mxfp4" else len(weights)
   assert k % tiling.bk == 0 and n % tiling.bn == 0 and m >= tiling.bm, (m, k, n, tiling)
   assert (act is None) == (n_w == 1)
+  assert not split_rows or (fmt != "bf16" and n % (2 * tiling.bn) == 0), (fmt, n, tiling)
   decoder = decoder or mx.DECODER   # (None: the default, for direct callers; models pass theirs)
   shift = mx.x_shift(decoder)  # interpret mode: the jnp decoder with the GPU decoder's shift
   decoder = "jnp" if interpret else decoder
-  if fmt == "mxfp4":  # even / odd columns of x meet the low / high nibbles
+  if fmt == "mxfp4" and not x_halves:  # even / odd columns of x meet the low / high nibbles
     xs = (x[:, 0::2], x[:, 1::2])
     if shift:  # the decoder returns w * 2^-shift: x * 2^shift keeps every product (exact)
       xs = tuple(xi * jnp.asarray(2.0 ** shift, xi.dtype) for xi in xs)
@@ -132,8 +155,11 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
   off = jnp.zeros((1,), jnp.int32) if group_offset is None else jnp.reshape(group_offset, (1,)).astype(jnp.int32)
   grid = (n // tiling.bn, tg.shape[0])
-  kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, g=g,
-                           tiling=tiling, act=act, decoder=decoder, shift=shift)
+  gather = row_index is not None
+  kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, n=n, g=g,
+                           tiling=tiling, act=act, decoder=decoder, shift=shift, gather=gather,
+                           zero_tail=zero_tail, split_rows=split_rows, out_scale=out_scale)
+  idx = (row_index.astype(jnp.int32),) if gather else ()
   return pl.pallas_call(
       kern,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
@@ -142,4 +168,4 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
                                          num_stages=tiling.num_stages),
       interpret=interpret,
       name=f"moe_gmm_{fmt}_{n_w}",
-  )(tg, ts, te, off, *xs, *weights)
+  )(tg, ts, te, off, *idx, *xs, *weights)

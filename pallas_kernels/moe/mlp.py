@@ -37,19 +37,33 @@ def _layer_of(ws, layer):
   return ws if layer is None else tuple(w[layer] for w in ws)
 
 
-def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret):
-  """Shared frame of both expert MLPs: sort token copies by expert, run `kernel(xs, gs, interp)`
-  (or `reference(xs, gs)` off-accelerator), combine the weighted rows back to token order."""
+def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret, gather):
+  """Shared frame of both expert MLPs: sort token copies by expert, run the kernels, combine the
+  weighted rows back to token order. gather=False: `kernel(xs, None, gs, interp)` on the gathered
+  rows xs = x[tok]. gather=True: `kernel(x, tok, gs, interp)`, the up kernel reads the token rows
+  in place, and rows past the local groups are never written nor read (the combine skips
+  them), so other devices' rows under expert parallelism cost nothing. Off-accelerator
+  `reference(xs, gs)`."""
   tok, gs, inv = routing.sort_by_expert(topk_ids, num_experts)
-  xs = x[tok]
   use, interp = sch.use_kernel(interpret)
-  y = kernel(xs, gs, interp) if use else reference(xs, gs)
+  if not use:
+    y = reference(x[tok], gs)
+  elif gather:
+    y = kernel(x, tok, gs, interp)
+    return routing.combine(y, topk_weights, inv, out_dtype=x.dtype, valid_rows=jnp.sum(gs))
+  else:
+    y = kernel(x[tok], None, gs, interp)
   return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
+
+
+def _use_gather(gather, avg_rows):
+  """None: gather in the kernel from GATHER_MIN_ROWS rows per expert on."""
+  return avg_rows >= sch.GATHER_MIN_ROWS if gather is None else gather
 
 
 def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-               interpret=None, tiling=None, num_experts_total=None, layer=None):
+               interpret=None, tiling=None, num_experts_total=None, layer=None, gather=None):
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
@@ -58,40 +72,54 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   num_experts_total: experts over all devices under expert parallelism (ids of other devices'
   experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
   expert instead of T*k / E. layer (int32, may be traced): w1, w3, w2 are stacks over layers
-  ([L, E, ...]) and layer `layer` runs, its experts read in place. Returns [T, D] in x.dtype.
+  ([L, E, ...]) and layer `layer` runs, its experts read in place. gather: rows read in place by
+  the up kernel (see _routed_mlp); None picks by rows per expert. Returns [T, D] in x.dtype.
   """
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   E = w1.shape[0 if layer is None else 1]
   avg = _avg_rows(topk_ids, E, num_experts_total)
+  keep = not _use_gather(gather, avg)  # materialized rows: the kernels zero the tail
 
-  def kernel(xs, gs, interp):
-    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg, layer=layer)
-    return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp, avg_rows=avg, layer=layer)
+  def kernel(xs, tok, gs, interp):
+    kw = dict(interpret=interp, avg_rows=avg, layer=layer, zero_tail=keep)
+    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, row_index=tok, **kw)
+    return gm.run_bf16(h, (w2,), gs, tiling=t_down, **kw)
 
   return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
                      lambda xs, gs: _reference_path(xs, gs, *_layer_of((w1, w3, w2), layer), act, x.dtype),
-                     interpret)
+                     interpret, not keep)
 
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
                      interpret=None, tiling=None, num_experts_total=None, layer=None,
-                     decoder: str | None = None):
+                     decoder: str | None = None, gather=None, mode=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
   layer: each array is a stack over layers ([L, E, ...]), as in expert_mlp. decoder: the kernel's
-  MXFP4 decoder (mxfp4.py)."""
+  MXFP4 decoder (mxfp4.py).
+  mode: grouped.run_mxfp4's (None: by rows per expert). With gather and mode 'kernel' x goes
+  to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
+  kernel: no split pass over the rows."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(*_layer_of(w, layer), x.dtype), 1, 2)
   E = w1[0].shape[0 if layer is None else 1]
   avg = _avg_rows(topk_ids, E, num_experts_total)
+  use_gather = _use_gather(gather, avg)
+  if mode is None:
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS else "kernel"
+  halves = use_gather and mode == "kernel"
+  kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather, layer=layer, decoder=decoder)
 
-  def kernel(xs, gs, interp):
-    kw = dict(interpret=interp, avg_rows=avg, layer=layer, decoder=decoder)
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, **kw)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, **kw)
+  def kernel(xs, tok, gs, interp):
+    if halves:
+      xs = mx.to_halves(xs, mx.x_shift(decoder or mx.DECODER))
+    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
+                     x_halves=halves, out_halves=halves, **kw)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=halves, **kw)
 
   return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
-                     lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype), interpret)
+                     lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype),
+                     interpret, use_gather)

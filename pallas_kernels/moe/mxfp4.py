@@ -142,6 +142,13 @@ def x_shift(decoder: str) -> int:
   return X_SHIFT[decoder]
 
 
+def to_halves(x: jax.Array, shift: int) -> jax.Array:
+  """[..., K] -> [..., K] laid out [even columns | odd columns] * 2^shift: the kernel's x operand
+  for MXFP4 weights (even / odd columns meet the low / high nibbles; the power of two is exact)."""
+  h = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+  return h * jnp.asarray(2.0 ** shift, x.dtype) if shift else h
+
+
 # ptx4: 4 packed bytes -> 4 bf16 of one nibble (call once for low, once for high nibbles): the
 # nibble's magnitude bits become a bf16 equal to v * 2^-126 (subnormal for 0.5), sign to bit 15,
 # then x 2^126 and x scale with fma.rn.bf16x2 (exact; bf16 arithmetic keeps subnormals).

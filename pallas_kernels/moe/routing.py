@@ -28,11 +28,23 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int):
 
 
 def combine(expert_out: jax.Array, weights: jax.Array, inverse: jax.Array,
-            out_dtype=None) -> jax.Array:
+            out_dtype=None, valid_rows=None) -> jax.Array:
   """Weighted sum back to token order: expert_out [T*k, D] (sorted rows), weights [T, k],
   inverse [T*k] from sort_by_expert -> [T, D] (fp32 accumulation, out_dtype default
-  expert_out.dtype)."""
+  expert_out.dtype).
+
+  valid_rows (traced int): rows of expert_out at or past it belong to no local expert (other
+  devices' ids sort last) and may hold garbage: they contribute 0 and are never read (their
+  gathers all point at row 0), so under expert parallelism the combine reads only local rows.
+  """
   t, k = weights.shape
-  y = expert_out[inverse].reshape(t, k, -1).astype(jnp.float32)
-  out = jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))
+  if valid_rows is None:
+    y = expert_out[inverse].reshape(t, k, -1).astype(jnp.float32)
+    out = jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))
+    return out.astype(out_dtype or expert_out.dtype)
+  local = (inverse < valid_rows).reshape(t, k, 1)
+  y = expert_out[jnp.where(inverse < valid_rows, inverse, 0)].reshape(t, k, -1)
+  y = jnp.where(local, y.astype(jnp.float32), 0.0)
+  # multiply + reduce over k, so that XLA can fuse the gather into the reduction
+  out = jnp.sum(y * weights.astype(jnp.float32)[:, :, None], axis=1)
   return out.astype(out_dtype or expert_out.dtype)

@@ -118,6 +118,16 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   if decode and mxfp4 and bm == 16 and (decoder or mx.DECODER) == "ptx8":
     t = DECODE_MXFP4
     return dataclasses.replace(t, bk=pow2_divisor(k, t.bk, 32), bn=pow2_divisor(n, t.bn))
+  if bm == 128:
+    t = PREFILL_TILES[(mxfp4, fused)]
+    t = dataclasses.replace(t, bm=t.bm if avg >= t.bm else 128, bk=pow2_divisor(k, t.bk, 32 if mxfp4 else 16),
+                            bn=pow2_divisor(n, t.bn))
+    # stages + 1: these 8-warp tiles were seen taking `stages` buffers (294912 B asked at bm128 bk128
+    # bn128 3 stages fused), one more than the decode tiles' stages - 1
+    while (not mxfp4 and t.num_stages > 2
+           and pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, fused) > SMEM_LIMIT):
+      t = dataclasses.replace(t, num_stages=t.num_stages - 1)
+    return t
   bn = pow2_divisor(n, 64 if decode else (64 if fused else 128))
   bk = pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
   warps = 4 if (decode or bm * bn <= 64 * 64) else 8
@@ -125,6 +135,24 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   while stages > 2 and pipeline_smem_bytes(bm, bk, bn, stages, fused) > SMEM_LIMIT:
     stages -= 1
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
+
+
+# Prefill (more than 64 rows per expert: bm 128 and up) tiles by (MXFP4 weights, fused gate+up):
+# the fastest of each stage in scripts/bench_moe.py --prefill at K3-EP8 32k tokens and Kimi-Linear
+# 16k tokens (docs/bench_moe.md, issue 25). MXFP4 fused: the decoded weights as the MMA's A operand.
+PREFILL_TILES = {
+    (False, False): Tiling(128, 64, 256, 8, 3),
+    (False, True): Tiling(128, 64, 128, 8, 4),
+    (True, False): Tiling(128, 64, 128, 8, 3),
+    (True, True): Tiling(128, 128, 128, 8, 3, swap_ab=True),
+}
+# Rows per expert from which the expert MLP lets the up kernel gather token rows in place
+# (instead of an XLA gather writing T*k rows) and skips the rows of other devices' experts.
+GATHER_MIN_ROWS = 65
+# Rows per expert from which MXFP4 grouped matmuls would dequantize all weights in one XLA pass
+# first (grouped.run_mxfp4 mode None): never by default, the in-kernel decode was faster at both
+# prefill shapes (still selectable as mode="predequant").
+PREDEQUANT_MIN_ROWS = float("inf")
 
 
 # Hopper's shared memory per block (227 KiB) less room for the epilogue.

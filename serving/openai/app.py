@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai import chat, completions
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
-from serving.openai.generation import ServerState
+from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -44,6 +44,22 @@ def validation_error(errs: list) -> APIError:
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                      429: "rate_limit_error"}
+
+
+def check_model(state: ServerState, name) -> None:
+    if name and name != state.model_name:
+        raise APIError(400, f"model {name!r} is not served here (serving {state.model_name!r})",
+                       param="model", code="model_not_found")
+
+
+def check_generation_request(state: ServerState, req) -> None:
+    """The checks a chat or text completion request gets before its handler: model, n, stop ids."""
+    check_model(state, req.model)
+    if req.n > state.max_n:
+        raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+    vocab = state.tokenizer.vocab_size
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -85,19 +101,37 @@ def build_app(state: ServerState) -> FastAPI:
         return await call_next(request)
 
     def _check_model(name):
-        if name and name != state.model_name:
-            raise APIError(400, f"model {name!r} is not served here (serving {state.model_name!r})",
-                           param="model", code="model_not_found")
+        check_model(state, name)
 
     @app.get("/health")
     async def health():
         if not state.engine.alive:
-            return JSONResponse({"status": "engine dead"}, status_code=503)
+            return JSONResponse({"status": "engine dead", "error": state.engine.dead_reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(state.engine.stats_snapshot), media_type="text/plain; version=0.0.4")
+        stats = state.engine.stats_snapshot
+        if state.prefill_peer is not None:
+            stats = {**stats, **state.prefill_peer.stats}
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    if state.prefill_service is not None:
+        @app.post("/internal/prefill", include_in_schema=False)
+        async def internal_prefill(request: Request):
+            """--role prefill: compute a prompt and offer its prefix-cache entry (serving/openai/disagg.py)."""
+            try:
+                body = await request.json()
+                ids = body["prompt_token_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                    raise ValueError
+            except Exception:  # noqa: BLE001 - any malformed body is the same 400
+                raise APIError(400, "prompt_token_ids: expected a non-empty list of token ids",
+                               param="prompt_token_ids") from None
+            try:
+                return await state.prefill_service.prefill(state.engine, ids)
+            except Exception as e:  # noqa: BLE001 - engine refusals become their 4xx / 503
+                raise engine_error(e) from e
 
     def model_card():
         return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3jax",
@@ -116,12 +150,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def respond(req, raw: Request, stream, whole):
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
-        _check_model(req.model)
-        if req.n > state.max_n:
-            raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
-        vocab = state.tokenizer.vocab_size
-        if any(t >= vocab for t in req.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
+        check_generation_request(state, req)
         if req.stream:
             return StreamingResponse(await stream(state, req), media_type="text/event-stream")
         return await _until_disconnect(raw, whole(state, req))

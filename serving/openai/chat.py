@@ -95,7 +95,7 @@ def render_with_images(state: ServerState, messages, tools, template_kwargs: dic
     return render_prompt(state, messages, tools, template_kwargs), images
 
 
-class _Plan:
+class Plan:
     """Everything decided before generation."""
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest):
@@ -229,10 +229,10 @@ def _usage(prompt_len: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _make_plan(state: ServerState, req: ChatCompletionRequest) -> _Plan:
+async def _make_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
     # Rendering, tokenizing and image decoding are CPU work (seconds for a large body): keep them off the
     # event loop that serves /health and streams other requests.
-    return await asyncio.to_thread(_Plan, state, req)
+    return await asyncio.to_thread(Plan, state, req)
 
 
 async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
@@ -243,6 +243,11 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
                                           images=plan.images):
         if out.finished:
             finals[i] = out
+    return chat_body(state, plan, finals, rid, int(time.time()))
+
+
+def chat_body(state: ServerState, plan: Plan, finals: dict, rid: str, created: int) -> dict:
+    """The chat.completion object of one request's finished choices ({choice index: RequestOutput})."""
     tok = state.tokenizer
     choices = []
     for i in sorted(finals):
@@ -258,7 +263,7 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:
                         "finish_reason": _finish_reason(comp, parsed.tool_calls), "stop_reason": comp.stop_reason})
     completion = sum(len(f.outputs[0].token_ids) for f in finals.values())
     cached = max((f.num_cached_tokens for f in finals.values()), default=0)
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "usage": _usage(plan.num_prompt_tokens, completion, cached)}
 
 

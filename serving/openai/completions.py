@@ -38,7 +38,8 @@ def _logprobs(state, out, k):
             "text_offset": offs}
 
 
-def _prepare(state: ServerState, req: CompletionRequest):
+def prepare(state: ServerState, req: CompletionRequest):
+    """Validate a request: (SamplingParams, [prompt ids]); APIError for what a client must fix."""
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
@@ -58,7 +59,7 @@ def _prepare(state: ServerState, req: CompletionRequest):
 async def _admit(state: ServerState, req: CompletionRequest, rid: str):
     """Validate (off the event loop: tokenizing is CPU work) and have the engine accept every prompt's
     choices, so refusals are a 4xx before any output, streaming or not. Returns (params, [(ids, streams)])."""
-    params, prompts = await asyncio.to_thread(_prepare, state, req)
+    params, prompts = await asyncio.to_thread(prepare, state, req)
     admitted = []
     try:
         for p_i, ids in enumerate(prompts):
@@ -78,7 +79,7 @@ def _close(admitted):
 async def complete(state: ServerState, req: CompletionRequest) -> dict:
     rid = new_id("cmpl")
     params, admitted = await _admit(state, req, rid)
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    results = []
     for p_i, (ids, streams) in enumerate(admitted):
         finals = {}
         try:
@@ -88,6 +89,14 @@ async def complete(state: ServerState, req: CompletionRequest) -> dict:
         except BaseException:             # disconnect or engine error: the later prompts' choices go too
             _close(admitted)
             raise
+        results.append((ids, finals))
+    return completion_body(state, req, params, results, rid, int(time.time()))
+
+
+def completion_body(state: ServerState, req: CompletionRequest, params, results: list, rid: str, created: int) -> dict:
+    """The text_completion object of one request: results = [(prompt ids, {choice index: RequestOutput})]."""
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for p_i, (ids, finals) in enumerate(results):
         usage["prompt_tokens"] += len(ids)
         usage["cached_tokens"] += max((o.num_cached_tokens for o in finals.values()), default=0)
         for i in sorted(finals):
@@ -96,7 +105,7 @@ async def complete(state: ServerState, req: CompletionRequest) -> dict:
             text = (state.tokenizer.decode(ids) if req.echo else "") + c.text
             choices.append({"index": p_i * params.n + i, "text": text, "logprobs": _logprobs(state, finals[i], req.logprobs),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
             "choices": choices, "usage": _usage(usage)}
 
 

@@ -27,6 +27,8 @@ class ServerState:
     vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
     max_n: int = 128                # most choices one request may ask for (OpenAI's own cap)
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
+    prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
+    prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
 
     def scripted_matcher_factory(self, req):
         """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
@@ -73,6 +75,8 @@ async def admit_choices(state: ServerState, prompt_ids: list, params: SamplingPa
     Raises APIError (400 bad ids / too long, 429 queue full, 503) and submits nothing then, so a
     stream can answer with a plain 4xx before its first byte."""
     streams = []
+    if state.prefill_peer is not None:
+        await state.prefill_peer.prefetch(state.engine, prompt_ids, has_images=bool(images))
     try:
         for i in range(params.n):
             streams.append(state.engine.submit(

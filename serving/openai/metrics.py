@@ -30,6 +30,18 @@ class Metrics:
         self.prefix_hit = Gauge("k3jax:prefix_cache_hit_tokens", "Prompt tokens served from the cache", lab, registry=r)
         self.prefix_rate = Gauge("k3jax:prefix_cache_hit_rate", "Hit tokens / queried tokens", lab, registry=r)
         self.preemptions = Gauge("k3jax:num_preemptions", "Preemptions so far", lab, registry=r)
+        self.verify_checks = Counter("k3jax:prefix_cache_verify_checks", "Prefix-cache hits recomputed from scratch "
+                                     "and compared (--verify-prefix-cache)", lab, registry=r)
+        self.verify_mismatches = Counter("k3jax:prefix_cache_verify_mismatches", "Verified hits whose first token's "
+                                         "log-probabilities differ from the recompute", lab, registry=r)
+        self._counted = {}
+        self.disagg = {k: Gauge(f"k3jax:{k}", h, lab, registry=r) for k, h in (
+            ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
+            ("disagg_local_prefills", "Requests prefilled here although a prefill peer is set"),
+            ("disagg_peer_failures", "Prefill-peer calls that failed or timed out (the request went on locally)"),
+            ("disagg_transfer_bytes", "Cache bytes pulled from the prefill peer"),
+            ("disagg_transfer_ms", "Milliseconds spent pulling cache entries from the prefill peer"),
+            ("disagg_remote_prefill_ms", "Milliseconds the prefill peer took to answer, as the decode server saw it"))}
         self.model = model_name
 
     def render(self, stats: dict) -> bytes:
@@ -43,6 +55,15 @@ class Metrics:
         self.prefix_hit.labels(m).set(h)
         self.prefix_rate.labels(m).set(h / q if q else 0.0)
         self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        for counter, key in ((self.verify_checks, "prefix_verify_checks"),
+                             (self.verify_mismatches, "prefix_verify_mismatches")):
+            new = stats.get(key, 0) - self._counted.get(key, 0)     # the engine counts; a Counter only goes up
+            if new > 0:
+                counter.labels(m).inc(new)
+                self._counted[key] = stats[key]
+        for key, gauge in self.disagg.items():
+            if key in stats:
+                gauge.labels(m).set(stats[key])
         for state in ("in_use", "cached", "free"):
             self.pages.labels(m, state).set(stats.get(f"pages_{state}", 0))
             self.slots.labels(m, state).set(stats.get(f"slots_{state}", 0))

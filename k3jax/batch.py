@@ -1,0 +1,77 @@
+"""`python -m k3jax.batch`: run an OpenAI batch file (JSONL requests) through the engine, resumably.
+
+    python -m k3jax.batch --model tiny -i requests.jsonl -o results.jsonl
+
+Each line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body"}; each gets one result line, in input order (serving/openai/batch.py has the format).
+Interrupted (crash, Ctrl-C), the same command resumes where the last finished window ended; the
+finished output is the same bytes as an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from k3jax.cli_help import DefaultsHelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m k3jax.batch", description=__doc__.splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    ap.add_argument("-i", "--input", required=True, help="requests, one JSON object a line")
+    ap.add_argument("-o", "--output", required=True, help="results (resumed if OUTPUT.state.json is there)")
+    ap.add_argument("--overwrite", action="store_true", help="start again even if the output exists")
+    ap.add_argument("--window", type=int, default=64, help="lines run together between two checkpoints")
+    ap.add_argument("--served-model-name", default=None, help="the `model` requests may name (default: --model)")
+    ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="sequences per engine step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 8192)")
+    ap.add_argument("--max-n", type=int, default=128, help="most choices one request may ask for")
+    return ap
+
+
+def build_runner(args):
+    import os
+    from k3jax.api import load_model
+    from serving.engine_args import EngineArgs
+    from serving.openai.batch import runner_for
+    model = load_model(args.model, dtype=args.dtype)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
+                                      else args.model)
+    eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
+    return runner_for(model, name, eargs, args.max_n)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from serving.openai.batch import BatchJob
+    try:
+        if args.window < 1:
+            raise ValueError("--window must be positive")
+        job = BatchJob(args.input, args.output, window=args.window, overwrite=args.overwrite)
+        if job.complete:
+            print(f"{args.output} is complete ({job.done} lines); --overwrite runs it again", file=sys.stderr)
+            return 0
+        runner = build_runner(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+    total = len(job.lines)
+    with tqdm(total=total, initial=job.done, desc="requests", unit="req", file=sys.stderr) as bar:
+        try:
+            job.run(runner, progress=bar.update)
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"\ninterrupted: {job.done} of {total} lines written to {args.output}; "
+                  "the same command resumes", file=sys.stderr)
+            return 130
+    print(f"wrote {total} results to {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

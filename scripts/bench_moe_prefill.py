@@ -1,0 +1,292 @@
+"""MoE expert MLP at prefill (issue 25): bf16 vs MXFP4, fused MLP vs the plain grouped matmul.
+
+  python scripts/bench_moe.py --prefill [--deadline 200] [--json PATH]   # on the GPU, <= 4 min
+  python scripts/bench_moe.py --prefill --smoke                          # CPU script check
+
+Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tokens, 112 of
+896 experts top-16), in one run and one process:
+  - the plain bf16 grouped matmul of the up projection (D -> 2I as one weight) on the local
+    rows: the rate the fused MLP is held to;
+  - each stage alone as the new MLP runs it (up = fused gate+up+SiTU reading the token rows in
+    place, down = the second grouped matmul), bf16 and MXFP4, a few tilings each (MXFP4: weights
+    decoded in the kernel as the MMA's B operand, or as its A operand with swap_ab);
+  - the whole expert MLP (sort, up, down, combine): today's path at its default tiles, and the
+    new one ('gather' routing) with the fastest up / down tilings measured just before;
+  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s), each MLP's error vs the bf16
+    MLP on the dequantized weights (MXFP4) or today's bf16 MLP (bf16).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import moe
+from pallas_kernels.moe import grouped as gm
+from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe.schedule import Tiling
+
+T = Tiling
+# (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is the pre-issue-25 default, the
+# fastest of run 5 (docs/bench_moe.md) is schedule.PREFILL_TILES now
+BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4)]
+BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(256, 64, 128, 8, 3)]
+Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(256, 64, 64, 8, 3),
+        T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(128, 128, 128, 8, 4, True)]
+Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 128, 8, 3, True),
+          T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
+
+SHAPES = [  # label, tokens, d, inter, e_global, e_local, k (K3 first: the shape with the targets)
+    ("K3-EP8 prefill 32k tok", 32768, 3584, 3072, 896, 112, 16),
+    ("Kimi prefill 16k tok", 16384, 2304, 1024, 256, 256, 8),
+]
+COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the variants side by side
+
+
+def tname(t):
+  return f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float32)
+  ref = np.asarray(ref, np.float32)
+  return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def compile_fn(fn, args):
+  """Ahead-of-time compile; every array is an argument (a closed-over weight would be captured as
+  a constant of the program: GBs, and minutes of compile)."""
+  return jax.jit(fn).lower(*args).compile()
+
+
+class Run:
+  """Rows of one run: dicts (shape, op, tiling, us, tflops, note)."""
+
+  def __init__(self, time_fn, log, deadline):
+    self.time_fn, self.log, self.deadline, self.t0 = time_fn, log, deadline, time.time()
+    self.rows: list[dict] = []
+
+  def late(self, frac=1.0):
+    return time.time() - self.t0 > self.deadline * frac
+
+  def _row(self, label, op, tiling, t, flops, note):
+    row = dict(shape=label, op=op, tiling=tiling and tname(tiling), us=t and t * 1e6,
+               tflops=t and flops / t / 1e12, note=note)
+    self.rows.append(row)
+    self.log(f"{label} {op} {row['tiling'] or ''}: " +
+             (f"{t * 1e6:.1f} us, {row['tflops']:.1f} TFLOP/s {note}" if t else note))
+
+  def time(self, label, op, fn, args, flops, tiling=None, note=""):
+    try:
+      t = self.time_fn(fn, *args)
+    except Exception as e:  # noqa: BLE001 - a failing variant must not end the run
+      self._row(label, op, tiling, None, flops, f"failed: {type(e).__name__}: {str(e)[:200]}")
+      return None
+    self._row(label, op, tiling, t, flops, note)
+    return t
+
+  def sweep(self, label, groups, frac):
+    """groups: [(op, fn(tiling) -> callable of args, args, flops, tilings)]. Compiles every
+    variant side by side, then times them one after another (nothing else running: a compile
+    thread holding the GIL would starve the timed loop's dispatch) until frac of the deadline,
+    at least one per op. Returns {op: fastest tiling or None}."""
+    jobs = [(op, t, args, flops, make(t)) for op, make, args, flops, tilings in groups for t in tilings]
+    done = compile_all([(fn, args) for _, _, args, _, fn in jobs])
+    best = {op: (None, None) for op, *_ in groups}
+    for (op, t, args, flops, _), (exe, err) in zip(jobs, done):
+      if err is not None:
+        self._row(label, op, t, None, flops, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
+      elif self.late(frac) and best[op][0] is not None:
+        self._row(label, op, t, None, flops, "skipped: deadline")
+      else:
+        tt = self.time(label, op, exe, args, flops, t)
+        if tt is not None and (best[op][1] is None or tt < best[op][1]):
+          best[op] = (t, tt)
+    return {op: b[0] for op, b in best.items()}
+
+
+def compile_all(jobs):
+  """[(fn, args)] -> [(compiled or None, exception or None)], compiled on a thread pool."""
+  from concurrent.futures import ThreadPoolExecutor
+  with ThreadPoolExecutor(COMPILE_THREADS) as pool:
+    futs = [pool.submit(compile_fn, fn, args) for fn, args in jobs]
+  return [(None, f.exception()) if f.exception() else (f.result(), None) for f in futs]
+
+
+def _inputs(tokens, d, inter, e_global, e_local, k):
+  key = jax.random.key(2)
+  ids = jnp.argsort(jax.random.uniform(key, (tokens, e_global)), axis=-1)[:, :k]
+  ids = jnp.where(ids < e_local, ids, -1).astype(jnp.int32)  # other devices' experts
+  wts = jax.random.uniform(jax.random.key(3), (tokens, k), jnp.float32)
+  x = jax.random.normal(jax.random.key(4), (tokens, d), jnp.bfloat16)
+  mk = lambda s, i: (jax.random.normal(jax.random.key(5 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+  return ids, wts, x, mk((e_local, d, inter), 0), mk((e_local, d, inter), 1), mk((e_local, inter, d), 2)
+
+
+UP16 = "bf16 up: fused gate+up+SiTU (gather)"
+DOWN16 = "bf16 down gmm"
+UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves out)"
+DOWNQ = "mxfp4 down gmm (halves in)"
+
+
+def _stage_groups(act, x, tok, gs, h, hq, ws, qs, flops_up, flops_down):
+  """The four stage sweeps, each array an argument of the function it times."""
+  w1, w3, w2 = ws
+  (p1, s1), (p3, s3), (p2, s2) = qs
+  xh = mx.to_halves(x, mx.x_shift(mx.DECODER))
+  up16 = lambda t: lambda x, tok, gs, w1, w3: gm.run_bf16(
+      x, (w1, w3), gs, tiling=t, act=act, row_index=tok, zero_tail=False)
+  down16 = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
+  upq = lambda t: lambda x, tok, gs, p1, s1, p3, s3: gm.run_mxfp4(
+      x, (p1, s1, p3, s3), gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True,
+      zero_tail=False, out_halves=True)
+  downq = lambda t: lambda h, gs, p2, s2: gm.run_mxfp4(h, (p2, s2), gs, tiling=t, mode="kernel",
+                                                       x_halves=True, zero_tail=False)
+  return [(UP16, up16, (x, tok, gs, w1, w3), flops_up, BF16_UP),
+          (DOWN16, down16, (h, gs, w2), flops_down, BF16_DOWN),
+          (UPQ, upq, (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
+          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN)]
+
+
+def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
+  """All rows of one shape. window = (start, end) fractions of the deadline: past 80% of it the
+  sweeps time only one tiling per stage (compiles are a fixed cost; timing is ~0.5 s a variant)."""
+  at = lambda f: window[0] + (window[1] - window[0]) * f
+  ids, wts, x, w1, w3, w2 = _inputs(tokens, d, inter, e_global, e_local, k)
+  tok, gs, _ = moe.sort_by_expert(ids, e_local)
+  rows = int(gs.sum())
+  flops_up, flops_down = 2.0 * rows * d * 2 * inter, 2.0 * rows * inter * d
+  flops_mlp = flops_up + flops_down
+  tot = e_global if e_global > e_local else None
+  label = f"{label} ({rows} local rows, {d}->{inter}x2->{d})"
+  act = functools.partial(kn.glu_activation, activation="situ")
+
+  # the plain grouped matmul, up projection as one weight, on the local rows only
+  xs_local = x[tok[:rows]]
+  w13 = jnp.concatenate([w1, w3], axis=-1)
+  run.time(label, "bf16 plain gmm (D -> 2I, one weight)", jax.jit(functools.partial(moe.gmm, tiling=PLAIN)),
+           (xs_local, w13, gs), flops_up, PLAIN)
+  del xs_local, w13
+
+  q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
+  qs = (q(w1), q(w3), q(w2))
+  h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
+  hq = h * jnp.asarray(2.0 ** mx.x_shift(mx.DECODER), h.dtype)
+  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, hq, (w1, w3, w2), qs, flops_up,
+                                        flops_down), at(0.8))
+  del h, hq
+
+  # whole MLPs (compiled side by side, then run one after another); the bf16 MLP's program is the
+  # MXFP4 rows' reference too (the same shapes, fed the dequantized weights)
+  args = (x, ids, wts, w1, w3, w2)
+  qargs = (x, ids, wts, *qs)
+  mlp = lambda **kw: functools.partial(moe.expert_mlp, activation="situ", num_experts_total=tot, **kw)
+  qmlp = lambda **kw: functools.partial(moe.expert_mlp_mxfp4, activation="situ",
+                                        num_experts_total=tot, **kw)
+  b16, bq = (best[UP16], best[DOWN16]), (best[UPQ], best[DOWNQ])
+  variants = [("bf16 MLP, today (materialized rows, default tiles)", mlp(gather=False), args, None)]
+  if all(b16):
+    variants.append(("bf16 MLP, gather + fastest stages", mlp(gather=True, tiling=b16), args, b16))
+  if all(bq):
+    variants.append((f"mxfp4 MLP, in-kernel {mx.DECODER} + gather + fastest stages",
+                     qmlp(gather=True, mode="kernel", tiling=bq), qargs, bq))
+  if all(b16):
+    variants.append(("mxfp4 MLP, predequant + gather + fastest bf16 stages",
+                     qmlp(gather=True, mode="predequant", tiling=b16), qargs, b16))
+  variants.append(("mxfp4 MLP, today (predequant above 128 rows/expert)", qmlp(gather=False), qargs,
+                   None))
+  deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0], q[1], jnp.bfloat16), 1, 2)
+  done = compile_all([(fn, a) for _, fn, a, _ in variants] + [(deq, (qs[0],)), (deq, (qs[2],))])
+  exes = {op: ex for (op, *_), ex in zip(variants, done)}
+  (deq_up, _), (deq_down, _) = done[-2:]
+  today16, _ = exes[variants[0][0]]
+  ref16 = None if today16 is None else today16(*args)
+  f16 = exes.get("bf16 MLP, gather + fastest stages", (None, None))[0]
+  f16 = today16 if f16 is None else f16
+  refq = None
+  if f16 is not None and deq_up is not None and deq_down is not None:
+    refq = f16(x, ids, wts, deq_up(qs[0]), deq_up(qs[1]), deq_down(qs[2]))
+  for op, _, a, tl in variants:
+    exe, err = exes[op]
+    if err is not None:
+      run._row(label, op, None, None, flops_mlp, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
+      continue
+    ref = (None if op == variants[0][0] else ref16) if a is args else refq
+    what = "today's bf16 MLP" if a is args else "bf16 MLP on dequantized weights"
+    try:
+      note = "" if ref is None else f"rel err vs {what} {rel_err(exe(*a), ref):.1e}"
+    except Exception as e:  # noqa: BLE001
+      note = f"check failed: {type(e).__name__}: {str(e)[:200]}"
+    run.time(label, op, exe, a, flops_mlp,
+             note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + note)
+  _ratios(run, label)
+
+
+def _ratios(run, label):
+  got = {r["op"]: r for r in run.rows if r["shape"] == label and r["tflops"]}
+  best = lambda prefix: max((r for op, r in got.items() if op.startswith(prefix)),
+                            key=lambda r: r["tflops"], default=None)
+  plain = got.get("bf16 plain gmm (D -> 2I, one weight)")
+  b16, q4 = best("bf16 MLP"), best("mxfp4 MLP")
+  up16 = best("bf16 up")
+  for what, a, b in (("mxfp4 MLP / bf16 MLP (best of each, TFLOP/s)", q4, b16),
+                     ("bf16 MLP / plain bf16 gmm", b16, plain),
+                     ("mxfp4 MLP / plain bf16 gmm", q4, plain),
+                     ("bf16 fused up / plain bf16 gmm", up16, plain)):
+    if a and b:
+      run.rows.append(dict(shape=label, op="ratio " + what, tiling=None, us=None,
+                           tflops=None, ratio=a["tflops"] / b["tflops"],
+                           note=f"{a['op']} vs {b['op']}"))
+
+
+def table(run, head):
+  lines = [head, "", "| shape | op | tiling | time us | TFLOP/s | ratio | note |",
+           "|---|---|---|---|---|---|---|"]
+  f = lambda v, s: "" if v is None else s.format(v)
+  for r in run.rows:
+    lines.append(f"| {r['shape']} | {r['op']} | {r['tiling'] or ''} | {f(r['us'], '{:.1f}')} | "
+                 f"{f(r['tflops'], '{:.1f}')} | {f(r.get('ratio'), '{:.3f}')} | {r['note']} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(a, time_fn, log, peak_f):
+  """Entry from bench_moe.py --prefill (a: its parsed args)."""
+  global BF16_UP, BF16_DOWN, Q_UP, Q_DOWN, PLAIN
+  shapes = SHAPES
+  if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
+    shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
+              for lab, tok, d, inter, eg, el, k in shapes]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[2:4], Q_DOWN[1:3]
+    small = lambda ts: [Tiling(16, 32, 16, t.num_warps, t.num_stages, t.swap_ab) for t in ts]
+    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = map(small, (BF16_UP, BF16_DOWN, Q_UP, Q_DOWN))
+    PLAIN = Tiling(16, 32, 32)
+  if a.only:
+    shapes = [s for s in shapes if any(o in s[0] for o in a.only.split(","))]
+  run = Run(time_fn, log, a.deadline)
+  dev = jax.devices()[0].device_kind
+  head = (f"# MoE prefill (issue 25), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {dev}, "
+          f"jax {jax.__version__}, MXFP4 decoder {mx.DECODER}; bf16 matmul 8192^3 in this run "
+          f"{peak_f / 1e12:.0f} TFLOP/s")
+  for i, sh in enumerate(shapes):
+    log("==", sh[0])
+    bench_shape(run, *sh, window=(i / len(shapes), (i + 1) / len(shapes)))
+    _write(run, head, a)
+  print(_write(run, head, a), flush=True)
+
+
+def _write(run, head, a):
+  out = table(run, head)
+  if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "bench_moe_prefill.md"), "w") as fh:
+      fh.write(out)
+  if a.json:
+    with open(a.json, "w") as fh:
+      json.dump(run.rows, fh, indent=1)
+  return out
