@@ -250,6 +250,7 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
     from k3jax.layers import mla
     from k3jax.presets import preset_config
     from pallas_kernels.mla import expanded
+    from pallas_kernels.backend import detect
     c = preset_config(model)
     p = _mla_layer(c, dtype)
     H, L, R, DN, DV = c.mla_num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
@@ -266,13 +267,13 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
         # expanded: a key buffer just large enough for this step's keys; auto: the model's defaults
         for form, kpt in (("absorbed", None), ("expanded", -(-keys // T)), ("auto", None)):
             default_kpt = mla.EXPANDED_KEYS_PER_TOKEN
-            mla.set_prefill_form(form)
+            backend = detect(mla_prefill=form)
             mla.EXPANDED_KEYS_PER_TOKEN = kpt or default_kpt
             try:
-                f = jax.jit(lambda p_, x_, kv_, m_: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False}),
-                            donate_argnums=2)
+                f = jax.jit(lambda p_, x_, kv_, m_, b=backend: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False},
+                                                                           b), donate_argnums=2)
                 ms, outs[form], kv = _time_step(f, p, x, kv, meta, iters)
-                budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False)
+                budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False, backend)
                 note = (f"key buffer {budget_keys}" + (" (sum kv_lens fits)" if keys <= budget_keys else
                         " (overflow: absorbed fallback)")) if budget_keys else "absorbed"
                 rows.append((label, f"mla_step {form}", ms, note))
@@ -280,7 +281,6 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
             except Exception as e:  # noqa: BLE001 - report and continue
                 log(f"{label} {form} FAILED: {type(e).__name__}: {str(e)[:600]}")
             finally:
-                mla.set_prefill_form(None)
                 mla.EXPANDED_KEYS_PER_TOKEN = default_kpt
         if "absorbed" in outs and "expanded" in outs:
             err, ref = _err(outs["expanded"], outs["absorbed"])
