@@ -488,11 +488,12 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
   _close(out, ref, rel=1.5e-2)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_expert_mlp_reads_one_layer_of_a_stack_in_place(fmt):
+@pytest.mark.parametrize("fmt,gather", [("bf16", False), ("mxfp4", False), ("bf16", True), ("mxfp4", True)])
+def test_expert_mlp_reads_one_layer_of_a_stack_in_place(fmt, gather):
   """layer=r over weights stacked [L, E, ...] (the scanned decoder's layout; the kernels offset the
   group ids instead of slicing) == the same call on layer r's own weights, in the kernel (interpret)
-  and in the reference path. Other layers hold different weights, so a wrong offset shows."""
+  and in the reference path. Other layers hold different weights, so a wrong offset shows. gather:
+  the up kernel reads token rows in place (row_index; MXFP4: halves order between the kernels)."""
   x, ids, wts, *_ = _moe_inputs(10)
   layers = [_moe_inputs(20 + r)[3:] for r in range(3)]
   stack = [jnp.stack(ws) for ws in zip(*layers)]
@@ -503,8 +504,9 @@ def test_expert_mlp_reads_one_layer_of_a_stack_in_place(fmt):
   fn = moe.expert_mlp if fmt == "bf16" else moe.expert_mlp_mxfp4
   for interpret in (True, None):
     run = jax.jit(lambda r, *ws: fn(x, jnp.asarray(ids), jnp.asarray(wts), *ws, activation="silu",
-                                    interpret=interpret, layer=r))
-    own = fn(x, jnp.asarray(ids), jnp.asarray(wts), *layers[1], activation="silu", interpret=interpret)
+                                    interpret=interpret, layer=r, gather=gather))
+    own = fn(x, jnp.asarray(ids), jnp.asarray(wts), *layers[1], activation="silu", interpret=interpret,
+             gather=gather)
     np.testing.assert_array_equal(np.asarray(run(jnp.int32(1), *stack), np.float32), np.asarray(own, np.float32))
 
 
