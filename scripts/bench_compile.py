@@ -66,7 +66,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3)")
+    ap.add_argument("--model", default="tiny-random", help="preset name (tiny-random, kimi-linear-48b-a3b, kimi-k3)")
     ap.add_argument("--buckets", choices=("cpu", "accelerator"), default=None,
                     help="bucket set of the runner on this kind of backend (default: this machine's)")
     ap.add_argument("--max-shapes", type=int, default=None, help="measure only the first N warm-up shapes")

@@ -16,7 +16,7 @@ jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if n
 from k3jax.api import load_model
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
-m = load_model("tiny")
+m = load_model("tiny-random")
 # Something compiles, slowly enough to be stored, before the engine sets the cache directory.
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.jit(lambda x: x + 1)(1)

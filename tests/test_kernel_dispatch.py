@@ -38,7 +38,7 @@ def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
     from k3jax.presets import preset_config
     from serving.runner import make_step_fn
 
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
     pools = pool_shapes(c, 8, 16, 4, jnp.float32)
     batch = make_step_batch([SeqChunk([1, 2, 3], 0, [1], -1, 1)], 16, num_tokens=16, num_seqs=2, max_pages=2)

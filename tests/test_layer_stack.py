@@ -17,12 +17,12 @@ def test_plans_of_the_presets():
     # K3: dense layer 0 and the (KDA, KDA, MLA, MLA) ending unrolled; 22 x (K, K, M, K) from layer 1.
     assert layer_stack_plan(preset_config("kimi-k3")) == LayerStackPlan(1, 4, 22, 93)
     assert layer_stack_plan(preset_config("kimi-linear-48b-a3b")) == LayerStackPlan(1, 4, 6, 27)
-    p = layer_stack_plan(preset_config("tiny"))            # K K K M K M, AttnRes: layer 0 unrolled
+    p = layer_stack_plan(preset_config("tiny-random"))            # K K K M K M, AttnRes: layer 0 unrolled
     assert p == LayerStackPlan(2, 2, 2, 6) and list(p.head) == [0, 1] and list(p.tail) == []
 
 
 def test_stack_unstack_round_trip():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = init_params_numpy(c, 0, jnp.float32)
     st = stack_layers(params, c)
     assert st["layers"]["units"][0]["attn"]["q_proj"].shape == (2,) + params["layers"][2]["attn"]["q_proj"].shape
@@ -45,7 +45,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("variant", [{}, dict(attn_res_block_size=None, hidden_act="silu")], ids=["k3", "no-attnres"])
 def test_scan_equals_unrolled(variant):
-    c = preset_config("tiny").replace(**variant)
+    c = preset_config("tiny-random").replace(**variant)
     params = init_params_numpy(c, 2, jnp.float32)
     st = stack_layers(params, c)
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, (2, 21)).astype(np.int32)
@@ -65,7 +65,7 @@ def test_scan_equals_unrolled(variant):
 def _deep(layers: int):
     """The tiny config at K3's layout: dense layer 0, (K, K, K, M) repeated, MLA last."""
     types = tuple("mla" if i % 4 == 3 or i == layers - 1 else "kda" for i in range(layers))
-    return preset_config("tiny").replace(num_layers=layers, layer_types=types,
+    return preset_config("tiny-random").replace(num_layers=layers, layer_types=types,
                                          mlp_types=("dense",) + ("moe",) * (layers - 1), attn_res_block_size=12)
 
 
@@ -83,7 +83,7 @@ def test_traced_program_does_not_grow_with_depth():
 def test_loaded_model_holds_the_scan_layout_and_shows_each_layer():
     from k3jax.api import load_model
     from k3jax.presets import TINY_SEED
-    m = load_model("tiny", dtype="float32")
+    m = load_model("tiny-random", dtype="float32")
     assert set(m.params["layers"]) == {"head", "units", "tail"}
     want = init_params_numpy(m.config, TINY_SEED, jnp.float32)["layers"][3]
     got = m.layer_params(3)
@@ -98,7 +98,7 @@ def test_engine_unrolled_debug_path_generates_the_same_tokens():
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     outs = []
     for scan in (True, False):
-        llm = LLM("tiny", dtype="float32", scan_layers=scan, **kw)
+        llm = LLM("tiny-random", dtype="float32", scan_layers=scan, **kw)
         assert isinstance(llm.engine.runner.params["layers"], dict if scan else list)
         outs.append([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8, 9], [11, 12]], sp)])
     assert outs[0] == outs[1] and len(outs[0][0]) == 6

@@ -20,7 +20,7 @@ from serving.runner import make_step_fn
 
 @pytest.fixture(scope="module")
 def compiled_steps():
-    c = preset_config("tiny")
+    c = preset_config("tiny-random")
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
     pools = pool_shapes(c, 4097, 16, 514, jnp.float32)
     step = jax.jit(make_step_fn(c), donate_argnums=(1,))
