@@ -93,16 +93,17 @@ def teacher_forced(model, data, seq_len: int, max_batches: int) -> dict:
 def with_bf16_experts(model, path):
     """The model with its routed experts replaced by the unquantized ones (bf16) from `path`."""
     from safetensors.flax import load_file
-    from k3jax.layer_stack import stack_layers, unstack_layers
+    from k3jax.layer_stack import stack_layers
     flat = load_file(path)
+    per_layer = model.checkpoint_params()
     layers = []
-    for i, lp in enumerate(unstack_layers(model.params, model.config)["layers"]):
+    for i, lp in enumerate(per_layer["layers"]):
         if "experts" in lp["mlp"]:
             lp = {**lp, "mlp": {**lp["mlp"], "experts": {n: flat[f"layers.{i}.mlp.experts.{n}"]
                                                          for n in ("w1", "w3", "w2")}}}
         layers.append(lp)
     config = dataclasses.replace(model.config, expert_format="bf16")
-    params = stack_layers({**unstack_layers(model.params, model.config), "layers": layers}, config)
+    params = stack_layers({**per_layer, "layers": layers}, config)
     return api.Model(config, params, model.tokenizer, name="tiny-bf16-experts", backend=model.backend)
 
 

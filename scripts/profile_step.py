@@ -176,7 +176,7 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
     from pallas_kernels import ops
     c = model.config
     li = c.kda_layers[0]
-    p = model.params["layers"][li]["attn"]
+    p = model.layer_params(li)["attn"]
     x = (jax.random.normal(jax.random.PRNGKey(0), (1, T, c.hidden_size)) * 0.5).astype(jnp.bfloat16)
     conv = kda_layer.causal_conv(kda_layer._qkv_in(p, x), kda_layer._conv_weights(p))
     real = jax.jit(lambda x, conv: kda_layer._core(p, x, conv, c))(x, conv)
