@@ -28,8 +28,9 @@ def test_bad_kernel_mode_is_rejected(monkeypatch):
 
 
 def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
-    """The runner's step traces with the backend it was built with: K3JAX_KERNELS read later changes
-    nothing (no trace-time global), and a kernels backend does put Pallas calls in the step."""
+    """The runner's step traces with the backend it was built with: K3JAX_KERNELS or K3JAX_MLA_PREFILL
+    read later change nothing (no trace-time global), a kernels backend does put Pallas calls in the
+    step, and the backend's MLA prefill form does change the traced step."""
     import jax
     import jax.numpy as jnp
     from k3jax.cache import SeqChunk, pool_shapes, make_step_batch
@@ -48,3 +49,9 @@ def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
     assert "pallas_call" not in str(jax.make_jaxpr(reference)(params, pools, batch))
     monkeypatch.setenv("K3JAX_KERNELS", "reference")
     assert "pallas_call" in str(jax.make_jaxpr(kernels)(params, pools, batch))
+    absorbed = make_step_fn(c, detect("reference", mla_prefill="absorbed"))
+    expanded = make_step_fn(c, detect("reference", mla_prefill="expanded"))
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
+    traced_absorbed, traced_expanded = (str(jax.make_jaxpr(f)(params, pools, batch)) for f in (absorbed, expanded))
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
+    assert traced_absorbed != traced_expanded == str(jax.make_jaxpr(expanded)(params, pools, batch))
