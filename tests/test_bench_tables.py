@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,3 +32,29 @@ def test_table_markdown_and_csv_keep_the_same_rows(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows == [{"workload": "prefill 64 x 2048", "tok_s": "43373.4", "hit": ""},
                     {"workload": "c16", "tok_s": "", "hit": "0.8125"}]
+
+
+def test_docs_charts_plot_the_committed_csvs_which_match_the_docs_tables(tmp_path):
+    plot = _script("plot_benchmarks")
+    docs = (ROOT / "docs" / "benchmarks.md").read_text() + (ROOT / "docs" / "bench_moe.md").read_text()
+    data = ROOT / "docs" / "data"
+    e2e = plot.read_csv(str(data / "e2e_full_depth.csv"))
+    moe = plot.read_csv(str(data / "moe_prefill_mlp.csv"))
+    # transcribed from the docs' tables: every figure is there as printed
+    for r in e2e:
+        cell = (f"{r['prompt_tok_s']:,.0f} prompt tok/s" if r["prompt_tok_s"] is not None
+                else f"{r['output_tok_s']:,.1f} output tok/s")
+        assert f"| {r['workload']} | " in docs and cell in docs, (r["run"], r["workload"])
+    for r in moe:
+        assert f"| {r['us']} | {r['tflop_s']:.1f} |" in docs.replace("**", ""), r
+    # the charts draw those numbers: bar heights in drawing order
+    heights = lambda fig: sorted(round(p.get_height(), 1) for ax in fig.axes for p in ax.patches)  # noqa: E731
+    e2e_keys = {"prefill 64 x 2048": "prompt_tok_s", "c16, 1024 in / 1024 out": "output_tok_s",
+                "c64, 1024 in / 256 out": "output_tok_s"}
+    assert heights(plot.e2e_full_depth(e2e)) == sorted(r[e2e_keys[r["workload"]]] for r in e2e
+                                                       if r["workload"] in e2e_keys)
+    assert heights(plot.moe_prefill_mlp(moe)) == sorted(r["tflop_s"] for r in moe)
+    plot.main(["--out", str(tmp_path)])
+    for name in plot.CHARTS:         # the committed charts are this script's (pixels vary with matplotlib's version)
+        with Image.open(tmp_path / f"{name}.png") as made, Image.open(ROOT / "docs" / "img" / f"{name}.png") as kept:
+            assert made.format == kept.format == "PNG" and made.size == kept.size
