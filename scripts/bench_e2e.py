@@ -211,6 +211,7 @@ def full(args):
                   ("mean_ttft_s", "mean TTFT s", ".2f"), ("decode_step_ms", "decode step ms", ".2f"),
                   ("floor_ms", "floor ms", ".2f"), ("step_over_floor", "step/floor", ".2f"))
     roof = rate / prefill_flops_per_token(model)
+    print(table.header(), flush=True)
     for n, L in ((64, 2048), (256, 64)):
         secs, _, _ = _drive(eng, rand(n, L), one)
         tps = n * L / secs
