@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -127,10 +128,16 @@ def serve(args):
     dev = jax.devices()[0]
     print(f"\n# bench_e2e serve  {datetime.date.today()}  {dev.device_kind}  model={args.model} (random bf16)")
     print(f"load {t_load:.1f}s, warm-up {t_warm:.1f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| concurrency | in/out | output tok/s | mean TTFT s | median decode step ms | floor ms | step/floor | experts touched/layer |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {args.concurrency} | {args.input}/{args.output} | {gen / total:.1f} | {statistics.mean(first_tok.values()):.2f} | "
-          f"{med * 1e3:.2f} | {floor_s * 1e3:.2f} | {med / floor_s:.2f} | {fb['touched']:.0f} |")
+    table = Table(("concurrency", "concurrency"), ("input", "in"), ("output", "out"),
+                  ("output_tok_s", "output tok/s", ".1f"), ("mean_ttft_s", "mean TTFT s", ".2f"),
+                  ("decode_step_ms", "median decode step ms", ".2f"), ("floor_ms", "floor ms", ".2f"),
+                  ("step_over_floor", "step/floor", ".2f"), ("experts_touched", "experts touched/layer", ".0f"))
+    print(table.header())
+    print(table.add(concurrency=args.concurrency, input=args.input, output=args.output, output_tok_s=gen / total,
+                    mean_ttft_s=statistics.mean(first_tok.values()), decode_step_ms=med * 1e3,
+                    floor_ms=floor_s * 1e3, step_over_floor=med / floor_s, experts_touched=fb["touched"]))
+    if args.csv:
+        table.write_csv(args.csv)
     print(f"decode-only output tok/s: {args.concurrency / med:.1f}")
 
 
@@ -199,13 +206,16 @@ def full(args):
     rng = np.random.RandomState(0)
     rand = lambda n, L: [rng.randint(0, c.vocab_size, L).tolist() for _ in range(n)]   # noqa: E731
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    rows = []
+    table = Table(("workload", "workload"), ("prompt_tok_s", "prompt tok/s", ",.0f"),
+                  ("of_roofline", "of roofline", ".2f"), ("output_tok_s", "output tok/s", ",.1f"),
+                  ("mean_ttft_s", "mean TTFT s", ".2f"), ("decode_step_ms", "decode step ms", ".2f"),
+                  ("floor_ms", "floor ms", ".2f"), ("step_over_floor", "step/floor", ".2f"))
     roof = rate / prefill_flops_per_token(model)
+    print(table.header(), flush=True)
     for n, L in ((64, 2048), (256, 64)):
         secs, _, _ = _drive(eng, rand(n, L), one)
         tps = n * L / secs
-        rows.append(f"| prefill {n} x {L} | {tps:,.0f} prompt tok/s | {tps / roof:.2f} of roofline ({roof:,.0f}) | | |")
-        print(rows[-1], flush=True)
+        print(table.add(workload=f"prefill {n} x {L}", prompt_tok_s=tps, of_roofline=tps / roof), flush=True)
     runs = [(16, 1024, True), (64, 256, True)] + [(16, 1024, False)] * args.compare_sync
     for conc, out, overlap in runs:
         eng.args.async_scheduling = overlap
@@ -215,17 +225,16 @@ def full(args):
         med = statistics.median(decode)
         fb = floor_bytes(c, conc, 1024 + out // 2)
         floor_s = sum(v for k, v in fb.items() if k != "touched") / bw
-        rows.append(f"| c{conc}, 1024 in / {out} out{'' if overlap else ', synchronous steps'} | "
-                    f"{conc * out / secs:,.1f} output tok/s | mean TTFT "
-                    f"{statistics.mean(first.values()):.2f} s | decode step {med * 1e3:.2f} ms | floor "
-                    f"{floor_s * 1e3:.2f} ms ({med / floor_s:.2f}x) |")
-        print(rows[-1], flush=True)
+        print(table.add(workload=f"c{conc}, 1024 in / {out} out{'' if overlap else ', synchronous steps'}",
+                        output_tok_s=conc * out / secs, mean_ttft_s=statistics.mean(first.values()),
+                        decode_step_ms=med * 1e3, floor_ms=floor_s * 1e3, step_over_floor=med / floor_s), flush=True)
     print(f"\n# bench_e2e  {datetime.date.today()}  {jax.devices()[0].device_kind}  {name} (random bf16), "
           f"default memory settings")
     print(f"load {t_load:.0f}s, engine ready (pool sizing + warm-up) {t_warm:.0f}s, copy {bw / 1e12:.2f} TB/s, "
-          f"matmul {rate / 1e12:.0f} TFLOP/s")
-    print("| workload | throughput | | decode | |\n|---|---|---|---|---|")
-    print("\n".join(rows))
+          f"matmul {rate / 1e12:.0f} TFLOP/s, prefill roofline {roof:,.0f} tok/s")
+    print(table.markdown())
+    if args.csv:
+        table.write_csv(args.csv)
 
 
 def truncated_preset(model: str, layers: int) -> str:
@@ -254,6 +263,7 @@ def main():
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--compare-sync", action="store_true",
                     help="full: also run c16 with synchronous steps (async scheduling off)")
+    add_csv_argument(ap)
     args = ap.parse_args()
     {"full": full, "check": check, "serve": serve}[args.what](args)
 

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
 
 
 def workload(n: int, prefix: int, suffix: int, vocab: int, n_prefixes: int = 4, seed: int = 0, grouped: bool = False):
@@ -94,6 +95,7 @@ def main():
     ap.add_argument("--cache-mb", type=int, default=None, help="device cache budget in MiB (default: the engine's)")
     ap.add_argument("--host-cache-mb", type=int, default=0, help="host-memory tier of the `host` row, in MiB")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    add_csv_argument(ap)
     args = ap.parse_args()
     ROWS["verify"] = dict(verify_prefix_cache=args.verify)
     ROWS["host"] = dict(host_cache_bytes=args.host_cache_mb << 20)
@@ -115,14 +117,17 @@ def main():
     print(f"model={args.model} requests={args.requests} groups={args.groups}{' grouped' if args.grouped else ''} "
           f"turns={args.turns} prompt={args.prefix}+{args.suffix} out={args.max_tokens} "
           f"max_num_seqs={args.max_num_seqs} budget={args.max_num_batched_tokens}")
-    print("| prefix caching | seconds | output tok/s | total tok/s | prompt tokens from cache |")
-    print("|---|---|---|---|---|", flush=True)
+    table = Table(("prefix_caching", "prefix caching"), ("seconds", "seconds", ".2f"),
+                  ("output_tok_s", "output tok/s", ".1f"), ("total_tok_s", "total tok/s", ".1f"),
+                  ("hit_rate", "prompt tokens from cache", ".1%"))
+    print(table.header(), flush=True)
     rows = []
     for name in names:              # each row as it finishes (a long run cut short keeps what it measured)
         r = run(model, prompts, args, **ROWS[name])
         gc.collect()                # the row's engine and its cache pools go before the next one allocates
         rows.append((name, r))
-        print(f"| {name} | {r['seconds']:.2f} | {r['out_tps']:.1f} | {r['total_tps']:.1f} | {r['hit']:.1%} |", flush=True)
+        print(table.add(prefix_caching=name, seconds=r["seconds"], output_tok_s=r["out_tps"],
+                        total_tok_s=r["total_tps"], hit_rate=r["hit"]), flush=True)
     by = dict(rows)
     for a, b in (("on", "off"), ("on", "at-once")):
         if a in by and b in by:
@@ -135,6 +140,8 @@ def main():
         h = by["host"]
         print(f"host tier: {h.get('host_saved', 0)} checkpoints saved, {h.get('host_restored', 0)} copied back, "
               f"{h.get('host_evicted', 0)} dropped, {h.get('host_bytes', 0) / 2**20:.1f} MiB held at the end")
+    if args.csv:
+        table.write_csv(args.csv)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": f"{dev.platform}:{dev.device_kind}", "rows": dict(rows)}, f, indent=1)

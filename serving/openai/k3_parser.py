@@ -42,7 +42,7 @@ from typing import Iterable, Optional
 
 from k3jax.tokenizer import IncrementalDetokenizer
 from k3jax.tokenizer import k3_format as fmt
-from serving.openai.tool_parser import Delta, DeltaList, ToolCall, is_json_object
+from serving.openai.tool_parser import Delta, DeltaList, TokenStreamParser, ToolCall, is_json_object
 
 _ATTR = re.compile(r'([\w-]+)="([^"]*)"')
 _CHANNELS = ("think", "response", "tools")
@@ -88,7 +88,7 @@ def forced_tool_prefix(tok, name: Optional[str], prompt_ids: Iterable[int]) -> l
     return fmt.encode(tok, out)
 
 
-class K3OutputParser:
+class K3OutputParser(TokenStreamParser):
     """Streaming parser: feed(ids) / finish() -> OpenAI deltas ({"reasoning_content"}, {"content"},
     {"tool_calls"}); `tool_calls` holds the calls found so far. See the module docstring."""
 
@@ -112,14 +112,6 @@ class K3OutputParser:
         self.tool_calls: list[ToolCall] = []
 
     # ---- public -------------------------------------------------------------------------
-
-    def feed(self, token_ids: Iterable[int]) -> list[Delta]:
-        if self._done:
-            raise RuntimeError("feed() after finish()")
-        out = DeltaList()
-        for t in token_ids:
-            self._step(int(t), out)
-        return list(out)
 
     def finish(self) -> list[Delta]:
         """End of output: an unfinished tag is dropped, open elements close implicitly."""

@@ -175,7 +175,22 @@ class DeltaList(list):
             self.append({"tool_calls": [{"index": index, "function": {"arguments": s}}]})
 
 
-class ToolCallStreamParser:
+class TokenStreamParser:
+    """Base of the streaming output parsers: feed(ids) runs the subclass's `_step(id, deltas)` per token and returns
+    this feed's deltas; a parser that has finished refuses more."""
+    _done = False
+
+    def feed(self, token_ids: Iterable[int]) -> list[Delta]:
+        """New ids of this step [n] -> deltas (possibly empty)."""
+        if self._done:
+            raise RuntimeError("feed() after finish()")
+        out = DeltaList()
+        for t in token_ids:
+            self._step(int(t), out)
+        return list(out)
+
+
+class ToolCallStreamParser(TokenStreamParser):
     """Streaming version of parse_tool_calls: feed each step's new ids, get OpenAI deltas.
 
     Deltas: {"content": str}; {"tool_calls": [{"index", "id", "type": "function",
@@ -197,15 +212,6 @@ class ToolCallStreamParser:
         self._arg_parts: list[str] = []
         self._done = False
         self.tool_calls: list[ToolCall] = []
-
-    def feed(self, token_ids: Iterable[int]) -> list[Delta]:
-        """New ids of this step [n] -> deltas (possibly empty)."""
-        if self._done:
-            raise RuntimeError("feed() after finish()")
-        out = DeltaList()
-        for t in token_ids:
-            self._step(int(t), out)
-        return list(out)
 
     def finish(self) -> list[Delta]:
         """End of output: close an open call, flush held bytes."""

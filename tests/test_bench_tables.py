@@ -1,0 +1,60 @@
+"""scripts/tables.py (benchmark rows as markdown and CSV) and scripts/plot_benchmarks.py (docs charts)."""
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_table_markdown_and_csv_keep_the_same_rows(tmp_path):
+    tables = _script("tables")
+    t = tables.Table(("workload", "workload"), ("tok_s", "tok/s", ",.0f"), ("hit", "hit", ".1%"))
+    line = t.add(workload="prefill 64 x 2048", tok_s=43373.4)
+    assert line == "| prefill 64 x 2048 | 43,373 |  |"            # a missing value is an empty cell
+    t.add(workload="c16", hit=0.8125)
+    assert t.markdown().splitlines() == ["| workload | tok/s | hit |", "|---|---|---|", line, "| c16 |  | 81.2% |"]
+    with pytest.raises(KeyError, match="tok_per_s"):
+        t.add(workload="x", tok_per_s=1.0)
+    assert len(t.rows) == 2                                        # the refused row was not kept
+    path = tmp_path / "t.csv"
+    t.write_csv(str(path))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"workload": "prefill 64 x 2048", "tok_s": "43373.4", "hit": ""},
+                    {"workload": "c16", "tok_s": "", "hit": "0.8125"}]
+
+
+def test_docs_charts_plot_the_committed_csvs_which_match_the_docs_tables(tmp_path):
+    plot = _script("plot_benchmarks")
+    docs = (ROOT / "docs" / "benchmarks.md").read_text() + (ROOT / "docs" / "bench_moe.md").read_text()
+    data = ROOT / "docs" / "data"
+    e2e = plot.read_csv(str(data / "e2e_full_depth.csv"))
+    moe = plot.read_csv(str(data / "moe_prefill_mlp.csv"))
+    # transcribed from the docs' tables: every figure is there as printed
+    for r in e2e:
+        cell = (f"{r['prompt_tok_s']:,.0f} prompt tok/s" if r["prompt_tok_s"] is not None
+                else f"{r['output_tok_s']:,.1f} output tok/s")
+        assert f"| {r['workload']} | " in docs and cell in docs, (r["run"], r["workload"])
+    for r in moe:
+        assert f"| {r['us']} | {r['tflop_s']:.1f} |" in docs.replace("**", ""), r
+    # the charts draw those numbers: bar heights in drawing order
+    heights = lambda fig: sorted(round(p.get_height(), 1) for ax in fig.axes for p in ax.patches)  # noqa: E731
+    e2e_keys = {"prefill 64 x 2048": "prompt_tok_s", "c16, 1024 in / 1024 out": "output_tok_s",
+                "c64, 1024 in / 256 out": "output_tok_s"}
+    assert heights(plot.e2e_full_depth(e2e)) == sorted(r[e2e_keys[r["workload"]]] for r in e2e
+                                                       if r["workload"] in e2e_keys)
+    assert heights(plot.moe_prefill_mlp(moe)) == sorted(r["tflop_s"] for r in moe)
+    plot.main(["--out", str(tmp_path)])
+    for name in plot.CHARTS:         # the committed charts are this script's (pixels vary with matplotlib's version)
+        with Image.open(tmp_path / f"{name}.png") as made, Image.open(ROOT / "docs" / "img" / f"{name}.png") as kept:
+            assert made.format == kept.format == "PNG" and made.size == kept.size
