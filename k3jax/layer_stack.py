@@ -69,36 +69,38 @@ def is_stacked(params) -> bool:
     return isinstance(params["layers"], dict)
 
 
-def _stack(trees, donate: bool):
-    """Stack same-structured trees on a new leading axis, keeping each leaf's sharding. donate:
-    free each source leaf once it is stacked, so loading peaks at one stacked leaf over the weights."""
-    def one(*xs):
-        try:
-            sh = xs[0].sharding                 # tracers (eval_shape, jit) have none to keep
-        except Exception:
-            sh = None
-        if isinstance(sh, jax.sharding.NamedSharding):
-            out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec))
-            y = jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
-        else:
-            y = jnp.stack(xs)
-        if donate and sh is not None:
-            for x in xs:
-                x.delete()
-        return y
-    return jax.tree_util.tree_map(one, *trees)
+def _stack_arrays(xs, donate: bool):
+    """Same-shaped arrays stacked on a new leading axis, keeping their sharding. donate: free each
+    source once it is stacked, so loading peaks at one stacked leaf over the weights."""
+    try:
+        sh = xs[0].sharding                 # tracers (eval_shape, jit) have none to keep
+    except Exception:
+        sh = None
+    if isinstance(sh, jax.sharding.NamedSharding):
+        out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec))
+        y = jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
+    else:
+        y = jnp.stack(xs)
+    if donate and sh is not None:
+        for x in xs:
+            x.delete()
+    return y
 
 
-def stack_layers(params, c: ModelConfig, donate: bool = False):
+def stack_layers(params, c: ModelConfig, donate: bool = False, stack=None):
     """Checkpoint layout -> scan layout (returned unchanged if already stacked or nothing repeats).
-    donate: the stacked layers' arrays in `params` are deleted (the caller owns them; load_model)."""
+    donate: the stacked layers' arrays in `params` are deleted (the caller owns them; load_model).
+    stack(list of one leaf per repeat) -> stacked leaf: arrays by default; k3jax.params stacks the
+    parameter spec's leaves with it."""
     if is_stacked(params):
         return params
     plan = layer_stack_plan(c)
     if not plan.repeats:
         return params
+    one = stack or (lambda xs: _stack_arrays(xs, donate))
     layers = params["layers"]
-    units = [_stack([layers[plan.layer(r, j)] for r in range(plan.repeats)], donate) for j in range(plan.unit)]
+    units = [jax.tree_util.tree_map(lambda *xs: one(list(xs)), *[layers[plan.layer(r, j)] for r in range(plan.repeats)])
+             for j in range(plan.unit)]
     out = dict(params)
     out["layers"] = {"head": [layers[i] for i in plan.head], "units": units,
                      "tail": [layers[i] for i in plan.tail]}

@@ -26,6 +26,7 @@ FP32_KINDS = {"A_log", "dt_bias", "router", "zeros32"}
 class Leaf:
     shape: tuple[int, ...]
     kind: str = "w"          # w | norm | A_log | dt_bias | router | zeros32 | mx_packed | mx_scale | conv
+    axes: tuple[str, ...] = ()   # one logical axis name per dimension (sharding/rules.py maps them to a mesh)
 
     def dtype(self, dtype):
         if self.kind in FP32_KINDS:
@@ -38,20 +39,23 @@ class Leaf:
 def _kda_spec(c: ModelConfig) -> dict:
     D, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
     HK = H * K
+    into_heads = ("embed", "kda_heads")
     s = {
-        "q_proj": Leaf((D, HK)), "k_proj": Leaf((D, HK)), "v_proj": Leaf((D, HK)),
-        "q_conv": Leaf((c.conv_kernel, HK), "conv"), "k_conv": Leaf((c.conv_kernel, HK), "conv"),
-        "v_conv": Leaf((c.conv_kernel, HK), "conv"),
-        "A_log": Leaf((H,), "A_log"), "dt_bias": Leaf((HK,), "dt_bias"),
-        "f_a_proj": Leaf((D, K)), "f_b_proj": Leaf((K, HK)),
-        "b_proj": Leaf((D, H)),
-        "o_norm": Leaf((K,), "norm"), "o_proj": Leaf((HK, D)),
+        "q_proj": Leaf((D, HK), axes=into_heads), "k_proj": Leaf((D, HK), axes=into_heads),
+        "v_proj": Leaf((D, HK), axes=into_heads),
+        "q_conv": Leaf((c.conv_kernel, HK), "conv", ("conv", "kda_heads")),
+        "k_conv": Leaf((c.conv_kernel, HK), "conv", ("conv", "kda_heads")),
+        "v_conv": Leaf((c.conv_kernel, HK), "conv", ("conv", "kda_heads")),
+        "A_log": Leaf((H,), "A_log", ("kda_heads",)), "dt_bias": Leaf((HK,), "dt_bias", ("kda_heads",)),
+        "f_a_proj": Leaf((D, K), axes=("embed", "head_dim")), "f_b_proj": Leaf((K, HK), axes=("head_dim", "kda_heads")),
+        "b_proj": Leaf((D, H), axes=into_heads),
+        "o_norm": Leaf((K,), "norm", ("head_dim",)), "o_proj": Leaf((HK, D), axes=("kda_heads", "embed")),
     }
     if c.kda_full_rank_gate:
-        s["g_proj"] = Leaf((D, HK))
+        s["g_proj"] = Leaf((D, HK), axes=into_heads)
     else:
-        s["g_a_proj"] = Leaf((D, K))
-        s["g_b_proj"] = Leaf((K, HK))
+        s["g_a_proj"] = Leaf((D, K), axes=("embed", "head_dim"))
+        s["g_b_proj"] = Leaf((K, HK), axes=("head_dim", "kda_heads"))
     return s
 
 
@@ -59,71 +63,87 @@ def _mla_spec(c: ModelConfig) -> dict:
     D, H = c.hidden_size, c.mla_num_heads
     s = {}
     if c.q_lora_rank:
-        s["q_a_proj"] = Leaf((D, c.q_lora_rank))
-        s["q_a_norm"] = Leaf((c.q_lora_rank,), "norm")
-        s["q_b_proj"] = Leaf((c.q_lora_rank, H * c.qk_head_dim))
+        s["q_a_proj"] = Leaf((D, c.q_lora_rank), axes=("embed", "q_lora"))
+        s["q_a_norm"] = Leaf((c.q_lora_rank,), "norm", ("q_lora",))
+        s["q_b_proj"] = Leaf((c.q_lora_rank, H * c.qk_head_dim), axes=("q_lora", "mla_heads"))
     else:
-        s["q_proj"] = Leaf((D, H * c.qk_head_dim))
-    s["kv_a_proj"] = Leaf((D, c.kv_lora_rank + c.qk_rope_head_dim))
-    s["kv_a_norm"] = Leaf((c.kv_lora_rank,), "norm")
-    s["kv_b_proj"] = Leaf((c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim)))
-    s["o_proj"] = Leaf((H * c.v_head_dim, D))
+        s["q_proj"] = Leaf((D, H * c.qk_head_dim), axes=("embed", "mla_heads"))
+    s["kv_a_proj"] = Leaf((D, c.kv_lora_rank + c.qk_rope_head_dim), axes=("embed", "kv_lora"))
+    s["kv_a_norm"] = Leaf((c.kv_lora_rank,), "norm", ("kv_lora",))
+    s["kv_b_proj"] = Leaf((c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim)), axes=("kv_lora", "mla_heads"))
+    s["o_proj"] = Leaf((H * c.v_head_dim, D), axes=("mla_heads", "embed"))
     if c.mla_output_gate:
-        s["g_proj"] = Leaf((D, H * c.v_head_dim))
+        s["g_proj"] = Leaf((D, H * c.v_head_dim), axes=("embed", "mla_heads"))
     return s
 
 
 def _mlp_spec(d: int, inter: int) -> dict:
-    return {"gate": Leaf((d, inter)), "up": Leaf((d, inter)), "down": Leaf((inter, d))}
+    return {"gate": Leaf((d, inter), axes=("embed", "mlp")), "up": Leaf((d, inter), axes=("embed", "mlp")),
+            "down": Leaf((inter, d), axes=("mlp", "embed"))}
 
 
-def _experts_spec(c: ModelConfig) -> dict:
+def experts_spec(c: ModelConfig) -> dict:
+    """Routed experts [E, ...]: E over "experts", the intermediate width over "expert_mlp" (MXFP4 in the
+    checkpoint's [out, in] orientation, so w1/w3 carry it first and w2 last)."""
     E, Dp, I = c.num_experts, c.expert_hidden, c.moe_intermediate_size
+    into, out_of = ("experts", "expert_mlp", "expert_embed"), ("experts", "expert_embed", "expert_mlp")
     if c.expert_format == "mxfp4":
         return {
-            "w1_packed": Leaf((E, I, Dp // 2), "mx_packed"), "w1_scale": Leaf((E, I, Dp // 32), "mx_scale"),
-            "w3_packed": Leaf((E, I, Dp // 2), "mx_packed"), "w3_scale": Leaf((E, I, Dp // 32), "mx_scale"),
-            "w2_packed": Leaf((E, Dp, I // 2), "mx_packed"), "w2_scale": Leaf((E, Dp, I // 32), "mx_scale"),
+            "w1_packed": Leaf((E, I, Dp // 2), "mx_packed", into), "w1_scale": Leaf((E, I, Dp // 32), "mx_scale", into),
+            "w3_packed": Leaf((E, I, Dp // 2), "mx_packed", into), "w3_scale": Leaf((E, I, Dp // 32), "mx_scale", into),
+            "w2_packed": Leaf((E, Dp, I // 2), "mx_packed", out_of), "w2_scale": Leaf((E, Dp, I // 32), "mx_scale", out_of),
         }
-    return {"w1": Leaf((E, Dp, I)), "w3": Leaf((E, Dp, I)), "w2": Leaf((E, I, Dp))}
+    return {"w1": Leaf((E, Dp, I), axes=out_of), "w3": Leaf((E, Dp, I), axes=out_of), "w2": Leaf((E, I, Dp), axes=into)}
 
 
 def _moe_spec(c: ModelConfig) -> dict:
     D = c.hidden_size
     s = {
-        "router": Leaf((D, c.num_experts), "router"),
-        "router_bias": Leaf((c.num_experts,), "zeros32"),
-        "experts": _experts_spec(c),
+        "router": Leaf((D, c.num_experts), "router", ("embed", "routes")),
+        "router_bias": Leaf((c.num_experts,), "zeros32", ("routes",)),
+        "experts": experts_spec(c),
     }
     if c.num_shared_experts:
         s["shared"] = _mlp_spec(D, c.moe_intermediate_size * c.num_shared_experts)
     if c.routed_expert_hidden_size:
-        s["latent_down"] = Leaf((D, c.expert_hidden))
-        s["latent_up"] = Leaf((c.expert_hidden, D))
+        s["latent_down"] = Leaf((D, c.expert_hidden), axes=("embed", "mlp"))
+        s["latent_up"] = Leaf((c.expert_hidden, D), axes=("mlp", "embed"))
         if c.latent_moe_norm:
-            s["latent_norm"] = Leaf((c.expert_hidden,), "norm")
+            s["latent_norm"] = Leaf((c.expert_hidden,), "norm", ("latent",))
     return s
 
 
-def param_spec(c: ModelConfig) -> dict:
-    """Nested dict of Leaf: the single source of truth for the parameter tree."""
+def param_spec(c: ModelConfig, stacked: bool = False) -> dict:
+    """Nested dict of Leaf: the single source of truth for the parameter tree (shapes, init kinds,
+    logical axes). stacked: the scan layout (k3jax.layer_stack), scanned leaves with a leading
+    "layers" axis."""
     D, V = c.hidden_size, c.vocab_size
+    norm = Leaf((D,), "norm", ("embed",))
     layers = []
     for i in range(c.num_layers):
         layer = {
-            "input_norm": Leaf((D,), "norm"), "post_attn_norm": Leaf((D,), "norm"),
+            "input_norm": norm, "post_attn_norm": norm,
             "attn": _kda_spec(c) if c.layer_types[i] == "kda" else _mla_spec(c),
             "mlp": _mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else _moe_spec(c),
         }
         if c.attn_res_block_size:
-            layer["attn_res"] = {k: Leaf((D,), "norm") for k in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm")}
+            layer["attn_res"] = {k: norm for k in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm")}
         layers.append(layer)
-    p: dict[str, Any] = {"embed": Leaf((V, D)), "final_norm": Leaf((D,), "norm"), "layers": layers}
+    p: dict[str, Any] = {"embed": Leaf((V, D), axes=("vocab", "embed")), "final_norm": norm, "layers": layers}
     if not c.tie_word_embeddings:
-        p["lm_head"] = Leaf((D, V))
+        p["lm_head"] = Leaf((D, V), axes=("embed", "vocab"))
     if c.attn_res_block_size:
-        p["output_attn_res"] = {"proj": Leaf((D,), "norm"), "norm": Leaf((D,), "norm")}
+        p["output_attn_res"] = {"proj": norm, "norm": norm}
+    if stacked:
+        from k3jax.layer_stack import stack_layers
+        p = stack_layers(p, c, stack=_stack_leaves)
     return p
+
+
+def _stack_leaves(leaves):
+    """Leaves of the same layer position over the scanned repeats -> one leaf with a "layers" axis."""
+    first = leaves[0]
+    return Leaf((len(leaves),) + first.shape, first.kind, ("layers",) + first.axes)
 
 
 def is_leaf(x) -> bool:

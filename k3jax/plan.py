@@ -49,11 +49,10 @@ def _param_shapes(c: ModelConfig, dtype):
 
 def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
     """Per-device parameter bytes on a mesh of these axis sizes (memoized: K3 traces ~3000 leaves)."""
-    from sharding.rules import tree_specs
+    from sharding.rules import param_specs
     key = (repr(c), tuple(sorted(sizes.items())), jnp.dtype(dtype).name)
     if key not in _weights_cache:
-        shapes = _param_shapes(c, dtype)
-        _weights_cache[key] = _tree_device_bytes(shapes, tree_specs(shapes, sizes, config=c), sizes)
+        _weights_cache[key] = _tree_device_bytes(_param_shapes(c, dtype), param_specs(c, sizes), sizes)
     return _weights_cache[key]
 
 

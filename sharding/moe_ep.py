@@ -51,9 +51,9 @@ def expert_parallel(backend: Backend | None, mesh, *, capacity_factor: float | N
 
 def _expert_specs(pe, mesh, c):
     """The partition rules' specs for the expert leaves (so shard_map never reshards weights)."""
-    from sharding.rules import tree_specs
-    cfg = c.replace(num_layers=1, layer_types=c.layer_types[:1], mlp_types=("moe",))
-    return tree_specs({"layers": [{"mlp": {"experts": pe}}]}, mesh, config=cfg)["layers"][0]["mlp"]["experts"]
+    from sharding.rules import expert_specs
+    specs = expert_specs(c, mesh)
+    return {k: specs[k] for k in pe}
 
 
 def _dispatch_plan(ids, E: int, n: int, cap: int):

@@ -1,20 +1,24 @@
-"""Partition rules: every parameter and cache-pool leaf gets a PartitionSpec from one table.
+"""Partition rules: every parameter and cache-pool leaf gets a PartitionSpec.
 
-A leaf's path is its keys joined by dots ("layers.3.attn.q_proj", "mla_kv"). Each rule is
-(regex matched against the whole path, one LOGICAL axis name or None per array dimension).
-A leaf matching no rule raises, as does a rule whose dimension count differs from the leaf's.
+Parameters declare their LOGICAL axes where they are created (k3jax/params.py: one name per
+dimension, e.g. q_proj ("embed", "kda_heads"), routed experts ("experts", "expert_embed",
+"expert_mlp"), a scanned stack's leading "layers"); LOGICAL_AXES maps those names to mesh axes.
+Cache pools and the vision tower match a regex table by path ("mla_kv", "blocks.3.wqkv.w"): each rule is
+(regex matched against the whole path, one logical axis name or None per dimension).
 
 Logical axes -> mesh axes (docs/sharding.md explains the choices):
-  heads       tensor          attention heads (KDA and MLA; head-aligned: the head count must divide)
+  kda_heads, mla_heads  tensor   attention heads (head-aligned: the head count must divide)
   mlp         tensor          dense MLP / shared experts / latent MoE widths
   vocab       tensor          embedding rows and LM-head columns
   experts     expert          the E axis of routed experts
   expert_mlp  tensor          routed-expert intermediate width (MXFP4: in units of 32-blocks)
   batch       (data, expert)  MLA pages and KDA slots: attention is data-parallel over both
+  the rest    replicated      embed, layers, head_dim, conv, q_lora, kv_lora, routes, latent, expert_embed
 
 A dimension the mesh does not divide falls back: first to a smaller set of the logical axis's
 mesh axes (batch: data*expert -> data -> expert), then to replication, with one logged warning
-per (rule, reason). Sharding never changes results, only placement and communication.
+per (axes, reason). An unknown logical name, or axes whose count differs from the leaf's
+dimensions, raise. Sharding never changes results, only placement and communication.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import itertools
 import logging
 import math
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import numpy as np
@@ -33,52 +37,23 @@ from sharding.mesh import axis_sizes
 log = logging.getLogger(__name__)
 
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
-    "heads": ("tensor",),
+    "kda_heads": ("tensor",),
+    "mla_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "experts": ("expert",),
     "expert_mlp": ("tensor",),
     "batch": ("data", "expert"),
+    # replicated
+    "embed": (), "layers": (), "head_dim": (), "conv": (), "q_lora": (), "kv_lora": (), "routes": (),
+    "latent": (), "expert_embed": (),
 }
-
-_L = r"layers\.\d+\."
-PARAM_RULES: tuple[tuple[str, tuple], ...] = (
-    # embeddings and head: vocabulary over tensor
-    (r"embed", ("vocab", None)),
-    (r"lm_head", (None, "vocab")),
-    (r"final_norm", (None,)),
-    (r"output_attn_res\.(proj|norm)", (None,)),
-    (_L + r"(input_norm|post_attn_norm)", (None,)),
-    (_L + r"attn_res\.(attn_proj|attn_norm|mlp_proj|mlp_norm)", (None,)),
-    # attention (KDA and MLA): per-head columns split over tensor, shared low-rank inputs replicated
-    (_L + r"attn\.(q_proj|k_proj|v_proj|g_proj|f_b_proj|g_b_proj|b_proj|q_b_proj|kv_b_proj)", (None, "heads")),
-    (_L + r"attn\.(q_conv|k_conv|v_conv)", (None, "heads")),
-    (_L + r"attn\.(A_log|dt_bias)", ("heads",)),
-    (_L + r"attn\.o_proj", ("heads", None)),
-    (_L + r"attn\.(f_a_proj|g_a_proj|q_a_proj|kv_a_proj)", (None, None)),
-    (_L + r"attn\.(o_norm|q_a_norm|kv_a_norm)", (None,)),
-    # dense MLP (first layer) and shared experts: intermediate over tensor
-    (_L + r"mlp\.(shared\.)?(gate|up)", (None, "mlp")),
-    (_L + r"mlp\.(shared\.)?down", ("mlp", None)),
-    # MoE: router replicated (every device routes its own tokens), latent projections over tensor
-    (_L + r"mlp\.router", (None, None)),
-    (_L + r"mlp\.router_bias", (None,)),
-    (_L + r"mlp\.latent_down", (None, "mlp")),
-    (_L + r"mlp\.latent_up", ("mlp", None)),
-    (_L + r"mlp\.latent_norm", (None,)),
-    # routed experts: E over expert, intermediate I over tensor (bf16 [E, D', I] / [E, I, D'];
-    # MXFP4 packed and scales in [E, out, in/2] / [E, out, in/32] orientation)
-    (_L + r"mlp\.experts\.(w1|w3)", ("experts", None, "expert_mlp")),
-    (_L + r"mlp\.experts\.w2", ("experts", "expert_mlp", None)),
-    (_L + r"mlp\.experts\.(w1|w3)_(packed|scale)", ("experts", "expert_mlp", None)),
-    (_L + r"mlp\.experts\.w2_(packed|scale)", ("experts", None, "expert_mlp")),
-)
 
 POOL_RULES: tuple[tuple[str, tuple], ...] = (
     # [pages, layers, page_size, latent+rope]: the latent is shared by all heads -> replicated over tensor
     (r"mla_kv", ("batch", None, None, None)),
     # [slots, layers, H, K, V] fp32: slots over data*expert, heads over tensor
-    (r"kda_state", ("batch", None, "heads", None, None)),
+    (r"kda_state", ("batch", None, "kda_heads", None, None)),
     # [slots, layers, Kc-1, 3*H*K]: packed q|k|v channels are not head-contiguous -> replicated over tensor
     (r"kda_conv", ("batch", None, None, None)),
 )
@@ -111,7 +86,7 @@ def path_str(path) -> str:
     return ".".join(parts)
 
 
-def match_rule(path: str, rules=PARAM_RULES) -> tuple[str, tuple]:
+def match_rule(path: str, rules) -> tuple[str, tuple]:
     """The (regex, logical dims) rule for a path; KeyError when none matches."""
     for pattern, dims in rules:
         if re.fullmatch(pattern, path):
@@ -119,22 +94,20 @@ def match_rule(path: str, rules=PARAM_RULES) -> tuple[str, tuple]:
     raise KeyError(f"no partition rule matches {path!r}: add one to sharding/rules.py")
 
 
-def _units(tree_info: Mapping[str, Any], path: str, name: str, dim: int) -> int:
-    """How many indivisible units a dimension holds (heads, MXFP4 blocks) for a logical axis."""
-    if name == "heads":
-        m = re.match(r"layers\.(\d+)\.", path)
-        if m:
-            return tree_info["heads"][int(m.group(1))]
-        if path.startswith("kda_state"):
-            return dim                          # the state's head dimension itself
-    if name == "expert_mlp":
-        return tree_info["expert_units"]
-    return dim
+def axis_units(config) -> dict[str, int]:
+    """Indivisible units per logical axis where they are not the dimension itself: heads (a head's
+    columns stay on one device) and MXFP4 blocks of 32 along the routed-expert width."""
+    if config is None:
+        return {}
+    return {"kda_heads": config.kda_num_heads, "mla_heads": config.mla_num_heads,
+            "expert_mlp": config.moe_intermediate_size // (32 if config.expert_format == "mxfp4" else 1)}
 
 
 def _fit(name: str, units: int, dim: int, sizes: Mapping[str, int] | None, note: str):
     """Mesh axes for one dimension, falling back to fewer axes (then None) when they do not divide."""
     axes = LOGICAL_AXES[name]
+    if not axes:
+        return None
     if sizes is None:
         return axes if len(axes) > 1 else axes[0]
     cands = [c for r in range(len(axes), 0, -1) for c in itertools.combinations(axes, r)]
@@ -159,60 +132,69 @@ def _note(key: str, msg: str):
         log.warning("sharding: %s: %s", key, msg)
 
 
-def spec_for(path: str, shape, tree_info, sizes, rules) -> P:
-    """PartitionSpec of one leaf (sizes None: the logical spec, ignoring divisibility)."""
+def logical_spec(axes, shape, sizes=None, units: Mapping[str, int] | None = None, what: str = "") -> P:
+    """PartitionSpec of a leaf with these logical axes (sizes None: the logical spec, ignoring divisibility)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"{what or 'leaf'} declares logical axes {tuple(axes)} but has shape {tuple(shape)}")
+    unknown = [a for a in axes if a is not None and a not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"{what or 'leaf'}: unknown logical axis {unknown[0]!r} in {tuple(axes)}; "
+                         f"known: {', '.join(LOGICAL_AXES)} (add it to sharding.rules.LOGICAL_AXES)")
+    units = units or {}
+    return P(*(None if a is None else _fit(a, units.get(a, d), d, sizes, str(tuple(axes)))
+               for a, d in zip(axes, shape)))
+
+
+def spec_for(path: str, shape, sizes, rules) -> P:
+    """PartitionSpec of one pool / vision leaf by its path's rule."""
     pattern, dims = match_rule(path, rules)
     if len(dims) != len(shape):
         raise ValueError(f"rule {pattern!r} has {len(dims)} dims but {path!r} has shape {tuple(shape)}")
-    out = []
-    for name, d in zip(dims, shape):
-        out.append(None if name is None else _fit(name, _units(tree_info, path, name, d), d, sizes, pattern))
-    return P(*out)
+    return logical_spec(dims, shape, sizes, what=path)
 
 
-def _params_info(tree, config=None) -> dict:
-    """Head counts per layer and the routed-expert split unit, from the config or the tree itself."""
-    flat = {path_str(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    heads: dict[int, int] = {}
-    unit = 1
-    if config is not None:
-        for i, t in enumerate(config.layer_types):
-            heads[i] = config.kda_num_heads if t == "kda" else config.mla_num_heads
-        unit = config.moe_intermediate_size // (32 if config.expert_format == "mxfp4" else 1)
-        return {"heads": heads, "expert_units": unit}
-    for path, shape in flat.items():
-        m = re.match(r"layers\.(\d+)\.attn\.A_log$", path)
-        if m:
-            heads[int(m.group(1))] = shape[0]
-        m = re.match(r"layers\.(\d+)\.attn\.kv_b_proj$", path)
-        if m:
-            heads[int(m.group(1))] = _infer_mla_heads(flat, f"layers.{m.group(1)}.attn.")
-        if path.endswith("experts.w2_scale") or path.endswith("experts.w2"):
-            unit = shape[-1] if path.endswith("scale") else shape[1]
-    return {"heads": heads, "expert_units": unit}
-
-
-def _infer_mla_heads(flat, pre) -> int:
-    """H from MLA shapes: o_proj rows H*v, kv_b cols H*(nope+v), q cols H*(nope+rope), rope width R."""
-    a = flat[pre + "o_proj"][0]
-    b = flat[pre + "kv_b_proj"][1]
-    q = flat.get(pre + "q_b_proj", flat.get(pre + "q_proj"))[1]
-    r = flat[pre + "kv_a_proj"][1] - flat[pre + "kv_a_norm"][0]
-    return (q - b + a) // r if r else math.gcd(a, b)
-
-
-def tree_specs(tree, mesh=None, *, config=None, rules=PARAM_RULES):
-    """PartitionSpec tree for any tree of arrays / ShapeDtypeStructs (params or pools)."""
+def tree_specs(tree, mesh=None, *, rules):
+    """PartitionSpec tree of a tree matched by a regex table (POOL_RULES, VISION_RULES)."""
     sizes = None if mesh is None else axis_sizes(mesh)
-    info = _params_info(tree, config) if rules is PARAM_RULES else {"heads": {}, "expert_units": 1}
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: spec_for(path_str(p), x.shape, info, sizes, rules), tree)
+    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(path_str(p), x.shape, sizes, rules), tree)
 
 
-def param_specs(config, mesh=None):
-    """PartitionSpec tree of `init_params(config)`; mesh (Mesh or {axis: size}) applies fallbacks."""
-    from k3jax.params import param_shapes
-    return tree_specs(param_shapes(config), mesh, config=config)
+def _spec_leaves(tree, config):
+    """[(path, leaf of `tree`, its k3jax.params.Leaf)] in the tree's order; the layout (checkpoint or
+    scan) is the tree's. KeyError for a leaf the parameter spec does not have, ValueError for a shape
+    that differs from it."""
+    from k3jax.layer_stack import is_stacked
+    from k3jax.params import is_leaf, param_spec
+    spec = param_spec(config, stacked=is_stacked(tree))
+    declared = {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)[0]}
+    out = []
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        path = path_str(p)
+        if path not in declared:
+            raise KeyError(f"{path!r} is no parameter of this config (k3jax/params.py declares each one)")
+        if tuple(x.shape) != declared[path].shape:
+            raise ValueError(f"{path!r} has shape {tuple(x.shape)}, the config declares {declared[path].shape}")
+        out.append((path, x, declared[path]))
+    return out
+
+
+def param_tree_specs(tree, mesh, config):
+    """PartitionSpec tree of a parameter tree (arrays or ShapeDtypeStructs, checkpoint or scan layout),
+    from the logical axes its leaves were declared with."""
+    sizes = None if mesh is None else axis_sizes(mesh)
+    units = axis_units(config)
+    specs = [logical_spec(leaf.axes, x.shape, sizes, units, path) for path, x, leaf in _spec_leaves(tree, config)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), specs)
+
+
+def param_specs(config, mesh=None, *, stacked: bool = False):
+    """PartitionSpec tree of the parameters (stacked: the scan layout); mesh (Mesh or {axis: size})
+    applies the fallbacks. Never allocates: the spec's shapes suffice."""
+    from k3jax.params import is_leaf, param_spec
+    sizes = None if mesh is None else axis_sizes(mesh)
+    units = axis_units(config)
+    return jax.tree_util.tree_map(lambda leaf: logical_spec(leaf.axes, leaf.shape, sizes, units),
+                                  param_spec(config, stacked=stacked), is_leaf=is_leaf)
 
 
 def _named(mesh, specs):
@@ -220,9 +202,19 @@ def _named(mesh, specs):
                                   is_leaf=lambda x: isinstance(x, P))
 
 
-def param_shardings(config, mesh):
-    """NamedSharding tree of the parameters on `mesh`."""
-    return _named(mesh, param_specs(config, mesh))
+def param_shardings(config, mesh, *, stacked: bool = False):
+    """NamedSharding tree of the parameters on `mesh`: the one tree random init, orbax restore and
+    Hugging Face loading place the weights on."""
+    return _named(mesh, param_specs(config, mesh, stacked=stacked))
+
+
+def expert_specs(config, mesh=None):
+    """PartitionSpecs of one layer's routed experts (k3jax.params.experts_spec)."""
+    from k3jax.params import experts_spec, is_leaf
+    sizes = None if mesh is None else axis_sizes(mesh)
+    units = axis_units(config)
+    return jax.tree_util.tree_map(lambda leaf: logical_spec(leaf.axes, leaf.shape, sizes, units),
+                                  experts_spec(config), is_leaf=is_leaf)
 
 
 def place(tree, shardings):
@@ -240,10 +232,9 @@ def place(tree, shardings):
     return jax.tree_util.tree_map(one, tree, shardings)
 
 
-def shard_params(params, mesh, config=None):
-    """Parameters placed by the rules (config optional: head counts are inferred from shapes)."""
-    specs = tree_specs(params, mesh, config=config)
-    return place(params, _named(mesh, specs))
+def shard_params(params, mesh, config):
+    """Parameters (checkpoint or scan layout) placed by their logical axes."""
+    return place(params, _named(mesh, param_tree_specs(params, mesh, config)))
 
 
 def pool_specs(pools, mesh=None):
@@ -272,12 +263,15 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def explain(tree, mesh=None, *, config=None, rules=PARAM_RULES) -> list[tuple[str, str, P]]:
-    """(path, matching rule, spec) for every leaf: for docs, debugging and the coverage test."""
-    specs = tree_specs(tree, mesh, config=config, rules=rules)
+def explain(tree, mesh=None, *, config=None, rules=None) -> list[tuple[str, tuple, P]]:
+    """(path, logical axes, spec) for every leaf: a parameter tree (config given) by its declared
+    axes, a pool / vision tree by its regex table (`rules`)."""
+    if rules is None:
+        specs = jax.tree_util.tree_leaves(param_tree_specs(tree, mesh, config), is_leaf=lambda x: isinstance(x, P))
+        return [(path, leaf.axes, s) for (path, _, leaf), s in zip(_spec_leaves(tree, config), specs)]
+    specs = jax.tree_util.tree_leaves(tree_specs(tree, mesh, rules=rules), is_leaf=lambda x: isinstance(x, P))
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    return [(path_str(p), match_rule(path_str(p), rules)[0], s) for (p, _), s in zip(flat, spec_leaves)]
+    return [(path_str(p), match_rule(path_str(p), rules)[1], s) for (p, _), s in zip(flat, specs)]
 
 
 def shard_shape(shape, spec: P, mesh) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """Mesh construction and partition rules: every leaf has a rule, specs fit the mesh, arrays land there."""
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from k3jax.cache import make_pools, pool_shapes
+from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.params import init_params_numpy, param_shapes
 from k3jax.presets import preset_config
 from sharding import rules
@@ -70,10 +72,24 @@ def test_every_leaf_has_an_explicit_rule(name):
         pools = rules.explain(poshapes, mesh, rules=rules.POOL_RULES)
         assert len(params) == len(shapes) - len(pools) and len(params) > 10
         assert [p for p, *_ in pools] == ["mla_kv", "kda_state", "kda_conv"]    # one array per kind
-        for path, rule, spec in params + pools:
-            assert rule and isinstance(spec, P) and len(spec) == len(shapes[path]), path
-        # inferring head counts from shapes gives the same specs as reading them from the config
-        assert [s for *_, s in rules.explain(pshapes, mesh)] == [s for *_, s in params]
+        for path, axes, spec in params + pools:
+            assert axes and isinstance(spec, P) and len(spec) == len(shapes[path]), path
+        # the scan layout's leaves keep their layer's spec behind a replicated "layers" axis
+        by_path = {path: spec for path, _, spec in params}
+        plan, scanned = layer_stack_plan(c), 0
+        for path, axes, spec in rules.explain(jax.eval_shape(lambda p: stack_layers(p, c), pshapes), mesh, config=c):
+            m = re.fullmatch(r"layers\.units\.(\d+)\.(.*)", path)
+            if m:
+                assert axes[0] == "layers" and spec == P(None, *by_path[f"layers.{plan.layer(0, int(m[1]))}.{m[2]}"])
+                scanned += 1
+        assert bool(scanned) == bool(plan.repeats)
+
+
+def test_unknown_logical_axis_and_axes_of_wrong_rank_raise():
+    with pytest.raises(ValueError, match="unknown logical axis 'heads_typo'.*add it to sharding.rules.LOGICAL_AXES"):
+        rules.logical_spec(("embed", "heads_typo"), (4, 8), {"data": 1, "expert": 1, "tensor": 2}, what="x.w")
+    with pytest.raises(ValueError, match="x.w declares logical axes .'embed',. but has shape .4, 8."):
+        rules.logical_spec(("embed",), (4, 8), what="x.w")
 
 
 def test_unmatched_leaf_and_wrong_rank_raise():
@@ -81,11 +97,11 @@ def test_unmatched_leaf_and_wrong_rank_raise():
     shapes = param_shapes(c)
     shapes["layers"][2]["attn"]["new_proj"] = jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)
     with pytest.raises(KeyError, match="layers.2.attn.new_proj"):
-        rules.tree_specs(shapes, None, config=c)
+        rules.param_tree_specs(shapes, None, c)
     shapes = param_shapes(c)
     shapes["layers"][2]["attn"]["o_proj"] = jax.ShapeDtypeStruct((4, 4, 4), jnp.bfloat16)
     with pytest.raises(ValueError, match="has shape"):
-        rules.tree_specs(shapes, None, config=c)
+        rules.param_tree_specs(shapes, None, c)
 
 
 def test_specs_of_representative_leaves():
@@ -129,7 +145,7 @@ def test_shard_params_and_pools_place_arrays():
     c = preset_config("tiny-random")
     mesh = make_mesh("data=2,expert=2,tensor=2")
     params = init_params_numpy(c, 0, jnp.float32)
-    sharded = rules.shard_params(params, mesh)                   # no config: heads inferred
+    sharded = rules.shard_params(params, mesh, c)
     want = rules.param_shardings(c, mesh)
     for (path, x), y, s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(sharded),
                                jax.tree_util.tree_leaves(want)):
