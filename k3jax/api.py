@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from functools import cached_property, partial
+from functools import cached_property
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,6 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_full
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
 from pallas_kernels.backend import Backend, detect
@@ -79,8 +78,31 @@ class Model:
         return self.params["embed"].dtype
 
     @cached_property
+    def module(self):
+        """The model as a Flax NNX module tree over the same arrays (k3jax/nnx_model.py): print it,
+        walk its layers (`module.layers`), read a parameter's logical axes (`.logical_axes`)."""
+        from k3jax.nnx_model import K3Model
+        return K3Model(self.config, self.params)
+
+    def summary(self) -> str:
+        """A table: one row per layer (attention and MLP module types, scanned or not, parameter
+        elements), then the totals."""
+        from k3jax.nnx_model import summary
+        rows = summary(self.module)
+        lines = [f"{'layer':>5}  {'attention':<9} {'mlp':<8} {'scanned':<7} {'params':>12}"]
+        lines += [f"{r['layer']:>5}  {r['attention']:<9} {r['mlp']:<8} {str(r['scanned']):<7} {r['params']:>12,}"
+                  for r in rows]
+        total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
+        lines.append(f"{self.name or 'custom'}: {self.config.num_layers} layers, {total:,} parameter elements "
+                     f"({total - sum(r['params'] for r in rows):,} outside the layers), "
+                     f"{jnp.dtype(self.dtype).name}")
+        return "\n".join(lines)
+
+    @cached_property
     def _logits_fn(self):
-        return jax.jit(partial(forward_full, c=self.config, backend=self.backend))
+        from k3jax.nnx_model import graph_for
+        graph = graph_for(self.config, self.params)
+        return jax.jit(lambda params, tokens: graph.merge(params)(tokens, backend=self.backend))
 
     def check_tokens(self, tokens, ndim: int = 2) -> np.ndarray:
         """Validate token ids: integer dtype, non-empty, within the vocabulary. Raises ValueError."""

@@ -19,7 +19,7 @@ import numpy as np
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers, unstack_layers
 from pallas_kernels.scatter import read_rows, set_rows
-from k3jax.model import forward_step
+from k3jax.nnx_model import K3Model, ModelGraph, graph_for, split_model
 from pallas_kernels.backend import Backend, resolve
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
@@ -82,14 +82,16 @@ def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, de
     return batch, sarr, np.zeros(N, np.int32)
 
 
-def make_step_fn(config, backend: Backend | None = None):
-    """The jitted step's body: the model forward over the pools -> (logits, pools), closed over one
-    backend (None: detected now, once); the sampler is a jit of its own."""
+def make_step_fn(config, backend: Backend | None = None, graph: ModelGraph | None = None):
+    """The jitted step's body: (params, pools, batch) -> (logits, pools), the NNX model merged from
+    `graph` and params inside the trace (graph None: the graph of the config and the params' layout),
+    closed over one backend (None: detected now, once); the sampler is a jit of its own."""
     backend = resolve(backend)
 
     def step(params, pools, batch):
+        model = (graph or graph_for(config, params)).merge(params)
         with jax.named_scope("model"):
-            return forward_step(params, config, pools, batch, backend)
+            return model.step(pools, batch, backend=backend)
     return step
 
 
@@ -136,8 +138,10 @@ class ModelRunner:
                  backend: Backend | None = None):
         self.config = config
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
-        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy
-        self.params = stack_layers(params, config) if scan_layers else unstack_layers(params, config)
+        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
+        # Split once: the step merges the NNX model from (graph, params) inside its trace.
+        self.graph, self.params = split_model(
+            K3Model(config, stack_layers(params, config) if scan_layers else unstack_layers(params, config)))
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
@@ -163,7 +167,8 @@ class ModelRunner:
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
 
-        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend)), donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
+                             **step_kw)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)

@@ -1,6 +1,6 @@
 """A sharded model step and a small multi-sequence greedy driver (checks, demos, multi-host tests).
 
-`sharded_step(c, mesh, pools)` jits `forward_step` with the pools donated and kept on their
+`sharded_step(c, mesh, pools)` jits the model's step (k3jax/nnx_model.py) with the pools donated and kept on their
 rule shardings, logits replicated (every process can read them), and expert parallelism in its
 backend. The engine's own step is built the same way (serving/runner.py).
 """
@@ -12,14 +12,14 @@ import jax
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_step_batch
-from k3jax.model import forward_step
+from k3jax.nnx_model import graph_for
 from pallas_kernels.backend import resolve
 from sharding import moe_ep
 from sharding.rules import pool_shardings, replicated
 
 
 def sharded_step(c, mesh, pools, *, expert_parallel: bool = True, backend=None) -> Callable:
-    """jit(forward_step): (params, pools, batch) -> (logits [N, V] replicated, pools); pools donated.
+    """jit(model step): (params, pools, batch) -> (logits [N, V] replicated, pools); pools donated.
 
     mesh None: the plain single-device step. expert_parallel: the routed experts run expert-parallel
     on the mesh (moe_ep.expert_parallel). backend: the kernels' backend (None: detected now).
@@ -27,7 +27,7 @@ def sharded_step(c, mesh, pools, *, expert_parallel: bool = True, backend=None) 
     b = moe_ep.expert_parallel(backend, mesh) if (mesh is not None and expert_parallel) else resolve(backend)
 
     def fn(params, pools, batch):
-        return forward_step(params, c, pools, batch, b)
+        return graph_for(c, params).merge(params).step(pools, batch, backend=b)
     if mesh is None:
         return jax.jit(fn, donate_argnums=1)
     return jax.jit(fn, out_shardings=(replicated(mesh), pool_shardings(c, mesh, pools)), donate_argnums=1)

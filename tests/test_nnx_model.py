@@ -1,0 +1,86 @@
+"""The NNX model (k3jax/nnx_model.py): module tree, logical axes, functional split / merge."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import nnx_model
+from k3jax.layer_stack import layer_stack_plan, stack_layers
+from k3jax.model import forward_full
+from k3jax.params import init_params_numpy, is_leaf, param_spec
+from k3jax.presets import preset_config, preset_names
+from sharding import rules
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    c = preset_config("tiny-random")
+    return c, init_params_numpy(c, 0, jnp.float32)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_merged_model_traces_the_functional_core(tiny, stacked):
+    """The model merged from (graph, params) inside a trace runs exactly the functional forward."""
+    c, params = tiny
+    params = stack_layers(params, c) if stacked else params
+    graph, flat = nnx_model.split_model(nnx_model.K3Model(c, params))
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat), jax.tree_util.tree_leaves(params)))
+    toks = (np.arange(10, dtype=np.int32).reshape(2, 5) * 37) % c.vocab_size
+    merged = jax.make_jaxpr(lambda p, t: graph.merge(p)(t))(flat, toks)
+    direct = jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(params, toks)
+    assert str(merged) == str(direct)
+    # the graph made from abstract parameters merges real ones the same way
+    assert str(jax.make_jaxpr(lambda p, t: nnx_model.graph_for(c, p).merge(p)(t))(params, toks)) == str(direct)
+    with pytest.raises(ValueError, match="parameter arrays for a model graph"):
+        graph.merge({"embed": params["embed"]})
+
+
+def test_module_tree_types_and_counts(tiny):
+    c, params = tiny
+    model = nnx_model.K3Model(c, stack_layers(params, c))
+    rows = nnx_model.summary(model)
+    assert [r["attention"] for r in rows] == [t.upper() for t in c.layer_types]
+    assert [r["mlp"] for r in rows] == ["DenseMLP" if t == "dense" else "MoE" for t in c.mlp_types]
+    plan = layer_stack_plan(c)
+    assert [r["scanned"] for r in rows] == [plan.start <= i < plan.stop for i in range(c.num_layers)]
+    layer_total = sum(x.size for x in jax.tree_util.tree_leaves(params["layers"]))
+    assert sum(r["params"] for r in rows) == layer_total
+    assert isinstance(model.layers.units[0].mlp.experts, nnx_model.RoutedExperts)
+    q = model.layers.units[0].attn.q_proj
+    assert isinstance(q, nnx.Param) and q.logical_axes == ("layers", "embed", "kda_heads")
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_logical_axes_resolve_for_every_parameter(preset):
+    """Every parameter of every preset, as an abstract NNX model (nothing allocated), has logical
+    axes the rules resolve on a mesh, to the specs param_specs gives for that layout."""
+    c = preset_config(preset)
+    mesh = {"data": 2, "expert": 4, "tensor": 8}
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    for stacked in (False, True):
+        abstract = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16),
+                                          param_spec(c, stacked=stacked), is_leaf=is_leaf)
+        model = nnx_model.K3Model(c, abstract)
+        axes = nnx_model.logical_axes(model)
+        shapes = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        want = {rules.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+            rules.param_specs(c, mesh, stacked=stacked), is_leaf=is_spec)[0]}
+        assert axes.keys() == want.keys() and len(want) > 10
+        for path, names in axes.items():
+            assert rules.logical_spec(names, shapes[path], mesh, rules.axis_units(c), path) == want[path], path
+
+
+def test_runner_splits_once_and_merges_only_while_tracing():
+    from serving.runner import ModelRunner
+    c = preset_config("tiny-random")
+    before = dict(nnx_model.COUNTS)
+    runner = ModelRunner(c, init_params_numpy(c, 0, jnp.float32), num_pages=9, num_slots=4, page_size=16,
+                         max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+    assert nnx_model.COUNTS["split"] == before["split"] + 1
+    assert type(runner.params) is dict                  # the jitted step gets plain arrays, no nnx objects
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(runner.params))
+    for _ in range(3):
+        runner._run_padding(32, 2, decode=False)
+    assert nnx_model.COUNTS["merge"] == before["merge"] + 1      # one trace, three steps
+    assert nnx_model.COUNTS["split"] == before["split"] + 1
