@@ -225,7 +225,12 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The seeded test model: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
+        # made in the scan layout on the rules' shardings: placed once, never restacked
+        shardings = None
+        if mesh is not None:
+            from sharding.rules import param_shardings
+            shardings = param_shardings(config, mesh, stacked=True)
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=True, shardings=shardings)
     backend = _backend_for(params)
     tokenizer = _load_tokenizer(None, src) if embedded else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)

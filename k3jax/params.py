@@ -219,38 +219,44 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
         treedef, [_init_leaf(l, _JaxRandom(k), dtype, std) for l, k in zip(leaves, keys)])
 
 
-def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02, stacked: bool = False):
+def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02, stacked: bool = False,
+                        shardings=None):
     """The values of `init_params` (same key per leaf), made by one small jitted program per distinct
     leaf (kind, shape): a model with many identical layers compiles a few programs in seconds, where
     jitting init_params whole took ~3.5 minutes for the 27-layer Kimi-Linear on an H200 (2026-12-01).
     stacked: return the scan layout (k3jax.layer_stack), each stacked leaf made at once by a vmapped
     program over its layers' keys: no per-layer copies to stack, so the weights are made without a
-    second copy or a fragmented allocator (stacking the 48B model after the fact ran out of memory)."""
+    second copy or a fragmented allocator (stacking the 48B model after the fact ran out of memory).
+    shardings: a tree like the result (sharding.rules.param_shardings(c, mesh, stacked=...)): each
+    leaf is made on its devices, never placed twice."""
     spec = param_spec(c)
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
     key_tree = jax.tree_util.tree_unflatten(treedef, list(jax.random.split(key, len(leaves))))
     programs = {}
 
-    def make(leaf, k):                    # k: one key, or [R] keys for a stacked leaf
-        sig = (leaf.kind, tuple(leaf.shape), k.ndim)
+    def make(leaf, k, sh):                # k: one key, or [R] keys for a stacked leaf; sh: False = default device
+        sig = (leaf.kind, tuple(leaf.shape), k.ndim, sh)
         if sig not in programs:
             f = lambda k, leaf=leaf: _init_leaf(leaf, _JaxRandom(k), dtype, std)  # noqa: E731
-            programs[sig] = jax.jit(jax.vmap(f) if k.ndim else f)
+            programs[sig] = jax.jit(jax.vmap(f) if k.ndim else f, **({"out_shardings": sh} if sh else {}))
         return programs[sig](k)
 
-    init = lambda s, k: jax.tree_util.tree_map(make, s, k, is_leaf=is_leaf)  # noqa: E731
     from k3jax.layer_stack import layer_stack_plan
     plan = layer_stack_plan(c)
-    if not stacked or not plan.repeats:
-        return init(spec, key_tree)
-    out = {name: init(spec[name], key_tree[name]) for name in spec if name != "layers"}
-    ls, lk = spec["layers"], key_tree["layers"]
+    stacked = stacked and bool(plan.repeats)
+    sh_tree = shardings if shardings is not None else \
+        jax.tree_util.tree_map(lambda _: False, param_spec(c, stacked=stacked), is_leaf=is_leaf)
+    init = lambda s, k, sh: jax.tree_util.tree_map(make, s, k, sh, is_leaf=is_leaf)  # noqa: E731
+    if not stacked:
+        return init(spec, key_tree, sh_tree)
+    out = {name: init(spec[name], key_tree[name], sh_tree[name]) for name in spec if name != "layers"}
+    ls, lk, lsh = spec["layers"], key_tree["layers"], sh_tree["layers"]
     units = []
     for j in range(plan.unit):
         keys = jax.tree_util.tree_map(lambda *k: jnp.stack(k), *[lk[plan.layer(r, j)] for r in range(plan.repeats)])
-        units.append(init(ls[plan.start + j], keys))
-    out["layers"] = {"head": [init(ls[i], lk[i]) for i in plan.head], "units": units,
-                     "tail": [init(ls[i], lk[i]) for i in plan.tail]}
+        units.append(init(ls[plan.start + j], keys, lsh["units"][j]))
+    out["layers"] = {"head": [init(ls[i], lk[i], sh) for i, sh in zip(plan.head, lsh["head"])], "units": units,
+                     "tail": [init(ls[i], lk[i], sh) for i, sh in zip(plan.tail, lsh["tail"])]}
     return out
 
 

@@ -243,3 +243,22 @@ def test_cli_entry_points_and_bounded_memory(k3, tmp_path):
     # Measured ~2.9x here (the leaf, tensorstore's write buffer, allocator slack); holding the whole
     # checkpoint would need > 10x.
     assert extra < 5 * med["largest_bytes"], (extra, med)
+
+
+def test_hf_and_converted_load_onto_one_shardings_tree(k3, converted):
+    """One shardings tree (sharding.rules.param_shardings) serves orbax restore and Hugging Face
+    loading: each leaf arrives on it (no second placement) with the same values either way."""
+    from k3jax.checkpoint.hf_load import load_hf_params
+    from sharding.mesh import make_mesh
+    from sharding.rules import param_shardings
+    src, cfg, _ = k3
+    mesh = make_mesh("expert=4,tensor=2")
+    shardings = param_shardings(cfg, mesh)
+    hf = _flat(load_hf_params(src, cfg, np.float32, shardings=shardings))
+    restored = _flat(orbax_io.restore_params(converted["fp32"], cfg, np.float32, shardings=shardings))
+    want = _flat(shardings)
+    assert set(hf) == set(restored) == set(want)
+    assert any(len(s.device_set) > 1 and not s.is_fully_replicated for s in want.values())
+    for k, s in want.items():
+        assert hf[k].sharding.is_equivalent_to(s, hf[k].ndim) and restored[k].sharding.is_equivalent_to(s, hf[k].ndim), k
+        np.testing.assert_array_equal(np.asarray(hf[k]), np.asarray(restored[k]), err_msg=k)

@@ -39,10 +39,20 @@ def build_leaf(src: Source, leaf, get, path, dtype):
     return np.asarray(arr).astype(want)
 
 
-def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, dtype=jnp.bfloat16):
+def _put(host: np.ndarray, sharding):
+    """One host array onto its sharding (each process feeds only its own shards), or the default device."""
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, dtype=jnp.bfloat16, shardings=None):
+    """The parameter tree of `cfg` from the checkpoint's tensors. shardings: a tree like the params
+    (sharding.rules.param_shardings): each leaf goes straight from the host to its devices."""
     ckpt = SafetensorsDir(path)
     plan, treedef, unused = resolve(cfg, ckpt.keys())
     if unused:
         log.warning("%d checkpoint tensors are not used by the text model (e.g. %s)", len(unused), ", ".join(unused[:3]))
-    leaves = [jnp.asarray(build_leaf(src, leaf, ckpt.get, p, dtype)) for p, src, leaf in plan]
+    flat_sh = [None] * len(plan) if shardings is None else treedef.flatten_up_to(shardings)
+    leaves = [_put(build_leaf(src, leaf, ckpt.get, p, dtype), sh) for (p, src, leaf), sh in zip(plan, flat_sh)]
     return jax.tree_util.tree_unflatten(treedef, leaves)

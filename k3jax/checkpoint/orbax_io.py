@@ -153,8 +153,11 @@ def read_index(path: str | os.PathLike) -> dict:
     return index
 
 
-def _default_shardings(config: ModelConfig, mesh, spec):
+def default_shardings(config: ModelConfig, mesh, spec=None):
+    """The parameters' shardings: the partition rules' on a mesh (replicated where sharding/ is not
+    installed), the first device without one."""
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+    spec = param_spec(config) if spec is None else spec
     if mesh is None:
         one = SingleDeviceSharding(jax.devices()[0])
         return jax.tree_util.tree_map(lambda _: one, spec, is_leaf=is_leaf)
@@ -203,7 +206,7 @@ def restore_params(path: str | os.PathLike, config: ModelConfig, dtype, mesh=Non
     flat_spec, treedef = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)
     _check_against_spec(index, flat_spec, dtype, root)
     if shardings is None:
-        shardings = _default_shardings(config, mesh, spec)
+        shardings = default_shardings(config, mesh, spec)
     flat_sh = treedef.flatten_up_to(shardings)
 
     by_item: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
