@@ -263,12 +263,18 @@ def main():
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
+    ap.add_argument("--unrolled", action="store_true", help="every layer traced (the engine's scan_layers=False)")
+    ap.add_argument("--command-buffers", default="off",
+                    help="off (kernels attributed to their ops), default (XLA's own), or XLA's "
+                         "--xla_gpu_enable_command_buffer list, e.g. FUSION,CUBLAS,CUSTOM_CALL,WHILE")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
     dump_dir, trace_dir = os.path.join(out, "hlo"), os.path.join(out, "trace")
-    # command buffers (CUDA graphs) would hide which HLO op launched each kernel
+    # command buffers (CUDA graphs) hide which HLO op launched each kernel: off unless asked
+    buffers = {"off": " --xla_gpu_enable_command_buffer=", "default": ""}.get(
+        args.command_buffers, f" --xla_gpu_enable_command_buffer={args.command_buffers}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
-                               "--xla_dump_hlo_module_re=jit_step --xla_gpu_enable_command_buffer=").strip()
+                               "--xla_dump_hlo_module_re=jit_step" + buffers).strip()
     if args.kernels:
         os.environ["K3JAX_KERNELS"] = args.kernels
     import jax
@@ -281,7 +287,8 @@ def main():
     model = load_model(name, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
     print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
-          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}", flush=True)
+          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}; layers {'unrolled' if args.unrolled else 'scanned'}; "
+          f"command buffers {args.command_buffers}", flush=True)
     if args.kda_variants:
         print("\n## ops.kda_chunk, T=4096", flush=True)
         kda_variants(model)
@@ -291,7 +298,7 @@ def main():
     kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
-              compilation_cache_dir=None, **kw)
+              compilation_cache_dir=None, scan_layers=not args.unrolled, **kw)
     eng = llm.engine
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)
