@@ -32,6 +32,9 @@ from k3jax.params import Leaf, is_leaf, param_spec
 # merges while tracing).
 COUNTS = {"split": 0, "merge": 0}
 
+# flax >= 0.12 wants lists of modules wrapped (older flax took plain lists as pytree attributes)
+_List = getattr(nnx, "List", list)
+
 
 def _value(p: nnx.Param):
     """A Param's array (get_value where flax has it; .value is deprecated there)."""
@@ -62,7 +65,7 @@ class Group(nnx.Module):
                 out[name] = _value(v)
             elif isinstance(v, Group):
                 out[name] = v.tree()
-            elif isinstance(v, nnx.List):
+            elif isinstance(v, _List):
                 out[name] = [x.tree() for x in v]
         return out
 
@@ -106,8 +109,8 @@ class DecoderLayer(Group):
         return Group
 
 
-def _layers(specs, values, config) -> nnx.List:
-    return nnx.List([DecoderLayer(s, v, config) for s, v in zip(specs, values)])
+def _layers(specs, values, config):
+    return _List([DecoderLayer(s, v, config) for s, v in zip(specs, values)])
 
 
 class LayerStack(nnx.Module):

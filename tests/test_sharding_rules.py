@@ -171,3 +171,26 @@ def test_every_vision_leaf_has_a_replicated_rule(preset):
         flat = rules.explain(tree, {"data": 2, "expert": 4, "tensor": 2}, rules=rules.VISION_RULES)
         assert len(flat) == len(jax.tree_util.tree_leaves(tree))
         assert all(all(d is None for d in spec_) for _, _, spec_ in flat)
+
+
+def test_random_init_made_on_the_stacked_shardings(monkeypatch):
+    """Random presets are made in the scan layout straight onto the rules' shardings (placed once),
+    each leaf from the key the unsharded per-layer init gives it. (Each leaf is filled from its key's
+    bits instead of drawn: the subject is where keys and values go; threefry programs cost ~20 s of
+    CPU compiles.)"""
+    from k3jax import params as params_mod
+    monkeypatch.setattr(params_mod, "_init_leaf", lambda leaf, r, dtype, std: jnp.full(
+        leaf.shape, (jax.random.key_data(r.key)[0] ^ jax.random.key_data(r.key)[1]) % (1 << 20), jnp.float32))
+    c = preset_config("tiny-random")
+    mesh = make_mesh("expert=4,tensor=2")
+    want_sh = rules.param_shardings(c, mesh, stacked=True)
+    made = params_mod.init_params_by_leaf(c, jax.random.key(1), jnp.float32, stacked=True, shardings=want_sh)
+    ref = stack_layers(params_mod.init_params_by_leaf(c, jax.random.key(1), jnp.float32), c)
+    assert jax.tree_util.tree_structure(made) == jax.tree_util.tree_structure(ref)
+    firsts = set()
+    for (path, x), y, s in zip(jax.tree_util.tree_flatten_with_path(made)[0], jax.tree_util.tree_leaves(ref),
+                               jax.tree_util.tree_leaves(want_sh)):
+        assert x.sharding.is_equivalent_to(s, x.ndim), rules.path_str(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=rules.path_str(path))
+        firsts.add(float(np.asarray(x).flat[0]))
+    assert len(firsts) > 0.9 * len(jax.tree_util.tree_leaves(made))       # leaves got different keys
