@@ -36,6 +36,24 @@ def test_merged_model_traces_the_functional_core(tiny, stacked):
         graph.merge({"embed": params["embed"]})
 
 
+def test_runner_step_traces_the_functional_step(tiny):
+    """The engine's step body (merge inside the trace, then the module's step) is the same program
+    as forward_step on the parameter dict."""
+    from k3jax.cache import make_pools
+    from k3jax.model import forward_step
+    from pallas_kernels.backend import detect
+    from serving.runner import make_step_fn, padding_step_args
+    c, params = tiny
+    params = stack_layers(params, c)
+    backend = detect("reference")
+    pools = make_pools(c, 5, 16, 4, jnp.float32)
+    batch, _, _ = padding_step_args(c, 16, 4, 32, 2, False, False, np.float32)
+    graph, flat = nnx_model.split_model(nnx_model.K3Model(c, params))
+    merged = jax.make_jaxpr(make_step_fn(c, backend, graph))(flat, pools, batch)
+    direct = jax.make_jaxpr(lambda p, po, b: forward_step(p, c, po, b, backend))(params, pools, batch)
+    assert str(merged) == str(direct)
+
+
 def test_module_tree_types_and_counts(tiny):
     c, params = tiny
     model = nnx_model.K3Model(c, stack_layers(params, c))
