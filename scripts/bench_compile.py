@@ -29,7 +29,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
     from serving.engine_args import EngineArgs
-    from serving.runner import make_step_fn, padding_step_args, step_buckets, warmup_shapes
+    from serving.runner import make_step_fn, padding_step_args, step_buckets, step_compiler_options, warmup_shapes
 
     jax.config.update("jax_enable_compilation_cache", False)
     c = preset_config(model)
@@ -44,7 +44,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     if not unrolled:                                    # the runner's layout (stacked at load)
         params = jax.eval_shape(lambda p: stack_layers(p, c), params)
     pools = pool_shapes(c, args.max_num_seqs * max_pages + 1, args.page_size, args.max_num_seqs + 2, dt)
-    step = jax.jit(make_step_fn(c), donate_argnums=(1,))      # the model step; the sampler is a small jit
+    step = jax.jit(make_step_fn(c), donate_argnums=(1,), compiler_options=step_compiler_options())  # as the runner
     rows = []
     for T, N, decode, mm in shapes:
         batch, _, _ = padding_step_args(c, args.page_size, max_pages, T, N, decode, mm, dt)

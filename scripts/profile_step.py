@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+STEP_MODULES = ("jit_step", "jit_run")      # the runner's step: unrolled / scanned (the async wrapper's name)
 _INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
 _META = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r'calls=%?([\w.\-]+)')
@@ -34,7 +35,9 @@ def hlo_op_names(dump_dir: str, program_id) -> dict:
     dump's module number). A fusion without metadata of its own takes the first op_name inside the
     computation it calls."""
     names, first_in_comp, calls = {}, {}, {}
-    for path in glob.glob(os.path.join(dump_dir, f"module_{int(program_id):04d}.jit_step*after_optimizations.txt")):
+    paths = [p for name in STEP_MODULES
+             for p in glob.glob(os.path.join(dump_dir, f"module_{int(program_id):04d}.{name}*after_optimizations.txt"))]
+    for path in paths:
         comp = None
         with open(path) as f:
             for line in f:
@@ -78,7 +81,7 @@ def device_events(trace_dir: str):
                 continue
             for ev in line.events:
                 stats = dict(ev.stats)
-                if gpu or "jit_step" in str(stats.get("hlo_module", "")):   # CPU: the step's thunks
+                if gpu or str(stats.get("hlo_module", "")).startswith(STEP_MODULES):   # CPU: the step's thunks
                     yield ev.name, ev.duration_ns, stats
 
 
@@ -274,7 +277,7 @@ def main():
     buffers = {"off": " --xla_gpu_enable_command_buffer=", "default": ""}.get(
         args.command_buffers, f" --xla_gpu_enable_command_buffer={args.command_buffers}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
-                               "--xla_dump_hlo_module_re=jit_step" + buffers).strip()
+                               "--xla_dump_hlo_module_re=" + "|".join(STEP_MODULES) + buffers).strip()
     if args.kernels:
         os.environ["K3JAX_KERNELS"] = args.kernels
     import jax

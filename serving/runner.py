@@ -95,6 +95,26 @@ def make_step_fn(config, backend: Backend | None = None, graph: ModelGraph | Non
     return step
 
 
+# XLA options for the engine's step on a GPU, measured on the H200 with the scanned decoder (docs/benchmarks.md):
+# - CUDA graphs also around the layer loop (WHILE, CONDITIONAL): the scan body's ~60 kernels per layer are
+#   otherwise launched one by one every step (c64 decode 30.5 -> 28.2 ms);
+# - no HLO rematerialization: XLA's limit counts the donated cache pools carried through the loop as
+#   scratch and re-runs matmuls to "fit"; the engine already sizes its pools after the step's own scratch.
+GPU_STEP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_memory_limit_slop_factor": 10000,
+}
+
+
+def step_compiler_options() -> dict:
+    """The step's per-compile XLA options on this backend; an option the user set in XLA_FLAGS wins."""
+    import os
+    if jax.default_backend() != "gpu":
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in GPU_STEP_OPTIONS.items() if f"--{k}=" not in flags}
+
+
 def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
                     cache_dtype, backend: Backend | None = None) -> int:
     """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
@@ -106,7 +126,8 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
-    lowered = jax.jit(make_step_fn(config, backend), donate_argnums=(1,)).lower(abstract(params), pools, batch)
+    lowered = jax.jit(make_step_fn(config, backend), donate_argnums=(1,),
+                      compiler_options=step_compiler_options()).lower(abstract(params), pools, batch)
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
 
@@ -168,7 +189,7 @@ class ModelRunner:
             self.backend = expert_parallel(self.backend, mesh)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
-                             **step_kw)
+                             compiler_options=step_compiler_options(), **step_kw)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)

@@ -43,3 +43,19 @@ def test_restart_compiles_from_the_cache(tmp_path):
     assert warm["shapes"] == cold["shapes"] >= 2
     assert warm["hits"] >= warm["shapes"]                          # every step shape came from the cache
     assert warm["warmup_s"] < cold["warmup_s"], (cold, warm)
+
+
+def test_step_compiler_options_apply_on_gpu_only_and_yield_to_xla_flags(monkeypatch):
+    """The step's GPU options (CUDA graphs around the layer loop, no HLO rematerialization) are asked for
+    on a GPU only, and a flag the user set in XLA_FLAGS is left to the user."""
+    import jax
+    from serving import runner
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert runner.step_compiler_options() == {}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert runner.step_compiler_options() == runner.GPU_STEP_OPTIONS
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer= --xla_force_host_platform_device_count=8")
+    got = runner.step_compiler_options()
+    assert "xla_gpu_enable_command_buffer" not in got
+    assert got["xla_gpu_memory_limit_slop_factor"] == runner.GPU_STEP_OPTIONS["xla_gpu_memory_limit_slop_factor"]
