@@ -91,7 +91,8 @@ def experts_spec(c: ModelConfig) -> dict:
         return {
             "w1_packed": Leaf((E, I, Dp // 2), "mx_packed", into), "w1_scale": Leaf((E, I, Dp // 32), "mx_scale", into),
             "w3_packed": Leaf((E, I, Dp // 2), "mx_packed", into), "w3_scale": Leaf((E, I, Dp // 32), "mx_scale", into),
-            "w2_packed": Leaf((E, Dp, I // 2), "mx_packed", out_of), "w2_scale": Leaf((E, Dp, I // 32), "mx_scale", out_of),
+            "w2_packed": Leaf((E, Dp, I // 2), "mx_packed", out_of),
+            "w2_scale": Leaf((E, Dp, I // 32), "mx_scale", out_of),
         }
     return {"w1": Leaf((E, Dp, I), axes=out_of), "w3": Leaf((E, Dp, I), axes=out_of), "w2": Leaf((E, I, Dp), axes=into)}
 

@@ -68,7 +68,8 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
         jax.block_until_ready(logits)
         if k >= 3:
             dispatch.append(t1 - t0)
-    ms = lambda xs: {"median_ms": round(1e3 * statistics.median(xs), 3), "min_ms": round(1e3 * min(xs), 3)}  # noqa: E731
+    def ms(xs):
+        return {"median_ms": round(1e3 * statistics.median(xs), 3), "min_ms": round(1e3 * min(xs), 3)}
     return {"model": model, "seqs": seqs, "steps": steps, "platform": jax.default_backend(),
             "param_arrays": len(jax.tree_util.tree_leaves(runner.params)),
             "dispatch": ms(dispatch), "launch": ms(launch), "step": ms(step),
