@@ -92,8 +92,9 @@ class Model:
         lines = [f"{'layer':>5}  {'attention':<9} {'mlp':<8} {'scanned':<7} {'params':>12}"]
         lines += [f"{r['layer']:>5}  {r['attention']:<9} {r['mlp']:<8} {str(r['scanned']):<7} {r['params']:>12,}"
                   for r in rows]
-        total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
-        lines.append(f"{self.name or 'custom'}: {self.config.num_layers} layers, {total:,} parameter elements "
+        from k3jax.params import tree_parameter_count
+        total = tree_parameter_count(self.params)
+        lines.append(f"{self.name or 'custom'}: {self.config.num_layers} layers, {total:,} parameters "
                      f"({total - sum(r['params'] for r in rows):,} outside the layers), "
                      f"{jnp.dtype(self.dtype).name}")
         return "\n".join(lines)

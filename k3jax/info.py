@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
-from k3jax.params import param_shapes
+from k3jax.params import param_shapes, parameter_count
 
 
 def model_info(config, dtype=jnp.bfloat16) -> dict:
@@ -22,9 +22,7 @@ def model_info(config, dtype=jnp.bfloat16) -> dict:
     for path, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         names = [str(getattr(p, "key", "")) for p in path]
         weight_bytes += int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-        if names[-1].endswith("_scale"):
-            continue                                   # MXFP4 scales are metadata, not parameters
-        n = int(np.prod(s.shape)) * (2 if names[-1].endswith("_packed") else 1)
+        n = parameter_count(names[-1], s.shape)
         total += n
         routed += n if "experts" in names else 0
     active = total - routed + routed * config.num_experts_per_token // config.num_experts

@@ -17,7 +17,6 @@ pools) on their parameters, so both paths give identical results by construction
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -26,7 +25,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layer_stack import is_stacked, layer_stack_plan
-from k3jax.params import Leaf, is_leaf, param_spec
+from k3jax.params import Leaf, is_leaf, param_spec, tree_parameter_count
 
 # split_model / ModelGraph.merge calls in this process (tests check the runner splits once and only
 # merges while tracing).
@@ -219,10 +218,10 @@ def logical_axes(model: nnx.Module) -> dict[str, tuple]:
 
 
 def summary(model: K3Model) -> list[dict]:
-    """One row per decoder layer: index, attention and MLP module types, parameter count (a scanned
-    position's parameters split evenly over its repeats)."""
+    """One row per decoder layer: index, attention and MLP module types, parameter count (as
+    k3jax.info counts them: MXFP4 bytes hold two, scales are none; a scanned position's parameters
+    split evenly over its repeats)."""
     c = model.config
-    count = lambda m: sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(m.tree()))  # noqa: E731
     if isinstance(model.layers, LayerStack):
         plan = layer_stack_plan(c)
         by_index = dict(zip(plan.head, model.layers.head)) | dict(zip(plan.tail, model.layers.tail))
@@ -234,5 +233,5 @@ def summary(model: K3Model) -> list[dict]:
     for i in range(c.num_layers):
         layer, share = scanned.get(i, (by_index.get(i), 1))
         rows.append({"layer": i, "attention": type(layer.attn).__name__, "mlp": type(layer.mlp).__name__,
-                     "scanned": i in scanned, "params": count(layer) // share})
+                     "scanned": i in scanned, "params": tree_parameter_count(layer.tree()) // share})
     return rows

@@ -151,6 +151,19 @@ def is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
+def parameter_count(name: str, shape) -> int:
+    """Parameters a leaf named `name` holds: an MXFP4 packed byte holds two, scales are metadata."""
+    if name.endswith("_scale"):
+        return 0
+    return int(np.prod(shape)) * (2 if name.endswith("_packed") else 1)
+
+
+def tree_parameter_count(tree) -> int:
+    """parameter_count summed over a parameter tree (arrays or shapes)."""
+    return sum(parameter_count(str(getattr(path[-1], "key", "")), x.shape)
+               for path, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
 class _JaxRandom:
     """Random source over one jax key (init under jit, on any device)."""
     xp = jnp

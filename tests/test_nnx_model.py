@@ -8,7 +8,7 @@ from flax import nnx
 from k3jax import nnx_model
 from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.model import forward_full
-from k3jax.params import init_params_numpy, is_leaf, param_spec
+from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
 from k3jax.presets import preset_config, preset_names
 from sharding import rules
 
@@ -62,8 +62,10 @@ def test_module_tree_types_and_counts(tiny):
     assert [r["mlp"] for r in rows] == ["DenseMLP" if t == "dense" else "MoE" for t in c.mlp_types]
     plan = layer_stack_plan(c)
     assert [r["scanned"] for r in rows] == [plan.start <= i < plan.stop for i in range(c.num_layers)]
-    layer_total = sum(x.size for x in jax.tree_util.tree_leaves(params["layers"]))
-    assert sum(r["params"] for r in rows) == layer_total
+    from k3jax.info import model_info
+    outside = tree_parameter_count({k: v for k, v in params.items() if k != "layers"})
+    assert sum(r["params"] for r in rows) + outside == model_info(c)["total_params"]
+    assert rows[1]["params"] > rows[0]["params"] > 0                    # MoE layer > dense layer
     assert isinstance(model.layers.units[0].mlp.experts, nnx_model.RoutedExperts)
     q = model.layers.units[0].attn.q_proj
     assert isinstance(q, nnx.Param) and q.logical_axes == ("layers", "embed", "kda_heads")
