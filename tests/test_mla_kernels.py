@@ -105,6 +105,7 @@ def test_default_tuning_h96_decode_depends_on_table_width():
 @pytest.mark.parametrize("heads,config", [
     (4, None),                                            # decode tuning: keys-on-M, one tile per sequence
     (6, (("head_groups", (4, 2)), ("bk", 16))),           # heads in two groups, each its own tiles
+    (6, (("head_groups", ((4, (("transposed", True),)), (2, (("bk", 16), ("transposed", False))))),)),
 ])
 def test_ragged_decode_only_matches_oracle(heads, config):
     """The engine's decode-only step: one token per real sequence, a padding sequence (no token)

@@ -119,17 +119,19 @@ def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
 def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
                  decode, interpret, config):
     groups = (config or {}).get("head_groups")
-    if groups:  # e.g. H=96 as 64 + 32: each group's own tiles (no padding rows), own tuning
-        if sum(groups) != q_latent.shape[1]:
-            raise ValueError(f"head_groups {groups} must sum to H={q_latent.shape[1]}")
+    if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
         rest = {k: v for k, v in config.items() if k != "head_groups"}
-        bounds = [0]
-        for g in groups:
-            bounds.append(bounds[-1] + g)
-        return jnp.concatenate([
-            _kernel_path(q_latent[:, a:b], q_rope[:, a:b], kv_pages, block_tables, cu_seqlens,
-                         kv_lens, scale=scale, decode=decode, interpret=interpret, config=rest)
-            for a, b in zip(bounds[:-1], bounds[1:])], axis=1)
+        # an entry is a head count (the other config keys apply) or (heads, config tuple or None)
+        groups = [(g, rest) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
+        if sum(h for h, _ in groups) != q_latent.shape[1]:
+            raise ValueError(f"head_groups {groups} must sum to H={q_latent.shape[1]}")
+        outs, a = [], 0
+        for h, cfg in groups:
+            outs.append(_kernel_path(q_latent[:, a:a + h], q_rope[:, a:a + h], kv_pages, block_tables,
+                                     cu_seqlens, kv_lens, scale=scale, decode=decode,
+                                     interpret=interpret, config=cfg))
+            a += h
+        return jnp.concatenate(outs, axis=1)
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
