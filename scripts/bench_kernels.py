@@ -181,9 +181,7 @@ def kda_decode_model_rows(run, cases):
 MLA_H96_VARIANTS = [
     ("R-w16-r64", "R-w16-r64"),
     ("R-w8-r64-bk32-st3", "R-w8-r64-bk32-st3"),
-    ("R-w8-r64-bk32-st4", "R-w8-r64-bk32-st4"),
     ("heads 64 (R r64 w8) + 32 (T w4)", ((64, "R-w8-r64"), (32, "T-w4"))),
-    ("heads 64 (R r64 w8 bk32 st3) + 32 (T w4)", ((64, "R-w8-r64-bk32-st3"), (32, "T-w4"))),
 ]
 
 
@@ -316,6 +314,52 @@ def kda_prefill_model_rows(run, cases):
                 us=t * 1e6, mtok_s=sum(lens) / t / 1e6)
 
 
+# ---- the variants on this device vs the references (small shapes) ---------------------------------
+def checks(run):
+    """Max |kernel - reference| / max |reference| of the variants that could become defaults."""
+    from pallas_kernels.kda import recurrent_pallas as rp
+    from pallas_kernels.kda.reference import decode_reference
+    from pallas_kernels.mla import (mla_decode_reference, mla_paged_decode, ragged_paged_mla,
+                                    ragged_paged_mla_reference)
+
+    def err(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+    def row(kernel, variant, fn):
+        e = run.timed(kernel, "small shapes vs reference", "check", variant, fn)
+        if e is not None:
+            run.add(kernel=kernel, case="small shapes vs reference", call="check", variant=variant,
+                    target=f"rel err {e:.1e}")
+    lat, rope, scale = run.lat, run.rope, 192 ** -0.5
+    ql, qr, kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(5), 5, 300, 96 if not run.tiny else 6,
+                                                lat, rope, 16, jnp.float32)
+    lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
+    groups = ((64, "R-w8-r64"), (32, "T-w4")) if not run.tiny else ((4, None), (2, None))
+    cfg = _mla_config(groups, ql.shape[1], 16, bt.shape[1], 5)
+    row("MLA decode", "head groups, fp32, page 16", lambda: err(
+        mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
+        mla_decode_reference(ql, qr, kv, bt, lens, scale=scale)))
+    pad_bt, pad_lens = jnp.pad(bt, ((0, 2), (0, 0))), jnp.pad(lens, (0, 2))
+    cu = jnp.array([0, 1, 2, 3, 4, 5, 5, 5], jnp.int32)
+    qlp, qrp = (jnp.pad(x, ((0, 3), (0, 0), (0, 0))) for x in (ql, qr))  # 8 tokens: 3 bucket padding
+    row("MLA decode", "decode_only ragged, padding rows and tokens", lambda: err(
+        ragged_paged_mla(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale, interpret=run.interpret,
+                         decode_only=True),
+        ragged_paged_mla_reference(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale)))
+    K = run.kv
+    q, k, v, g, beta = (x[0].astype(jnp.float32) for x in bench_kda.make_inputs(jax.random.PRNGKey(6), 1, 6, 4, K, K))
+    pool = jax.random.normal(jax.random.PRNGKey(7), (9, 4, K, K))
+    idx = jnp.array([4, -1, 0, 8, 2, 5], jnp.int32)
+    want = decode_reference(q, k, v, g, beta, pool, idx)
+    for bv, nw, bh in KDA_DECODE_VARIANTS[1:]:
+        row("KDA decode", f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "") + ", fp32 (o and pool)", lambda bv=bv, nw=nw, bh=bh: max(
+            err(a, b) for a, b in zip(rp.fused_recurrent_kda_pallas(
+                q, k, v, g, beta, pool, idx, jnp.zeros((4,)), jnp.zeros((4, K)), scale=K ** -0.5, block_v=bv,
+                num_warps=nw, block_h=bh, interpret=bool(run.interpret),
+                backend="interpret" if run.interpret else "triton"), want)))
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def plan(tiny):
     """(kind, shapes) in priority order: defaults first, then the variants."""
@@ -369,6 +413,7 @@ def main(argv=None):
     kda_prefill_rows(run, p["prefill"])
     kda_prefill_model_rows(run, p["prefill_model"])
     kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS[1:])
+    checks(run)
     mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]], p["mla_variants"],
                     with_default=False)
     print(f"\n# kernel table, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
