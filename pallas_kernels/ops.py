@@ -82,13 +82,16 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
 write_kv_pages = mla_ref.write_kv_pages
 
 
-def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale):
-    """Absorbed MLA attention of ragged query chunks over paged latent caches."""
+def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
+                     decode_only=False):
+    """Absorbed MLA attention of ragged query chunks over paged latent caches.
+    decode_only (static): at most one token per sequence (the kernel's decode schedule and tuning)."""
     pallas, interpret = use_pallas()
     if pallas:
         from pallas_kernels import mla
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                                    scale=scale, interpret=interpret, platform=_platform())
+                                    scale=scale, interpret=interpret, platform=_platform(),
+                                    decode_only=bool(decode_only))
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
 
