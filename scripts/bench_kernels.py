@@ -162,7 +162,7 @@ def kda_decode_model_rows(run, cases):
         beta = beta.astype(jnp.float32)
         slots = np.full(n_bucket, -1, np.int32)
         slots[:n_real] = np.random.default_rng(0).permutation(np.arange(1, n_slots))[:n_real]
-        step = jax.jit(lambda q, k, v, g, b, s, p: ops.kda_decode(q, k, v, g, b, p, s, scale=K ** -0.5),
+        step = jax.jit(lambda q, k, v, g, b, s, p: ops.kda_decode(q, k, v, g, b, p, s, scale=K ** -0.5, backend=run.backend),
                        donate_argnums=6)
         t = run.timed("KDA decode", case, f"as model: {model}", "default", lambda: _time_pool_step(
             step, (q, k, v, g, beta, jnp.asarray(slots)), jnp.zeros((n_slots, H, K, V), jnp.float32),
@@ -251,7 +251,8 @@ def mla_decode_model_rows(run, cases):
         flops = float(n_real) * ctx * heads * MLA_FLOP(lat, rope)
         for decode_only in modes:
             variant = "decode_only=True" if decode_only else "decode_only=False (main before)"
-            f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=decode_only))
+            f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=decode_only,
+                                            backend=run.backend))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
                           lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
             if t is None:
@@ -304,7 +305,7 @@ def kda_prefill_model_rows(run, cases):
         cu = np.concatenate([[0], np.cumsum(lens), np.full(n_bucket - len(lens), sum(lens))]).astype(np.int32)
         s0 = jnp.zeros((n_bucket, H, K, V), jnp.float32)
         f = jax.jit(lambda q, k, v, g, b, s, c: ops.kda_chunk(q, k, v, g, b, scale=K ** -0.5, initial_state=s,
-                                                              cu_seqlens=c, safe_gate=safe))
+                                                              cu_seqlens=c, safe_gate=safe, backend=run.backend))
         t = run.timed("KDA prefill", case, f"as model: {model}", f"safe_gate={safe}", lambda: bench_kda.time_jax(
             f, q, k, v, g, beta, s0, jnp.asarray(cu), reps=1 if run.tiny else 3))
         del q, k, v, g, beta, s0
@@ -394,10 +395,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and anchors as JSON")
     add_csv_argument(ap)
     args = ap.parse_args(argv)
-    if args.tiny:
-        from pallas_kernels import ops
-        ops.set_kernel_mode("pallas")  # the model-path rows run the kernels (interpreted) on CPU too
     run = Run(args.tiny, args.budget, fla=not args.no_fla)
+    from pallas_kernels.backend import detect
+    run.backend = detect("pallas")     # the model-path rows run the kernels (interpreted on CPU) as the step does
     from pallas_kernels.kda import chunk_pallas, recurrent_pallas
     from pallas_kernels.mla import paged
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
