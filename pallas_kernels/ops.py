@@ -67,13 +67,15 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping, *, backend: Backend | None = 
 
 
 def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     backend: Backend | None = None):
-    """Absorbed MLA attention of ragged query chunks over paged latent caches."""
+                     decode_only=False, backend: Backend | None = None):
+    """Absorbed MLA attention of ragged query chunks over paged latent caches.
+    decode_only (static): at most one token per sequence (the kernel's decode schedule and tuning)."""
     b = resolve(backend)
     if b.kernels:
         from pallas_kernels import mla
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                                    scale=scale, interpret=b.interpret, platform=b.platform)
+                                    scale=scale, interpret=b.interpret, platform=b.platform,
+                                    decode_only=bool(decode_only))
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
 

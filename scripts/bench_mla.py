@@ -127,27 +127,6 @@ def check_gpu(interpret, dtype, lat, rope, heads, config=None):
     return rows
 
 
-def decode_rows(shapes, bw, *, lat=512, rope=64, ps=64, dtype=jnp.bfloat16, interpret=None, iters=10):
-    """One row per (N, ctx, H): the default-config kernel vs plain jnp (the anchor), cache bytes
-    read per second, ratio to the copy bandwidth `bw` (TB/s). Rows as bench_kda.TABLE_HEADER."""
-    rows, scale = [], 192 ** -0.5
-    ref = jax.jit(functools.partial(mla_decode_reference, scale=scale))
-    ours = functools.partial(mla_paged_decode, scale=scale, interpret=interpret)
-    for n, ctx, heads in shapes:
-        kv, bt, lens = make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, ps, dtype)[2:]
-        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
-        args = (jax.random.normal(k1, (n, heads, lat), dtype), jax.random.normal(k2, (n, heads, rope), dtype),
-                kv, bt, lens)
-        nbytes = n * ctx * (lat + rope) * jnp.dtype(dtype).itemsize
-        t, ta = timeit(ours, *args, iters=iters), timeit(ref, *args, iters=iters)
-        rows.append((f"MLA decode N={n} ctx={ctx} H={heads}", f"{t * 1e6:.0f} us",
-                     f"{nbytes / t / 1e12:.2f} TB/s", f"plain jnp {nbytes / ta / 1e12:.2f} TB/s",
-                     f"{ta / t:.2f}x", f"{nbytes / t / 1e12 / bw:.0%}"))
-        log(rows[-1])
-        del kv, bt, lens, args
-    return rows
-
-
 # Config specs for --configs: tokens joined by "-". T / R = transposed / row form;
 # wN num_warps; stN num_stages; bkN key block; rN max rows per tile; xN = N x the picked
 # split count; slN = slots (CTAs per wave) for the split choice; hN = only for N heads

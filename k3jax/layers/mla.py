@@ -108,7 +108,7 @@ def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
     q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
     o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
                                  kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
-                                 backend=backend)
+                                 decode_only=bool(meta.get("decode_only", False)), backend=backend)
     return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
 
 
