@@ -208,13 +208,24 @@ def graph_for(config: ModelConfig, params) -> ModelGraph:
 
 # ---- inspection ----------------------------------------------------------------------------------
 
+def named_params(module, prefix: str = "") -> dict[str, nnx.Param]:
+    """{'layers.0.attn.q_proj': Param, ...}: every parameter by its checkpoint path (walks the module's
+    attributes, so it does not depend on how a flax version flattens its state)."""
+    out = {}
+    for name, v in vars(module).items():
+        if isinstance(v, nnx.Param):
+            out[prefix + name] = v
+        elif isinstance(v, nnx.Module):
+            out.update(named_params(v, f"{prefix}{name}."))
+        elif isinstance(v, _List):
+            for i, x in enumerate(v):
+                out.update(named_params(x, f"{prefix}{name}.{i}."))
+    return out
+
+
 def logical_axes(model: nnx.Module) -> dict[str, tuple]:
     """{'layers.0.attn.q_proj': ('embed', 'kda_heads'), ...} for every parameter."""
-    out = {}
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        out[".".join(map(str, path))] = tuple(v.logical_axes) if hasattr(v, "logical_axes") else \
-            tuple(v.get_metadata()["logical_axes"])
-    return out
+    return {path: tuple(p.logical_axes) for path, p in named_params(model).items()}
 
 
 def summary(model: K3Model) -> list[dict]:
