@@ -34,6 +34,24 @@ def test_table_markdown_and_csv_keep_the_same_rows(tmp_path):
                     {"workload": "c16", "tok_s": "", "hit": "0.8125"}]
 
 
+
+def test_derived_cells_csv_only_columns_and_tables_sharing_one_csv(tmp_path):
+    tables = _script("tables")
+    t = tables.Table(("case", "case"), ("us", None), ("tb_s", None),
+                     ("ours", "ours", lambda r: f"{r['us']:.0f} us ({r['tb_s']:.2f} TB/s)"), name="decode")
+    assert t.header() == "| case | ours |\n|---|---|"                 # CSV-only columns are not shown
+    assert t.add(case="N=64", us=812.4, tb_s=2.0651) == "| N=64 | 812 us (2.07 TB/s) |"
+    with pytest.raises(KeyError, match="ours"):                     # a derived cell is no CSV column
+        t.add(case="N=1", us=1.0, tb_s=1.0, ours="1 us")
+    s = tables.Table(("path", "path"), ("mean_s", "mean s", ".3f"), name="ttft")
+    s.add(path="one server", mean_s=0.25)
+    path = tmp_path / "two.csv"
+    tables.write_csv(str(path), t, s)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"table": "decode", "case": "N=64", "us": "812.4", "tb_s": "2.0651", "path": "", "mean_s": ""},
+                    {"table": "ttft", "case": "", "us": "", "tb_s": "", "path": "one server", "mean_s": "0.25"}]
+
 def test_docs_charts_plot_the_committed_csvs_which_match_the_docs_tables(tmp_path):
     plot = _script("plot_benchmarks")
     docs = (ROOT / "docs" / "benchmarks.md").read_text() + (ROOT / "docs" / "bench_moe.md").read_text()
