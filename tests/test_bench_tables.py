@@ -76,3 +76,21 @@ def test_docs_charts_plot_the_committed_csvs_which_match_the_docs_tables(tmp_pat
     for name in plot.CHARTS:         # the committed charts are this script's (pixels vary with matplotlib's version)
         with Image.open(tmp_path / f"{name}.png") as made, Image.open(ROOT / "docs" / "img" / f"{name}.png") as kept:
             assert made.format == kept.format == "PNG" and made.size == kept.size
+
+
+def test_bench_kda_table_prints_the_cells_it_printed_before_its_csv():
+    kda = _script("bench_kda")
+    t, ta, nbytes, bw = 812.4e-6, 905.1e-6, 2 * 64 * 32 * 128 * 128 * 4, 4.1e12
+    table = _script("tables").Table(*kda.TABLE.columns)
+    # the cells as bench_kda formatted them before it kept raw values (decode with and without FLA, prefill, skipped)
+    assert table.add(case="decode N=64 H=32", us=t * 1e6, tb_s=nbytes / t / 1e12, anchor_us=ta * 1e6,
+                     anchor_tb_s=nbytes / ta / 1e12, vs_anchor=ta / t, of_copy=nbytes / t / bw) == (
+        f"| decode N=64 H=32 | {t*1e6:.0f} us | {nbytes/t/1e12:.2f} TB/s | {ta*1e6:.0f} us ({nbytes/ta/1e12:.2f} TB/s) "
+        f"| {ta/t:.2f}x | {nbytes/t/bw:.0%} |")
+    assert table.add(case="d", us=t * 1e6, tb_s=1.0, of_copy=0.5) == "| d | 812 us | 1.00 TB/s | n/a | n/a | 50% |"
+    tok, io = 32768, 32768 * 32 * 128 * 14
+    assert table.add(case="p", mtok_s=tok / t / 1e6, tb_s=io / t / 1e12, anchor_mtok_s=tok / ta / 1e6,
+                     vs_anchor=ta / t, of_copy=io / t / bw) == (
+        f"| p | {tok/t/1e6:.2f} M tok/s | {io/t/1e12:.2f} TB/s io | {tok/ta/1e6:.2f} M tok/s | {ta/t:.2f}x "
+        f"| {io/t/bw:.0%} |")
+    assert table.add(case="s", note="skipped (deadline)") == "| s | skipped (deadline) |  |  |  |  |"
