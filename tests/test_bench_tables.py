@@ -94,3 +94,42 @@ def test_bench_kda_table_prints_the_cells_it_printed_before_its_csv():
         f"| p | {tok/t/1e6:.2f} M tok/s | {io/t/1e12:.2f} TB/s io | {tok/ta/1e6:.2f} M tok/s | {ta/t:.2f}x "
         f"| {io/t/bw:.0%} |")
     assert table.add(case="s", note="skipped (deadline)") == "| s | skipped (deadline) |  |  |  |  |"
+
+
+def _csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_disagg_ttft_table_prints_as_before_and_keeps_mean_and_median(tmp_path, capsys):
+    disagg = _script("bench_disagg")
+    ttfts = {"disaggregated": [0.25, 0.5, 1.5], "local": [0.125, 0.75]}
+    disagg.print_ttft_table(ttfts).write_csv(str(tmp_path / "t.csv"))
+    assert capsys.readouterr().out.splitlines() == [
+        "| path | mean TTFT s | median TTFT s |", "|---|---|---|",
+        "| disaggregated | 0.750 | 0.500 |", "| local | 0.438 | 0.438 |"]
+    assert [(r["path"], float(r["mean_ttft_s"]), float(r["median_ttft_s"])) for r in _csv_rows(tmp_path / "t.csv")] == [
+        ("disaggregated", 0.75, 0.5), ("local", 0.4375, 0.4375)]
+
+
+def test_check_kernels_gpu_tables_print_as_before_and_share_one_csv(tmp_path):
+    check = _script("check_kernels_gpu")
+    ops, step = check.op_table(), check.step_table("decode step, 16 seqs x 4k context")
+    eo, es = 3.1e-3, 2.7e-4
+    assert ops.add(op="kda chunk", rel_err=eo, state_rel_err=es) == f"| kda chunk | {eo:.2e} / state {es:.2e} |"
+    assert ops.add(op="mla ragged", rel_err=eo) == f"| mla ragged | {eo:.2e} |"
+    assert ops.add(op="moe", error="FAILED ValueError: x") == "| moe | FAILED ValueError: x |"
+    assert step.add(model="m first 8 layers", kernels_ms=12.345, reference_ms=20.0) == "| m first 8 layers | 12.35 | 20.00 |"
+    check.write_csv(str(tmp_path / "c.csv"), ops, step)
+    rows = _csv_rows(tmp_path / "c.csv")
+    assert [(r["table"], r["op"] or r["model"]) for r in rows] == [
+        ("ops", "kda chunk"), ("ops", "mla ragged"), ("ops", "moe"), ("decode_step", "m first 8 layers")]
+    assert float(rows[0]["state_rel_err"]) == es and rows[1]["state_rel_err"] == "" and float(rows[3]["kernels_ms"]) == 12.345
+
+
+def test_check_tiny_gpu_tables_print_as_before():
+    greedy, ppl = _script("check_tiny_gpu").result_tables()
+    agree = 1900 / 4096
+    assert greedy.add(positions=4096, equal=agree, identical_rows=3, prompts=16, first_divergence_median=92,
+                      reference_s=41.26, auto_s=38.04) == f"| 4096 | {100 * agree:.1f}% | 3/16 | 92 | 41.3 | 38.0 |"
+    assert ppl.add(experts_ops="mxfp4/auto", perplexity=56.4449) == "| mxfp4/auto | 56.445 |"
