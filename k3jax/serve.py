@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
                          "scheduled while one runs on the device)")
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="host threads compiling the warm-up's step shapes (default: one per core, up to 8)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
@@ -164,7 +166,7 @@ def build_state(args):
         host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
-        max_waiting=args.max_waiting, warmup=not args.no_warmup,
+        max_waiting=args.max_waiting, warmup=not args.no_warmup, compile_threads=args.compile_threads,
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
         async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,

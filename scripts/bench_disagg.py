@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on one device: TTFT and cache-transfer rate (prints one table).
 
-  python scripts/bench_disagg.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 8 --input 2048
+  python scripts/bench_disagg.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 8 --input 2048 [--csv PATH]
 
 Starts `k3jax.serve --role prefill` and `--role decode --prefill-peer` as two processes sharing the
 device (each gets --mem-fraction of its memory; warm-up is skipped, two untimed requests per path
@@ -27,6 +27,19 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
+
+
+def print_ttft_table(ttfts: dict) -> Table:
+    """Mean and median time to first token of each path ({name: seconds per request}), printed; returns the
+    table (for --csv)."""
+    table = Table(("path", "path"), ("mean_ttft_s", "mean TTFT s", ".3f"), ("median_ttft_s", "median TTFT s", ".3f"))
+    print(table.header())
+    for name, xs in ttfts.items():
+        print(table.add(path=name, mean_ttft_s=statistics.mean(xs), median_ttft_s=statistics.median(xs)))
+    return table
 
 
 def free_port() -> int:
@@ -122,7 +135,6 @@ def serve_role(argv):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
-        sys.path.insert(0, HERE)
         return serve_role(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -135,6 +147,7 @@ def main():
     ap.add_argument("--mem-fraction", type=float, default=0.45, help="device memory share of each process")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--json", default=None)
+    add_csv_argument(ap)
     args = ap.parse_args()
     tmp = os.environ.get("OUT") or "/tmp"
     pp, dp = free_port(), free_port()
@@ -170,10 +183,7 @@ def main():
     print(f"\n# bench_disagg  {time.strftime('%Y-%m-%d')}  {dev.platform}:{dev.device_kind}")
     print(f"model={args.model} layers={args.layers or 'all'} requests={args.requests} input={args.input} "
           f"out={args.max_tokens} budget={args.budget} mem_fraction={args.mem_fraction} (each process)")
-    print("| path | mean TTFT s | median TTFT s |")
-    print("|---|---|---|")
-    for name, xs in (("decode server, prefill peer (disaggregated)", disagg), ("one server", single)):
-        print(f"| {name} | {statistics.mean(xs):.3f} | {statistics.median(xs):.3f} |")
+    table = print_ttft_table({"decode server, prefill peer (disaggregated)": disagg, "one server": single})
     print(f"remote prefills {d['disagg_remote_prefills']:.0f}, local {d['disagg_local_prefills']:.0f}, "
           f"peer failures {d['disagg_peer_failures']:.0f}; cache pulled {d['disagg_transfer_bytes'] / 2**20:.1f} MiB "
           f"({d['disagg_transfer_bytes'] / max(d['disagg_remote_prefills'], 1) / 2**20:.2f} MiB a request)")
@@ -185,6 +195,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ttft_disagg": disagg, "ttft_single": single, "metrics": d}, f, indent=1)
+    if args.csv:
+        table.write_csv(args.csv)
 
 
 if __name__ == "__main__":

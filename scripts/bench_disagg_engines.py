@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation between two engine processes, without the HTTP server (prints one table).
 
-  python scripts/bench_disagg_engines.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 4 --input 2048
+  python scripts/bench_disagg_engines.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 4 --input 2048 [--csv PATH]
 
 For machines without fastapi / uvicorn (scripts/bench_disagg.py measures the served path). A child
 process holds the prefill engine; this process holds the decode engine. Per prompt, the decode side
@@ -16,13 +16,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+
+from bench_disagg import print_ttft_table  # noqa: E402
+from tables import add_csv_argument  # noqa: E402  (scripts/tables.py)
 
 
 def make_engine(args, host_cache_bytes: int = 0):
@@ -86,6 +88,7 @@ def main():
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens of both engines")
     ap.add_argument("--mem-fraction", type=float, default=0.45, help="device memory share of each process")
     ap.add_argument("--json", default=None)
+    add_csv_argument(ap)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -132,16 +135,15 @@ def main():
     print(f"\n# bench_disagg_engines  {time.strftime('%Y-%m-%d')}  {dev.platform}:{dev.device_kind}")
     print(f"model={args.model} layers={args.layers or 'all'} requests={args.requests} input={args.input} "
           f"out={args.max_tokens} budget={args.budget} mem_fraction={args.mem_fraction} (each process)")
-    print("| path | mean TTFT s | median TTFT s |")
-    print("|---|---|---|")
-    for name, xs in rows.items():
-        print(f"| {name} | {statistics.mean(xs):.3f} | {statistics.median(xs):.3f} |")
+    table = print_ttft_table(rows)
     n = len(rows["disaggregated"])
     print(f"pulled {pulled / n / 2**20:.2f} MiB a request at {pulled / pull_s / 2**30:.2f} GiB/s "
           f"({1000 * pull_s / n:.2f} ms a request)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ttft": rows, "pulled_bytes": pulled, "pull_s": pull_s}, f, indent=1)
+    if args.csv:
+        table.write_csv(args.csv)
 
 
 if __name__ == "__main__":

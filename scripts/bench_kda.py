@@ -1,6 +1,7 @@
 """Benchmark our Pallas KDA ops against flash-linear-attention (FLA) on one GPU; prints ONE table.
 
-  python scripts/bench_kda.py [--deadline 170] [--sweep] [--check] [--quick]
+  python scripts/bench_kda.py [--deadline 170] [--sweep] [--check] [--quick] [--csv PATH]
+  python scripts/bench_kda.py --tiny --csv kda.csv        # CPU check of the table (jnp reference ops)
 
 Prefill: chunk_kda tokens/s (bf16 q/k/v, fp32 g in (-5, 0), K = V = 128) vs FLA chunk_kda.
 Decode: fused_recurrent_kda latency and state traffic (read + write of N*H*K*V fp32) vs FLA
@@ -21,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -29,6 +31,7 @@ import numpy as np  # noqa: E402
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 from pallas_kernels.kda.reference import (  # noqa: E402
     chunk_kda_reference, decode_reference, kda_gate, recurrent_kda_reference)
+from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
 
 T0 = time.time()
 
@@ -538,6 +541,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time kernel variants, keep the fastest")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU check of the table: a few tokens, a 1/64 GiB copy")
+    add_csv_argument(ap)
     ap.add_argument("--stages", action="store_true", help="time each prefill stage (ours and FLA's)")
     ap.add_argument("--stages-only", action="store_true", help="--stages, then exit")
     ap.add_argument("--stage-shape", type=int, nargs=2, default=(32768, 32), help="T H")
@@ -599,7 +604,7 @@ def main():
         sweep(*args.sweep_shape)
     if args.check:
         check("(chosen config)")
-    bw_jax, bw_torch = copy_bandwidth(torch, args.copy_gib)
+    bw_jax, bw_torch = copy_bandwidth(torch, 1 / 64 if args.tiny else args.copy_gib)
     bw = bw_torch or bw_jax
     print(f"# copy bandwidth (read+write): jax x+1 {bw_jax/1e12:.2f} TB/s, torch copy_ "
           f"{'n/a' if bw_torch is None else f'{bw_torch/1e12:.2f}'} TB/s; ratios below use {bw/1e12:.2f}")
@@ -607,15 +612,44 @@ def main():
     pre = [(1, 4096, 32), (1, 4096, 96), (1, 32768, 32), (1, 32768, 96), (8, 8192, 32), (8, 8192, 96)]
     if args.quick:
         dec, pre = dec[:2], pre[:1]
-    rows = decode_rows(torch, fla, dec, bw, args.deadline) + prefill_rows(torch, fla, pre, bw, args.deadline)
-    print_table(TABLE_HEADER, rows)
+    if args.tiny:
+        dec, pre = [(4, 2)], [(1, 64, 2)]
+    decode_rows(torch, fla, dec, bw, args.deadline)
+    prefill_rows(torch, fla, pre, bw, args.deadline)
+    print("\n" + TABLE.markdown(), flush=True)
+    if args.csv:
+        TABLE.write_csv(args.csv)
     print(f"# total {time.time()-T0:.0f} s")
 
 
-TABLE_HEADER = ("case", "ours", "ours traffic", "anchor (FLA; MLA: plain jnp)", "ours vs anchor", "of copy BW")
+def _ours(r):
+    return r.get("note") or (f"{r['us']:.0f} us" if r.get("us") is not None else f"{r['mtok_s']:.2f} M tok/s")
+
+
+def _ours_traffic(r):
+    return None if r.get("note") else f"{r['tb_s']:.2f} TB/s" + ("" if r.get("us") is not None else " io")
+
+
+def _anchor(r):
+    if r.get("note"):
+        return None
+    if r.get("anchor_us") is not None:
+        return f"{r['anchor_us']:.0f} us ({r['anchor_tb_s']:.2f} TB/s)"
+    return "n/a" if r.get("anchor_mtok_s") is None else f"{r['anchor_mtok_s']:.2f} M tok/s"
+
+
+# decode rows fill us, prefill rows mtok_s; tb_s is the state read + write (decode) or the minimal io (prefill)
+TABLE = Table(("case", "case"), ("us", None), ("mtok_s", None), ("tb_s", None), ("anchor_us", None),
+              ("anchor_tb_s", None), ("anchor_mtok_s", None), ("vs_anchor", None), ("of_copy", None), ("note", None),
+              ("ours_cell", "ours", _ours), ("traffic_cell", "ours traffic", _ours_traffic),
+              ("anchor_cell", "anchor (FLA; MLA: plain jnp)", _anchor),
+              ("vs_anchor_cell", "ours vs anchor",
+               lambda r: None if r.get("note") else "n/a" if r.get("vs_anchor") is None else f"{r['vs_anchor']:.2f}x"),
+              ("of_copy_cell", "of copy BW", lambda r: None if r.get("note") else f"{r['of_copy']:.0%}"))
 
 
 def print_table(hdr, rows):
+    """Rows of strings as a markdown table, columns padded (scripts/sweep_kda_decode.py's table)."""
     w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
     print("\n| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)) + " |")
     print("|" + "|".join("-" * (x + 2) for x in w) + "|")
@@ -624,12 +658,18 @@ def print_table(hdr, rows):
     sys.stdout.flush()
 
 
-def decode_rows(torch, fla, cases, bw, deadline, K=128, V=128):
-    """fused_recurrent_kda, one token per sequence, vs FLA's, per (N, H): TABLE_HEADER rows."""
+def _add(table, **row):
+    """Adds the row to `table`, logs its markdown line, returns the row."""
+    _log(table.add(**row))
+    return row
+
+
+def decode_rows(torch, fla, cases, bw, deadline, K=128, V=128, table=TABLE):
+    """fused_recurrent_kda, one token per sequence, vs FLA's, per (N, H): rows added to `table` (returned)."""
     rows = []
     for N, H in cases:
         if time.time() - T0 > deadline:
-            rows.append((f"decode N={N} H={H}", "skipped (deadline)", "", "", "", ""))
+            rows.append(_add(table, case=f"decode N={N} H={H}", note="skipped (deadline)"))
             continue
         q, k, v, g, beta = (x[0] for x in make_inputs(jax.random.PRNGKey(1), 1, N, H))
         idx = jnp.arange(N, dtype=jnp.int32)
@@ -648,21 +688,21 @@ def decode_rows(torch, fla, cases, bw, deadline, K=128, V=128):
             h0 = torch.zeros(N, H, K, V, dtype=torch.float32, device="cuda")
             ta = time_torch(torch, lambda: fla[1](*tq, initial_state=h0, output_final_state=True),
                             reps=20)
-        rows.append((f"decode N={N} H={H}", f"{t*1e6:.0f} us", f"{nbytes/t/1e12:.2f} TB/s",
-                     "n/a" if ta is None else f"{ta*1e6:.0f} us ({nbytes/ta/1e12:.2f} TB/s)",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{nbytes/t/bw:.0%}"))
-        _log(rows[-1])
+        rows.append(_add(table, case=f"decode N={N} H={H}", us=t * 1e6, tb_s=nbytes / t / 1e12,
+                         anchor_us=None if ta is None else ta * 1e6,
+                         anchor_tb_s=None if ta is None else nbytes / ta / 1e12,
+                         vs_anchor=None if ta is None else ta / t, of_copy=nbytes / t / bw))
     return rows
 
 
-def prefill_rows(torch, fla, cases, bw, deadline):
-    """chunk_kda (CONFIG) vs FLA chunk_kda per (B, T, H): TABLE_HEADER rows (FLA autotunes for
-    ~70-100 s at each new shape on the H200)."""
+def prefill_rows(torch, fla, cases, bw, deadline, table=TABLE):
+    """chunk_kda (CONFIG) vs FLA chunk_kda per (B, T, H): rows added to `table` (returned) (FLA
+    autotunes for ~70-100 s at each new shape on the H200)."""
     rows = []
     for B, T, H in cases:
         name = f"prefill B={B} T={T} H={H}"
         if time.time() - T0 > deadline:
-            rows.append((name, "skipped (deadline)", "", "", "", ""))
+            rows.append(_add(table, case=name, note="skipped (deadline)"))
             continue
         bt = make_inputs(jax.random.PRNGKey(1), B, T, H)
         t = time_jax(jax.jit(lambda *a: chunk_kda(*a, output_final_state=True)), *bt, reps=3)
@@ -675,10 +715,9 @@ def prefill_rows(torch, fla, cases, bw, deadline):
             ta = time_torch(torch, lambda: fla[0](*tq, output_final_state=True), reps=3)
             del tq
             torch.cuda.empty_cache()
-        rows.append((name, f"{tok/t/1e6:.2f} M tok/s", f"{io/t/1e12:.2f} TB/s io",
-                     "n/a" if ta is None else f"{tok/ta/1e6:.2f} M tok/s",
-                     "n/a" if ta is None else f"{ta/t:.2f}x", f"{io/t/bw:.0%}"))
-        _log(rows[-1])
+        rows.append(_add(table, case=name, mtok_s=tok / t / 1e6, tb_s=io / t / 1e12,
+                         anchor_mtok_s=None if ta is None else tok / ta / 1e6,
+                         vs_anchor=None if ta is None else ta / t, of_copy=io / t / bw))
     return rows
 
 

@@ -6,7 +6,7 @@ Also checks the kernel against the reference on the GPU (decode and ragged prefi
 times a few kernel configs. `--smoke` runs tiny shapes on CPU in interpret mode.
 
 Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
-  [--configs T-w4,T-w4-st3,...] [--check SPECS] [--shapes 64x8192x32,...] [--no-ref]
+  [--configs T-w4,T-w4-st3,...] [--check SPECS] [--shapes 64x8192x32,...] [--no-ref] [--csv PATH]
   [--prefill SPECS]   (spec grammar: see parse_spec)
 
 `--model-prefill` prints instead the MLA prefill table *as the model calls it*: one MLA layer's
@@ -24,12 +24,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.mla import (mla_decode_reference, mla_paged_decode,  # noqa: E402
                                 ragged_paged_mla, ragged_paged_mla_reference)
+from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
 
 T0 = time.time()
 
@@ -291,12 +293,19 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
 
 
 def print_model_prefill(rows, device_kind):
+    """Prints model_prefill_rows' rows as a table and returns it (a FLOPs row has no time)."""
+    table = Table(("step", "step"), ("what", "what"), ("ms", "ms", ".3f"), ("note", "note"))
     print()
     print(f"MLA prefill as the model calls it (one layer's mla_step), {device_kind}, {time.strftime('%Y-%m-%d')}")
-    print("| step | what | ms | note |")
-    print("|---|---|---|---|")
+    print(table.header())
     for label, what, ms, note in rows:
-        print(f"| {label} | {what} | {ms:.3f} | {note} |" if ms else f"| {label} | {what} | | {note} |")
+        print(table.add(step=label, what=what, ms=ms or None, note=note))
+    return table
+
+
+# the decode table: cache bytes read per second, and that over the copy bandwidth measured in the same run
+DECODE_TABLE = Table(("shape", "shape"), ("impl", "impl"), ("us", "time (us)", ".0f"),
+                     ("cache_tb_s", "cache TB/s", ".2f"), ("of_copy", "/ copy BW", ".2f"))
 
 
 def main():
@@ -313,6 +322,7 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="skip the plain-jnp rows")
     ap.add_argument("--model-prefill", action="store_true",
                     help="only the MLA prefill table as the model calls it (absorbed vs expanded)")
+    add_csv_argument(ap)
     args = ap.parse_args()
     if args.model_prefill:
         log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__)
@@ -321,7 +331,9 @@ def main():
                                       dtype=jnp.float32, iters=1, interpret=True, sweep=EXPANDED_SWEEP[:1])
         else:
             rows = model_prefill_rows(MODEL_PREFILL_SHAPES, budget=args.budget)
-        print_model_prefill(rows, jax.devices()[0].device_kind)
+        table = print_model_prefill(rows, jax.devices()[0].device_kind)
+        if args.csv:
+            table.write_csv(args.csv)
         return
     args.check = [c for c in args.check.split(",") if c]
     args.prefill = None if args.prefill is None else [c for c in args.prefill.split(",") if c]
@@ -355,7 +367,7 @@ def main():
     copy_tbs = copy_bandwidth(copy_bytes)
     log(f"copy bandwidth (fp32 a+1, read+write): {copy_tbs:.2f} TB/s")
 
-    table = []
+    table = DECODE_TABLE
     scale = 192 ** -0.5
     iters = 3 if args.smoke else 10
     caches = {}
@@ -368,7 +380,8 @@ def main():
     def run(label, impl, f, ql, qr, kv, bt, lens, nbytes):
         try:
             t = timeit(f, ql, qr, kv, bt, lens, iters=iters)
-            table.append((label, impl, t, nbytes / t / 1e12))
+            table.add(shape=label, impl=impl, us=t * 1e6, cache_tb_s=nbytes / t / 1e12,
+                      of_copy=nbytes / t / 1e12 / copy_tbs)
             log(f"{label} {impl}: {t * 1e6:.0f} us {nbytes / t / 1e12:.2f} TB/s")
         except Exception as e:  # noqa: BLE001 - report and continue
             log(f"{label} {impl} FAILED: {type(e).__name__}: {str(e)[:600]}")
@@ -410,10 +423,9 @@ def main():
     print()
     print(f"MLA paged decode, {dev.device_kind}, {time.strftime('%Y-%m-%d')}, "
           f"copy bandwidth {copy_tbs:.2f} TB/s (fp32 a+1, read+write)")
-    print("| shape | impl | time (us) | cache TB/s | / copy BW |")
-    print("|---|---|---|---|---|")
-    for label, impl, t, tbs in table:
-        print(f"| {label} | {impl} | {t * 1e6:.0f} | {tbs:.2f} | {tbs / copy_tbs:.2f} |")
+    print(table.markdown())
+    if args.csv:
+        table.write_csv(args.csv)
 
 
 if __name__ == "__main__":

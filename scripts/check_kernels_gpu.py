@@ -1,6 +1,7 @@
 """Kernel vs reference on the accelerator, op by op, at model-like shapes (prints one table).
 
-  python scripts/check_kernels_gpu.py
+  python scripts/check_kernels_gpu.py [--csv PATH]
+  python scripts/check_kernels_gpu.py --tiny --csv check.csv      # CPU check of the script (reference ops)
 
 Each row: relative error max|kernel - ref| / max|ref| with random, realistic inputs, for the ops the
 model calls through pallas_kernels.ops. Then the time of one decode step of a model with the kernels
@@ -17,9 +18,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax
-import jax.numpy as jnp
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from tables import Table, add_csv_argument, write_csv  # noqa: E402  (scripts/tables.py)
 
 
 def rel(a, b):
@@ -132,49 +136,87 @@ def _trimmed(name, layers):
     return _MODELS[(name, layers)]
 
 
-def main():
+def _error_cell(r):
+    if r.get("error"):
+        return r["error"]
+    return f"{r['rel_err']:.2e}" + ("" if r.get("state_rel_err") is None else f" / state {r['state_rel_err']:.2e}")
+
+
+def op_table() -> Table:
+    """Each op's relative error; a KDA row also its final state's; a case that raised says so."""
+    return Table(("op", "op"), ("rel_err", None), ("state_rel_err", None), ("error", None),
+                 ("rel_err_cell", "rel err kernel vs reference", _error_cell), name="ops")
+
+
+def step_table(title: str) -> Table:
+    return Table(("model", title), ("kernels_ms", "kernels (auto) ms", ".2f"), ("reference_ms", "reference ms", ".2f"),
+                 name="decode_step")
+
+
+# (fmt, T, D, I, E, k), (dtype, H, K, lens), (H, L, R, ps, lens, ctx) of the cases
+MOE_CASES = (("mxfp4", 512, 3584, 3072, 112, 16), ("mxfp4", 16, 64, 64, 16, 4),
+             ("bf16", 16, 2304, 1024, 256, 8), ("bf16", 2048, 2304, 1024, 256, 8))
+KDA_CASES = tuple((dtype, H, K, lens) for dtype in (jnp.float32, jnp.bfloat16)
+                  for H, K, lens in ((4, 32, (30, 7, 1, 90)), (32, 128, (1000, 1, 300, 64)), (32, 128, (1,) * 16)))
+MLA_CASES = ((4, 64, 16, 16, (30, 7, 1), (0, 16, 40)), (32, 512, 64, 64, (1,) * 16, (4000,) * 16),
+             (32, 512, 64, 64, (512, 1), (0, 900)))
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--only", default="kda,mla,moe,step",
                     help="comma-separated subset of kda, mla, moe, step")
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU check: the small case of each op, the step of 2 layers of tiny-random, 2 seqs x 64")
+    add_csv_argument(ap)
+    args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     t0 = time.time()
+    moe_cases, kda_cases, mla_cases = (MOE_CASES[1:2], KDA_CASES[::3], MLA_CASES[:1]) if args.tiny else (
+        MOE_CASES, KDA_CASES, MLA_CASES)                # tiny: the small case of each (KDA: fp32 and bf16)
+    model, layers, conc, ctx = ("tiny-random", 2, 2, 64) if args.tiny else (args.model, args.layers, 16, 4096)
+    ops_table = op_table()
+    steps = step_table(f"decode step, {conc} seqs x {ctx} context" if args.tiny else
+                       "decode step, 16 seqs x 4k context")
 
-    def row(a, b):  # print as we go: a run cut short by a time limit still reports
-        print(f"| {a} | {b} |  [{time.time() - t0:.0f}s]", flush=True)
+    def row(table, **values):  # print as we go: a run cut short by a time limit still reports (CSV too)
+        print(f"{table.add(**values)}  [{time.time() - t0:.0f}s]", flush=True)
+        if args.csv:
+            write_csv(args.csv, ops_table, steps)
 
-    print("\n| op | rel err kernel vs reference |\n|---|---|", flush=True)
+    print("\n" + ops_table.header(), flush=True)
     if "moe" in parts:  # first: the MXFP4 in-kernel path at K3 shapes is the open question
-        for fmt, T, D, I, E, k in (("mxfp4", 512, 3584, 3072, 112, 16), ("mxfp4", 16, 64, 64, 16, 4),
-                                   ("bf16", 16, 2304, 1024, 256, 8), ("bf16", 2048, 2304, 1024, 256, 8)):
+        for fmt, T, D, I, E, k in moe_cases:
             try:
-                row(f"expert_mlp {fmt} T={T} D={D} I={I} E={E} k={k}", f"{moe_case(fmt, T, D, I, E, k):.2e}")
+                row(ops_table, op=f"expert_mlp {fmt} T={T} D={D} I={I} E={E} k={k}", rel_err=moe_case(fmt, T, D, I, E, k))
             except Exception as e:  # noqa: BLE001
-                row(f"expert_mlp {fmt} T={T}", f"FAILED {type(e).__name__}: {str(e)[:80]}")
+                row(ops_table, op=f"expert_mlp {fmt} T={T}", error=f"FAILED {type(e).__name__}: {str(e)[:80]}")
     if "kda" in parts:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            for H, K, lens in ((4, 32, (30, 7, 1, 90)), (32, 128, (1000, 1, 300, 64)), (32, 128, (1,) * 16)):
-                try:
-                    eo, es = kda_case(dtype, H, K, lens)
-                    row(f"kda chunk {jnp.dtype(dtype).name} H={H} K={K} lens={lens[:4]}", f"{eo:.2e} / state {es:.2e}")
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    row(f"kda chunk {jnp.dtype(dtype).name} H={H}", f"FAILED {type(e).__name__}: {str(e)[:80]}")
-    if "mla" in parts:
-        for H, L, R, ps, lens, ctx in ((4, 64, 16, 16, (30, 7, 1), (0, 16, 40)), (32, 512, 64, 64, (1,) * 16, (4000,) * 16),
-                                       (32, 512, 64, 64, (512, 1), (0, 900))):
+        for dtype, H, K, lens in kda_cases:
             try:
-                row(f"mla ragged H={H} L={L} ps={ps} lens={lens[:3]}", f"{mla_case(jnp.bfloat16, H, L, R, ps, lens, ctx):.2e}")
+                eo, es = kda_case(dtype, H, K, lens)
+                row(ops_table, op=f"kda chunk {jnp.dtype(dtype).name} H={H} K={K} lens={lens[:4]}", rel_err=eo,
+                    state_rel_err=es)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                row(ops_table, op=f"kda chunk {jnp.dtype(dtype).name} H={H}",
+                    error=f"FAILED {type(e).__name__}: {str(e)[:80]}")
+    if "mla" in parts:
+        for H, L, R, ps, lens, ctx_ in mla_cases:
+            try:
+                row(ops_table, op=f"mla ragged H={H} L={L} ps={ps} lens={lens[:3]}",
+                    rel_err=mla_case(jnp.bfloat16, H, L, R, ps, lens, ctx_))
             except Exception as e:  # noqa: BLE001
-                row(f"mla ragged H={H}", f"FAILED {type(e).__name__}: {str(e)[:80]}")
+                row(ops_table, op=f"mla ragged H={H}", error=f"FAILED {type(e).__name__}: {str(e)[:80]}")
     if "step" in parts:
-        print("\n| decode step, 16 seqs x 4k context | kernels (auto) ms | reference ms |\n|---|---|---|", flush=True)
-        t_auto = decode_step_time(args.model, args.layers, 16, 4096, "auto")
+        print("\n" + steps.header(), flush=True)
+        t_auto = decode_step_time(model, layers, conc, ctx, "auto")
         print(f"  kernels (auto): {t_auto * 1e3:.2f} ms  [{time.time() - t0:.0f}s]", flush=True)
-        t_ref = decode_step_time(args.model, args.layers, 16, 4096, "reference")
-        print(f"| {args.model} first {args.layers} layers | {t_auto * 1e3:.2f} | {t_ref * 1e3:.2f} |  "
-              f"[{time.time() - t0:.0f}s]", flush=True)
+        t_ref = decode_step_time(model, layers, conc, ctx, "reference")
+        row(steps, model=f"{model} first {layers} layers", kernels_ms=t_auto * 1e3, reference_ms=t_ref * 1e3)
+    if args.csv:
+        write_csv(args.csv, ops_table, steps)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
    and MXFP4 with the reference ops.
 
     python scripts/check_tiny_gpu.py --bf16-experts tiny-trained-bf16-experts.safetensors --json out.json
-    python scripts/check_tiny_gpu.py --prompts 2 --max-tokens 8 --seq-len 32      # CPU smoke run
+    python scripts/check_tiny_gpu.py --prompts 2 --max-tokens 8 --seq-len 32 --csv tiny.csv     # CPU smoke run
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,6 +35,16 @@ from k3jax import api  # noqa: E402
 from k3jax.eval import perplexity  # noqa: E402
 from k3jax.text_data import piece_offsets, read_piece, text_files  # noqa: E402
 from pallas_kernels.backend import detect  # noqa: E402
+from tables import Table, add_csv_argument, write_csv  # noqa: E402  (scripts/tables.py)
+
+
+def result_tables() -> tuple[Table, Table]:
+    """The greedy comparison's table (one row) and the perplexity table."""
+    greedy = Table(("positions", "positions"), ("equal", "equal", ".1%"), ("identical_rows", None), ("prompts", None),
+                   ("identical_cell", "identical rows", lambda r: f"{r['identical_rows']}/{r['prompts']}"),
+                   ("first_divergence_median", "first divergence (median)"), ("reference_s", "s reference", ".1f"),
+                   ("auto_s", "s auto", ".1f"), name="greedy")
+    return greedy, Table(("experts_ops", "experts / ops"), ("perplexity", "perplexity", ".3f"), name="perplexity")
 
 
 def prompts_from(tok, data, count: int, length: int) -> list[list[int]]:
@@ -118,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512, help="perplexity window")
     ap.add_argument("--tf-batches", type=int, default=4, help="held-out batches (8 windows) teacher-forced")
     ap.add_argument("--json", default=None)
+    add_csv_argument(ap)
     args = ap.parse_args(argv)
     if args.weights:
         api.TINY_WEIGHTS = args.weights
@@ -127,6 +139,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0].device_kind
     prompts = prompts_from(model.tokenizer, args.data, args.prompts, args.prompt_tokens)
 
+    greedy_table, ppl_table = tables = result_tables()
     res = {"device": dev, "prompts": len(prompts), "max_tokens": args.max_tokens}
     ref, t_ref, text_ref = greedy(model, prompts, args.max_tokens, "reference")
     ker, t_ker, text_ker = greedy(model, prompts, args.max_tokens, "auto")
@@ -139,10 +152,10 @@ def main(argv=None) -> int:
 
     print(f"trained tiny on {dev}: greedy, kernels auto vs reference (bf16, engine), "
           f"{len(prompts)} prompts x {args.max_tokens} tokens")
-    print(f"| positions | equal | identical rows | first divergence (median) | s reference | s auto |")
-    print(f"|---|---|---|---|---|---|")
-    print(f"| {res['greedy_positions']} | {100 * res['greedy_agree']:.1f}% | {res['greedy_identical_rows']}/{len(prompts)} "
-          f"| {int(np.median(first))} | {t_ref:.1f} | {t_ker:.1f} |")
+    print(greedy_table.header())
+    print(greedy_table.add(positions=res["greedy_positions"], equal=res["greedy_agree"],
+                           identical_rows=res["greedy_identical_rows"], prompts=len(prompts),
+                           first_divergence_median=int(np.median(first)), reference_s=t_ref, auto_s=t_ker))
     # Up to and including its first divergence a row had the same tokens in both runs: those decode
     # positions are like-for-like (teacher-forced) comparisons; the rest are not.
     same_ctx = sum(min(f + 1, args.max_tokens) for f in first)
@@ -151,11 +164,11 @@ def main(argv=None) -> int:
     print(f"engine decode positions with the same context in both runs: {same_ctx}, argmax equal at "
           f"{100 * res['engine_same_context']['agree']:.2f}%")
     print(f"\nsample (auto): {text_ker[:200]!r}", flush=True)
-    save(res, args.json)
+    save(res, args.json, args.csv, tables)
     res["teacher_forced"] = teacher_forced(model, args.data, args.seq_len, args.tf_batches)
     print(f"teacher-forced full forward (bf16), kernels auto vs reference: argmax equal at "
           f"{100 * res['teacher_forced']['agree']:.2f}% of {res['teacher_forced']['positions']} positions", flush=True)
-    save(res, args.json)
+    save(res, args.json, args.csv, tables)
 
     kw = dict(seq_len=args.seq_len, batch_size=8)
     ppl = {}
@@ -169,18 +182,21 @@ def main(argv=None) -> int:
         res["mxfp4_vs_bf16"] = ppl["mxfp4/auto"] / ppl["bf16/auto"] - 1
 
     print(f"\nheld-out perplexity ({args.data}, windows of {args.seq_len})")
-    print("| experts / ops | perplexity |\n|---|---|")
     for k, v in ppl.items():
-        print(f"| {k} | {v:.3f} |")
+        ppl_table.add(experts_ops=k, perplexity=v)
+    print(ppl_table.markdown())
     if "mxfp4_vs_bf16" in res:
         print(f"\nMXFP4 vs bf16 experts (kernels): {100 * res['mxfp4_vs_bf16']:+.2f}%")
-    save(res, args.json)
+    save(res, args.json, args.csv, tables)
     return 0
 
 
-def save(res: dict, path) -> None:
+def save(res: dict, path, csv_path=None, tables=()) -> None:
+    """The results so far as JSON (`path`) and the tables' rows as CSV (`csv_path`)."""
     if path:
         Path(path).write_text(json.dumps(res, indent=1) + "\n")
+    if csv_path:
+        write_csv(csv_path, *tables)
 
 
 if __name__ == "__main__":

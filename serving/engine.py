@@ -94,7 +94,7 @@ class LLMEngine:
                                          out_dtype=cache_dtype, mesh=mesh)
             self.scheduler.is_encoded = self.encoder.cache.__contains__
         if args.warmup:
-            self.runner.warmup(multimodal=self.encoder is not None)
+            self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads)
             if self.encoder is not None:
                 self.encoder.warmup()
         self.runner.guard = args.forbid_compile_after_warmup

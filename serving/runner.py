@@ -40,6 +40,19 @@ def _pow2_buckets(lo: int, hi: int) -> list:
     return out + [hi]
 
 
+def tqdm_if(items, progress: bool):
+    if not progress:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc="warm-up (compiling step shapes)", unit="shape")
+
+
+def _step_key(batch) -> tuple:
+    """The compiled variant a step batch needs: its bucket (T, N), decode-only, image embeddings."""
+    return (batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, bool(batch.decode_only),
+            batch.mm_embeds is not None)
+
+
 def _fit(buckets: Sequence[int], n: int) -> int:
     for b in buckets:
         if n <= b:
@@ -201,6 +214,8 @@ class ModelRunner:
         self._copy = jax.jit(functools.partial(_copy_pages, bits=self.backend.scatter_bits), donate_argnums=(0,),
                              **copy_kw)
         self.num_compiles = 0
+        self._aot = mesh is None and jax.process_count() == 1   # on a mesh: jit places the host batch
+        self._compiled = {}          # step shape -> executable compiled ahead of time by warmup
 
     # ------------------------------------------------------------------ compile accounting
     def _note_shape(self, key):
@@ -255,16 +270,16 @@ class ModelRunner:
         """Wait for a launched step and bring its results to the host (one transfer for all)."""
         return tuple(np.asarray(x) for x in jax.device_get(results))
 
-    def warmup(self, progress: bool = True, multimodal: bool = False):
+    def warmup(self, progress: bool = True, multimodal: bool = False, threads: int | None = None):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
-        multimodal: also the variant of each bucket that takes image embeddings."""
+        multimodal: also the variant of each bucket that takes image embeddings. The step shapes are
+        traced one after another and compiled on `threads` host threads (default: up to 8, one per
+        core): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
-        it = shapes
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(shapes, desc="warm-up (compiling step shapes)", unit="shape")
         t0 = time.perf_counter()
-        for T, N, decode, mm in it:
+        if self._aot:
+            self._compile_steps(shapes, progress, threads)
+        for T, N, decode, mm in tqdm_if(shapes, progress and not self._aot):
             self._run_padding(T, N, decode=decode, mm=mm)
         # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
         # step that holds it: a request with presence_penalty must not compile while others run
@@ -276,8 +291,31 @@ class ModelRunner:
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
-    def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
-                     masked: bool = False):
+    def _compile_steps(self, shapes, progress: bool, threads: int | None):
+        """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes, kept by shape
+        for _call; traced here in turn, compiled concurrently."""
+        import concurrent.futures
+        import os
+        threads = max(1, min(len(shapes), threads or min(8, os.cpu_count() or 1)))
+        lowered = {}
+        for T, N, decode, mm in shapes:
+            batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
+            lowered[_step_key(batch)] = self._step.lower(self.params, self.pools, batch, self.last_tokens)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(lowered), desc=f"warm-up (compiling step shapes, {threads} threads)", unit="shape")
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
+            futures = {pool.submit(low.compile): key for key, low in lowered.items()}
+            for done in concurrent.futures.as_completed(futures):
+                self._compiled[futures[done]] = done.result()
+                if bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
+
+    def _padding_batch(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
+                       masked: bool = False):
         # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
         # resuming from slot 0 gives the decode-only variant of the same bucket.
         rows = [(0, np.zeros((1, self.config.hidden_size), self.params["embed"].dtype))] if mm else ()
@@ -288,6 +326,11 @@ class ModelRunner:
             [SamplingParams(temperature=0.0, presence_penalty=0.5 if penalties else 0.0)], seeds=[0], num_rows=N,
             vocab_size=v, prompt_token_ids=[[0]], output_token_ids=[[]], penalty_width=self.penalty_width,
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
+        return batch, sarr
+
+    def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
+                     masked: bool = False):
+        batch, sarr = self._padding_batch(T, N, decode, mm, penalties, masked)
         self._note_shape(("step", T, N, batch.decode_only, mm))
         self._note_shape(("sample", N, self._variant(sarr)))
         self._call("step", batch, sarr, np.zeros(N, np.int32))
@@ -299,7 +342,8 @@ class ModelRunner:
         with multihost.leading(control, args):
             if control == "step":
                 batch, sarr, counters = args
-                logits, self.pools = self._step(self.params, self.pools, batch, self.last_tokens)
+                step = self._compiled.get(_step_key(batch), self._step)     # warm-up's executable, if any
+                logits, self.pools = step(self.params, self.pools, batch, self.last_tokens)
                 toks, lp, (top_ids, top_vals), self.last_tokens = self._sample(logits, sarr, self.key_data, counters,
                                                                               self.last_tokens)
                 return multihost.settle((toks, lp, top_ids, top_vals))

@@ -311,7 +311,7 @@ def test_async_scheduling_gives_the_same_outputs(model, tmp_path_factory):
 
 
 def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_factory):
-    """max_tokens=1 requests: the next prefill step is launched while the last one is still on the device
+    """(Also: the warm-up's ahead-of-time executables serve the steps.) max_tokens=1 requests: the next prefill step is launched while the last one is still on the device
     (its requests, whose only token is in flight, do not hold max_num_seqs), with the tokens of
     synchronous steps. Before, every step waited for the last one's tokens: launch, fetch, launch, ..."""
     vocab = model.config.vocab_size
@@ -332,6 +332,8 @@ def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_fact
             outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
         runs[mode] = outs
         _assert_no_leaks(eng)
+        # every step ran an executable the warm-up compiled ahead of time (on host threads): none jitted
+        assert eng.runner._compiled and eng.runner._step._cache_size() == 0
         assert events.count("launch") == 3                       # 12 prompts, 4 sequences per step
         if mode:   # each launch after the first comes before the fetch of the step before it
             assert events == ["launch", "launch", "fetch", "launch", "fetch", "fetch"], events
