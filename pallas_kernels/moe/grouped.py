@@ -62,6 +62,13 @@ def _check_groups(group_sizes, w):
                      f"number of weight groups")
 
 
+def _merged(ws, act, arrays_per_weight):
+  """One weight with an activation: the merged gate/up layout (gate / up columns interleaved)."""
+  if act is not None and len(ws) not in (arrays_per_weight, 2 * arrays_per_weight):
+    raise ValueError(f"a GLU needs gate and up weights or one merged weight, got {len(ws)} arrays")
+  return act is not None and len(ws) == arrays_per_weight
+
+
 def _rows(lhs, row_index):
   return lhs.shape[0] if row_index is None else row_index.shape[0]
 
@@ -79,18 +86,20 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
   """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
   avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling).
   row_index, zero_tail: see kernel.grouped_matmul (rows gathered from lhs [T, K] in the kernel;
-  rows past the groups left unwritten)."""
+  rows past the groups left unwritten). One weight with act: merged gate/up ([G, K, 2N],
+  layout.merge_gate_up), output [M, N]."""
   m, k = _rows(lhs, row_index), lhs.shape[1]
   _check_groups(group_sizes, ws[0])
   if ws[0].shape[1] != k:
     raise ValueError(f"lhs K={k} does not match weights {ws[0].shape}")
-  n = ws[0].shape[-1]
+  per_col = 2 if _merged(ws, act, 1) else 1  # weight columns per output column
+  n = ws[0].shape[-1] // per_col
   kp = k + (-k) % 16
   if kp != k:  # rare: contraction not a multiple of 16 -> zero-pad both operands
     lhs = _pad_last(lhs, 16)
     ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
-  ws = tuple(_pad_last(w, 16) for w in ws)
-  np_ = ws[0].shape[-1]
+  ws = tuple(_pad_last(w, 16 * per_col) for w in ws)  # merged: zero (gate, up) pairs
+  np_ = ws[0].shape[-1] // per_col
   t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None,
                  avg_rows=avg_rows)
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
@@ -110,11 +119,14 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   M / G), else 'kernel'.
   row_index, zero_tail: as run_bf16. x_halves: lhs is already mxfp4.to_halves(x, shift).
   out_halves: write the output in halves order, times 2^shift (the next MXFP4 kernel's x_halves
-  operand); needs N % (2 bn) == 0.
+  operand); needs N % (2 bn) == 0. Merged gate/up (one weight with act: packed [G, 2N, K/2],
+  layout.merge_gate_up_mxfp4): the row order is the weight's own, out_halves only scales by
+  2^shift (merge with halves=True for a halves-order output).
   """
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
-  n = ws[0].shape[1]
+  merged = _merged(ws, act, 2)
+  n = ws[0].shape[1] // (2 if merged else 1)
   if ws[0].shape[2] * 2 != k:
     raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
   _check_groups(group_sizes, ws[0])
@@ -125,7 +137,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   if rn:
     if out_halves:
       raise ValueError(f"out_halves needs N % 16 == 0 (N={n})")
-    ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
+    ws = tuple(jnp.pad(w, ((0, 0), (0, rn * (2 if merged else 1)), (0, 0))) for w in ws)
   if mode == "predequant":
     if x_halves:
       raise ValueError("predequant takes x in plain column order")
@@ -137,13 +149,13 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
                    avg_rows=avg_rows)
     fmt = "mxfp4"
-  if out_halves and (n + rn) % (2 * t.bn):
+  if out_halves and not merged and (n + rn) % (2 * t.bn):
     t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   shift = mx.x_shift(mx.DECODER)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
                           interpret=interpret, row_index=idx, x_halves=x_halves,
-                          zero_tail=zero_tail, split_rows=out_halves,
+                          zero_tail=zero_tail, split_rows=out_halves and not merged,
                           out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 

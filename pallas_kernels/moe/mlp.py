@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import routing
 from pallas_kernels.moe import schedule as sch
@@ -62,7 +63,8 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
-  topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]).
+  topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]). w3 None: w1 is
+  the merged gate/up weight [E, D, 2I] (layout.merge_gate_up), run as one matmul per tile.
   activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
   num_experts_total: experts over all devices under expert parallelism (ids of other devices'
   experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
@@ -73,15 +75,18 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   t_up, t_down = tiling if tiling is not None else (None, None)
   avg = _avg_rows(topk_ids, w1.shape[0], num_experts_total)
   keep = not _use_gather(gather, avg)  # materialized rows: the kernels zero the tail
+  up = (w1,) if w3 is None else (w1, w3)
 
   def kernel(xs, tok, gs, interp):
-    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg,
+    h = gm.run_bf16(xs, up, gs, tiling=t_up, act=act, interpret=interp, avg_rows=avg,
                     row_index=tok, zero_tail=keep)
     return gm.run_bf16(h, (w2,), gs, tiling=t_down, interpret=interp, avg_rows=avg, zero_tail=keep)
 
-  return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel,
-                     lambda xs, gs: _reference_path(xs, gs, w1, w3, w2, act, x.dtype), interpret,
-                     not keep)
+  def reference(xs, gs):
+    g, u = layout.split_gate_up(w1, 2) if w3 is None else (w1, w3)
+    return _reference_path(xs, gs, g, u, w2, act, x.dtype)
+
+  return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel, reference, interpret, not keep)
 
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
@@ -92,24 +97,34 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
   mode: grouped.run_mxfp4's (None: by rows per expert). With gather and mode 'kernel' x goes
   to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
-  kernel: no split pass over the rows."""
+  kernel: no split pass over the rows. w3 None: w1 is the merged gate/up weight
+  (layout.merge_gate_up_mxfp4 with halves=True: h always comes out in halves order; mode
+  'kernel' only)."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
-  avg = _avg_rows(topk_ids, w1[0].shape[0], num_experts_total)
+  merged = w3 is None
+  e = w1[0].shape[0]
+  avg = _avg_rows(topk_ids, e, num_experts_total)
   use_gather = _use_gather(gather, avg)
   if mode is None:
-    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS else "kernel"
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not merged else "kernel"
+  if merged and mode != "kernel":
+    raise ValueError(f"merged MXFP4 gate/up weights run in mode 'kernel' only, not {mode!r}")
   halves = use_gather and mode == "kernel"
+  h_halves = halves or merged  # the down kernel's x in halves order (times 2^shift)
   kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather)
+  up = tuple(w1) if merged else (*w1, *w3)
 
   def kernel(xs, tok, gs, interp):
     if halves:
       xs = mx.to_halves(xs, mx.x_shift(mx.DECODER))
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
-                     x_halves=halves, out_halves=halves, **kw)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=halves, **kw)
+    h = gm.run_mxfp4(xs, up, gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
+                     x_halves=halves, out_halves=h_halves, **kw)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=h_halves, **kw)
 
-  return _routed_mlp(x, topk_ids, topk_weights, w1[0].shape[0], kernel,
-                     lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype),
-                     interpret, use_gather)
+  def reference(xs, gs):
+    g, u = layout.unmerge_gate_up_mxfp4(w1) if merged else (w1, w3)
+    return _reference_path(xs, gs, deq(g), deq(u), deq(w2), act, x.dtype)
+
+  return _routed_mlp(x, topk_ids, topk_weights, e, kernel, reference, interpret, use_gather)
