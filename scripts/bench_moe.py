@@ -45,7 +45,8 @@ DECODER_DEFAULT = _mxm.DECODER  # rows name their decoder; each variant restores
 
 def tname(t):
   return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}"
-          + (" swapAB" if t.swap_ab else "") + (" tail/2" if t.half_tail else ""))
+          + (" swapAB" if t.swap_ab else "") + (" tail/2" if t.half_tail else "")
+          + (" joined" if t.joined else ""))
 
 
 def with_decoder(dec, fn, *args):

@@ -17,6 +17,7 @@ Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tok
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -41,12 +42,18 @@ BF16_UP = [T(128, 64, 128, 8, 4)]
 BF16_UP_MERGED = [T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 64, 64, 8, 4)]
 BF16_DOWN = [T(128, 64, 256, 8, 3)]
 Q_UP = [T(128, 128, 128, 8, 3, True)]
-# bm256 bn64: 128 weight rows decoded per K step feed 256 rows (today: 256 rows feed 128); "tail/2":
-# a group's last tile of <= 128 rows runs a 128-row loop (Tiling.half_tail)
-Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(256, 128, 64, 8, 2, True, True),
-               T(256, 64, 64, 8, 4, True, True), T(256, 128, 64, 8, 3, True), T(128, 128, 128, 8, 3, True)]
-Q_DOWN = [T(128, 64, 128, 8, 3), T(256, 128, 128, 8, 3, True, True), T(256, 128, 128, 8, 2, True, True),
-          T(256, 64, 128, 8, 4, True, True), T(128, 128, 128, 8, 3, True)]
+# merged, x in halves order: bm256 bn64 decodes 128 weight rows per K step for 256 rows (today: 256
+# for 128); "tail/2": a group's last tile of <= 128 rows runs a 128-row loop (Tiling.half_tail)
+Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(128, 128, 128, 8, 3, True)]
+# "joined": the decoded halves re-interleaved to natural K order, one MMA per K step (no wgmma wait
+# between the even and the odd half), x and h in natural order
+J = lambda *a: T(*a, joined=True)
+Q_UP_MERGED_J = [J(256, 128, 64, 8, 3, True, True), J(256, 128, 64, 8, 2, True, True),
+                 J(256, 64, 64, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(256, 128, 64, 8, 3, True)]
+Q_UP_J = [J(128, 128, 128, 8, 3, True)]
+Q_DOWN = [T(128, 64, 128, 8, 3), T(256, 128, 128, 8, 3, True, True)]
+Q_DOWN_J = [J(256, 128, 128, 8, 3, True, True), J(256, 128, 128, 8, 2, True, True),
+            J(256, 64, 128, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 3)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 # MXFP4 decode stream (issue 20): the fused gate+up at decode, two weights (today's tiles,
 # schedule.DECODE_MXFP4) vs merged; TB/s of the touched experts' packed bytes
@@ -65,7 +72,7 @@ COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the va
 
 def tname(t):
   return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
-          + (" tail/2" if t.half_tail else ""))
+          + (" tail/2" if t.half_tail else "") + (" joined" if t.joined else ""))
 
 
 def rel_err(out, ref):
@@ -147,9 +154,12 @@ def _inputs(tokens, d, inter, e_global, e_local, k):
 UP16 = "bf16 up: fused gate+up+SiTU (gather)"
 UP16M = "bf16 up: merged gate/up + SiTU (gather)"
 DOWN16 = "bf16 down gmm"
-UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves out)"
-UPQM = "mxfp4 up: merged gate/up + SiTU (gather, halves out)"
+UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves in/out)"
+UPQM = "mxfp4 up: merged gate/up + SiTU (gather, halves in)"
+UPQMJ = "mxfp4 up: merged gate/up + SiTU, joined (gather)"
+UPQJ = "mxfp4 up: fused gate+up+SiTU, joined (gather)"
 DOWNQ = "mxfp4 down gmm (halves in)"
+DOWNQJ = "mxfp4 down gmm, joined"
 
 
 def _up16(act):
@@ -157,10 +167,10 @@ def _up16(act):
                                                       zero_tail=False)
 
 
-def _upq(act):
+def _upq(act, out_halves=True):
   return lambda t: lambda x, tok, gs, *ws: gm.run_mxfp4(
       x, ws, gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True, zero_tail=False,
-      out_halves=True)
+      out_halves=out_halves)
 
 
 def _stage_groups(act, x, tok, gs, h, hq, ws, qs, merged, flops_up, flops_down):
@@ -168,7 +178,8 @@ def _stage_groups(act, x, tok, gs, h, hq, ws, qs, merged, flops_up, flops_down):
   w1, w3, w2 = ws
   (p1, s1), (p3, s3), (p2, s2) = qs
   w13, (p13, s13) = merged
-  xh = mx.to_halves(x, mx.x_shift(mx.DECODER))
+  shift = mx.x_shift(mx.DECODER)
+  xh, xn = mx.to_operand(x, shift, False), mx.to_operand(x, shift, True)
   down16 = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
   downq = lambda t: lambda h, gs, p2, s2: gm.run_mxfp4(h, (p2, s2), gs, tiling=t, mode="kernel",
                                                        x_halves=True, zero_tail=False)
@@ -176,8 +187,11 @@ def _stage_groups(act, x, tok, gs, h, hq, ws, qs, merged, flops_up, flops_down):
           (UP16M, _up16(act), (x, tok, gs, w13), flops_up, BF16_UP_MERGED),
           (DOWN16, down16, (h, gs, w2), flops_down, BF16_DOWN),
           (UPQ, _upq(act), (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
-          (UPQM, _upq(act), (xh, tok, gs, p13, s13), flops_up, Q_UP_MERGED),
-          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN)]
+          (UPQM, _upq(act, False), (xh, tok, gs, p13, s13), flops_up, Q_UP_MERGED),
+          (UPQMJ, _upq(act), (xn, tok, gs, p13, s13), flops_up, Q_UP_MERGED_J),
+          (UPQJ, _upq(act), (xn, tok, gs, p1, s1, p3, s3), flops_up, Q_UP_J),
+          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN),
+          (DOWNQJ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN_J)]
 
 
 def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
@@ -225,12 +239,12 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
     tl = (best[UP16M], best[DOWN16])
     variants.append(("bf16 MLP, merged gate/up + fastest stages", mlp_m(tiling=tl), margs, tl))
   variants.append(("mxfp4 MLP, today's defaults", qmlp(), qargs, None))
-  if best[UPQM] and best[DOWNQ]:
-    tl = (best[UPQM], best[DOWNQ])
-    variants.append(("mxfp4 MLP, merged gate/up + fastest stages", qmlp_m(tiling=tl), qmargs, tl))
-  if best[UPQ] and best[DOWNQ]:
-    tl = (best[UPQ], best[DOWNQ])
-    variants.append(("mxfp4 MLP, two weights + fastest stages", qmlp(tiling=tl), qargs, tl))
+  if best[UPQMJ] and best[DOWNQJ]:
+    tl = (best[UPQMJ], best[DOWNQJ])
+    variants.append(("mxfp4 MLP, merged gate/up, joined + fastest stages", qmlp_m(tiling=tl), qmargs, tl))
+  if best[UPQJ] and best[DOWNQJ]:
+    tl = (best[UPQJ], best[DOWNQJ])
+    variants.append(("mxfp4 MLP, two weights, joined + fastest stages", qmlp(tiling=tl), qargs, tl))
   deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0], q[1], jnp.bfloat16), 1, 2)
   done = compile_all([(fn, a) for _, fn, a, _ in variants] + [(deq, (qs[0],)), (deq, (qs[2],))])
   exes = {op: ex for (op, *_), ex in zip(variants, done)}
@@ -273,7 +287,9 @@ def bench_decode(run, label, tokens, d, inter, e_global, e_local, k):
   up = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, act=act, mode="kernel",
                                                  avg_rows=avg)
   label = f"{label} ({int(gs.sum())} local rows on {touched} experts, {d}->{inter}x2)"
-  groups = [("mxfp4 decode up: two weights (today)", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP),
+  plain = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, mode="kernel")
+  groups = [("mxfp4 decode plain gmm D -> 2I (issue 20's stream)", plain, (xs, gs, *q13), 0.0, DECODE_UP),
+            ("mxfp4 decode up: two weights (today)", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP),
             ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED)]
   n0 = len(run.rows)
   run.sweep(label, groups, 1.0)
@@ -314,8 +330,8 @@ def table(run, head):
 def main(a, time_fn, log, peak_f):
   """Entry from bench_moe.py --prefill (a: its parsed args)."""
   g = globals()
-  lists = ("BF16_UP", "BF16_UP_MERGED", "BF16_DOWN", "Q_UP", "Q_UP_MERGED", "Q_DOWN", "DECODE_UP",
-           "DECODE_UP_MERGED")
+  lists = ("BF16_UP", "BF16_UP_MERGED", "BF16_DOWN", "Q_UP", "Q_UP_MERGED", "Q_UP_MERGED_J", "Q_UP_J",
+           "Q_DOWN", "Q_DOWN_J", "DECODE_UP", "DECODE_UP_MERGED")
   shapes, dshapes = SHAPES, DECODE_SHAPES
   if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
     shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
@@ -323,8 +339,7 @@ def main(a, time_fn, log, peak_f):
     dshapes = [(lab, tok // 16, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
                for lab, tok, d, inter, eg, el, k in dshapes]
     for name in lists:
-      g[name] = [Tiling(32 if t.half_tail else 16, 32, 16, t.num_warps, t.num_stages, t.swap_ab,
-                        t.half_tail) for t in g[name][:2]]
+      g[name] = [dataclasses.replace(t, bm=32 if t.half_tail else 16, bk=32, bn=16) for t in g[name][:2]]
     g["PLAIN"] = Tiling(16, 32, 32)
   if a.only:
     keep = lambda ss: [s for s in ss if any(o in s[0] for o in a.only.split(","))]

@@ -117,11 +117,11 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   mode 'predequant': one XLA pass writes bf16 [G, N, K] and the bf16 kernel reads it.
   None: 'predequant' when the average group has >= schedule.PREDEQUANT_MIN_ROWS rows (avg_rows, else
   M / G), else 'kernel'.
-  row_index, zero_tail: as run_bf16. x_halves: lhs is already mxfp4.to_halves(x, shift).
-  out_halves: write the output in halves order, times 2^shift (the next MXFP4 kernel's x_halves
-  operand); needs N % (2 bn) == 0. Merged gate/up (one weight with act: packed [G, 2N, K/2],
-  layout.merge_gate_up_mxfp4): the row order is the weight's own, out_halves only scales by
-  2^shift (merge with halves=True for a halves-order output).
+  row_index, zero_tail: as run_bf16. x_halves: lhs is already the kernel's x operand,
+  mxfp4.to_operand(x, shift, tiling.joined) ([even | odd] columns, or natural order for joined
+  tiles; times 2^shift). out_halves: write the output as the next MXFP4 kernel's x operand of the
+  same form (halves order needs N % (2 bn) == 0 and two weights or one). Merged gate/up (one
+  weight with act: packed [G, 2N, K/2], layout.merge_gate_up_mxfp4) writes natural order.
   """
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
@@ -149,13 +149,17 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
                    avg_rows=avg_rows)
     fmt = "mxfp4"
-  if out_halves and not merged and (n + rn) % (2 * t.bn):
+  split = out_halves and not t.joined  # joined tiles read x in natural order
+  if split and merged:
+    raise ValueError("merged gate/up weights write natural column order: out_halves needs joined "
+                     "tiles (Tiling.joined)")
+  if split and (n + rn) % (2 * t.bn):
     t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   shift = mx.x_shift(mx.DECODER)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
                           interpret=interpret, row_index=idx, x_halves=x_halves,
-                          zero_tail=zero_tail, split_rows=out_halves and not merged,
+                          zero_tail=zero_tail, split_rows=split,
                           out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 

@@ -75,7 +75,9 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, ac
     def body(kk, accs):
       k0 = pl.multiple_of(kk * bk, bk)
       h0 = pl.multiple_of(kk * (bk // 2), bk // 2)
-      if fmt == "mxfp4":  # x's even / odd columns: two [M, K/2] arrays or halves of one
+      if fmt == "mxfp4" and tiling.joined:  # x in natural column order (times 2^shift)
+        xb = x_refs[0][x_rows, pl.ds(k0, bk)]
+      elif fmt == "mxfp4":  # x's even / odd columns: two [M, K/2] arrays or halves of one
         xe = x_refs[0][x_rows, pl.ds(h0, bk // 2)]
         xo = (x_refs[1][x_rows, pl.ds(h0, bk // 2)] if n_x == 2 else
               x_refs[0][x_rows, pl.ds(k // 2 + h0, bk // 2)])
@@ -94,7 +96,10 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, ac
           pb = p_ref[gid, w_rows, pl.ds(h0, bk // 2)]
           sb = s_ref[gid, w_rows, pl.ds(kk * (bk // 32), bk // 32)]
           w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
-          if swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
+          if tiling.joined:  # back to natural K order: one MMA per K step
+            wj = jnp.stack([w_even, w_odd], axis=-1).reshape(w_even.shape[0], bk)
+            new.append(acc + (plt.dot(wj, xb, trans_b=True) if swap else plt.dot(xb, wj, trans_b=True)))
+          elif swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
             acc = acc + plt.dot(w_even, xe, trans_b=True)
             new.append(acc + plt.dot(w_odd, xo, trans_b=True))
           else:
@@ -164,7 +169,9 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   assert not split_rows or (fmt != "bf16" and n % (2 * tiling.bn) == 0 and not merged), (fmt, n, tiling)
   decoder = "jnp" if interpret else mx.DECODER
   shift = mx.x_shift(mx.DECODER)  # interpret mode: the jnp decoder with the GPU decoder's shift
-  if fmt == "mxfp4" and not x_halves:  # even / odd columns of x meet the low / high nibbles
+  if fmt == "mxfp4" and tiling.joined and not x_halves:  # natural order, times 2^shift (exact)
+    xs = (x * jnp.asarray(2.0 ** shift, x.dtype) if shift else x,)
+  elif fmt == "mxfp4" and not x_halves:  # even / odd columns of x meet the low / high nibbles
     xs = (x[:, 0::2], x[:, 1::2])
     if shift:  # the decoder returns w * 2^-shift: x * 2^shift keeps every product (exact)
       xs = tuple(xi * jnp.asarray(2.0 ** shift, xi.dtype) for xi in xs)

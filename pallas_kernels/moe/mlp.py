@@ -97,9 +97,9 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
   mode: grouped.run_mxfp4's (None: by rows per expert). With gather and mode 'kernel' x goes
   to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
-  kernel: no split pass over the rows. w3 None: w1 is the merged gate/up weight
-  (layout.merge_gate_up_mxfp4 with halves=True: h always comes out in halves order; mode
-  'kernel' only)."""
+  kernel: no split pass over the rows (joined tiles: x and h in natural order, times 2^shift; the
+  up and down tilings must agree on Tiling.joined). w3 None: w1 is the merged gate/up weight
+  (layout.merge_gate_up_mxfp4; mode 'kernel' only)."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
@@ -111,14 +111,19 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
     mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not merged else "kernel"
   if merged and mode != "kernel":
     raise ValueError(f"merged MXFP4 gate/up weights run in mode 'kernel' only, not {mode!r}")
-  halves = use_gather and mode == "kernel"
-  h_halves = halves or merged  # the down kernel's x in halves order (times 2^shift)
+  joined = [isinstance(t, sch.Tiling) and t.joined for t in (t_up, t_down)]
+  if joined[0] != joined[1]:
+    raise ValueError(f"the up and down tilings must agree on joined, got {t_up} / {t_down}")
+  joined = joined[0]
+  halves = use_gather and mode == "kernel"  # x handed over as the kernel's operand
+  # h as the down kernel's operand; merged weights write natural order, which only joined tiles read
+  h_halves = halves and (joined or not merged)
   kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather)
   up = tuple(w1) if merged else (*w1, *w3)
 
   def kernel(xs, tok, gs, interp):
     if halves:
-      xs = mx.to_halves(xs, mx.x_shift(mx.DECODER))
+      xs = mx.to_operand(xs, mx.x_shift(mx.DECODER), joined)
     h = gm.run_mxfp4(xs, up, gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
                      x_halves=halves, out_halves=h_halves, **kw)
     return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=h_halves, **kw)

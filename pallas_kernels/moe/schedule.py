@@ -36,6 +36,7 @@ class Tiling:
   num_stages: int = 3
   swap_ab: bool = False
   half_tail: bool = False
+  joined: bool = False
 
 
 def num_tiles(m: int, g: int, bm: int) -> int:
