@@ -725,3 +725,31 @@ def test_merged_gate_up_rejects_predequant_and_bad_pairs():
   with pytest.raises(ValueError, match="GLU needs"):
     gm.run_bf16(x, (jnp.zeros((2, 64, 32), jnp.bfloat16),) * 3, jnp.asarray([2, 2], jnp.int32),
                 tiling=None, act=lambda a, b: a * b, interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_merged_prefill_defaults(fmt, monkeypatch):
+  """Merged gate/up weights at prefill (80 rows per expert) run schedule.PREFILL_TILES' merged
+  tiles (bm capped at 128 below 256 rows), MXFP4's down kernel reads h in the up kernel's joined
+  form; the float64 loop's values."""
+  from pallas_kernels.moe import layout
+  from pallas_kernels.moe import schedule as sch
+  seen = []
+  orig = kn.grouped_matmul
+  monkeypatch.setattr(gm.kn, "grouped_matmul", lambda *a, **kw: seen.append(kw["tiling"]) or orig(*a, **kw))
+  x, local, wts, (q1, q3, q2), ref = _ep_case(33, 80, 64, 64, 2, 2, 2, "silu")
+  kw = dict(activation="silu", interpret=True)
+  if fmt == "bf16":
+    w1, w3, w2 = (jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2))
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), layout.merge_gate_up(w1, w3), None,
+                         w2, **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts),
+                               layout.merge_gate_up_mxfp4(q1, q3), None, q2, **kw)
+  _close(out, ref, rel=2e-2)
+  mx4 = fmt == "mxfp4"
+  up = sch.PREFILL_TILES[(mx4, "merged")]
+  down = sch.PREFILL_TILES[(mx4, "joined" if mx4 and up.joined else False)]
+  assert [(t.swap_ab, t.joined, t.half_tail) for t in seen] == [
+      (t.swap_ab, t.joined, t.half_tail) for t in (up, down)]
+  assert seen[0].bm == 128

@@ -31,10 +31,7 @@ def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
   """Heuristic tiling, or the given one with bk / bn shrunk to powers of two dividing K / N."""
   if tiling is None:
     return sch.choose_tiling(m, k, n, g, **kw)
-  if isinstance(tiling, dict):
-    tiling = sch.Tiling(**tiling)
-  elif not isinstance(tiling, sch.Tiling):
-    tiling = sch.Tiling(*tiling)
+  tiling = sch.as_tiling(tiling)
   kw.pop("avg_rows", None)
   floor = 32 if kw.get("mxfp4") else 16
   return dataclasses.replace(tiling, bk=sch.pow2_divisor(k, tiling.bk, floor),
@@ -69,6 +66,11 @@ def _merged(ws, act, arrays_per_weight):
   return act is not None and len(ws) == arrays_per_weight
 
 
+def _fused(act, merged):
+  """choose_tiling's `fused`: no activation, two weights or one merged gate/up weight."""
+  return "merged" if merged else act is not None
+
+
 def _rows(lhs, row_index):
   return lhs.shape[0] if row_index is None else row_index.shape[0]
 
@@ -100,7 +102,7 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
     ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
   ws = tuple(_pad_last(w, 16 * per_col) for w in ws)  # merged: zero (gate, up) pairs
   np_ = ws[0].shape[-1] // per_col
-  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None,
+  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=_fused(act, per_col == 2),
                  avg_rows=avg_rows)
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
@@ -142,11 +144,11 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     if x_halves:
       raise ValueError("predequant takes x in plain column order")
     wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
-    t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None, avg_rows=avg_rows)
+    t = _as_tiling(tiling, m, k, n + rn, g, fused=_fused(act, merged), avg_rows=avg_rows)
     fmt = "bf16t"
   else:
     wd = ws
-    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
+    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=_fused(act, merged),
                    avg_rows=avg_rows)
     fmt = "mxfp4"
   split = out_halves and not t.joined  # joined tiles read x in natural order

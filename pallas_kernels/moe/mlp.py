@@ -89,6 +89,22 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   return _routed_mlp(x, topk_ids, topk_weights, w1.shape[0], kernel, reference, interpret, not keep)
 
 
+def _mxfp4_tilings(t_up, t_down, avg, merged, dims):
+  """The up / down tilings (defaults from avg rows per expert), which must agree on
+  Tiling.joined: h goes from one kernel to the other in that operand form. dims (E, D, I)."""
+  e, d, i = dims
+  if t_up is None:
+    t_up = sch.choose_tiling(1, d, i, e, mxfp4=True, fused="merged" if merged else True, avg_rows=avg)
+  t_up = sch.as_tiling(t_up)
+  if t_down is None:
+    t_down = sch.choose_tiling(1, i, d, e, mxfp4=True, fused="joined" if t_up.joined else False,
+                               avg_rows=avg)
+  t_down = sch.as_tiling(t_down)
+  if t_up.joined != t_down.joined:
+    raise ValueError(f"the up and down tilings must agree on joined, got {t_up} / {t_down}")
+  return t_up, t_down
+
+
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
                      interpret=None, tiling=None, num_experts_total=None, gather=None,
@@ -111,10 +127,10 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
     mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not merged else "kernel"
   if merged and mode != "kernel":
     raise ValueError(f"merged MXFP4 gate/up weights run in mode 'kernel' only, not {mode!r}")
-  joined = [isinstance(t, sch.Tiling) and t.joined for t in (t_up, t_down)]
-  if joined[0] != joined[1]:
-    raise ValueError(f"the up and down tilings must agree on joined, got {t_up} / {t_down}")
-  joined = joined[0]
+  joined = False
+  if mode == "kernel":
+    t_up, t_down = _mxfp4_tilings(t_up, t_down, avg, merged, (e, x.shape[1], w2[0].shape[2] * 2))
+    joined = t_up.joined
   halves = use_gather and mode == "kernel"  # x handed over as the kernel's operand
   # h as the down kernel's operand; merged weights write natural order, which only joined tiles read
   h_halves = halves and (joined or not merged)
