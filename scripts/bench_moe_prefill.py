@@ -50,7 +50,7 @@ Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(128, 128, 128, 8, 3, True)]
 J = lambda *a: T(*a, joined=True)
 Q_UP_MERGED_J = [J(256, 128, 64, 8, 3, True, True), J(256, 128, 64, 8, 2, True, True),
                  J(256, 64, 64, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(256, 128, 64, 8, 3, True)]
-Q_UP_J = [J(128, 128, 128, 8, 3, True)]
+Q_UP_J = [J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 4, True)]
 Q_DOWN = [T(128, 64, 128, 8, 3), T(256, 128, 128, 8, 3, True, True)]
 Q_DOWN_J = [J(256, 128, 128, 8, 3, True, True), J(256, 128, 128, 8, 2, True, True),
             J(256, 64, 128, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 3)]
