@@ -1,19 +1,22 @@
 """MoE expert MLP at prefill (issue 25): bf16 vs MXFP4, fused MLP vs the plain grouped matmul.
 
-  python scripts/bench_moe.py --prefill [--deadline 200] [--json PATH]   # on the GPU, <= 4 min
+  python scripts/bench_moe.py --prefill [--deadline 140] [--json PATH]   # on the GPU, <= 2.5 min
   python scripts/bench_moe.py --prefill --smoke                          # CPU script check
 
 Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tokens, 112 of
 896 experts top-16), in one run and one process:
   - the plain bf16 grouped matmul of the up projection (D -> 2I as one weight) on the local
     rows: the rate the fused MLP is held to;
-  - each stage alone as the new MLP runs it (up = fused gate+up+SiTU reading the token rows in
-    place, down = the second grouped matmul), bf16 and MXFP4, a few tilings each (MXFP4: weights
-    decoded in the kernel as the MMA's B operand, or as its A operand with swap_ab);
-  - the whole expert MLP (sort, up, down, combine): today's path at its default tiles, and the
-    new one ('gather' routing) with the fastest up / down tilings measured just before;
-  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s), each MLP's error vs the bf16
-    MLP on the dequantized weights (MXFP4) or today's bf16 MLP (bf16).
+  - each stage alone as the MLP runs it (up = fused gate+up+SiTU reading the token rows in place,
+    down = the second grouped matmul): today's default tiles next to the variants: merged gate/up
+    weights (pallas_kernels.moe.layout), MXFP4 joined tiles (Tiling.joined), bm 256 with
+    half-height tail tiles (Tiling.half_tail);
+  - the whole expert MLP (sort, up, down, combine): today's defaults and the new forms with the
+    fastest up / down tilings measured just before, each with its error vs the bf16 MLP (on the
+    dequantized weights for MXFP4);
+  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s);
+  - the MXFP4 decode stream (issue 20) at 256 tokens: plain gmm and fused up, today vs merged, in
+    TB/s of the touched experts' packed bytes.
 """
 from __future__ import annotations
 
