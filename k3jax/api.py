@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
+from pallas_kernels.backend import Backend, detect
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +49,30 @@ class VisionModel:
 
 
 class Model:
-    """A loaded model: config, parameters (a pytree of jax arrays), tokenizer, and the vision
-    side (`vision`, None for text-only models)."""
+    """A loaded model: config, parameters (a pytree of jax arrays; the repeating layers stacked
+    for the scanned decoder, see `layer_params` for one layer), tokenizer, the vision side
+    (`vision`, None for text-only models), and `backend`: how its steps run their kernels
+    (pallas_kernels/backend.py; detected when not given, with the MXFP4 decoder its scales allow)."""
 
     def __init__(self, config: ModelConfig, params, tokenizer=None, name: str = "", mesh=None,
-                 vision: VisionModel | None = None):
+                 vision: VisionModel | None = None, backend: Backend | None = None):
         self.config = config
+        self.backend = detect() if backend is None else backend
         self.mesh = mesh
         self.params = params
         self.tokenizer = tokenizer
         self.name = name
         self.vision = vision
+
+    def checkpoint_params(self) -> dict:
+        """The parameters in the checkpoint layout (params["layers"] a list of per-layer dicts);
+        stacked layers come out as slices, i.e. copies."""
+        from k3jax.layer_stack import unstack_layers
+        return unstack_layers(self.params, self.config)
+
+    def layer_params(self, i: int) -> dict:
+        """Layer i's parameters under their checkpoint names."""
+        return self.checkpoint_params()["layers"][i]
 
     @property
     def dtype(self):
@@ -65,7 +80,7 @@ class Model:
 
     @cached_property
     def _logits_fn(self):
-        return jax.jit(partial(forward_full, c=self.config))
+        return jax.jit(partial(forward_full, c=self.config, backend=self.backend))
 
     def check_tokens(self, tokens, ndim: int = 2) -> np.ndarray:
         """Validate token ids: integer dtype, non-empty, within the vocabulary. Raises ValueError."""
@@ -119,29 +134,32 @@ def _tiny_params(config: ModelConfig, seed: int | None, dtype):
 
 
 def _place(params, mesh, config):
-    """Put every parameter on the mesh by the partition rules (sharding/rules.py)."""
-    if mesh is None:
-        return params
-    from sharding.rules import shard_params
-    return shard_params(params, mesh, config)
+    """Put every parameter on the mesh by the partition rules (sharding/rules.py), then stack the
+    repeating layers for the scanned decoder (k3jax/layer_stack.py)."""
+    if mesh is not None:
+        from sharding.rules import shard_params
+        params = shard_params(params, mesh, config)
+    return stack_layers(params, config, donate=True)
 
 
-def _check_mxfp4_scales(params) -> None:
-    """The fast MXFP4 decoder is exact only for a window of E8M0 scales (real checkpoints sit well
-    inside it); weights with a scale outside it switch the process to the exact ptx4 decoder."""
+def _backend_for(params) -> Backend:
+    """The detected backend with the MXFP4 decoder these weights allow: the fast decoder is exact only
+    for a window of E8M0 scales (real checkpoints sit well inside it); weights with a scale outside
+    it get the exact ptx4 decoder."""
+    from pallas_kernels.moe import mxfp4 as mx
+    backend = detect()
     # (every container kind: the checkpoint layout keeps its layers in a list)
     found = [val for path, val in jax.tree_util.tree_leaves_with_path(params)
              if str(getattr(path[-1], "key", "")).endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8]
     if not found:
-        return
-    from pallas_kernels.moe import mxfp4 as mx
+        return backend
     lo = min(int(jnp.min(s)) for s in found)
     hi = max(int(jnp.max(s)) for s in found)
-    decoder = mx.decoder_for_scales(lo, hi)
-    if decoder != mx.DECODER:
+    decoder = mx.decoder_for_scales(lo, hi, backend.mxfp4_decoder)
+    if decoder != backend.mxfp4_decoder:
         log.warning("MXFP4 scale exponents span [%d, %d], outside the %s decoder's exact window %s: "
-                    "using %s", lo, hi, mx.DECODER, mx.PTX8_EXACT_SCALES, decoder)
-        mx.DECODER = decoder
+                    "using %s", lo, hi, backend.mxfp4_decoder, mx.PTX8_EXACT_SCALES, decoder)
+    return backend.replace(mxfp4_decoder=decoder)
 
 
 def _mesh(mesh):
@@ -169,10 +187,10 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
-        _check_mxfp4_scales(params)
+        backend = _backend_for(params)
         tokenizer = _load_tokenizer(src)
         return Model(config, _place(params, mesh, config), tokenizer, name=os.path.basename(os.path.normpath(src)),
-                     mesh=mesh, vision=load_vision(src, config, tokenizer, dt))
+                     mesh=mesh, vision=load_vision(src, config, tokenizer, dt), backend=backend)
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
     config = preset_config(src)
@@ -185,11 +203,11 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         # The seeded test model: the same weights on every platform, made on the host in milliseconds.
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
-        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt)
-    _check_mxfp4_scales(params)
+        params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=mesh is None)
+    backend = _backend_for(params)
     tokenizer = _load_tokenizer(None, src) if embedded else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
-    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision)
+    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
 
 
 def _media_pad_id(config: ModelConfig, tokenizer) -> int:

@@ -1,9 +1,12 @@
 """Cache pools and the per-step batch: the pytrees the jitted model step takes and returns.
 
-Pools (donated through the step so XLA updates them in place):
-  mla_kv[j]    [num_pages, page_size, kv_lora_rank + rope]   one per MLA layer (page 0 = garbage sink)
-  kda_state[j] [num_slots, H, K, V] fp32                      one per KDA layer (slot 0 = garbage sink)
-  kda_conv[j]  [num_slots, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
+Pools (donated through the step so XLA updates them in place), one array per kind, with every
+layer of that kind side by side inside each page / slot (j = the layer's index among its kind):
+  mla_kv     [num_pages, n_mla, page_size, kv_lora_rank + rope]   page 0 = garbage sink
+  kda_state  [num_slots, n_kda, H, K, V] fp32                      slot 0 = garbage sink
+  kda_conv   [num_slots, n_kda, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
+Pages / slots are the major axis: that is what gets sharded, what the allocator hands out, and a
+page copy moves every layer at once. The model views a pool as [rows * layers, ...] (model.py).
 """
 from __future__ import annotations
 
@@ -20,31 +23,35 @@ from k3jax.config import ModelConfig
 
 @struct.dataclass
 class CachePools:
-    mla_kv: list
-    kda_state: list
-    kda_conv: list
+    mla_kv: jax.Array
+    kda_state: jax.Array
+    kda_conv: jax.Array
 
     @property
     def page_size(self) -> int:
-        return self.mla_kv[0].shape[1] if self.mla_kv else 0
+        return self.mla_kv.shape[2]
 
     @property
     def num_pages(self) -> int:
-        return self.mla_kv[0].shape[0] if self.mla_kv else 0
+        return self.mla_kv.shape[0]
 
     @property
     def num_slots(self) -> int:
-        return self.kda_state[0].shape[0] if self.kda_state else 0
+        return self.kda_state.shape[0]
+
+    def layer(self, kind: str, j: int):
+        """One layer's view (a copy) of a pool: kind "mla_kv" | "kda_state" | "kda_conv"."""
+        return getattr(self, kind)[:, j]
 
 
 def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16):
     """ShapeDtypeStruct pools (for planning and eval_shape)."""
     H, K = c.kda_num_heads, c.kda_head_dim
-    kv = jax.ShapeDtypeStruct((num_pages, page_size, c.mla_cache_dim), dtype)
-    st = jax.ShapeDtypeStruct((num_slots, H, K, K), jnp.float32)
-    cv = jax.ShapeDtypeStruct((num_slots, c.conv_kernel - 1, 3 * H * K), dtype)
-    return CachePools(mla_kv=[kv] * len(c.mla_layers), kda_state=[st] * len(c.kda_layers),
-                      kda_conv=[cv] * len(c.kda_layers))
+    nm, nk = len(c.mla_layers), len(c.kda_layers)
+    kv = jax.ShapeDtypeStruct((num_pages, nm, page_size, c.mla_cache_dim), dtype)
+    st = jax.ShapeDtypeStruct((num_slots, nk, H, K, K), jnp.float32)
+    cv = jax.ShapeDtypeStruct((num_slots, nk, c.conv_kernel - 1, 3 * H * K), dtype)
+    return CachePools(mla_kv=kv, kda_state=st, kda_conv=cv)
 
 
 def make_pools(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16) -> CachePools:

@@ -17,12 +17,12 @@ from functools import partial
 from k3jax.cli_help import DefaultsHelpFormatter
 
 
-def _window_nll(params, tokens, length, *, config):
+def _window_nll(params, tokens, length, *, config, backend=None):
     """Summed next-token NLL (fp32) and the number of targets of [B, T+1] windows of `length` tokens."""
     import jax
     import jax.numpy as jnp
     from k3jax.model import forward_full
-    logits = forward_full(params, config, tokens[:, :-1])
+    logits = forward_full(params, config, tokens[:, :-1], backend=backend)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     valid = jnp.arange(tokens.shape[1] - 1)[None, :] + 1 < length[:, None]
@@ -32,22 +32,25 @@ def _window_nll(params, tokens, length, *, config):
 _NLL_FNS: dict = {}
 
 
-def nll_function(config):
+def nll_function(config, backend=None):
     """jit(params, tokens [B, T+1] int32, length [B] int32) -> (summed NLL, target count); one per
-    config (keyed by its repr: configs holding dicts are unhashable), so repeated runs compile once."""
+    (config, backend) (the config keyed by its repr: configs holding dicts are unhashable), so repeated
+    runs compile once. backend: pallas_kernels.backend.Backend (None: detected)."""
     import jax
-    key = repr(config)
+    from pallas_kernels.backend import resolve
+    backend = resolve(backend)
+    key = (repr(config), backend)
     if key not in _NLL_FNS:
-        _NLL_FNS[key] = jax.jit(partial(_window_nll, config=config))
+        _NLL_FNS[key] = jax.jit(partial(_window_nll, config=config, backend=backend))
     return _NLL_FNS[key]
 
 
 def perplexity(params, config, tokenizer, path, *, seq_len: int = 512, batch_size: int = 8,
-               progress: bool = False, nll_fn=None) -> dict:
+               progress: bool = False, nll_fn=None, backend=None) -> dict:
     """{"perplexity", "nll_per_token", "tokens", "windows", "seconds"} over every document under `path`."""
     import numpy as np
     from k3jax.text_data import eval_batches
-    nll_fn = nll_fn or nll_function(config)
+    nll_fn = nll_fn or nll_function(config, backend)
     total, count, windows = 0.0, 0, 0
     t0 = time.perf_counter()
     bar = None
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer")
         res = perplexity(model.params, model.config, model.tokenizer, args.data, seq_len=args.seq_len,
-                         batch_size=args.batch_size, progress=not args.json)
+                         batch_size=args.batch_size, progress=not args.json, backend=model.backend)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

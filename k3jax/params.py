@@ -199,21 +199,39 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
         treedef, [_init_leaf(l, _JaxRandom(k), dtype, std) for l, k in zip(leaves, keys)])
 
 
-def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
-    """The values of `init_params` (same keys per leaf), made by one small jitted program per distinct
+def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02, stacked: bool = False):
+    """The values of `init_params` (same key per leaf), made by one small jitted program per distinct
     leaf (kind, shape): a model with many identical layers compiles a few programs in seconds, where
-    jitting init_params whole took ~3.5 minutes for the 27-layer Kimi-Linear on an H200 (2026-12-01)."""
+    jitting init_params whole took ~3.5 minutes for the 27-layer Kimi-Linear on an H200 (2026-12-01).
+    stacked: return the scan layout (k3jax.layer_stack), each stacked leaf made at once by a vmapped
+    program over its layers' keys: no per-layer copies to stack, so the weights are made without a
+    second copy or a fragmented allocator (stacking the 48B model after the fact ran out of memory)."""
     spec = param_spec(c)
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
-    keys = jax.random.split(key, len(leaves))
+    key_tree = jax.tree_util.tree_unflatten(treedef, list(jax.random.split(key, len(leaves))))
     programs = {}
-    out = []
-    for leaf, k in zip(leaves, keys):
-        sig = (leaf.kind, tuple(leaf.shape))
+
+    def make(leaf, k):                    # k: one key, or [R] keys for a stacked leaf
+        sig = (leaf.kind, tuple(leaf.shape), k.ndim)
         if sig not in programs:
-            programs[sig] = jax.jit(lambda k, leaf=leaf: _init_leaf(leaf, _JaxRandom(k), dtype, std))
-        out.append(programs[sig](k))
-    return jax.tree_util.tree_unflatten(treedef, out)
+            f = lambda k, leaf=leaf: _init_leaf(leaf, _JaxRandom(k), dtype, std)  # noqa: E731
+            programs[sig] = jax.jit(jax.vmap(f) if k.ndim else f)
+        return programs[sig](k)
+
+    init = lambda s, k: jax.tree_util.tree_map(make, s, k, is_leaf=is_leaf)  # noqa: E731
+    from k3jax.layer_stack import layer_stack_plan
+    plan = layer_stack_plan(c)
+    if not stacked or not plan.repeats:
+        return init(spec, key_tree)
+    out = {name: init(spec[name], key_tree[name]) for name in spec if name != "layers"}
+    ls, lk = spec["layers"], key_tree["layers"]
+    units = []
+    for j in range(plan.unit):
+        keys = jax.tree_util.tree_map(lambda *k: jnp.stack(k), *[lk[plan.layer(r, j)] for r in range(plan.repeats)])
+        units.append(init(ls[plan.start + j], keys))
+    out["layers"] = {"head": [init(ls[i], lk[i]) for i in plan.head], "units": units,
+                     "tail": [init(ls[i], lk[i]) for i in plan.tail]}
+    return out
 
 
 def init_params_numpy(c: ModelConfig, seed: int, dtype=jnp.bfloat16, std: float = 0.02):

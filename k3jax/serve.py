@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
+    ap.add_argument("--unrolled-layers", action="store_true",
+                    help="trace every layer instead of scanning the repeating block (debugging; more memory)")
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
     ap.add_argument("--allow-remote-images", action="store_true",
@@ -163,7 +165,8 @@ def build_state(args):
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup,
-        forbid_compile_after_warmup=args.forbid_compile_after_warmup, async_scheduling=not args.no_async_scheduling,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
+        async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))

@@ -1,8 +1,8 @@
 """The one dispatch point between the model and its heavy ops.
 
-Each op picks an implementation by platform and by the `K3JAX_KERNELS` setting:
-  "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
-  "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
+Each op picks an implementation from its `backend` (pallas_kernels/backend.py: built once per model or
+runner; None = detected from K3JAX_KERNELS and the device, for direct calls):
+Pallas kernels or the pure-jnp references, interpret mode, and the kernel family by platform.
 GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
 kernel (pallas_kernels/moe/tpu.py); KDA prefill, KDA decode and paged MLA run their Mosaic kernels
 (pallas_kernels/kda/chunk_tpu.py, pallas_kernels/kda/recurrent_tpu.py,
@@ -16,29 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.kda import reference as kda_ref
 from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
-from pallas_kernels.setting import Setting
-
-_MODES = ("auto", "reference", "pallas")
-_KERNEL_MODE = Setting("kernel mode", "K3JAX_KERNELS", _MODES)
-set_kernel_mode = _KERNEL_MODE.set  # force a mode for this process (None returns to the env/default)
-kernel_mode = _KERNEL_MODE.get
-
-
-def _platform() -> str:
-    """The backend the kernels target (a function so tests can route CPU runs through TPU code)."""
-    return jax.default_backend()
-
-
-def use_pallas() -> tuple[bool, bool]:
-    """(use the Pallas kernel, run it in interpret mode)."""
-    mode = kernel_mode()
-    on_cpu = jax.default_backend() == "cpu"
-    if mode == "reference" or (mode == "auto" and on_cpu):
-        return False, False
-    return True, on_cpu
 
 
 # ---- KDA -------------------------------------------------------------------
@@ -46,29 +27,30 @@ l2norm = kda_ref.l2norm
 kda_gate = kda_ref.kda_gate
 
 
-def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, safe_gate=False):
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, safe_gate=False,
+              backend: Backend | None = None):
     """Chunked KDA (prefill / mixed steps). Shapes as flash-linear-attention's chunk_kda.
     safe_gate: every log decay in g is >= -5 (K3's bounded gate), which allows a cheaper kernel."""
-    pallas, interpret = use_pallas()
-    if pallas:
+    b = resolve(backend)
+    if b.kernels:
         from pallas_kernels import kda
         return kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens, safe_gate=safe_gate, interpret=interpret,
-                             platform=_platform())
+                             cu_seqlens=cu_seqlens, safe_gate=safe_gate, interpret=b.interpret,
+                             platform=b.platform)
     # On CPU the token-serial scan is 100x faster than the chunked (UT-transform) reference for the
     # sizes a CPU serves; accelerators without a kernel take the chunked form (parallel over chunks).
-    ref = kda_ref.recurrent_kda_reference if jax.default_backend() == "cpu" else kda_ref.chunk_kda_reference
+    ref = kda_ref.recurrent_kda_reference if b.device == "cpu" else kda_ref.chunk_kda_reference
     return ref(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
 
 
-def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
+def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None, backend: Backend | None = None):
     """One token per sequence against the state pool, updated in place (donate it).
     q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_indices [N] (negative = padding, skipped)."""
-    pallas, interpret = use_pallas()
-    if pallas:
+    b = resolve(backend)
+    if b.kernels:
         from pallas_kernels import kda
         return kda.fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, scale=scale,
-                                       interpret=interpret, platform=_platform())
+                                       interpret=b.interpret, platform=b.platform)
     idx = state_indices.astype(jnp.int32)
     ok = idx >= 0
     s0 = state_pool[jnp.maximum(idx, 0)]
@@ -79,16 +61,21 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None):
 
 
 # ---- MLA -------------------------------------------------------------------
-write_kv_pages = mla_ref.write_kv_pages
+def write_kv_pages(kv_pages, new_kv, slot_mapping, *, backend: Backend | None = None):
+    """Scatter new latent rows into the page pool (in place under donation)."""
+    return mla_ref.write_kv_pages(kv_pages, new_kv, slot_mapping, bits=resolve(backend).scatter_bits)
 
 
-def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale):
-    """Absorbed MLA attention of ragged query chunks over paged latent caches."""
-    pallas, interpret = use_pallas()
-    if pallas:
+def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
+                     decode_only=False, backend: Backend | None = None):
+    """Absorbed MLA attention of ragged query chunks over paged latent caches.
+    decode_only (static): at most one token per sequence (the kernel's decode schedule and tuning)."""
+    b = resolve(backend)
+    if b.kernels:
         from pallas_kernels import mla
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                                    scale=scale, interpret=interpret, platform=_platform())
+                                    scale=scale, interpret=b.interpret, platform=b.platform,
+                                    decode_only=bool(decode_only))
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
 
@@ -96,46 +83,50 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
 mla_gather_latents = mla_expanded.gather_latents
 
 
-def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale):
+def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale,
+                           backend: Backend | None = None):
     """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
-    pallas, interpret = use_pallas()
-    if pallas and _platform() != "tpu":
+    b = resolve(backend)
+    if b.kernels and b.platform != "tpu":
         return mla_expanded.expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
-                                               scale=scale, interpret=interpret)
+                                               scale=scale, interpret=b.interpret)
     return mla_expanded.expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
                                                      nope_dim=nope_dim, scale=scale)
 
 
-def expanded_kernel_available() -> bool:
+def expanded_kernel_available(backend: Backend | None = None) -> bool:
     """The expanded MLA form has a fast kernel here (the GPU Triton one)."""
-    return use_pallas()[0] and _platform() == "gpu"
+    b = resolve(backend)
+    return b.kernels and b.platform == "gpu"
 
 
 # ---- MoE -------------------------------------------------------------------
-def gmm(lhs, rhs, group_sizes):
+def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
     """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""
-    pallas, interpret = use_pallas()
-    if pallas and _platform() == "tpu":
+    b = resolve(backend)
+    if b.kernels and b.platform == "tpu":
         from pallas_kernels.moe.tpu import gmm_tpu
-        return gmm_tpu(lhs, rhs, group_sizes, interpret=interpret)
-    if pallas:
+        return gmm_tpu(lhs, rhs, group_sizes, interpret=b.interpret)
+    if b.kernels:
         from pallas_kernels import moe
-        return moe.gmm(lhs, rhs, group_sizes, interpret=interpret)
+        return moe.gmm(lhs, rhs, group_sizes, interpret=b.interpret)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
 def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, situ_beta: float,
-               situ_linear_beta, reference, num_experts_total=None):
+               situ_linear_beta, reference, num_experts_total=None, layer=None, backend: Backend | None = None):
     """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
     or MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code.
     num_experts_total: the model's expert count; under expert parallelism E is this device's share
-    and the kernels size their tiles from the rows that land here (about T*k / num_experts_total)."""
-    pallas, interpret = use_pallas()
-    if not pallas or _platform() == "tpu":      # TPU: the model's composition, its gmm calls on megablox
+    and the kernels size their tiles from the rows that land here (about T*k / num_experts_total).
+    layer (int32, may be traced): every array in experts is a stack over layers ([L, E, ...]) and this
+    layer runs; the kernels read its experts in place (reference() must take the layer's slice)."""
+    b = resolve(backend)
+    if not b.kernels or b.platform == "tpu":    # TPU: the model's composition, its gmm calls on megablox
         return reference()
     from pallas_kernels import moe
-    kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret,
-              num_experts_total=num_experts_total)
+    kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=b.interpret,
+              num_experts_total=num_experts_total, layer=layer)
     if "w1" in experts:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
     # MXFP4: weights decoded in the kernels' main loop at every row count (decode tiles for few rows
@@ -145,4 +136,4 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
     # at K3 shapes" that once made this path suspect was a wrong reference in check_kernels_gpu.py.)
     return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, (experts["w1_packed"], experts["w1_scale"]),
                                 (experts["w3_packed"], experts["w3_scale"]),
-                                (experts["w2_packed"], experts["w2_scale"]), **kw)
+                                (experts["w2_packed"], experts["w2_scale"]), decoder=b.mxfp4_decoder, **kw)

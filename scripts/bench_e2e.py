@@ -51,13 +51,13 @@ def check(args):
     """Same prompts, greedy, through the engine with reference ops and with the Pallas kernels."""
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
-    from pallas_kernels import ops
+    from pallas_kernels.backend import detect
     model = load_model("tiny-random", dtype="bfloat16")
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 1000, n).tolist() for n in (5, 40, 130, 300)]
     outs = {}
     for mode in ("reference", "pallas"):
-        ops.set_kernel_mode(mode)
+        model.backend = detect(mode)          # the engine's runner closes over the model's backend
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, token_buckets=(16, 256),
                   seq_buckets=(4,))
         t = time.perf_counter()

@@ -1,17 +1,21 @@
-"""One table for issue 6: KDA prefill and decode vs flash-linear-attention, MLA paged decode vs
-plain jnp, each with its ratio to the anchor and to the copy bandwidth measured in the same run.
+"""Issue 20's one kernel table: KDA decode, paged MLA decode and KDA chunked prefill, each timed
+isolated AND as the model calls it (the ops entry point with the dtypes, padding and engine layout of
+a real step of Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors
+measured in the same run: copy bandwidth, bf16 matmul peak, FLA (chunk_kda / fused_recurrent_kda)
+when it imports.
 
-  python scripts/bench_kernels.py [--deadline 420] [--prefill "16,4096,32;2,32768,32;..."]
+  python3 scripts/bench_kernels.py [--budget 120] [--json PATH] [--csv PATH] [--no-fla] [--tiny]
 
-Run on the GPU (FLA wheels on PYTHONPATH; see docs/benchmarks.md). FLA autotunes for 70-100 s at
-each new prefill shape on the H200, so the default prefill list (the issue's B*T = 64k shapes)
-needs most of a 10-minute device call; pass fewer shapes for a shorter run. `--smoke` runs tiny
-shapes in CPU interpret mode (no anchors) to check the script itself.
+Rows run in priority order and no case starts after --budget seconds (a skipped row says so), so the
+whole run stays under ~150 s on one H200. `--tiny` runs every row at toy sizes on CPU with the Pallas
+kernels in interpret mode (checks the script, not the speed). The measuring functions are
+bench_kda's and bench_mla's; this script only picks the shapes and variants and builds the table.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -20,60 +24,410 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_kda  # noqa: E402
 import bench_mla  # noqa: E402
+from tables import Table, add_csv_argument  # noqa: E402
 
-DECODE = [(64, 32), (256, 32), (64, 96), (256, 96)]
-PREFILL = [(16, 4096, 32), (2, 32768, 32), (16, 4096, 96), (2, 32768, 96)]
-MLA = [(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)]
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
+T0 = time.time()
 
-def _shapes(text):
-    return [tuple(int(x) for x in sh.split(",")) for sh in text.split(";") if sh]
+# MLA useful FLOPs per (key, head): scores over L+R, then P @ ckv over L
+MLA_FLOP = lambda lat, rope: 2 * (lat + rope) + 2 * lat  # noqa: E731
 
+# FLA chunk_kda on the same shapes, H200, 2026-11-29 (docs/benchmarks.md, issue 6's table): quoted
+# where FLA does not import, never as a same-run anchor
+FLA_PREFILL_QUOTED = {(16, 4096, 32): 9.30, (2, 32768, 32): 8.69, (16, 4096, 96): 3.10, (2, 32768, 96): 2.99}
 
-def _smoke():
-    """Tiny shapes through the Pallas kernels in interpret mode (CPU): exercises the script only."""
-    import jax.numpy as jnp
-    from pallas_kernels import kda
-    bench_kda.chunk_kda = functools.partial(kda.chunk_kda, interpret=True)
-    bench_kda.fused_recurrent_kda = functools.partial(kda.fused_recurrent_kda, interpret=True)
-    make = bench_kda.make_inputs
-    bench_kda.make_inputs = lambda key, B, T, H, K=128, V=128: make(key, B, T, H, 32, 32)
-    rows = (bench_kda.decode_rows(None, None, [(4, 2)], 1.0, 1e9, K=32, V=32)
-            + bench_kda.prefill_rows(None, None, [(1, 64, 2)], 1.0, 1e9)
-            + bench_mla.decode_rows([(2, 64, 4)], 1.0, lat=64, rope=16, ps=16, dtype=jnp.float32,
-                                    interpret=True, iters=2))
-    bench_kda.print_table(bench_kda.TABLE_HEADER, rows)
+TABLE = Table(("kernel", "kernel"), ("case", "case"), ("call", "called as"), ("variant", "variant"),
+              ("us", "us", ".0f"), ("tb_s", "TB/s", ".2f"), ("tflop_s", "TFLOP/s", ".0f"),
+              ("mtok_s", "M tok/s", ".2f"), ("roof", "of roof", ".0%"), ("anchor", "anchor"),
+              ("vs_anchor", "vs anchor", ".2f"), ("target", "target"))
 
 
-def main():
+class Run:
+    """Shared state of one run: sizes (full or tiny), anchors, the budget."""
+
+    def __init__(self, tiny, budget, fla):
+        self.tiny, self.budget = tiny, budget
+        self.interpret = True if tiny else None
+        self.kv = 32 if tiny else 128                      # KDA K = V
+        self.lat, self.rope = (64, 16) if tiny else (512, 64)
+        self.reps = 1 if tiny else 10
+        self.torch, self.fla, why = bench_kda._torch_fla() if fla and not tiny else (None, None, "off")
+        self.fla_note = why
+        self.copy_bw = self.peak = None
+
+    def over(self):
+        return time.time() - T0 > self.budget
+
+    def add(self, **row):
+        line = TABLE.add(**row)
+        print(f"[{time.time() - T0:6.1f}s] {line}", flush=True)
+
+    def skip(self, kernel, case, call, variant, why):
+        self.add(kernel=kernel, case=case, call=call, variant=variant, target=f"not run ({why})")
+
+    def timed(self, kernel, case, call, variant, fn):
+        """fn() -> seconds, or None (a skipped row) past the budget or when it fails: a variant
+        that does not compile is a row of the table, not the end of the run."""
+        if self.over():
+            self.skip(kernel, case, call, variant, "budget")
+            return None
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            self.skip(kernel, case, call, variant, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            return None
+
+
+def anchors(run):
+    """Copy bandwidth (read + write) and the bf16 matmul peak, measured here."""
+    bw_jax, bw_torch = bench_kda.copy_bandwidth(run.torch, gib=1 / 64 if run.tiny else 4.0)
+    run.copy_bw = bw_torch or bw_jax
+    n = 256 if run.tiny else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    t = bench_kda.time_jax(jax.jit(lambda x: x @ x), a, reps=run.reps)
+    run.peak = 2 * n ** 3 / t
+    print(f"# copy bandwidth: jax x+1 {bw_jax / 1e12:.2f} TB/s, torch copy_ "
+          f"{'n/a' if bw_torch is None else f'{bw_torch / 1e12:.2f}'} TB/s (roof uses "
+          f"{run.copy_bw / 1e12:.2f}); bf16 matmul {n}^3: {run.peak / 1e12:.0f} TFLOP/s; "
+          f"FLA: {'imported' if run.fla else f'n/a ({run.fla_note})'}", flush=True)
+
+
+# ---- KDA decode ---------------------------------------------------------------------------------
+# (block_v, num_warps, block_h); the first is recurrent_pallas.CONFIG's
+# 1 warp: the reductions over K stay inside a warp (no shared-memory round trip), as FLA's decode does
+KDA_DECODE_VARIANTS = [(64, 4, 1), (64, 2, 1), (128, 4, 1), (32, 4, 1), (32, 1, 1), (16, 1, 1), (8, 1, 1),
+                       (64, 4, 2)]
+
+
+def _time_pool_step(step, args, pool, reps):
+    """Seconds per call of step(*args, pool) -> (o, pool), the pool donated and threaded."""
+    state = {"p": pool}
+
+    def call():
+        state["p"] = step(*args, state["p"])[1]
+        return state["p"]
+    return bench_kda.time_jax(call, reps=reps)
+
+
+def _decode_target(frac):
+    return "met (>= 85% of copy)" if frac >= 0.85 else f"missed by {0.85 - frac:.0%} of copy"
+
+
+def kda_decode_rows(run, shapes, variants):
+    from pallas_kernels.kda import recurrent_pallas as rp
+    K = V = run.kv
+    for N, H in shapes:
+        case = f"N={N} H={H}"
+        q, k, v, g, beta = (x[0] for x in bench_kda.make_inputs(jax.random.PRNGKey(1), 1, N, H, K, V))
+        idx = jnp.arange(N, dtype=jnp.int32)
+        nbytes = 2 * N * H * K * V * 4
+        anchor, t_fla = None, None
+        if run.fla is not None:
+            tq = bench_kda.torch_inputs(run.torch, N, 1, H)
+            h0 = run.torch.zeros(N, H, K, V, dtype=run.torch.float32, device="cuda")
+            t_fla = bench_kda.time_torch(run.torch, lambda: run.fla[1](*tq, initial_state=h0,
+                                                                         output_final_state=True), reps=20)
+            anchor = f"FLA fused_recurrent {t_fla * 1e6:.0f} us"
+            del tq, h0
+        for bv, nw, bh in variants:
+            label = f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "")
+            label += " (default)" if (bv, nw, bh) == (rp.CONFIG["block_v"], rp.CONFIG["num_warps"], 1) else ""
+            kw = dict(rp.CONFIG, block_v=bv, num_warps=nw)
+            step = jax.jit(lambda q, k, v, g, b, i, p, kw=kw, bh=bh: rp.fused_recurrent_kda_pallas(
+                q, k, v, g, b, p, i, jnp.zeros((H,)), jnp.zeros((H, K)), scale=K ** -0.5, block_h=bh,
+                interpret=bool(run.interpret), backend="interpret" if run.interpret else "triton", **kw),
+                donate_argnums=6)
+            t = run.timed("KDA decode", case, "isolated", label, lambda step=step: _time_pool_step(
+                step, (q, k, v, g, beta, idx), jnp.zeros((N, H, K, V), jnp.float32), 2 * run.reps))
+            if t is None:
+                continue
+            frac = nbytes / t / run.copy_bw
+            run.add(kernel="KDA decode", case=case, call="isolated", variant=label, us=t * 1e6,
+                    tb_s=nbytes / t / 1e12, roof=frac, anchor=anchor,
+                    vs_anchor=None if t_fla is None else t_fla / t, target=_decode_target(frac))
+        del q, k, v, g, beta
+
+
+def kda_decode_model_rows(run, cases):
+    """ops.kda_decode as kda_step's decode-only path calls it: bf16 q/k/v, fp32 g/beta, a pool with
+    more slots than sequences, the sequence bucket's padding rows at slot -1."""
+    from pallas_kernels import ops
+    K = V = run.kv
+    for model, n_real, n_bucket, H, n_slots in cases:
+        case = f"N={n_real} of bucket {n_bucket} H={H}, {n_slots} slots"
+        q, k, v, g, beta = (x[0] for x in bench_kda.make_inputs(jax.random.PRNGKey(2), 1, n_bucket, H, K, V))
+        beta = beta.astype(jnp.float32)
+        slots = np.full(n_bucket, -1, np.int32)
+        slots[:n_real] = np.random.default_rng(0).permutation(np.arange(1, n_slots))[:n_real]
+        step = jax.jit(lambda q, k, v, g, b, s, p: ops.kda_decode(q, k, v, g, b, p, s, scale=K ** -0.5),
+                       donate_argnums=6)
+        t = run.timed("KDA decode", case, f"as model: {model}", "default", lambda: _time_pool_step(
+            step, (q, k, v, g, beta, jnp.asarray(slots)), jnp.zeros((n_slots, H, K, V), jnp.float32),
+            2 * run.reps))
+        if t is None:
+            continue
+        nbytes = 2 * n_real * H * K * V * 4
+        frac = nbytes / t / run.copy_bw
+        run.add(kernel="KDA decode", case=case, call=f"as model: {model}", variant="default",
+                us=t * 1e6, tb_s=nbytes / t / 1e12, roof=frac, target=_decode_target(frac))
+        del q, k, v, g, beta
+
+
+# ---- MLA decode ---------------------------------------------------------------------------------
+# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...)
+MLA_H96_VARIANTS = [
+    ("R-w16-r64", "R-w16-r64"),
+    ("R-w8-r64-bk32-st3", "R-w8-r64-bk32-st3"),
+    ("heads 64 (R r64 w8) + 32 (T w4)", ((64, "R-w8-r64"), (32, "T-w4"))),
+]
+
+
+def _mla_config(spec, heads, page_size, max_pages, n_seqs):
+    """A variant -> the hashable config tuple of mla_paged_decode (None: default_tuning)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return bench_mla.resolve(bench_mla.parse_spec(spec)[0], heads, page_size, max_pages, n_seqs)
+    return (("head_groups", tuple((h, _mla_config(s, h, page_size, max_pages, n_seqs)) for h, s in spec)),)
+
+
+def _mla_target(heads, tb_s, tflop_s):
+    if heads > 32:
+        return "met (>= 450 TFLOP/s)" if tflop_s >= 450 else f"missed: {tflop_s / 450:.0%} of 450 TFLOP/s"
+    return "met (>= 3.0 TB/s)" if tb_s >= 3.0 else f"missed: {tb_s / 3.0:.0%} of 3.0 TB/s"
+
+
+def _mla_row(run, kernel_case, call, variant, t, n_bytes, flops, heads):
+    tb_s, tflop_s = n_bytes / t / 1e12, flops / t / 1e12
+    run.add(kernel="MLA decode", case=kernel_case, call=call, variant=variant, us=t * 1e6, tb_s=tb_s,
+            tflop_s=tflop_s, roof=max(n_bytes / t / run.copy_bw, flops / t / run.peak),
+            target=_mla_target(heads, tb_s, tflop_s))
+
+
+def mla_decode_rows(run, shapes, variants_by_heads, page_size=64, with_default=True):
+    from pallas_kernels.mla import mla_paged_decode
+    lat, rope = run.lat, run.rope
+    for n, ctx, heads in shapes:
+        case = f"N={n} ctx={ctx} H={heads} page {page_size}"
+        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size,
+                                            jnp.bfloat16)[2:]
+        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
+        args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
+                jax.random.normal(k2, (n, heads, rope), jnp.bfloat16), kv, bt, lens)
+        n_bytes = n * ctx * (lat + rope) * 2
+        flops = float(n) * ctx * heads * MLA_FLOP(lat, rope)
+        for label, spec in [("default", None)] * with_default + variants_by_heads.get(heads, []):
+            cfg = _mla_config(spec, heads, page_size, bt.shape[1], n)
+            f = functools.partial(mla_paged_decode, scale=192 ** -0.5, interpret=run.interpret, config=cfg)
+            t = run.timed("MLA decode", case, "isolated", label,
+                          lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
+            if t is None:
+                continue
+            _mla_row(run, case, "isolated", label, t, n_bytes, flops, heads)
+        del kv, bt, lens, args
+
+
+def mla_decode_model_rows(run, cases):
+    """ops.mla_ragged_paged as mla_step's absorbed form calls it in a decode-only step: the engine's
+    16-token pages, block tables max_model_len / 16 wide, the sequence bucket's padding rows (no
+    token, kv_len 0), bucket-padded tokens; decode_only=True (this branch) vs False (main before)."""
+    from pallas_kernels import ops
+    lat, rope = run.lat, run.rope
+    for model, n_real, n_bucket, ctx, heads, page_size, modes in cases:
+        case = f"N={n_real} of bucket {n_bucket} ctx={ctx} H={heads} page {page_size}"
+        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
+                                            jnp.bfloat16)[2:]
+        pad = n_bucket - n_real
+        bt = jnp.pad(bt, ((0, pad), (0, 0)))                       # padding rows: garbage page 0
+        lens = jnp.pad(lens, (0, pad))
+        cu = jnp.asarray(np.concatenate([np.arange(n_real + 1), np.full(pad, n_real)]), jnp.int32)
+        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
+        ql = jax.random.normal(k1, (n_bucket, heads, lat), jnp.bfloat16)
+        qr = jax.random.normal(k2, (n_bucket, heads, rope), jnp.bfloat16)
+        n_bytes = n_real * ctx * (lat + rope) * 2
+        flops = float(n_real) * ctx * heads * MLA_FLOP(lat, rope)
+        for decode_only in modes:
+            variant = "decode_only=True" if decode_only else "decode_only=False (main before)"
+            f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=decode_only))
+            t = run.timed("MLA decode", case, f"as model: {model}", variant,
+                          lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
+            if t is None:
+                continue
+            _mla_row(run, case, f"as model: {model}", variant, t, n_bytes, flops, heads)
+        del kv, bt, lens, ql, qr
+
+
+# ---- KDA chunked prefill --------------------------------------------------------------------------
+def _prefill_target(ratio, quoted):
+    if ratio is None:
+        return "FLA n/a: not measured"
+    verdict = "met (>= 1.0x FLA)" if ratio >= 1.0 else f"missed by {1 - ratio:.0%}"
+    return verdict + (" vs quoted FLA" if quoted else "")
+
+
+def kda_prefill_rows(run, shapes):
+    from pallas_kernels.kda import chunk_kda
+    for B, T, H in shapes:
+        case = f"B={B} T={T} H={H}"
+        t = run.timed("KDA prefill", case, "isolated", "default", lambda: bench_kda.time_jax(
+            jax.jit(lambda *a: chunk_kda(*a, interpret=run.interpret)),
+            *bench_kda.make_inputs(jax.random.PRNGKey(1), B, T, H, run.kv, run.kv), reps=1 if run.tiny else 3))
+        if t is None:
+            continue
+        mtok = B * T / t / 1e6
+        anchor, ratio, quoted = None, None, False
+        if run.fla is not None:
+            tq = bench_kda.torch_inputs(run.torch, B, T, H)
+            ta = bench_kda.time_torch(run.torch, lambda: run.fla[0](*tq, output_final_state=True), reps=3)
+            anchor, ratio = f"FLA chunk_kda {B * T / ta / 1e6:.2f} M tok/s", ta / t
+            del tq
+        elif (B, T, H) in FLA_PREFILL_QUOTED and not run.tiny:
+            fla_mtok = FLA_PREFILL_QUOTED[(B, T, H)]
+            anchor, ratio, quoted = f"FLA {fla_mtok:.2f} M tok/s (2026-11-29, quoted)", mtok / fla_mtok, True
+        run.add(kernel="KDA prefill", case=case, call="isolated", variant="default", us=t * 1e6,
+                mtok_s=mtok, anchor=anchor, vs_anchor=ratio, target=_prefill_target(ratio, quoted))
+
+
+def kda_prefill_model_rows(run, cases):
+    """ops.kda_chunk as kda_step calls it: one flat ragged batch (B=1, cu_seqlens), the token and
+    sequence buckets' padding, an fp32 initial state per sequence, bf16 q/k/v, fp32 g/beta, safe_gate
+    from the model's gate bound (K3: -5)."""
+    from pallas_kernels import ops
+    K = V = run.kv
+    for model, lens, t_bucket, n_bucket, H, safe in cases:
+        case = f"T={t_bucket} ({len(lens)}x{lens[0]} + pad) H={H}"
+        q, k, v, g, beta = bench_kda.make_inputs(jax.random.PRNGKey(3), 1, t_bucket, H, K, V)
+        beta = beta.astype(jnp.float32)
+        cu = np.concatenate([[0], np.cumsum(lens), np.full(n_bucket - len(lens), sum(lens))]).astype(np.int32)
+        s0 = jnp.zeros((n_bucket, H, K, V), jnp.float32)
+        f = jax.jit(lambda q, k, v, g, b, s, c: ops.kda_chunk(q, k, v, g, b, scale=K ** -0.5, initial_state=s,
+                                                              cu_seqlens=c, safe_gate=safe))
+        t = run.timed("KDA prefill", case, f"as model: {model}", f"safe_gate={safe}", lambda: bench_kda.time_jax(
+            f, q, k, v, g, beta, s0, jnp.asarray(cu), reps=1 if run.tiny else 3))
+        del q, k, v, g, beta, s0
+        if t is None:
+            continue
+        run.add(kernel="KDA prefill", case=case, call=f"as model: {model}", variant=f"safe_gate={safe}",
+                us=t * 1e6, mtok_s=sum(lens) / t / 1e6)
+
+
+# ---- the variants on this device vs the references (small shapes) ---------------------------------
+def checks(run):
+    """Max |kernel - reference| / max |reference| of the variants that could become defaults."""
+    from pallas_kernels.kda import recurrent_pallas as rp
+    from pallas_kernels.kda.reference import decode_reference
+    from pallas_kernels.mla import (mla_decode_reference, mla_paged_decode, ragged_paged_mla,
+                                    ragged_paged_mla_reference)
+
+    def err(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+    def row(kernel, variant, fn):
+        e = run.timed(kernel, "small shapes vs reference", "check", variant, fn)
+        if e is not None:
+            run.add(kernel=kernel, case="small shapes vs reference", call="check", variant=variant,
+                    target=f"rel err {e:.1e}")
+    lat, rope, scale = run.lat, run.rope, 192 ** -0.5
+    ql, qr, kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(5), 5, 300, 96 if not run.tiny else 6,
+                                                lat, rope, 16, jnp.float32)
+    lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
+    groups = ((64, "R-w8-r64"), (32, "T-w4")) if not run.tiny else ((4, None), (2, None))
+    cfg = _mla_config(groups, ql.shape[1], 16, bt.shape[1], 5)
+    row("MLA decode", "head groups, fp32, page 16", lambda: err(
+        mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
+        mla_decode_reference(ql, qr, kv, bt, lens, scale=scale)))
+    pad_bt, pad_lens = jnp.pad(bt, ((0, 2), (0, 0))), jnp.pad(lens, (0, 2))
+    cu = jnp.array([0, 1, 2, 3, 4, 5, 5, 5], jnp.int32)
+    qlp, qrp = (jnp.pad(x, ((0, 3), (0, 0), (0, 0))) for x in (ql, qr))  # 8 tokens: 3 bucket padding
+    row("MLA decode", "decode_only ragged, padding rows and tokens", lambda: err(
+        ragged_paged_mla(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale, interpret=run.interpret,
+                         decode_only=True),
+        ragged_paged_mla_reference(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale)))
+    K = run.kv
+    q, k, v, g, beta = (x[0].astype(jnp.float32) for x in bench_kda.make_inputs(jax.random.PRNGKey(6), 1, 6, 4, K, K))
+    pool = jax.random.normal(jax.random.PRNGKey(7), (9, 4, K, K))
+    idx = jnp.array([4, -1, 0, 8, 2, 5], jnp.int32)
+    want = decode_reference(q, k, v, g, beta, pool, idx)
+    for bv, nw, bh in KDA_DECODE_VARIANTS[1:]:
+        row("KDA decode", f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "") + ", fp32 (o and pool)", lambda bv=bv, nw=nw, bh=bh: max(
+            err(a, b) for a, b in zip(rp.fused_recurrent_kda_pallas(
+                q, k, v, g, beta, pool, idx, jnp.zeros((4,)), jnp.zeros((4, K)), scale=K ** -0.5, block_v=bv,
+                num_warps=nw, block_h=bh, interpret=bool(run.interpret),
+                backend="interpret" if run.interpret else "triton"), want)))
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def plan(tiny):
+    """(kind, shapes) in priority order: defaults first, then the variants."""
+    if tiny:
+        return dict(
+            kda_decode=[(4, 2)], kda_decode_variants=[(4, 2)],
+            kda_decode_model=[("Kimi-Linear-48B", 3, 4, 2, 6)],
+            mla=[(2, 64, 4)], mla_variants={4: [("head groups 2+2", ((2, None), (2, None))),
+                                                ("R-w8-bk16", "R-w8-bk16")]},
+            mla_model=[("K3", 2, 3, 48, 4, 16, (True, False))],
+            prefill=[(1, 64, 2)], prefill_model=[("K3", [30, 20], 64, 3, 2, True)])
+    return dict(
+        kda_decode=[(256, 32), (256, 96)], kda_decode_variants=[(256, 32), (256, 96)],
+        kda_decode_model=[("Kimi-Linear-48B", 250, 256, 32, 312), ("K3 (DP attention)", 250, 256, 96, 312)],
+        mla=[(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)],
+        mla_variants={96: MLA_H96_VARIANTS},
+        mla_model=[("Kimi-Linear-48B", 60, 64, 8192, 32, 16, (True, False)),
+                   ("Kimi-Linear-48B", 60, 64, 8192, 32, 64, (True,)),
+                   ("K3 (DP attention)", 60, 64, 8192, 96, 16, (True, False)),
+                   ("K3 (DP attention)", 16, 16, 131072, 96, 16, (True,)),
+                   ("K3 (tensor=8: 12 heads)", 60, 64, 8192, 12, 16, (True,))],
+        prefill=[(16, 4096, 32), (2, 32768, 32), (16, 4096, 96), (2, 32768, 96)],
+        prefill_model=[("Kimi-Linear-48B", [2000, 2000], 4096, 4, 32, False),
+                       ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)])
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--deadline", type=float, default=420.0, help="start no case after (s)")
-    ap.add_argument("--decode", default=";".join(f"{n},{h}" for n, h in DECODE), help='"N,H;..."')
-    ap.add_argument("--prefill", default=";".join(",".join(map(str, s)) for s in PREFILL),
-                    help='"B,T,H;..."')
-    ap.add_argument("--mla", default=";".join(",".join(map(str, s)) for s in MLA), help='"N,ctx,H;..."')
-    ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
-    if args.smoke:
-        _smoke()
-        return
-    import jax
+    ap.add_argument("--budget", "--deadline", type=float, default=120.0, help="start no case after (s)")
+    ap.add_argument("--tiny", "--smoke", action="store_true", help="toy shapes, CPU interpret mode")
+    ap.add_argument("--no-fla", action="store_true", help="skip the FLA anchor even if it imports")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and anchors as JSON")
+    add_csv_argument(ap)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        from pallas_kernels import ops
+        ops.set_kernel_mode("pallas")  # the model-path rows run the kernels (interpreted) on CPU too
+    run = Run(args.tiny, args.budget, fla=not args.no_fla)
     from pallas_kernels.kda import chunk_pallas, recurrent_pallas
     from pallas_kernels.mla import paged
-    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
+    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n"
-          f"# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 {paged.default_tuning(96, True)}")
-    torch, fla, why = bench_kda._torch_fla()
-    if fla is None:
-        print(f"# FLA anchor unavailable ({why}): KDA anchor columns n/a")
-    bw_jax, bw_torch = bench_kda.copy_bandwidth(torch)
-    bw = bw_torch or bw_jax
-    print(f"# copy bandwidth (read+write): jax x+1 {bw_jax / 1e12:.2f} TB/s, torch copy_ "
-          f"{'n/a' if bw_torch is None else f'{bw_torch / 1e12:.2f}'} TB/s; ratios use {bw / 1e12:.2f}")
-    rows = bench_kda.decode_rows(torch, fla, _shapes(args.decode), bw, args.deadline)
-    rows += bench_mla.decode_rows(_shapes(args.mla), bw / 1e12)
-    rows += bench_kda.prefill_rows(torch, fla, _shapes(args.prefill), bw, args.deadline)
-    bench_kda.print_table(bench_kda.TABLE_HEADER, rows)
+          f"# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 {paged.default_tuning(96, True)}",
+          flush=True)
+    anchors(run)
+    p = plan(args.tiny)
+    kda_decode_rows(run, p["kda_decode"], KDA_DECODE_VARIANTS[:1])
+    kda_decode_model_rows(run, p["kda_decode_model"])
+    mla_decode_rows(run, p["mla"], {})
+    mla_decode_model_rows(run, p["mla_model"])
+    kda_prefill_rows(run, p["prefill"])
+    kda_prefill_model_rows(run, p["prefill_model"])
+    kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS[1:])
+    checks(run)
+    mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]], p["mla_variants"],
+                    with_default=False)
+    print(f"\n# kernel table, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"copy {run.copy_bw / 1e12:.2f} TB/s, bf16 matmul {run.peak / 1e12:.0f} TFLOP/s; "
+          f"roof = copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA)")
+    print(TABLE.markdown())
+    print(f"# total {time.time() - T0:.0f} s")
+    if args.csv:
+        TABLE.write_csv(args.csv)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bw=run.copy_bw,
+                           bf16_peak=run.peak, fla=run.fla is not None, rows=TABLE.rows), f, indent=1)
+    return TABLE.rows
 
 
 if __name__ == "__main__":

@@ -127,27 +127,6 @@ def check_gpu(interpret, dtype, lat, rope, heads, config=None):
     return rows
 
 
-def decode_rows(shapes, bw, *, lat=512, rope=64, ps=64, dtype=jnp.bfloat16, interpret=None, iters=10):
-    """One row per (N, ctx, H): the default-config kernel vs plain jnp (the anchor), cache bytes
-    read per second, ratio to the copy bandwidth `bw` (TB/s). Rows as bench_kda.TABLE_HEADER."""
-    rows, scale = [], 192 ** -0.5
-    ref = jax.jit(functools.partial(mla_decode_reference, scale=scale))
-    ours = functools.partial(mla_paged_decode, scale=scale, interpret=interpret)
-    for n, ctx, heads in shapes:
-        kv, bt, lens = make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, ps, dtype)[2:]
-        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
-        args = (jax.random.normal(k1, (n, heads, lat), dtype), jax.random.normal(k2, (n, heads, rope), dtype),
-                kv, bt, lens)
-        nbytes = n * ctx * (lat + rope) * jnp.dtype(dtype).itemsize
-        t, ta = timeit(ours, *args, iters=iters), timeit(ref, *args, iters=iters)
-        rows.append((f"MLA decode N={n} ctx={ctx} H={heads}", f"{t * 1e6:.0f} us",
-                     f"{nbytes / t / 1e12:.2f} TB/s", f"plain jnp {nbytes / ta / 1e12:.2f} TB/s",
-                     f"{ta / t:.2f}x", f"{nbytes / t / 1e12 / bw:.0%}"))
-        log(rows[-1])
-        del kv, bt, lens, args
-    return rows
-
-
 # Config specs for --configs: tokens joined by "-". T / R = transposed / row form;
 # wN num_warps; stN num_stages; bkN key block; rN max rows per tile; xN = N x the picked
 # split count; slN = slots (CTAs per wave) for the split choice; hN = only for N heads
@@ -250,6 +229,7 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
     from k3jax.layers import mla
     from k3jax.presets import preset_config
     from pallas_kernels.mla import expanded
+    from pallas_kernels.backend import detect
     c = preset_config(model)
     p = _mla_layer(c, dtype)
     H, L, R, DN, DV = c.mla_num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
@@ -266,13 +246,13 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
         # expanded: a key buffer just large enough for this step's keys; auto: the model's defaults
         for form, kpt in (("absorbed", None), ("expanded", -(-keys // T)), ("auto", None)):
             default_kpt = mla.EXPANDED_KEYS_PER_TOKEN
-            mla.set_prefill_form(form)
+            backend = detect(mla_prefill=form)
             mla.EXPANDED_KEYS_PER_TOKEN = kpt or default_kpt
             try:
-                f = jax.jit(lambda p_, x_, kv_, m_: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False}),
-                            donate_argnums=2)
+                f = jax.jit(lambda p_, x_, kv_, m_, b=backend: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False},
+                                                                           b), donate_argnums=2)
                 ms, outs[form], kv = _time_step(f, p, x, kv, meta, iters)
-                budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False)
+                budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False, backend)
                 note = (f"key buffer {budget_keys}" + (" (sum kv_lens fits)" if keys <= budget_keys else
                         " (overflow: absorbed fallback)")) if budget_keys else "absorbed"
                 rows.append((label, f"mla_step {form}", ms, note))
@@ -280,7 +260,6 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
             except Exception as e:  # noqa: BLE001 - report and continue
                 log(f"{label} {form} FAILED: {type(e).__name__}: {str(e)[:600]}")
             finally:
-                mla.set_prefill_form(None)
                 mla.EXPANDED_KEYS_PER_TOKEN = default_kpt
         if "absorbed" in outs and "expanded" in outs:
             err, ref = _err(outs["expanded"], outs["absorbed"])

@@ -90,10 +90,10 @@ def moe_case(fmt, T, D, I, E, k):
 
 
 def decode_step_time(model_name, layers, concurrency, ctx, mode):
-    from pallas_kernels import ops
+    from pallas_kernels.backend import detect
     from k3jax.cache import SeqChunk, make_pools, make_step_batch
     from k3jax.model import forward_step
-    ops.set_kernel_mode(mode)
+    backend = detect(mode)
     model = _trimmed(model_name, layers)
     c = model.config
     ps = 64
@@ -103,7 +103,7 @@ def decode_step_time(model_name, layers, concurrency, ctx, mode):
               for i in range(concurrency)]
     batch = make_step_batch(chunks, ps, num_tokens=concurrency, num_seqs=concurrency, max_pages=pages_per)
     print(f"  ({mode}: step batch decode_only={batch.decode_only})", flush=True)
-    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b), donate_argnums=1)
+    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b, backend), donate_argnums=1)
     logits, pools = step(model.params, pools, batch)
     ts = []
     for _ in range(10):

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from k3jax import api  # noqa: E402
 from k3jax.eval import perplexity  # noqa: E402
 from k3jax.text_data import piece_offsets, read_piece, text_files  # noqa: E402
-from pallas_kernels import ops  # noqa: E402
+from pallas_kernels.backend import detect  # noqa: E402
 
 
 def prompts_from(tok, data, count: int, length: int) -> list[list[int]]:
@@ -52,9 +52,14 @@ def prompts_from(tok, data, count: int, length: int) -> list[list[int]]:
     return out
 
 
+def backend_for(model, mode: str):
+    """The model's backend (its MXFP4 decoder) with kernels as `mode` asks."""
+    return detect(mode).replace(mxfp4_decoder=model.backend.mxfp4_decoder)
+
+
 def greedy(model, prompts, max_tokens: int, mode: str):
     from k3jax.offline import LLM, SamplingParams
-    ops.set_kernel_mode(mode)
+    model.backend = backend_for(model, mode)       # the engine's runner closes over the model's backend
     llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=512,
               max_model_len=max(256, len(prompts[0]) + max_tokens), warmup=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -71,8 +76,7 @@ def teacher_forced(model, data, seq_len: int, max_batches: int) -> dict:
     from k3jax.text_data import eval_batches
     fns = {}
     for mode in ("reference", "auto"):
-        ops.set_kernel_mode(mode)          # the dispatch is read while tracing: one jit per mode
-        fns[mode] = jax.jit(partial(forward_full, c=model.config)).lower(
+        fns[mode] = jax.jit(partial(forward_full, c=model.config, backend=backend_for(model, mode))).lower(
             model.params, tokens=jax.ShapeDtypeStruct((8, seq_len), np.int32)).compile()
     equal = total = 0
     for b, batch in enumerate(eval_batches(model.tokenizer, data, seq_len, 8)):
@@ -89,15 +93,18 @@ def teacher_forced(model, data, seq_len: int, max_batches: int) -> dict:
 def with_bf16_experts(model, path):
     """The model with its routed experts replaced by the unquantized ones (bf16) from `path`."""
     from safetensors.flax import load_file
+    from k3jax.layer_stack import stack_layers
     flat = load_file(path)
+    per_layer = model.checkpoint_params()
     layers = []
-    for i, lp in enumerate(model.params["layers"]):
+    for i, lp in enumerate(per_layer["layers"]):
         if "experts" in lp["mlp"]:
             lp = {**lp, "mlp": {**lp["mlp"], "experts": {n: flat[f"layers.{i}.mlp.experts.{n}"]
                                                          for n in ("w1", "w3", "w2")}}}
         layers.append(lp)
     config = dataclasses.replace(model.config, expert_format="bf16")
-    return api.Model(config, {**model.params, "layers": layers}, model.tokenizer, name="tiny-bf16-experts")
+    params = stack_layers({**per_layer, "layers": layers}, config)
+    return api.Model(config, params, model.tokenizer, name="tiny-bf16-experts", backend=model.backend)
 
 
 def main(argv=None) -> int:
@@ -154,8 +161,8 @@ def main(argv=None) -> int:
     ppl = {}
     for name, m, mode in [("mxfp4/auto", model, "auto"), ("mxfp4/reference", model, "reference")] + (
             [("bf16/auto", with_bf16_experts(model, args.bf16_experts), "auto")] if args.bf16_experts else []):
-        ops.set_kernel_mode(mode)
-        ppl[name] = perplexity(m.params, m.config, m.tokenizer, args.data, **kw)["perplexity"]
+        ppl[name] = perplexity(m.params, m.config, m.tokenizer, args.data, backend=backend_for(model, mode),
+                               **kw)["perplexity"]
         print(f"perplexity {name}: {ppl[name]:.3f}", flush=True)
     res["perplexity"] = ppl
     if "bf16/auto" in ppl:

@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+STEP_MODULES = ("jit_step", "jit_run")      # the runner's step: unrolled / scanned (the async wrapper's name)
 _INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
 _META = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r'calls=%?([\w.\-]+)')
@@ -34,7 +35,9 @@ def hlo_op_names(dump_dir: str, program_id) -> dict:
     dump's module number). A fusion without metadata of its own takes the first op_name inside the
     computation it calls."""
     names, first_in_comp, calls = {}, {}, {}
-    for path in glob.glob(os.path.join(dump_dir, f"module_{int(program_id):04d}.jit_step*after_optimizations.txt")):
+    paths = [p for name in STEP_MODULES
+             for p in glob.glob(os.path.join(dump_dir, f"module_{int(program_id):04d}.{name}*after_optimizations.txt"))]
+    for path in paths:
         comp = None
         with open(path) as f:
             for line in f:
@@ -78,7 +81,7 @@ def device_events(trace_dir: str):
                 continue
             for ev in line.events:
                 stats = dict(ev.stats)
-                if gpu or "jit_step" in str(stats.get("hlo_module", "")):   # CPU: the step's thunks
+                if gpu or str(stats.get("hlo_module", "")).startswith(STEP_MODULES):   # CPU: the step's thunks
                     yield ev.name, ev.duration_ns, stats
 
 
@@ -176,7 +179,7 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
     from pallas_kernels import ops
     c = model.config
     li = c.kda_layers[0]
-    p = model.params["layers"][li]["attn"]
+    p = model.layer_params(li)["attn"]
     x = (jax.random.normal(jax.random.PRNGKey(0), (1, T, c.hidden_size)) * 0.5).astype(jnp.bfloat16)
     conv = kda_layer.causal_conv(kda_layer._qkv_in(p, x), kda_layer._conv_weights(p))
     real = jax.jit(lambda x, conv: kda_layer._core(p, x, conv, c))(x, conv)
@@ -263,12 +266,18 @@ def main():
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
+    ap.add_argument("--unrolled", action="store_true", help="every layer traced (the engine's scan_layers=False)")
+    ap.add_argument("--command-buffers", default="off",
+                    help="off (kernels attributed to their ops), default (XLA's own), or XLA's "
+                         "--xla_gpu_enable_command_buffer list, e.g. FUSION,CUBLAS,CUSTOM_CALL,WHILE")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
     dump_dir, trace_dir = os.path.join(out, "hlo"), os.path.join(out, "trace")
-    # command buffers (CUDA graphs) would hide which HLO op launched each kernel
+    # command buffers (CUDA graphs) hide which HLO op launched each kernel: off unless asked
+    buffers = {"off": " --xla_gpu_enable_command_buffer=", "default": ""}.get(
+        args.command_buffers, f" --xla_gpu_enable_command_buffer={args.command_buffers}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
-                               "--xla_dump_hlo_module_re=jit_step --xla_gpu_enable_command_buffer=").strip()
+                               "--xla_dump_hlo_module_re=" + "|".join(STEP_MODULES) + buffers).strip()
     if args.kernels:
         os.environ["K3JAX_KERNELS"] = args.kernels
     import jax
@@ -281,7 +290,8 @@ def main():
     model = load_model(name, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
     print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
-          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}", flush=True)
+          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}; layers {'unrolled' if args.unrolled else 'scanned'}; "
+          f"command buffers {args.command_buffers}", flush=True)
     if args.kda_variants:
         print("\n## ops.kda_chunk, T=4096", flush=True)
         kda_variants(model)
@@ -291,7 +301,7 @@ def main():
     kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
-              compilation_cache_dir=None, **kw)
+              compilation_cache_dir=None, scan_layers=not args.unrolled, **kw)
     eng = llm.engine
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)

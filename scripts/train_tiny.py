@@ -48,7 +48,9 @@ from k3jax.params import FP32_KINDS, init_params_numpy, is_leaf, param_spec  # n
 from k3jax.presets import preset_config_dict  # noqa: E402
 from k3jax.text_data import text_files, token_stream, train_windows  # noqa: E402
 from k3jax.tokenizer import KimiTokenizer  # noqa: E402
-from pallas_kernels import ops  # noqa: E402
+from pallas_kernels.backend import detect  # noqa: E402
+
+REFERENCE = detect("reference")   # the jnp ops: differentiable (the Pallas kernels are not)
 
 
 EXPORT_SECONDS = 50.0   # quantize, evaluate, write: kept out of the training budget
@@ -99,7 +101,7 @@ def make_train_step(c: ModelConfig, optimizer, dtype):
     cast = compute_cast(c, dtype)
 
     def loss_fn(params, batch):
-        logits = forward_full(cast(params), c, batch[:, :-1])
+        logits = forward_full(cast(params), c, batch[:, :-1], backend=REFERENCE)   # differentiable jnp ops
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
 
     def step(params, opt_state, batch, lr):
@@ -151,7 +153,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    ops.set_kernel_mode("reference")   # differentiable jnp ops
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     c, c_export = training_config(args.smoke)
     tok = KimiTokenizer.tiny_english()
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         Path(f"{args.export}.json").write_text(json.dumps(report, indent=1) + "\n")
     heldout = args.corpus / "heldout"
     if heldout.is_dir():   # reference ops (as trained): no kernel compiles inside the time budget
-        kw = dict(seq_len=min(args.seq_len, 512), batch_size=8)
+        kw = dict(seq_len=min(args.seq_len, 512), batch_size=8, backend=REFERENCE)
         report["heldout_ppl_mxfp4"] = perplexity(weights, c_export, tok, heldout, **kw)["perplexity"]
         print(f"held-out perplexity (MXFP4 experts): {report['heldout_ppl_mxfp4']:.3f}", flush=True)
         if time.perf_counter() - t_start < args.wall_limit - 30:

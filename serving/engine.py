@@ -66,7 +66,8 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh)
+            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
+            scan_layers=args.scan_layers, backend=getattr(model, "backend", None))
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -111,10 +112,15 @@ class LLMEngine:
             log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
                         "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
             return 0
-        tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets, args.seq_buckets)
+        tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+                              token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
         t0 = time.perf_counter()
-        temp = step_temp_bytes(c, self.model.params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
-                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype)
+        from k3jax.layer_stack import stack_layers, unstack_layers
+        layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them
+        params = jax.eval_shape(lambda p: layout(p, c), self.model.params)
+        temp = step_temp_bytes(c, params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
+                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
+                               backend=getattr(self.model, "backend", None))
         log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
                  tb[-1], sb[-1], temp / 2**30, time.perf_counter() - t0)
         return temp

@@ -39,6 +39,8 @@ class EngineArgs:
     async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
     token_buckets: Optional[tuple] = None
+    scan_layers: bool = True                      # the repeating layers as one scanned block (False: every
+                                                  # layer traced, a debug path holding a second weight copy)
     seq_buckets: Optional[tuple] = None
     vision: bool = True                           # accept images when the model has a tower (False: text only,
                                                   # no tower warm-up or encoder cache)

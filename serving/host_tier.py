@@ -16,6 +16,7 @@ import dataclasses
 from typing import List, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -81,8 +82,10 @@ def _bucket(n: int) -> int:
 
 @jax.jit
 def _read(pools, pages, slot):
-    return ([kv[pages] for kv in pools.mla_kv], [s[slot] for s in pools.kda_state],
-            [c[slot] for c in pools.kda_conv])
+    # per layer, as HostEntry and kv_transfer keep them (the pools stack a kind's layers on axis 1)
+    kv, st, cv = pools.mla_kv[pages], pools.kda_state[slot], pools.kda_conv[slot]
+    return ([kv[:, j] for j in range(kv.shape[1])], [st[j] for j in range(st.shape[0])],
+            [cv[j] for j in range(cv.shape[0])])
 
 
 def read_entry(pools, ce) -> tuple:
@@ -96,9 +99,10 @@ def read_entry(pools, ce) -> tuple:
 
 
 def _write(pools, pages, slot, mla, state, conv):
-    return pools.replace(mla_kv=[kv.at[pages].set(x) for kv, x in zip(pools.mla_kv, mla)],
-                         kda_state=[s.at[slot].set(x) for s, x in zip(pools.kda_state, state)],
-                         kda_conv=[c.at[slot].set(x) for c, x in zip(pools.kda_conv, conv)])
+    def put(pool, idx, layers, axis):
+        return pool.at[idx].set(jnp.stack(layers, axis=axis).astype(pool.dtype)) if layers else pool
+    return pools.replace(mla_kv=put(pools.mla_kv, pages, mla, 1), kda_state=put(pools.kda_state, slot, state, 0),
+                         kda_conv=put(pools.kda_conv, slot, conv, 0))
 
 
 _write_jit = jax.jit(_write, donate_argnums=(0,))

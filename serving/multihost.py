@@ -213,11 +213,12 @@ def settle(result):
 
 def announce_init(init):
     """ModelRunner.__init__ decorator: process 0 sends the runner's settings (all keyword
-    arguments but the mesh, plus the config to check against) so followers build the same runner."""
+    arguments but the mesh and the backend, which every process has from its own model, plus the
+    config to check against) so followers build the same runner."""
     @functools.wraps(init)
     def wrapped(self, config, params, **kw):
         if is_leader():
-            with leading("init", {"config": config, "kwargs": {k: v for k, v in kw.items() if k != "mesh"}}):
+            with leading("init", {"config": config, "kwargs": {k: v for k, v in kw.items() if k not in ("mesh", "backend")}}):
                 pass
         return init(self, config, params, **kw)
     return wrapped
@@ -286,7 +287,8 @@ def follow(model) -> int:
                     if watch:
                         watch.report_failed(ValueError("process 0 serves a different model config"))
                     return 2
-                runner = ModelRunner(model.config, model.params, mesh=model.mesh, **tree["kwargs"])
+                runner = ModelRunner(model.config, model.params, mesh=model.mesh, backend=model.backend,
+                                     **tree["kwargs"])
             elif runner is None:
                 raise RuntimeError(f"multi-host: {control!r} before the runner was set up")
             else:

@@ -7,7 +7,6 @@ compiled at warm-up per sequence bucket, never a recompile of the model while se
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -18,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers, unstack_layers
+from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.model import forward_step
+from pallas_kernels.backend import Backend, resolve
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
@@ -45,28 +47,74 @@ def _fit(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, token_buckets=None, seq_buckets=None):
-    """(token buckets, sequence buckets) of the step shapes: CPU few (compiles dominate start-up there),
-    accelerators x4 steps (padding costs compute)."""
-    on_cpu = jax.default_backend() == "cpu"
-    tb = sorted(token_buckets or (
-        sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
-        else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)))
-    sb = sorted(seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs)))
-    return tb, sb
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, *, on_cpu: bool, token_buckets=None,
+                 seq_buckets=None) -> tuple[list, list]:
+    """(token buckets, sequence buckets) of a runner. CPU: few shapes (compiles dominate start-up
+    there); accelerators: x4 steps (padding costs compute)."""
+    tb = token_buckets or (sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}) if on_cpu
+                           else _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+    sb = seq_buckets or ([max_num_seqs] if on_cpu else _pow2_buckets(min(4, max_num_seqs), max_num_seqs))
+    return sorted(tb), sorted(sb)
 
 
-def make_step_fn(config, ep=contextlib.nullcontext):
-    """The jitted step's body: the model forward over the pools -> (logits, pools); the sampler is a
-    jit of its own."""
+def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False) -> list:
+    """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal)."""
+    out = []
+    for T in token_buckets:
+        for N in seq_buckets:
+            if N > T:
+                continue
+            out.append((T, N, False, False))
+            if T <= _fit(token_buckets, N):       # a decode-only step has at most N tokens
+                out.append((T, N, True, False))
+            if multimodal:
+                out.append((T, N, False, True))
+    return out
+
+
+def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, decode: bool, mm: bool, dtype):
+    """(batch, sampling arrays, counters) of a step that fills bucket (T, N) without touching real
+    state: a one-token chunk on the garbage page / slot 0 (resuming from slot 0: decode-only variant)."""
+    rows = [(0, np.zeros((1, config.hidden_size), dtype))] if mm else ()
+    batch = make_step_batch([SeqChunk([0], 0, [0], 0 if decode else -1, 0, mm=rows)], page_size,
+                            num_tokens=T, num_seqs=N, max_pages=max_pages)
+    sarr = build_sampling_arrays([SamplingParams(temperature=0.0)], seeds=[0], num_rows=N)
+    return batch, sarr, np.zeros(N, np.int32)
+
+
+def make_step_fn(config, backend: Backend | None = None):
+    """The jitted step's body: the model forward over the pools -> (logits, pools), closed over one
+    backend (None: detected now, once); the sampler is a jit of its own."""
+    backend = resolve(backend)
+
     def step(params, pools, batch):
-        with ep(), jax.named_scope("model"):
-            return forward_step(params, config, pools, batch)
+        with jax.named_scope("model"):
+            return forward_step(params, config, pools, batch, backend)
     return step
 
 
+# XLA options for the engine's step on a GPU, measured on the H200 with the scanned decoder (docs/benchmarks.md):
+# - CUDA graphs also around the layer loop (WHILE, CONDITIONAL): the scan body's ~60 kernels per layer are
+#   otherwise launched one by one every step (c64 decode 30.5 -> 28.2 ms);
+# - no HLO rematerialization: XLA's limit counts the donated cache pools carried through the loop as
+#   scratch and re-runs matmuls to "fit"; the engine already sizes its pools after the step's own scratch.
+GPU_STEP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_memory_limit_slop_factor": 10000,
+}
+
+
+def step_compiler_options() -> dict:
+    """The step's per-compile XLA options on this backend; an option the user set in XLA_FLAGS wins."""
+    import os
+    if jax.default_backend() != "gpu":
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in GPU_STEP_OPTIONS.items() if f"--{k}=" not in flags}
+
+
 def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
-                    cache_dtype) -> int:
+                    cache_dtype, backend: Backend | None = None) -> int:
     """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
     ahead-of-time compile against abstract pools (nothing allocated; pools are donated, so their size
     does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
@@ -76,9 +124,14 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
-    lowered = jax.jit(make_step_fn(config), donate_argnums=(1,)).lower(abstract(params), pools, batch)
+    lowered = jax.jit(make_step_fn(config, backend), donate_argnums=(1,),
+                      compiler_options=step_compiler_options()).lower(abstract(params), pools, batch)
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
+
+
+def _copy_pages(pools, src, dst, bits: bool):
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src), bits=bits))  # all layers
 
 
 def _with_previous_tokens(step):
@@ -96,28 +149,29 @@ def _sample_and_keep(logits, sarr, key_data, counters, last_tokens, *, num_top_l
     return toks, lp, top, jax.lax.dynamic_update_slice(last_tokens, toks.astype(last_tokens.dtype), (0,))
 
 
-def _copy_pages(pools, src, dst):
-    return pools.replace(mla_kv=[kv.at[dst].set(kv[src]) for kv in pools.mla_kv])
-
-
 class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None):
-        self.config, self.params = config, params
+                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
+                 backend: Backend | None = None):
+        self.config = config
+        self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
+        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy
+        self.params = stack_layers(params, config) if scan_layers else unstack_layers(params, config)
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
-        self.token_buckets, self.seq_buckets = step_buckets(max_num_seqs, max_num_batched_tokens, token_buckets,
-                                                            seq_buckets)
+        self.token_buckets, self.seq_buckets = step_buckets(
+            max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+            token_buckets=token_buckets, seq_buckets=seq_buckets)
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()
         c = config
 
-        step_kw, sample_kw, copy_kw, ep = {}, {}, {}, contextlib.nullcontext
+        step_kw, sample_kw, copy_kw = {}, {}, {}
         if mesh is not None:
             # Pools sharded by the partition rules and kept there; MoE traced expert-parallel.
             from sharding.moe_ep import expert_parallel
@@ -128,9 +182,10 @@ class ModelRunner:
             step_kw = dict(out_shardings=(rep, ps))
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
-            ep = lambda: expert_parallel(mesh)
+            self.backend = expert_parallel(self.backend, mesh)
 
-        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, ep)), donate_argnums=(1,), **step_kw)
+        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend)), donate_argnums=(1,),
+                             compiler_options=step_compiler_options(), **step_kw)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
@@ -139,7 +194,8 @@ class ModelRunner:
             self.last_tokens = jax.device_put(self.last_tokens, rep)
         # one penalties variant: output ids padded to the context (a power of two, as the buckets)
         self.penalty_width = 1 << max(0, max_model_len - 1).bit_length()
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
+        self._copy = jax.jit(functools.partial(_copy_pages, bits=self.backend.scatter_bits), donate_argnums=(0,),
+                             **copy_kw)
         self.num_compiles = 0
 
     # ------------------------------------------------------------------ compile accounting
@@ -198,19 +254,14 @@ class ModelRunner:
     def warmup(self, progress: bool = True, multimodal: bool = False):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
         multimodal: also the variant of each bucket that takes image embeddings."""
-        combos = [(T, N) for T in self.token_buckets for N in self.seq_buckets if N <= T]
-        # (small-token buckets also compile a decode-only variant)
-        it = combos
+        shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
+        it = shapes
         if progress:
             from tqdm import tqdm
-            it = tqdm(combos, desc="warm-up (compiling step shapes)", unit="shape")
+            it = tqdm(shapes, desc="warm-up (compiling step shapes)", unit="shape")
         t0 = time.perf_counter()
-        for T, N in it:
-            self._run_padding(T, N, decode=False)
-            if T <= _fit(self.token_buckets, N):       # a decode-only step has at most N tokens
-                self._run_padding(T, N, decode=True)
-            if multimodal:
-                self._run_padding(T, N, decode=False, mm=True)
+        for T, N, decode, mm in it:
+            self._run_padding(T, N, decode=decode, mm=mm)
         # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
         # step that holds it: a request with presence_penalty must not compile while others run
         for N in self.seq_buckets:
@@ -219,7 +270,7 @@ class ModelRunner:
                 for masked in (False, True):
                     self._run_padding(T, N, decode=False, penalties=penalties, masked=masked)
         self.copy_pages([(0, 0)])
-        log.info("warm-up: %d step shapes compiled in %.1fs", len(combos), time.perf_counter() - t0)
+        log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                      masked: bool = False):

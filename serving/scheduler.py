@@ -378,8 +378,12 @@ class Scheduler:
             out.chunks.append(ch)
             scheduled[req.request_id] = ch
             budget -= ch.end - ch.start
+        # A request whose last token the step in flight samples is done computing: it does not count against
+        # max_num_seqs, so a prefill-only workload (max_tokens=1) schedules its next step while the device
+        # runs the last one instead of waiting for the last one's tokens (its pages and slot stay held).
+        live = sum(not r.final_sampled for r in self.running)
         for req in list(self.waiting):
-            if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or len(self.running) >= cfg.max_num_seqs:
+            if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or live >= cfg.max_num_seqs:
                 break
             if self.host is not None and req.wait_for is None and self._restore_from_host(req, out):
                 continue                 # its prefix is being copied back: it hits next step
@@ -402,6 +406,7 @@ class Scheduler:
             req.status = Status.RUNNING
             req.wait_for = None
             self.running.append(req)
+            live += 1
             out.chunks.append(ch)
             scheduled[req.request_id] = ch
             budget -= ch.end - ch.start

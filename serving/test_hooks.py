@@ -62,4 +62,4 @@ def corrupt_checkpoint(engine, slot: int, scale: float = 1.0) -> None:
     """Add `scale` to every entry of a KDA state slot in every KDA layer (a deliberately corrupted prefix-cache
     checkpoint, for the prefix-cache verifier's tests). Single-process engines only."""
     pools = engine.runner.pools
-    engine.runner.pools = pools.replace(kda_state=[s.at[slot].add(scale) for s in pools.kda_state])
+    engine.runner.pools = pools.replace(kda_state=pools.kda_state.at[slot].add(scale))   # every KDA layer

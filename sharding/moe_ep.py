@@ -12,11 +12,12 @@ destination, room for all of its T_local * k copies (exact, but the receive buff
 grouped matmul see expert * T_local * k rows). `capacity_factor=f` shrinks the per-destination
 buffer to ceil(f * T_local * k / expert) rows; copies beyond it are DROPPED (contribute zero),
 which changes results when routing is unbalanced. Tests use the dropless default.
+
+`expert_parallel(backend, mesh)` is the backend (pallas_kernels/backend.py) whose model steps run their
+routed experts this way; the model never imports this module.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import jax
@@ -25,12 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import glu_act, upcast
-from k3jax.layers.moe import expert_weights, moe, routed_experts
+from k3jax.layers.moe import expert_weights, moe
 from pallas_kernels import ops
+from pallas_kernels.backend import Backend, resolve
 from sharding.mesh import axis_sizes
 
 TOKENS = ("data", "expert")      # token axis of the shard_map: attention DP = data x expert
-_active: list = []
 
 
 def shard_map(f, mesh, in_specs, out_specs):
@@ -41,26 +42,11 @@ def shard_map(f, mesh, in_specs, out_specs):
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-@contextlib.contextmanager
-def expert_parallel(mesh):
-    """While active (at trace time), `routed_experts_auto` runs expert-parallel on `mesh`."""
-    _active.append(mesh)
-    try:
-        yield mesh
-    finally:
-        _active.pop()
-
-
-def active_mesh():
-    return _active[-1] if _active else None
-
-
-def routed_experts_auto(pe, z, weights, ids, c: ModelConfig):
-    """Drop-in for `routed_experts`: expert-parallel inside `expert_parallel(mesh)`, else the reference."""
-    mesh = active_mesh()
-    if mesh is None:
-        return routed_experts(pe, z, weights, ids, c)
-    return routed_experts_ep(pe, z, weights, ids, c, mesh)
+def expert_parallel(backend: Backend | None, mesh, *, capacity_factor: float | None = None) -> Backend:
+    """`backend` (None: detected) with its routed experts run expert-parallel on `mesh`."""
+    def routed(pe, z, weights, ids, c, b):
+        return routed_experts_ep(pe, z, weights, ids, c, mesh, capacity_factor=capacity_factor, backend=b)
+    return resolve(backend).replace(routed_experts=routed)
 
 
 def _expert_specs(pe, mesh, c):
@@ -85,18 +71,19 @@ def _dispatch_plan(ids, E: int, n: int, cap: int):
     return order, fs, dest, pos
 
 
-def _local_experts(pe_local, rx, re, el: int, c: ModelConfig):
+def _local_experts(pe_local, rx, re, el: int, c: ModelConfig, backend: Backend | None):
     """Grouped expert MLP on received rows rx [M, D'] with local expert ids re [M] (el = empty row)."""
     w1, w3, w2 = expert_weights(pe_local, rx.dtype)
     order = jnp.argsort(re, stable=True)
     gs = jnp.zeros((el,), jnp.int32).at[re].add(1, mode="drop")
     xs = rx[order]
-    h = glu_act(ops.gmm(xs, w1, gs), ops.gmm(xs, w3, gs), c)
-    y = ops.gmm(h, w2, gs)                             # rows past sum(gs) are zero
+    h = glu_act(ops.gmm(xs, w1, gs, backend=backend), ops.gmm(xs, w3, gs, backend=backend), c)
+    y = ops.gmm(h, w2, gs, backend=backend)            # rows past sum(gs) are zero
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_factor: float | None = None):
+def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_factor: float | None = None,
+                      backend: Backend | None = None):
     """Expert-parallel `routed_experts`: z [T, D'], weights [T, k] fp32, ids [T, k] -> [T, D'] (z.dtype).
 
     mesh: a Mesh with axes data/expert/tensor; num_experts must be divisible by the expert axis.
@@ -129,7 +116,7 @@ def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_fac
             jnp.where(fs < E, fs % el, el))[:, :cap]
         rx = jax.lax.all_to_all(send_x.reshape(n * cap, d), "expert", 0, 0, tiled=True)
         re = jax.lax.all_to_all(send_e.reshape(n * cap), "expert", 0, 0, tiled=True)
-        y = _local_experts(pe_local, rx, re, el, c)
+        y = _local_experts(pe_local, rx, re, el, c, backend)
         back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True).reshape(n, cap, d)
         got = jnp.pad(back, ((0, 0), (0, 1), (0, 0)))[dest, pos]          # dropped copies read zeros
         res = jnp.zeros((rows, d), got.dtype).at[order].set(got).reshape(tl, k, d)
@@ -148,6 +135,6 @@ def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_fac
     return fn(z, weights, ids, pe)[:T]
 
 
-def moe_ep(p, x, c: ModelConfig, mesh, *, capacity_factor: float | None = None):
+def moe_ep(p, x, c: ModelConfig, mesh, *, capacity_factor: float | None = None, backend: Backend | None = None):
     """`k3jax.layers.moe.moe` with expert-parallel routed experts. x [..., D] -> [..., D]."""
-    return moe(p, x, c, routed=functools.partial(routed_experts_ep, mesh=mesh, capacity_factor=capacity_factor))
+    return moe(p, x, c, backend=expert_parallel(backend, mesh, capacity_factor=capacity_factor))

@@ -1,6 +1,6 @@
 """Partition rules: every parameter and cache-pool leaf gets a PartitionSpec from one table.
 
-A leaf's path is its keys joined by dots ("layers.3.attn.q_proj", "mla_kv.0"). Each rule is
+A leaf's path is its keys joined by dots ("layers.3.attn.q_proj", "mla_kv"). Each rule is
 (regex matched against the whole path, one LOGICAL axis name or None per array dimension).
 A leaf matching no rule raises, as does a rule whose dimension count differs from the leaf's.
 
@@ -75,12 +75,12 @@ PARAM_RULES: tuple[tuple[str, tuple], ...] = (
 )
 
 POOL_RULES: tuple[tuple[str, tuple], ...] = (
-    # [pages, page_size, latent+rope]: the latent is shared by all heads -> replicated over tensor
-    (r"mla_kv\.\d+", ("batch", None, None)),
-    # [slots, H, K, V] fp32: slots over data*expert, heads over tensor
-    (r"kda_state\.\d+", ("batch", "heads", None, None)),
-    # [slots, Kc-1, 3*H*K]: packed q|k|v channels are not head-contiguous -> replicated over tensor
-    (r"kda_conv\.\d+", ("batch", None, None)),
+    # [pages, layers, page_size, latent+rope]: the latent is shared by all heads -> replicated over tensor
+    (r"mla_kv", ("batch", None, None, None)),
+    # [slots, layers, H, K, V] fp32: slots over data*expert, heads over tensor
+    (r"kda_state", ("batch", None, "heads", None, None)),
+    # [slots, layers, Kc-1, 3*H*K]: packed q|k|v channels are not head-contiguous -> replicated over tensor
+    (r"kda_conv", ("batch", None, None, None)),
 )
 
 # Vision tower (k3jax/vision; paths inside model.vision.params): replicated. It is small next to
@@ -226,11 +226,15 @@ def param_shardings(config, mesh):
 
 
 def place(tree, shardings):
-    """Put host or device arrays onto shardings; works across processes (each feeds its shards)."""
+    """Put host or device arrays onto shardings; works across processes (each feeds its shards).
+    Arrays already on their sharding (e.g. restored onto it) stay as they are; a global array on
+    another sharding is resharded on the devices (no process can read it back whole)."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
     def one(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == s else jax.device_put(x, s)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
     return jax.tree_util.tree_map(one, tree, shardings)

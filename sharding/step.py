@@ -1,12 +1,11 @@
 """A sharded model step and a small multi-sequence greedy driver (checks, demos, multi-host tests).
 
 `sharded_step(c, mesh, pools)` jits `forward_step` with the pools donated and kept on their
-rule shardings, logits replicated (every process can read them), and expert parallelism on
-while tracing. The engine's own step should be built the same way.
+rule shardings, logits replicated (every process can read them), and expert parallelism in its
+backend. The engine's own step is built the same way (serving/runner.py).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import jax
@@ -14,20 +13,21 @@ import numpy as np
 
 from k3jax.cache import SeqChunk, make_step_batch
 from k3jax.model import forward_step
+from pallas_kernels.backend import resolve
 from sharding import moe_ep
 from sharding.rules import pool_shardings, replicated
 
 
-def sharded_step(c, mesh, pools, *, expert_parallel: bool = True) -> Callable:
+def sharded_step(c, mesh, pools, *, expert_parallel: bool = True, backend=None) -> Callable:
     """jit(forward_step): (params, pools, batch) -> (logits [N, V] replicated, pools); pools donated.
 
-    mesh None: the plain single-device step. expert_parallel: trace the MoE under
-    `moe_ep.expert_parallel(mesh)` (takes effect where the model calls `routed_experts_auto`).
+    mesh None: the plain single-device step. expert_parallel: the routed experts run expert-parallel
+    on the mesh (moe_ep.expert_parallel). backend: the kernels' backend (None: detected now).
     """
+    b = moe_ep.expert_parallel(backend, mesh) if (mesh is not None and expert_parallel) else resolve(backend)
+
     def fn(params, pools, batch):
-        ctx = moe_ep.expert_parallel(mesh) if (mesh is not None and expert_parallel) else contextlib.nullcontext()
-        with ctx:
-            return forward_step(params, c, pools, batch)
+        return forward_step(params, c, pools, batch, b)
     if mesh is None:
         return jax.jit(fn, donate_argnums=1)
     return jax.jit(fn, out_shardings=(replicated(mesh), pool_shardings(c, mesh, pools)), donate_argnums=1)

@@ -1,5 +1,5 @@
 """Shared by the dispatch tests: the tiny model's two steps (a prefill of two sequences, then one
-decode token each) under whatever kernel mode / platform the caller has set."""
+decode token each) on the backend the caller passes."""
 import numpy as np
 
 import jax
@@ -7,20 +7,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
 
-def two_step_logits():
-    """(logits of the two real sequences per step, each step batch's decode_only flag)."""
+def two_step_logits(backend):
+    """(logits of the two real sequences per step, each step batch's decode_only flag), run on `backend`."""
     c = preset_config("tiny-random")
-    params = init_params_numpy(c, 0, jnp.float32)
+    params = stack_layers(init_params_numpy(c, 0, jnp.float32), c)      # the runner's (scanned) layout
     toks = np.random.RandomState(0).randint(0, c.vocab_size, 40)
     steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
              [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
     pools = make_pools(c, 16, 16, 4, jnp.float32)
-    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
+    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b, backend))
     logits, decode_only = [], []
     for chunks in steps:
         batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)

@@ -23,17 +23,14 @@ def main():
     import jax.numpy as jnp
     import numpy as np
 
-    import k3jax.layers.moe as moe_mod
     from k3jax.cache import make_pools
     from k3jax.params import init_params_numpy
     from k3jax.presets import TINY_SEED, preset_config
-    from sharding import moe_ep
     from sharding.mesh import make_mesh
     from sharding.rules import shard_params, shard_pools
     from sharding.step import greedy, sharded_step
     from mp_common import GEN, MAX_NEW, POOL, PROMPTS
 
-    moe_mod.routed_experts = moe_ep.routed_experts_auto   # the hook moe.py should call (see report)
     assert jax.process_count() == nproc and len(jax.devices()) == nproc * jax.local_device_count()
     c = preset_config("tiny-random")
     mesh = make_mesh(mesh_spec)

@@ -111,11 +111,13 @@ def test_default_tiny_is_the_trained_model_or_says_why_not(monkeypatch, caplog, 
     text = "Each application defines its models in a module, and the database stores their fields."
     assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(k3jax.load_model(
         "tiny-random").tokenizer.encode(text)) / 1.5            # an English vocabulary: far fewer tokens
-    params = jax_tree_map(lambda x: x + 0 if x.dtype.kind == "u" else x * 0 + 0.5, m.params)
+    from k3jax.layer_stack import unstack_layers
+    per_layer = unstack_layers(m.params, m.config)          # the file keeps the checkpoint's layer list
+    params = jax_tree_map(lambda x: x + 0 if x.dtype.kind == "u" else x * 0 + 0.5, per_layer)
     save_flat(tmp_path / "w.safetensors", params)
     monkeypatch.setattr(api, "TINY_WEIGHTS", str(tmp_path / "w.safetensors"))
     loaded = k3jax.load_model("tiny")
-    assert float(loaded.params["layers"][0]["attn"]["q_proj"][0, 0]) == 0.5
+    assert float(unstack_layers(loaded.params, loaded.config)["layers"][0]["attn"]["q_proj"][0, 0]) == 0.5
 
 
 def jax_tree_map(fn, tree):

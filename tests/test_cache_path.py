@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full, forward_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
@@ -22,8 +23,9 @@ BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
 def model():
     c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
-    full = jax.jit(lambda p, t: forward_full(p, c, t))
-    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b), donate_argnums=1)
+    # both through the scanned decoder (tests/test_layer_stack.py checks scan == unrolled)
+    full = jax.jit(lambda p, t: forward_full(stack_layers(p, c), c, t))
+    step = jax.jit(lambda p, pools, b: forward_step(stack_layers(p, c), c, pools, b), donate_argnums=1)
     return c, params, full, step
 
 
@@ -98,10 +100,12 @@ def test_padding_sequences_do_not_touch_real_slots(model):
     toks = np.arange(5, dtype=np.int32)
     _, pools = step(params, pools, make_step_batch([SeqChunk(toks, 0, [3], -1, 2)], PAGE, **BUCKET))
     after = jax.tree_util.tree_map(np.asarray, pools)
-    for b_, a_ in zip(before.kda_state, after.kda_state):
+    for j in range(len(c.kda_layers)):
+        b_, a_ = before.kda_state[:, j], after.kda_state[:, j]
         np.testing.assert_array_equal(b_[[1, 3]], a_[[1, 3]])    # untouched slots
         assert not np.array_equal(b_[2], a_[2])
-    for b_, a_ in zip(before.mla_kv, after.mla_kv):
+    for j in range(len(c.mla_layers)):
+        b_, a_ = before.mla_kv[:, j], after.mla_kv[:, j]
         np.testing.assert_array_equal(np.delete(b_, [0, 3], axis=0), np.delete(a_, [0, 3], axis=0))
 
 

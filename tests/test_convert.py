@@ -91,7 +91,7 @@ def test_dequantize_equals_packed_dequantized(k3, converted):
     _, cfg, _ = k3
     raw = json.loads((converted["deq"] / "config.json").read_text())
     assert "quantization_config" not in raw and "quantization_config" not in raw["text_config"]
-    deq = _flat(load_model(str(converted["deq"]), dtype="bfloat16").params)
+    deq = _flat(load_model(str(converted["deq"]), dtype="bfloat16").checkpoint_params())
     packed = _flat(orbax_io.restore_params(converted["bf16"], cfg, ml_dtypes.bfloat16))
     n = 0
     for k, v in deq.items():
@@ -119,7 +119,7 @@ def test_top_level_quantization_config_and_overwrite(tmp_path):
     assert not (dst / "old.txt").exists() and sorted(os.listdir(tmp_path)) == ["hf", "out"]
     written = json.loads((dst / "config.json").read_text())
     assert written["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
-    got = _flat(load_model(str(dst), dtype="float32").params)
+    got = _flat(load_model(str(dst), dtype="float32").checkpoint_params())
     for k, v in _flat(params).items():
         np.testing.assert_array_equal(np.asarray(got[k]).astype(np.float64), v.astype(np.float64), err_msg=k)
 

@@ -308,3 +308,31 @@ def test_async_scheduling_gives_the_same_outputs(model, tmp_path_factory):
             np.testing.assert_allclose([x[0] for x in a.logprobs], [x[0] for x in b.logprobs], rtol=1e-9)
         assert sync[rid].num_cached_tokens == asy[rid].num_cached_tokens
     assert sum(o.outputs[0].finish_reason == "stop" for o in sync.values()) >= 2
+
+
+def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_factory):
+    """max_tokens=1 requests: the next prefill step is launched while the last one is still on the device
+    (its requests, whose only token is in flight, do not hold max_num_seqs), with the tokens of
+    synchronous steps. Before, every step waited for the last one's tokens: launch, fetch, launch, ..."""
+    vocab = model.config.vocab_size
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, vocab, rng.randint(5, 40)).tolist() for _ in range(12)]
+    runs = {}
+    for mode in (False, True):
+        eng = _engine(model, tmp_path_factory, async_scheduling=mode, max_num_seqs=4, seq_buckets=(4,),
+                      enable_prefix_caching=False)
+        events = []
+        for name in ("launch", "fetch"):
+            real = getattr(eng.runner, name)
+            setattr(eng.runner, name, lambda *a, _real=real, _name=name, **k: (events.append(_name), _real(*a, **k))[1])
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), request_id=f"p{i}")
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        runs[mode] = outs
+        _assert_no_leaks(eng)
+        assert events.count("launch") == 3                       # 12 prompts, 4 sequences per step
+        if mode:   # each launch after the first comes before the fetch of the step before it
+            assert events == ["launch", "launch", "fetch", "launch", "fetch", "fetch"], events
+    assert runs[True] == runs[False] and len(runs[True]) == 12

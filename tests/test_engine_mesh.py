@@ -23,7 +23,7 @@ def test_engine_on_mesh_matches_one_device(mesh):
     ref, _ = _greedy(None)
     got, llm = _greedy(mesh)
     assert got == ref
-    pool = llm.engine.runner.pools.kda_state[0]
+    pool = llm.engine.runner.pools.kda_state
     assert len(pool.sharding.device_set) == 8 and (llm.engine.scheduler.slots.capacity + 1) % 8 == 0
 
 

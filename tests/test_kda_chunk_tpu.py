@@ -198,18 +198,14 @@ def test_ops_routes_tpu_prefill_to_the_mosaic_kernel(monkeypatch):
     B, T, H, K, V = 2, 70, 2, 128, 128
     q, k, v, g, beta = _inputs(31, B, T, H, K, V)
     h0 = jax.random.normal(jax.random.PRNGKey(7), (B, H, K, V))
+    from pallas_kernels.backend import detect
     calls = []
-    try:
-        ops.set_kernel_mode("reference")
-        ro, rht = ops.kda_chunk(q, k, v, g, beta, initial_state=h0)
-        real = chunk_tpu.chunk_kda_laid_out_tpu
-        monkeypatch.setattr(chunk_tpu, "chunk_kda_laid_out_tpu",
-                            lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-        monkeypatch.setattr(ops, "_platform", lambda: "tpu")
-        ops.set_kernel_mode("pallas")
-        o, ht = jax.jit(lambda *a: ops.kda_chunk(*a, initial_state=h0),
-                        compiler_options=_FAST_COMPILE)(q, k, v, g, beta)
-    finally:
-        ops.set_kernel_mode(None)
+    ro, rht = ops.kda_chunk(q, k, v, g, beta, initial_state=h0, backend=detect("reference"))
+    real = chunk_tpu.chunk_kda_laid_out_tpu
+    monkeypatch.setattr(chunk_tpu, "chunk_kda_laid_out_tpu",                     # a spy: count the calls
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    tpu = detect("pallas", platform="tpu")
+    o, ht = jax.jit(lambda *a: ops.kda_chunk(*a, initial_state=h0, backend=tpu),
+                    compiler_options=_FAST_COMPILE)(q, k, v, g, beta)
     assert len(calls) == 1 and calls[0]["interpret"] is True
     assert _rel(o, ro) <= 1e-5 and _rel(ht, rht) <= 1e-5

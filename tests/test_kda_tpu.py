@@ -2,6 +2,8 @@
 interpret mode on CPU against the jnp reference, the dispatch that routes TPU to it, and its
 lowering through Pallas -> Mosaic (jax.export for platform "tpu"; Mosaic's own layout passes only
 run on a chip, so that part stays unverified here)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernel_steps import can_export_for_tpu
 from pallas_kernels import ops
+from pallas_kernels.backend import detect
 from pallas_kernels.kda import fused_recurrent_kda
 from pallas_kernels.kda import recurrent_tpu
 from pallas_kernels.kda.recurrent_tpu import fused_recurrent_kda_tpu
@@ -102,18 +105,13 @@ def test_tpu_interpreter_semaphores_and_races():
 def test_ops_routes_tpu_decode_to_the_mosaic_kernel(monkeypatch):
     N, H, K, V, S = 6, 4, 128, 128, 9
     q, k, v, g, beta, pool, idx = _case(11, N, H, K, V, S)
-    ops.set_kernel_mode("reference")
-    try:
-        ro, rnew = ops.kda_decode(q, k, v, g, beta, pool, idx)
-        calls = []
-        real = recurrent_tpu.fused_recurrent_kda_tpu
-        monkeypatch.setattr(recurrent_tpu, "fused_recurrent_kda_tpu",
-                            lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-        monkeypatch.setattr(ops, "_platform", lambda: "tpu")
-        ops.set_kernel_mode("pallas")
-        o, new = jax.jit(ops.kda_decode, donate_argnums=5)(q, k, v, g, beta, pool + 0, idx)
-    finally:
-        ops.set_kernel_mode(None)
+    ro, rnew = ops.kda_decode(q, k, v, g, beta, pool, idx, backend=detect("reference"))
+    calls = []
+    real = recurrent_tpu.fused_recurrent_kda_tpu
+    monkeypatch.setattr(recurrent_tpu, "fused_recurrent_kda_tpu",              # a spy: count the calls
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    tpu = functools.partial(ops.kda_decode, backend=detect("pallas", platform="tpu"))
+    o, new = jax.jit(tpu, donate_argnums=5)(q, k, v, g, beta, pool + 0, idx)
     assert len(calls) == 1 and calls[0]["interpret"] is True
     assert _rel(o, ro) <= 1e-5
     _check_pool(pool, new, rnew, idx, 1e-5)
@@ -155,15 +153,7 @@ def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
                       (chunk_tpu, "chunk_kda_laid_out_tpu")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
-    out = {}
-    try:
-        for mode in ("reference", "pallas"):
-            ops.set_kernel_mode(mode)
-            if mode == "pallas":
-                monkeypatch.setattr(ops, "_platform", lambda: "tpu")
-            out[mode], _ = two_step_logits()
-    finally:
-        ops.set_kernel_mode(None)
+    out = {mode: two_step_logits(detect(mode, platform="tpu"))[0] for mode in ("reference", "pallas")}
     assert {"fused_recurrent_kda_tpu", "ragged_paged_mla_tpu", "chunk_kda_laid_out_tpu"} <= set(calls)
     for ref, ker in zip(out["reference"], out["pallas"]):
         assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4

@@ -4,30 +4,54 @@ MXFP4 expert MLP."""
 import numpy as np
 import pytest
 
-from pallas_kernels import ops
+from pallas_kernels.backend import detect
 from kernel_steps import two_step_logits
 
 
-@pytest.fixture
-def restore_mode():
-    yield
-    ops.set_kernel_mode(None)
-
-
-def test_step_with_pallas_kernels_matches_reference(restore_mode):
+def test_step_with_pallas_kernels_matches_reference():
     out = {}
     for mode in ("reference", "pallas"):
-        ops.set_kernel_mode(mode)
-        assert ops.use_pallas() == ((True, True) if mode == "pallas" else (False, False))
-        out[mode], decode_only = two_step_logits()
+        backend = detect(mode)
+        assert (backend.kernels, backend.interpret) == ((True, True) if mode == "pallas" else (False, False))
+        out[mode], decode_only = two_step_logits(backend)
         assert decode_only == [False, True]          # the second step runs the fused decode op
     for ref, ker in zip(out["reference"], out["pallas"]):
         assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4
 
 
-def test_bad_kernel_mode_is_rejected(restore_mode, monkeypatch):
+def test_bad_kernel_mode_is_rejected(monkeypatch):
     with pytest.raises(ValueError, match="kernel mode"):
-        ops.set_kernel_mode("fast")
+        detect("fast")
     monkeypatch.setenv("K3JAX_KERNELS", "turbo")
     with pytest.raises(ValueError, match="K3JAX_KERNELS"):
-        ops.kernel_mode()
+        detect()
+
+
+def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
+    """The runner's step traces with the backend it was built with: K3JAX_KERNELS or K3JAX_MLA_PREFILL
+    read later change nothing (no trace-time global), a kernels backend does put Pallas calls in the
+    step, and the backend's MLA prefill form does change the traced step."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.cache import SeqChunk, pool_shapes, make_step_batch
+    from k3jax.layer_stack import stack_layers
+    from k3jax.params import param_shapes
+    from k3jax.presets import preset_config
+    from serving.runner import make_step_fn
+
+    c = preset_config("tiny-random")
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
+    pools = pool_shapes(c, 8, 16, 4, jnp.float32)
+    batch = make_step_batch([SeqChunk([1, 2, 3], 0, [1], -1, 1)], 16, num_tokens=16, num_seqs=2, max_pages=2)
+    reference = make_step_fn(c, detect("reference"))
+    kernels = make_step_fn(c, detect("pallas"))
+    monkeypatch.setenv("K3JAX_KERNELS", "pallas")
+    assert "pallas_call" not in str(jax.make_jaxpr(reference)(params, pools, batch))
+    monkeypatch.setenv("K3JAX_KERNELS", "reference")
+    assert "pallas_call" in str(jax.make_jaxpr(kernels)(params, pools, batch))
+    absorbed = make_step_fn(c, detect("reference", mla_prefill="absorbed"))
+    expanded = make_step_fn(c, detect("reference", mla_prefill="expanded"))
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
+    traced_absorbed, traced_expanded = (str(jax.make_jaxpr(f)(params, pools, batch)) for f in (absorbed, expanded))
+    monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
+    assert traced_absorbed != traced_expanded == str(jax.make_jaxpr(expanded)(params, pools, batch))

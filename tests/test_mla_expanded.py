@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.backend import detect
 from pallas_kernels.mla.expanded import expanded_attention, gather_latents
 from pallas_kernels.mla.reference import ragged_paged_mla_reference
 from test_mla_ops import build_case
@@ -75,10 +76,12 @@ def test_gather_latents_lays_sequences_flat():
 
 
 def test_tiny_model_steps_equal_between_forms(monkeypatch):
-    """forward_step logits and caches with the MLA layers forced absorbed vs expanded: a fresh
+    """forward_step logits and caches (scanned layout, stacked pools) with the MLA layers' backend
+    absorbed vs expanded: a fresh
     prefill of two prompts, then resumed chunks over paged context with a decode row and padding.
     The key buffer covers the whole block tables, so the expanded step has no absorbed fallback."""
     from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.layer_stack import stack_layers
     from k3jax.layers import mla
     from k3jax.model import forward_step
     from k3jax.params import init_params_numpy
@@ -86,7 +89,7 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
 
     monkeypatch.setattr(mla, "EXPANDED_KEYS_PER_TOKEN", 4)  # 4 x 64 tokens = 4 seqs x 8 pages x 8
     c = preset_config("tiny-random")
-    params = init_params_numpy(c, 5, jnp.float32)
+    params = stack_layers(init_params_numpy(c, 5, jnp.float32), c)      # the runner's (scanned) layout
     rng = np.random.RandomState(1)
     toks = [rng.randint(0, c.vocab_size, n).astype(np.int32) for n in (37, 20, 9)]
     tables = [np.arange(1, 9), np.arange(9, 17), np.arange(17, 25)]
@@ -95,18 +98,15 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
               SeqChunk(toks[2], 0, tables[2], -1, 3)]]
     out = {}
     for form in ("absorbed", "expanded"):
-        mla.set_prefill_form(form)
-        try:
-            step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b))
-            pools = make_pools(c, 26, 8, 5, jnp.float32)
-            logits = []
-            for chunks in steps:
-                batch = make_step_batch(chunks, 8, num_tokens=64, num_seqs=4, max_pages=8)
-                lg, pools = step(params, pools, batch)
-                logits.append(np.asarray(lg)[:len(chunks)])
-            out[form] = logits, [np.asarray(kv) for kv in pools.mla_kv]
-        finally:
-            mla.set_prefill_form(None)
+        backend = detect("reference", mla_prefill=form)
+        step = jax.jit(lambda p, pools, b, backend=backend: forward_step(p, c, pools, b, backend))
+        pools = make_pools(c, 26, 8, 5, jnp.float32)
+        logits = []
+        for chunks in steps:
+            batch = make_step_batch(chunks, 8, num_tokens=64, num_seqs=4, max_pages=8)
+            lg, pools = step(params, pools, batch)
+            logits.append(np.asarray(lg)[:len(chunks)])
+        out[form] = logits, list(np.asarray(pools.mla_kv))
     for a, b in zip(out["absorbed"][0], out["expanded"][0]):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
     for a, b in zip(out["absorbed"][1], out["expanded"][1]):  # later layers' rows see rounding
@@ -116,13 +116,15 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
 def test_prefill_form_setting_rejects_unknown(monkeypatch):
     from k3jax.layers import mla
     with pytest.raises(ValueError, match="MLA prefill form"):
-        mla.set_prefill_form("dense")
+        detect(mla_prefill="dense")
     monkeypatch.setenv("K3JAX_MLA_PREFILL", "dense")
     with pytest.raises(ValueError, match="K3JAX_MLA_PREFILL"):
-        mla.prefill_form()
+        detect()
     monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
-    assert mla.expanded_key_budget(4096, (16, 512), 16, False) == 0
+    absorbed = detect()
     monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
-    assert mla.expanded_key_budget(4096, (16, 512), 16, False) == mla.EXPANDED_KEYS_PER_TOKEN * 4096
-    assert mla.expanded_key_budget(64, (2, 8), 4, False) == 2 * 8 * 4  # capped by the block tables
-    assert mla.expanded_key_budget(4096, (16, 512), 16, True) == 0     # decode-only steps stay absorbed
+    expanded = detect()
+    assert mla.expanded_key_budget(4096, (16, 512), 16, False, absorbed) == 0   # read when the backend was built
+    assert mla.expanded_key_budget(4096, (16, 512), 16, False, expanded) == mla.EXPANDED_KEYS_PER_TOKEN * 4096
+    assert mla.expanded_key_budget(64, (2, 8), 4, False, expanded) == 2 * 8 * 4  # capped by the block tables
+    assert mla.expanded_key_budget(4096, (16, 512), 16, True, expanded) == 0     # decode-only steps stay absorbed

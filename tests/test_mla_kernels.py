@@ -100,3 +100,28 @@ def test_default_tuning_h96_decode_depends_on_table_width():
     assert wide == {"max_rows": 32, "num_warps": 4, "transposed": False}
     assert default_tuning(96, False, 131072)["max_rows"] == 64       # prefill unchanged
     assert default_tuning(32, True, 131072)["transposed"] is True
+
+
+@pytest.mark.parametrize("heads,config", [
+    (4, None),                                            # decode tuning: keys-on-M, one tile per sequence
+    (6, (("head_groups", (4, 2)), ("bk", 16))),           # heads in two groups, each its own tiles
+    (6, (("head_groups", ((4, (("transposed", True),)), (2, (("bk", 16), ("transposed", False))))),)),
+])
+def test_ragged_decode_only_matches_oracle(heads, config):
+    """The engine's decode-only step: one token per real sequence, a padding sequence (no token)
+    and bucket-padding tokens, through the decode schedule."""
+    rng = np.random.default_rng(30 + heads)
+    case = build_case(rng, [13, 0, 31, 0, 40], [1, 1, 1, 0, 1], heads=heads, lat=L, rope=R,
+                      page_size=16, pad_tokens=3)
+    got = np.asarray(ragged_paged_mla(*_args(case), scale=SCALE, interpret=True, config=config,
+                                      decode_only=True))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), rtol=1e-5, atol=1e-5)
+    assert np.all(got[case["cu_seqlens"][-1]:] == 0), "padding tokens must be zero"
+
+
+def test_head_groups_must_cover_the_heads():
+    case = build_case(np.random.default_rng(1), [5], [1], heads=4, lat=L, rope=R, page_size=16)
+    with pytest.raises(ValueError, match="head_groups"):
+        mla_paged_decode(*_args(case, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
+                         scale=SCALE, interpret=True, config=(("head_groups", (2, 1)),))

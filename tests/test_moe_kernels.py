@@ -278,12 +278,10 @@ def test_expert_mlp_mxfp4_matches_numpy(activation):
     ("mxfp4", True, "jnp", False), ("mxfp4", True, "ptx4", False), ("mxfp4", False, "ptx8", False),
     ("mxfp4", True, "ptx8", True), ("bf16", "merged", "jnp", False), ("mxfp4", "merged", "ptx8", True),
     ("mxfp4", "joined", "ptx8", True)])
-def test_kernels_lower_to_triton(fmt, fused, decoder, swap, monkeypatch):
+def test_kernels_lower_to_triton(fmt, fused, decoder, swap):
   """The kernels (MXFP4: with each decoder, weights as either MMA operand; merged gate/up with
-  half-height tail tiles) lower through Pallas' Triton backend for CUDA on CPU; compiling the
-  Triton IR needs the GPU (scripts/bench_moe.py)."""
-  from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", decoder)
+  half-height tail tiles, joined halves) lower through Pallas' Triton backend for CUDA on CPU;
+  compiling the Triton IR needs the GPU (scripts/bench_moe.py; offline SASS: scripts/sass_moe.py)."""
   m, k, n, g = 256, 256, 128, 8
   act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -299,13 +297,35 @@ def test_kernels_lower_to_triton(fmt, fused, decoder, swap, monkeypatch):
     s = jax.ShapeDtypeStruct((g, 2 * n if merged else n, k // 32), jnp.uint8)
     t = Tiling(64 if merged else 16, 128, 64, 2, 3, swap_ab=swap, half_tail=merged, joined=joined)
     f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused is True else (p, s), gs,
-                                         tiling=t, act=act, mode="kernel")
+                                         tiling=t, act=act, mode="kernel", decoder=decoder)
     args = (x, p, s, gs)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "xla.gpu.triton" in text
   # the PTX decoders are in the Triton IR iff chosen (the IR is bytecode: look for the bytes)
   assert ("0x7E807E80" in text) == (decoder == "ptx4")
   assert ("mul.lo.u32" in text) == (decoder == "ptx8")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_stacked_gather_mlp_lowers_to_triton(fmt, monkeypatch):
+  """The scanned decoder's MoE call (a layer of stacked experts read in place) with the in-kernel
+  row gather (MXFP4: halves order between the kernels) lowers for CUDA: one Triton call per kernel."""
+  from pallas_kernels.moe import schedule as sch
+  monkeypatch.setattr(sch, "platform", lambda: "gpu")
+  t, d, i, e, n_layers = 256, 256, 512, 8, 3
+  sds = jax.ShapeDtypeStruct
+  if fmt == "bf16":
+    ws = (sds((n_layers, e, d, i), jnp.bfloat16),) * 2 + (sds((n_layers, e, i, d), jnp.bfloat16),)
+    fn, kw = moe.expert_mlp, {}
+  else:
+    up = (sds((n_layers, e, i, d // 2), jnp.uint8), sds((n_layers, e, i, d // 32), jnp.uint8))
+    ws = (up, up, (sds((n_layers, e, d, i // 2), jnp.uint8), sds((n_layers, e, d, i // 32), jnp.uint8)))
+    fn, kw = moe.expert_mlp_mxfp4, dict(decoder="ptx8")
+  f = lambda x, ids, wts, r, *ws: fn(x, ids, wts, *ws, activation="silu", interpret=False, layer=r,
+                                     gather=True, **kw)
+  text = jax.jit(f).trace(sds((t, d), jnp.bfloat16), sds((t, 2), jnp.int32), sds((t, 2), jnp.float32),
+                          sds((), jnp.int32), *ws).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
 
 
 # ------------------------------- the ptx8 decoder's recipe, interpreted in numpy
@@ -391,18 +411,16 @@ def test_ptx8_asm_is_rendered_from_the_recipe():
 
 @pytest.mark.parametrize("decoder", ["jnp", "ptx8"])   # x shift 0 / 64 (interpret: jnp decode)
 @pytest.mark.parametrize("swap", [False, True])
-def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
-  from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", decoder)
+def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap):
   x, packed, scales, gs = _mxfp4_case(12, 50, 128, 64, [7, 0, 30, 5], (110, 135))
   t = Tiling(16, 64, 32, 2, 3, swap_ab=swap)
-  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel")
+  out = moe.gmm_mxfp4(x, packed, scales, gs, interpret=True, tiling=t, mode="kernel", decoder=decoder)
   ref = moe.gmm_mxfp4_reference(x, packed, scales, gs)
   _close(out, ref)
   assert np.all(np.asarray(out[42:], np.float32) == 0.0)
   act = lambda a, b: kn.glu_activation(a, b, "situ")
   out2 = gm.run_mxfp4(x, (packed, scales, packed[::-1], scales[::-1]), gs, tiling=t, act=act,
-                      interpret=True, mode="kernel")
+                      interpret=True, mode="kernel", decoder=decoder)
   ref2 = act(ref.astype(jnp.float32),
              moe.gmm_mxfp4_reference(x, packed[::-1], scales[::-1], gs).astype(jnp.float32))
   _close(out2[:42], ref2[:42])
@@ -410,17 +428,15 @@ def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap, monkeypatch):
 
 # ------------------------------------- expert parallelism: tiles from the local row count
 
-def test_choose_tiling_avg_rows_hint(monkeypatch):
-  from pallas_kernels.moe import mxfp4 as mxm
+def test_choose_tiling_avg_rows_hint():
   from pallas_kernels.moe import schedule as sch
   # K3-EP8 decode, 256 tokens: 4096 rows, 112 local experts, ~4.6 rows per local expert
   assert sch.choose_tiling(4096, 3584, 6144, 112, mxfp4=True, fused=True).bm == 64
   ep = dict(mxfp4=True, fused=True, avg_rows=4096 / 896)
-  monkeypatch.setattr(mxm, "DECODER", "ptx4")
-  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == Tiling(16, 256, 64, 4, 4)
-  monkeypatch.setattr(mxm, "DECODER", "ptx8")  # the ptx8 decoder brings its own decode tiles
-  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep) == sch.DECODE_MXFP4
-  assert sch.choose_tiling(4096, 2304, 2048, 112, **ep).swap_ab  # K, N keep bk / bn
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep, decoder="ptx4") == Tiling(16, 256, 64, 4, 4)
+  # the ptx8 decoder brings its own decode tiles
+  assert sch.choose_tiling(4096, 3584, 6144, 112, **ep, decoder="ptx8") == sch.DECODE_MXFP4
+  assert sch.choose_tiling(4096, 2304, 2048, 112, **ep, decoder="ptx8").swap_ab  # K, N keep bk / bn
   assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
@@ -497,6 +513,28 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
   _close(out, ref, rel=1.5e-2)
 
 
+@pytest.mark.parametrize("fmt,gather", [("bf16", False), ("mxfp4", False), ("bf16", True), ("mxfp4", True)])
+def test_expert_mlp_reads_one_layer_of_a_stack_in_place(fmt, gather):
+  """layer=r over weights stacked [L, E, ...] (the scanned decoder's layout; the kernels offset the
+  group ids instead of slicing) == the same call on layer r's own weights, in the kernel (interpret)
+  and in the reference path. Other layers hold different weights, so a wrong offset shows. gather:
+  the up kernel reads token rows in place (row_index; MXFP4: halves order between the kernels)."""
+  x, ids, wts, *_ = _moe_inputs(10)
+  layers = [_moe_inputs(20 + r)[3:] for r in range(3)]
+  stack = [jnp.stack(ws) for ws in zip(*layers)]
+  if fmt == "mxfp4":
+    q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w.astype(jnp.float32), -1, -2))
+    layers = [tuple(q(w) for w in ws) for ws in layers]
+    stack = [q(w) for w in stack]
+  fn = moe.expert_mlp if fmt == "bf16" else moe.expert_mlp_mxfp4
+  for interpret in (True, None):
+    run = jax.jit(lambda r, *ws: fn(x, jnp.asarray(ids), jnp.asarray(wts), *ws, activation="silu",
+                                    interpret=interpret, layer=r, gather=gather))
+    own = fn(x, jnp.asarray(ids), jnp.asarray(wts), *layers[1], activation="silu", interpret=interpret,
+             gather=gather)
+    np.testing.assert_array_equal(np.asarray(run(jnp.int32(1), *stack), np.float32), np.asarray(own, np.float32))
+
+
 # ------------------------------------- regression: "expert_mlp_mxfp4 wrong at K3 shapes"
 
 def test_gmm_rejects_group_count_mismatch():
@@ -535,22 +573,20 @@ def test_expert_mlp_mxfp4_more_experts_than_tiny_matches_model_reference():
   _close(out, layer.routed_experts_reference(pe, x, w, ids, c), rel=1.5e-2)
 
 
-def test_loading_checks_mxfp4_scales_against_the_ptx8_window(monkeypatch, caplog):
-  """A checkpoint whose E8M0 scales leave ptx8's exact window switches to the exact ptx4 decoder
-  (with a warning); scales inside it keep ptx8."""
-  from k3jax.api import _check_mxfp4_scales
+def test_loading_checks_mxfp4_scales_against_the_ptx8_window(caplog):
+  """A checkpoint whose E8M0 scales leave ptx8's exact window gets the exact ptx4 decoder in its
+  backend (with a warning); scales inside it keep ptx8. Nothing global changes."""
+  from k3jax.api import _backend_for
   from pallas_kernels.moe import mxfp4 as mxm
-  monkeypatch.setattr(mxm, "DECODER", "ptx8")
   lo, hi = mxm.PTX8_EXACT_SCALES
   inside = {"layers": {"experts": {"w1_scale": jnp.asarray([[lo, hi]], jnp.uint8),
                                    "w1_packed": jnp.zeros((1, 2), jnp.uint8)}}}
-  _check_mxfp4_scales(inside)
-  assert mxm.DECODER == "ptx8"
+  assert _backend_for(inside).mxfp4_decoder == "ptx8"
   outside = {"layers": [{"mlp": {"experts": {"w1_scale": jnp.asarray([[lo, hi + 1]], jnp.uint8)}}}],  # a list, as loaded
              "norm_scale": jnp.ones((2,), jnp.float32) * 255}  # not MXFP4: ignored
-  _check_mxfp4_scales(outside)
-  assert mxm.DECODER == "ptx4"
+  assert _backend_for(outside).mxfp4_decoder == "ptx4"
   assert "outside the ptx8 decoder's exact window" in caplog.text
+  assert mxm.DECODER == "ptx8"
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -753,3 +789,23 @@ def test_expert_mlp_merged_prefill_defaults(fmt, monkeypatch):
   assert [(t.swap_ab, t.joined, t.half_tail) for t in seen] == [
       (t.swap_ab, t.joined, t.half_tail) for t in (up, down)]
   assert seen[0].bm == 128
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
+  """Merged gate/up weights stacked over layers ([L, E, ...]): `layer` picks its experts in place
+  (MXFP4 with joined, half-tail tiles); layer 0 holds other weights, so reading it would show."""
+  from pallas_kernels.moe import layout
+  x, local, wts, (q1, q3, q2), ref = _ep_case(34, 40, 64, 64, 2, 3, 2, "situ")
+  stack = lambda a: jnp.stack([jnp.flip(a, axis=0), a])      # layer 0: the experts in reverse order
+  kw = dict(activation="situ", interpret=True, layer=1, num_experts_total=3, gather=True)
+  if fmt == "bf16":
+    w1, w3, w2 = (jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2))
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), stack(layout.merge_gate_up(w1, w3)),
+                         None, stack(w2), **kw)
+  else:
+    tiles = (Tiling(32, 32, 16, 4, 3, True, True, True), Tiling(32, 32, 32, 4, 3, True, True, True))
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts),
+                               tuple(map(stack, layout.merge_gate_up_mxfp4(q1, q3))), None,
+                               tuple(map(stack, q2)), tiling=tiles, mode="kernel", **kw)
+  _close(out, ref, rel=2e-2)

@@ -8,7 +8,7 @@ import pytest
 from k3jax.layers.moe import moe
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
-from pallas_kernels import ops
+from pallas_kernels.backend import detect
 from pallas_kernels.moe.tpu import gmm_tpu
 
 
@@ -33,17 +33,11 @@ def test_model_moe_on_the_tpu_path_equals_the_reference(monkeypatch):
     params = init_params_numpy(c, 0, jnp.float32)
     layer = next(lp["mlp"] for lp, t in zip(params["layers"], c.mlp_types) if t == "moe")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((80, c.hidden_size)), jnp.float32)
-    ops.set_kernel_mode("reference")
-    try:
-        ref = np.asarray(moe(layer, x, c))
-        calls = []
-        monkeypatch.setattr(ops, "_platform", lambda: "tpu")
-        import pallas_kernels.moe.tpu as tpu
-        real = tpu.gmm_tpu
-        monkeypatch.setattr(tpu, "gmm_tpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-        ops.set_kernel_mode("pallas")
-        got = np.asarray(moe(layer, x, c))
-    finally:
-        ops.set_kernel_mode(None)
+    ref = np.asarray(moe(layer, x, c, backend=detect("reference")))
+    calls = []
+    import pallas_kernels.moe.tpu as tpu
+    real = tpu.gmm_tpu
+    monkeypatch.setattr(tpu, "gmm_tpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))   # a spy
+    got = np.asarray(moe(layer, x, c, backend=detect("pallas", platform="tpu")))
     assert calls and all(kw["interpret"] for kw in calls)        # 3 matmuls per MoE layer went to megablox
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

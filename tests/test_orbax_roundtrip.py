@@ -144,7 +144,7 @@ def test_load_model_converted_dir(saved, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_config_dict("tiny-random")))
     m = load_model(str(tmp_path), dtype="float32")
     assert m.tokenizer is None
-    for k, g, want in _pairs(m.params, params):
+    for k, g, want in _pairs(m.checkpoint_params(), params):
         assert g.sharding.device_set == {jax.devices()[0]}
         np.testing.assert_array_equal(np.asarray(g), want, err_msg=k)
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from hf_reference import tiny_kimi_linear_model
 from k3jax.checkpoint.hf_load import load_hf_params
 from k3jax.config import ModelConfig
+from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full
 
 
@@ -23,7 +24,7 @@ def _torch_logits(model, tokens):
 
 def _ours(path, tokens):
     cfg = ModelConfig.from_json_file(path / "config.json")
-    params = load_hf_params(path, cfg, jnp.float32)
+    params = stack_layers(load_hf_params(path, cfg, jnp.float32), cfg)     # the scanned decoder
     return cfg, np.asarray(jax.jit(lambda p, t: forward_full(p, cfg, t))(params, tokens))
 
 

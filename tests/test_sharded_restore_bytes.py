@@ -7,7 +7,10 @@ processes. Bytes read are the `rchar` delta of /proc/self/io around the restore 
 reads with read/pread, so this counts every byte it asked the kernel for, page cache or not).
 Each process must read about the bytes of its own shards (all replicated leaves plus half the
 experts) and well under the checkpoint size; restoring the same checkpoint replicated reads
-all of it, so the measurement can tell the two apart.
+all of it, so the measurement can tell the two apart. Then the public path,
+`k3jax.load_model(converted_dir, mesh="expert=8")`, on the same two processes: the parameters are
+restored onto the rule shardings and kept there (placing them a second time read every array back to
+the host, which a process cannot do with another process's shards).
 """
 import json
 import os
@@ -74,10 +77,17 @@ def worker(coord: str, pid: int, ckpt: str, out: str):
                             for e in range(*idx[0].indices(experts.shape[0]))})
     rep = jax.tree_util.tree_map(lambda _: replicated(mesh), shardings)
     read_replicated, _ = restore(rep)
+    from k3jax.api import load_model
+    model = load_model(ckpt, mesh=MESH, dtype="bfloat16")
+    loaded = [x for path, x in jax.tree_util.tree_leaves_with_path(model.params)
+              if "w1_packed" in jax.tree_util.keystr(path)][0]               # stacked: [layers, E, ...]
+    axis = loaded.ndim - 3
+    loaded_experts = sorted({e for idx in loaded.sharding.addressable_devices_indices_map(loaded.shape).values()
+                             for e in range(*idx[axis].indices(loaded.shape[axis]))})
     with open(f"{out}.{pid}", "w") as f:
         json.dump({"read_sharded": read_sharded, "needed_sharded": local_bytes(shardings),
                    "read_replicated": read_replicated, "needed_replicated": local_bytes(rep),
-                   "local_experts": local_experts}, f)
+                   "local_experts": local_experts, "loaded_experts": loaded_experts}, f)
     jax.distributed.shutdown()
 
 
@@ -116,6 +126,7 @@ def test_each_process_reads_only_its_shards(converted, tmp_path):
     got = [json.loads(open(f"{out}.{i}").read()) for i in range(2)]
     # expert=8 spans both processes: each holds 8 of the 16 experts, different ones
     assert [g["local_experts"] for g in got] == [list(range(0, 8)), list(range(8, 16))]
+    assert [g["loaded_experts"] for g in got] == [list(range(0, 8)), list(range(8, 16))]   # load_model alike
     for i, g in enumerate(got):
         print(f"process {i}: read {g['read_sharded'] / MiB:.1f} MiB sharded (needs {g['needed_sharded'] / MiB:.1f}), "
               f"{g['read_replicated'] / MiB:.1f} MiB replicated; checkpoint {full / MiB:.1f} MiB")

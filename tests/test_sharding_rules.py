@@ -69,7 +69,7 @@ def test_every_leaf_has_an_explicit_rule(name):
         params = rules.explain(pshapes, mesh, config=c)
         pools = rules.explain(poshapes, mesh, rules=rules.POOL_RULES)
         assert len(params) == len(shapes) - len(pools) and len(params) > 10
-        assert len(pools) == len(c.mla_layers) + 2 * len(c.kda_layers)
+        assert [p for p, *_ in pools] == ["mla_kv", "kda_state", "kda_conv"]    # one array per kind
         for path, rule, spec in params + pools:
             assert rule and isinstance(spec, P) and len(spec) == len(shapes[path]), path
         # inferring head counts from shapes gives the same specs as reading them from the config
@@ -101,9 +101,9 @@ def test_specs_of_representative_leaves():
     assert e["w1_packed"] == P("expert", "tensor", None) and e["w2_scale"] == P("expert", None, "tensor")
     assert L[1]["mlp"]["router"] == P(None, None) and L[1]["mlp"]["shared"]["down"] == P("tensor", None)
     pools = rules.pool_specs(pool_shapes(c, 128, 64, 64), {"data": 8, "expert": 8, "tensor": 8})
-    assert pools.mla_kv[0] == P(("data", "expert"), None, None)
-    assert pools.kda_state[0] == P(("data", "expert"), "tensor", None, None)
-    assert pools.kda_conv[0] == P(("data", "expert"), None, None)
+    assert pools.mla_kv == P(("data", "expert"), None, None, None)
+    assert pools.kda_state == P(("data", "expert"), None, "tensor", None, None)
+    assert pools.kda_conv == P(("data", "expert"), None, None, None)
 
 
 def test_indivisible_dims_fall_back_with_a_note(caplog):
@@ -116,8 +116,8 @@ def test_indivisible_dims_fall_back_with_a_note(caplog):
     assert a["q_proj"] == P(None, None) and a["A_log"] == P(None)       # 4 heads cannot split 8 ways
     assert specs["layers"][1]["mlp"]["experts"]["w2_packed"] == P("expert", None, None)
     assert specs["embed"] == P("tensor", None)                          # 1024 rows do split
-    assert pspecs.mla_kv[0] == P("expert", None, None)                  # 12 pages: not 8, but 4
-    assert pspecs.kda_state[0] == P("data", "tensor", None, None)        # 6 slots: only data=2
+    assert pspecs.mla_kv == P("expert", None, None, None)               # 12 pages: not 8, but 4
+    assert pspecs.kda_state == P("data", None, "tensor", None, None)     # 6 slots: only data=2
     text = caplog.text
     assert "heads (4 units) not divisible by tensor=8: replicated" in text
     assert "split over expert=4" in text and "split over data=2" in text
@@ -138,9 +138,9 @@ def test_shard_params_and_pools_place_arrays():
     e = sharded["layers"][1]["mlp"]["experts"]["w1_packed"]           # [16, 64, 32] -> [8, 32, 32] per device
     assert {sh.data.shape for sh in e.addressable_shards} == {(8, 32, 32)}
     pools = rules.shard_pools(make_pools(c, 8, 16, 8, jnp.float32), mesh)
-    assert {sh.data.shape for sh in pools.kda_state[0].addressable_shards} == {(2, 2, 32, 32)}
-    assert {sh.data.shape for sh in pools.mla_kv[0].addressable_shards} == {(2, 16, c.mla_cache_dim)}
-    assert rules.shard_shape((8, 4, 32, 32), rules.pool_specs(pools, mesh).kda_state[0], mesh) == (2, 2, 32, 32)
+    assert {sh.data.shape for sh in pools.kda_state.addressable_shards} == {(2, 4, 2, 32, 32)}   # [slots, layers, H, K, V]
+    assert {sh.data.shape for sh in pools.mla_kv.addressable_shards} == {(2, 2, 16, c.mla_cache_dim)}
+    assert rules.shard_shape((8, 4, 4, 32, 32), rules.pool_specs(pools, mesh).kda_state, mesh) == (2, 4, 2, 32, 32)
 
 
 @pytest.mark.parametrize("preset", ["tiny-random", "kimi-k3"])

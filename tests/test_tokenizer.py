@@ -1,9 +1,7 @@
 """Kimi tokenizer: vocabulary layout, encode/decode, special tokens, streaming detokenizer."""
 
-import importlib.util
 import os
 import random
-from pathlib import Path
 
 import pytest
 import regex
@@ -12,7 +10,6 @@ from k3jax.tokenizer import IncrementalDetokenizer, KimiTokenizer
 from k3jax.tokenizer.kimi import TINY_ASSET
 from k3jax.tokenizer.vocab import PAT_STR, SPECIAL_OFFSETS, load_tiktoken_bpe, split_long_runs
 
-ROOT = Path(__file__).resolve().parent.parent
 REAL_TIKTOKEN = os.environ.get("K3JAX_KIMI_TIKTOKEN", "")
 
 MULTILINGUAL = [
@@ -91,9 +88,8 @@ def test_tiny_vocab_layout(tiny):
 
 
 def test_tiny_asset_is_reproducible():
-    spec = importlib.util.spec_from_file_location("make_tiny_tokenizer", ROOT / "scripts" / "make_tiny_tokenizer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from scripts_module import load_script
+    mod = load_script("make_tiny_tokenizer")
     assert mod.build() == TINY_ASSET.read_bytes()
 
 

@@ -44,9 +44,18 @@ def attn_res(prefix_sum, blocks, proj, norm, eps: float):
 
     Keys are the RMS-normalized sources; values are the raw sources. Token-local.
     """
-    v = upcast(jnp.stack([*blocks, prefix_sum], axis=0))                  # [S, ..., D]
+    return attn_res_stacked(jnp.stack([*blocks, prefix_sum], axis=0), proj, norm, eps)
+
+
+def attn_res_stacked(sources, proj, norm, eps: float, count=None):
+    """attn_res over stacked sources [S, ..., D]; count (traced): only the first `count` sources
+    take part (the rest get probability 0), so a fixed-size buffer can carry them through a scan."""
+    v = upcast(sources)
     kn = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
     w = upcast(norm) * upcast(proj)
     score = jnp.sum(kn * w, axis=-1)                                       # [S, ...]
+    if count is not None:
+        live = jnp.arange(sources.shape[0]) < count
+        score = jnp.where(live.reshape((-1,) + (1,) * (score.ndim - 1)), score, -jnp.inf)
     p = jax.nn.softmax(score, axis=0)
-    return jnp.sum(p[..., None] * v, axis=0).astype(prefix_sum.dtype)
+    return jnp.sum(p[..., None] * v, axis=0).astype(sources.dtype)

@@ -1,8 +1,8 @@
 """KDA (Kimi Delta Attention) layer: projections, short convs, gate, delta rule, gated norm.
 
-Two entry points over the same parameters:
-  kda_full(p, x [B, T, D], c)                        whole sequences from a zero state;
-  kda_step(p, x [T, D], c, state, conv, meta)        ragged chunks resuming from pooled states.
+Two entry points over the same parameters (backend: pallas_kernels/backend.py):
+  kda_full(p, x [B, T, D], c, backend)                      whole sequences from a zero state;
+  kda_step(p, x [T, D], c, state, conv, meta, backend)      ragged chunks resuming from pooled states.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
 from pallas_kernels import ops
+from pallas_kernels.backend import Backend, resolve
+from pallas_kernels.scatter import read_rows, set_rows
 
 
 def _heads(x, c: ModelConfig):
@@ -66,17 +68,17 @@ def _safe_gate(c: ModelConfig) -> bool:
     return c.gate_lower_bound is not None and c.gate_lower_bound >= -5.0
 
 
-def kda_full(p, x, c: ModelConfig):
+def kda_full(p, x, c: ModelConfig, backend: Backend | None = None):
     """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
     conv_out = causal_conv(_qkv_in(p, x), _conv_weights(p))
     q, k, v, g, beta = _core(p, x, conv_out, c)
-    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c))
+    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c), backend=backend)
     return _output(p, x, o, c)
 
 
 def _gather_state(pool, src):
     """Rows `src` of a pool; negative src means a fresh (zero) state."""
-    rows = pool[jnp.maximum(src, 0)]
+    rows = read_rows(pool, jnp.maximum(src, 0))
     keep = (src >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
     return jnp.where(keep, rows, jnp.zeros_like(rows))
 
@@ -110,7 +112,7 @@ def _step_conv(x_in, w, conv0, meta):
     return out, jnp.stack(new, axis=1).astype(conv0.dtype)
 
 
-def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
+def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta, backend: Backend | None = None):
     """One engine step of a KDA layer over ragged token chunks.
 
     x [T, D] flat tokens; state_pool [S, H, K, V] fp32; conv_pool [S, Kc-1, 3*H*K].
@@ -118,8 +120,9 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
     checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
     """
+    b = resolve(backend)
     if meta.get("decode_only"):
-        return _decode_step(p, x, c, state_pool, conv_pool, meta)
+        return _decode_step(p, x, c, state_pool, conv_pool, meta, b)
     src = meta["state_src"]
     with jax.named_scope("kda_in"):
         x_in = _qkv_in(p, x)
@@ -129,16 +132,16 @@ def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
         s0 = _gather_state(state_pool, src)
     with jax.named_scope("kda_chunk"):
         o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
-                              initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c))
+                              initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c), backend=b)
     with jax.named_scope("kda_state_write"):
         for dst in (meta["state_dst"], meta["ckpt_dst"]):
-            state_pool = state_pool.at[dst].set(s1.astype(state_pool.dtype))
-            conv_pool = conv_pool.at[dst].set(conv_new.astype(conv_pool.dtype))
+            state_pool = set_rows(state_pool, dst, s1, bits=b.scatter_bits)
+            conv_pool = set_rows(conv_pool, dst, conv_new, bits=b.scatter_bits)
     with jax.named_scope("kda_out"):
         return _output(p, x, o[0], c), state_pool, conv_pool
 
 
-def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
+def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
     """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
     runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter)."""
     cu = meta["cu_seqlens"]
@@ -147,15 +150,15 @@ def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta):
     slots = jnp.where(valid, meta["state_src"], -1)
     xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
     x_in = _qkv_in(p, xs)
-    conv0 = conv_pool[jnp.maximum(slots, 0)]                            # [N, Kc-1, C]
+    conv0 = read_rows(conv_pool, jnp.maximum(slots, 0))                 # [N, Kc-1, C]
     w = _conv_weights(p)
     # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
     conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
     window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
     q, k, v, g, beta = _core(p, xs, conv_out, c)
-    o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5)
-    conv_pool = conv_pool.at[jnp.where(valid, meta["state_dst"], conv_pool.shape[0])].set(
-        window[:, 1:].astype(conv_pool.dtype), mode="drop")
+    o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5, backend=b)
+    conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
+                         mode="drop", bits=b.scatter_bits)
     out = _output(p, xs, o, c)                                          # [N, D]
     tok_seq = meta["token_seq"]
     tok_ok = jnp.arange(x.shape[0]) < cu[n]

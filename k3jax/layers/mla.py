@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
 from pallas_kernels import ops
-from pallas_kernels.setting import Setting
+from pallas_kernels.backend import Backend, resolve
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
 _LATENT_NORM_EPS = 1e-6
@@ -67,18 +67,15 @@ EXPANDED_MIN_TOKENS = 2048
 EXPANDED_KEYS_PER_TOKEN = 2
 
 
-_PREFILL_FORM = Setting("MLA prefill form", "K3JAX_MLA_PREFILL", ("auto", "absorbed", "expanded"))
-set_prefill_form = _PREFILL_FORM.set  # read at trace time: re-jit after changing it
-prefill_form = _PREFILL_FORM.get
-
-
-def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool) -> int:
+def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool,
+                        backend: Backend | None = None) -> int:
     """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only. At most
-    the keys the block tables can hold (a buffer that large needs no runtime fallback)."""
-    form = prefill_form()
-    if decode_only or form == "absorbed":
+    the keys the block tables can hold (a buffer that large needs no runtime fallback). The form
+    is the backend's mla_prefill (K3JAX_MLA_PREFILL when the backend was built)."""
+    b = resolve(backend)
+    if decode_only or b.mla_prefill == "absorbed":
         return 0
-    if form == "auto" and (num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available()):
+    if b.mla_prefill == "auto" and (num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available(b)):
         return 0
     return min(EXPANDED_KEYS_PER_TOKEN * num_tokens, block_tables_shape[0] * block_tables_shape[1] * page_size)
 
@@ -105,27 +102,28 @@ def mla_full(p, x, c: ModelConfig):
     return _output(p, x, o, c)
 
 
-def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype):
+def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
     """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
     w_uk, w_uv = _kv_b(p, c)
     q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
     o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
-                                 kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c))
+                                 kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
+                                 decode_only=bool(meta.get("decode_only", False)), backend=backend)
     return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
 
 
-def _expanded(p, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int):
+def _expanded(p, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
     """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
     by kv_b_proj into per-head K/V, then varlen causal attention."""
     rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
     kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ p["kv_b_proj"]).astype(kv_pages.dtype)
     kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
     o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"], starts,
-                                   nope_dim=c.qk_nope_head_dim, scale=scale(c))
+                                   nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
     return o.astype(dtype)
 
 
-def mla_step(p, x, c: ModelConfig, kv_pages, meta):
+def mla_step(p, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
     """One engine step over ragged chunks on the paged latent cache (form: `expanded_key_budget`).
 
     x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
@@ -134,12 +132,14 @@ def mla_step(p, x, c: ModelConfig, kv_pages, meta):
     """
     with jax.named_scope("mla_in"):
         q = _queries_joint(p, x, c)
-        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"])
+        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"],
+                                      backend=backend)
+    backend = resolve(backend)
     num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
-                                   bool(meta.get("decode_only", False)))
+                                   bool(meta.get("decode_only", False)), backend)
     with jax.named_scope("mla_attn"):
-        absorbed = lambda: _absorbed(p, c, q, kv_pages, meta, x.dtype)
-        expanded = lambda: _expanded(p, c, q, kv_pages, meta, x.dtype, num_keys)
+        absorbed = lambda: _absorbed(p, c, q, kv_pages, meta, x.dtype, backend)
+        expanded = lambda: _expanded(p, c, q, kv_pages, meta, x.dtype, num_keys, backend)
         n_seqs, max_pages = meta["block_tables"].shape
         if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
             o = expanded()

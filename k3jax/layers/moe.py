@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.common import dense_mlp, glu_act, rms_norm, upcast
 from pallas_kernels import ops
+from pallas_kernels.backend import Backend, resolve
 
 
 def route(p, x, c: ModelConfig):
@@ -53,42 +54,46 @@ def sort_by_expert(ids, num_experts: int):
     return order, order // ids.shape[-1], group_sizes
 
 
-def routed_experts(pe, z, weights, ids, c: ModelConfig):
-    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on accelerators)."""
+def layer_experts(pe, layer):
+    """One layer's experts out of stacked ones ([L, E, ...] leaves); layer None: pe itself."""
+    return pe if layer is None else jax.tree_util.tree_map(lambda w: w[layer], pe)
+
+
+def routed_experts(pe, z, weights, ids, c: ModelConfig, layer=None, backend: Backend | None = None):
+    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on accelerators).
+    layer: pe's leaves are stacks over layers and the kernels read this layer's experts in place."""
     return ops.expert_mlp(z, ids, weights, pe, activation=c.hidden_act, situ_beta=c.situ_beta,
-                          situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts,
-                          reference=lambda: routed_experts_reference(pe, z, weights, ids, c))
+                          situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts, layer=layer,
+                          backend=backend,
+                          reference=lambda: routed_experts_reference(layer_experts(pe, layer), z, weights, ids, c,
+                                                                     backend))
 
 
-def routed_experts_reference(pe, z, weights, ids, c: ModelConfig):
+def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backend | None = None):
     """The jnp formula, accumulated in fp32: sort by expert, three grouped matmuls, weighted scatter-add."""
     w1, w3, w2 = expert_weights(pe, z.dtype)
     order, tok, gs = sort_by_expert(ids, c.num_experts)
     xs = z[tok]
-    h = glu_act(ops.gmm(xs, w1, gs), ops.gmm(xs, w3, gs), c)
-    y = upcast(ops.gmm(h, w2, gs)) * weights.reshape(-1)[order][:, None]
+    h = glu_act(ops.gmm(xs, w1, gs, backend=backend), ops.gmm(xs, w3, gs, backend=backend), c)
+    y = upcast(ops.gmm(h, w2, gs, backend=backend)) * weights.reshape(-1)[order][:, None]
     return jnp.zeros(z.shape, y.dtype).at[tok].add(y).astype(z.dtype)
 
 
-def _routed(pe, z, weights, ids, c: ModelConfig):
-    """Expert-parallel (shard_map + all-to-all) while a step is traced under
-    `sharding.moe_ep.expert_parallel(mesh)`, else the single-device path."""
-    from sharding.moe_ep import active_mesh, routed_experts_ep   # lazy: sharding imports this module
-    mesh = active_mesh()
-    if mesh is None:
-        return routed_experts(pe, z, weights, ids, c)
-    return routed_experts_ep(pe, z, weights, ids, c, mesh)
-
-
-def moe(p, x, c: ModelConfig, routed=None):
-    """Full MoE block. x [..., D] -> [..., D]. routed: override for the routed-experts call."""
+def moe(p, x, c: ModelConfig, layer=None, backend: Backend | None = None):
+    """Full MoE block. x [..., D] -> [..., D]. layer: p["experts"] holds every scanned layer's experts
+    ([L, E, ...]) and this one runs. backend.routed_experts (expert parallelism, sharding/moe_ep.py)
+    replaces the single-device routed experts."""
+    b = resolve(backend)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     with jax.named_scope("moe_route"):
         weights, ids = route(p, x2, c)
         z = x2 @ p["latent_down"] if "latent_down" in p else x2
     with jax.named_scope("moe_experts"):
-        y = (routed or _routed)(p["experts"], z, weights, ids, c)
+        if b.routed_experts is None:
+            y = routed_experts(p["experts"], z, weights, ids, c, layer, b)
+        else:
+            y = b.routed_experts(layer_experts(p["experts"], layer), z, weights, ids, c, b)
     with jax.named_scope("moe_shared"):
         if "latent_norm" in p:
             y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
@@ -99,8 +104,8 @@ def moe(p, x, c: ModelConfig, routed=None):
         return y.reshape(shape)
 
 
-def mlp_or_moe(p, x, c: ModelConfig):
+def mlp_or_moe(p, x, c: ModelConfig, layer=None, backend: Backend | None = None):
     if "router" in p:
-        return moe(p, x, c)
+        return moe(p, x, c, layer=layer, backend=backend)
     with jax.named_scope("dense_mlp"):
         return dense_mlp(p, x, c)

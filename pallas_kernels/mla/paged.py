@@ -102,10 +102,10 @@ def chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq):
 def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
     """[n_chunks * H/bh, 4] int32 tiles (seq, start_row, n_valid, pos of first token)."""
     hb = num_heads // bh
-    if decode:
-        c = jnp.arange(n_chunks, dtype=jnp.int32)
-        seq, first, n_valid = c, c, jnp.ones_like(c)
-        pos0 = kv_lens[seq] - (cu_seqlens[seq + 1] - first)
+    if decode:  # one chunk per sequence of at most one token (0 = padding sequence: empty tile)
+        seq = jnp.arange(n_chunks, dtype=jnp.int32)
+        first, n_valid = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        pos0 = jnp.where(n_valid > 0, kv_lens[seq] - 1, 0)
     else:
         seq, first, n_valid, pos0 = chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq)
     j = jnp.arange(hb, dtype=jnp.int32)
@@ -118,6 +118,20 @@ def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
 
 def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
                  decode, interpret, config):
+    groups = (config or {}).get("head_groups")
+    if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
+        rest = {k: v for k, v in config.items() if k != "head_groups"}
+        # an entry is a head count (the other config keys apply) or (heads, config tuple or None)
+        groups = [(g, rest) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
+        if sum(h for h, _ in groups) != q_latent.shape[1]:
+            raise ValueError(f"head_groups {groups} must sum to H={q_latent.shape[1]}")
+        outs, a = [], 0
+        for h, cfg in groups:
+            outs.append(_kernel_path(q_latent[:, a:a + h], q_rope[:, a:a + h], kv_pages, block_tables,
+                                     cu_seqlens, kv_lens, scale=scale, decode=decode,
+                                     interpret=interpret, config=cfg))
+            a += h
+        return jnp.concatenate(outs, axis=1)
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
@@ -175,15 +189,18 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
                         decode=True, interpret=interpret, config=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform",
+                                             "decode_only"))
 def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     interpret=None, config=None, platform=None):
+                     interpret=None, config=None, platform=None, decode_only=False):
     """Ragged paged MLA: prefill chunks (attending to their cached prefix) and decode rows.
 
     Same contract as `reference.ragged_paged_mla_reference`: q_latent [T, H, L],
     q_rope [T, H, R], kv_pages [P, page_size, L+R], block_tables [N, max_pages],
     cu_seqlens [N+1], kv_lens [N] (cache length after this step's writes).
     Returns o_latent [T, H, L]; tokens past cu_seqlens[N] get zeros.
+    decode_only (static): every sequence has at most one token this step (the engine's decode
+    steps), so the GPU kernel runs the decode schedule and tuning (one tile per sequence).
     """
     if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
@@ -194,4 +211,4 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
         return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
                                                     cu_seqlens, kv_lens, scale=scale)
     return _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                        scale=scale, decode=False, interpret=interpret, config=cfg)
+                        scale=scale, decode=bool(decode_only), interpret=interpret, config=cfg)

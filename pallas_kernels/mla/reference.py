@@ -14,14 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.scatter import set_rows
 
-def write_kv_pages(kv_pages, new_kv, slot_mapping):
+
+def write_kv_pages(kv_pages, new_kv, slot_mapping, bits: bool = False):
     """Scatter new cache rows into the page pool.
 
     Args:
       kv_pages: [P, page_size, L+R] page pool (donate it under jit for an in-place update).
       new_kv: [T, L+R] rows to write (cast to kv_pages.dtype).
       slot_mapping: [T] int32, ``page_id * page_size + offset``; negative = padding, dropped.
+      bits: scatter 16-bit floats as uint16 (pallas_kernels/scatter.py; on CPU).
     Returns:
       the updated kv_pages [P, page_size, L+R].
     """
@@ -31,7 +34,7 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     # .at[] wraps negative indices numpy-style, so send them out of bounds explicitly.
     slots = jnp.where(slots < 0, total, slots)
-    flat = flat.at[slots].set(new_kv.astype(kv_pages.dtype), mode="drop")
+    flat = set_rows(flat, slots, new_kv, mode="drop", bits=bits)
     return flat.reshape(num_pages, page_size, width)
 
 

@@ -33,6 +33,7 @@ def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
     return sch.choose_tiling(m, k, n, g, **kw)
   tiling = sch.as_tiling(tiling)
   kw.pop("avg_rows", None)
+  kw.pop("decoder", None)
   floor = 32 if kw.get("mxfp4") else 16
   return dataclasses.replace(tiling, bk=sch.pow2_divisor(k, tiling.bk, floor),
                              bn=sch.pow2_divisor(n, tiling.bn))
@@ -50,12 +51,12 @@ def _pad_last(a, mult):
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, r)])
 
 
-def _check_groups(group_sizes, w):
+def _check_groups(group_sizes, num_groups: int):
   """ragged_dot's rule: one group size per weight group. The kernel would otherwise read only
   the first len(group_sizes) experts without complaint (scripts/check_kernels_gpu.py once
   compared against such a reference: 16 group sizes over 112 experts, 'rel err 1.26')."""
-  if group_sizes.ndim != 1 or group_sizes.shape[0] != w.shape[0]:
-    raise ValueError(f"group_sizes {group_sizes.shape} must be [G] with G = {w.shape[0]}, the "
+  if group_sizes.ndim != 1 or group_sizes.shape[0] != num_groups:
+    raise ValueError(f"group_sizes {group_sizes.shape} must be [G] with G = {num_groups}, the "
                      f"number of weight groups")
 
 
@@ -71,6 +72,15 @@ def _fused(act, merged):
   return "merged" if merged else act is not None
 
 
+def _layer_groups(ws, layer):
+  """Stacked weights ([L, G, ...] each) as one flat group axis [L * G, ...] (a free reshape) and the
+  layer's first group; layer None: ws unchanged ([G, ...]), offset None."""
+  if layer is None:
+    return ws, None
+  g = ws[0].shape[1]
+  return tuple(w.reshape((-1,) + w.shape[2:]) for w in ws), layer * g
+
+
 def _rows(lhs, row_index):
   return lhs.shape[0] if row_index is None else row_index.shape[0]
 
@@ -83,15 +93,18 @@ def _pad_rows_or_index(lhs, row_index, bm):
   return lhs, (row_index if m >= bm else jnp.pad(row_index, (0, bm - m)))
 
 
-def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None,
+def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None, layer=None,
              row_index=None, zero_tail=True):
   """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
   avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling).
+  layer (int32, may be traced): ws are stacks over layers ([L, G, K, N]) and this layer's groups
+  are used, read in place by the kernel (no per-layer copy of the experts).
   row_index, zero_tail: see kernel.grouped_matmul (rows gathered from lhs [T, K] in the kernel;
   rows past the groups left unwritten). One weight with act: merged gate/up ([G, K, 2N],
   layout.merge_gate_up), output [M, N]."""
   m, k = _rows(lhs, row_index), lhs.shape[1]
-  _check_groups(group_sizes, ws[0])
+  _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
+  ws, offset = _layer_groups(ws, layer)
   if ws[0].shape[1] != k:
     raise ValueError(f"lhs K={k} does not match weights {ws[0].shape}")
   per_col = 2 if _merged(ws, act, 1) else 1  # weight columns per output column
@@ -106,12 +119,13 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
                  avg_rows=avg_rows)
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
-                          interpret=interpret, row_index=idx, zero_tail=zero_tail)
+                          interpret=interpret, group_offset=offset, row_index=idx, zero_tail=zero_tail)
   return out[:m, :n]
 
 
 def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
-              avg_rows=None, row_index=None, x_halves=False, zero_tail=True, out_halves=False):
+              avg_rows=None, layer=None, decoder: str | None = None, row_index=None, x_halves=False,
+              zero_tail=True, out_halves=False):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
   mode 'kernel': decode in the kernel's main loop, each weight tile decoded once per row tile
@@ -119,6 +133,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   mode 'predequant': one XLA pass writes bf16 [G, N, K] and the bf16 kernel reads it.
   None: 'predequant' when the average group has >= schedule.PREDEQUANT_MIN_ROWS rows (avg_rows, else
   M / G), else 'kernel'.
+  layer: ws are stacks over layers ([L, G, ...]), as in run_bf16. decoder: the in-kernel decoder.
   row_index, zero_tail: as run_bf16. x_halves: lhs is already the kernel's x operand,
   mxfp4.to_operand(x, shift, tiling.joined) ([even | odd] columns, or natural order for joined
   tiles; times 2^shift). out_halves: write the output as the next MXFP4 kernel's x operand of the
@@ -128,15 +143,18 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
   merged = _merged(ws, act, 2)
-  n = ws[0].shape[1] // (2 if merged else 1)
-  if ws[0].shape[2] * 2 != k:
+  if ws[0].shape[-1] * 2 != k:
     raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
-  _check_groups(group_sizes, ws[0])
   if mode is None:
     avg = m / g if avg_rows is None else avg_rows
     mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not x_halves else "kernel"
+  if layer is not None and mode == "predequant":
+    ws, layer = tuple(w[layer] for w in ws), None      # the decode pass reads the layer's slice
+  _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
+  ws, offset = _layer_groups(ws, layer)
+  n = ws[0].shape[1] // (2 if merged else 1)
   rn = (-n) % 16
-  if rn:
+  if rn:   # (a copy of the stack when layer is set: the models' widths are multiples of 16)
     if out_halves:
       raise ValueError(f"out_halves needs N % 16 == 0 (N={n})")
     ws = tuple(jnp.pad(w, ((0, 0), (0, rn * (2 if merged else 1)), (0, 0))) for w in ws)
@@ -149,7 +167,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   else:
     wd = ws
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=_fused(act, merged),
-                   avg_rows=avg_rows)
+                   avg_rows=avg_rows, decoder=decoder)
     fmt = "mxfp4"
   split = out_halves and not t.joined  # joined tiles read x in natural order
   if split and merged:
@@ -158,10 +176,10 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   if split and (n + rn) % (2 * t.bn):
     t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
-  shift = mx.x_shift(mx.DECODER)
+  shift = mx.x_shift(decoder or mx.DECODER)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
-                          interpret=interpret, row_index=idx, x_halves=x_halves,
-                          zero_tail=zero_tail, split_rows=split,
+                          interpret=interpret, group_offset=offset, decoder=decoder, row_index=idx,
+                          x_halves=x_halves, zero_tail=zero_tail, split_rows=split,
                           out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 
@@ -180,7 +198,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=Non
 
 
 def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
-              group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None) -> jax.Array:
+              group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None,
+              decoder: str | None = None) -> jax.Array:
   """Grouped matmul with MXFP4 weights decoded inside the kernel.
 
   lhs [M, K] bf16, rhs_packed uint8 [G, N, K/2], rhs_scales uint8 [G, N, K/32]
@@ -191,4 +210,4 @@ def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
   if not use:
     return gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes)
   return run_mxfp4(lhs, (rhs_packed, rhs_scales), group_sizes, tiling=tiling,
-                   interpret=interp, mode=mode)
+                   interpret=interp, mode=mode, decoder=decoder)

@@ -36,7 +36,7 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
-def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, act, decoder, shift,
+def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, act, decoder, shift,
             gather, zero_tail, split_rows, out_scale):
   idx_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
   x_refs = refs[:n_x]
@@ -46,6 +46,7 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, ac
   ni = pl.program_id(0)
   t = pl.program_id(1)
   gid = tg_ref[t]
+  wid = gid + off_ref[0]  # the group's weights: groups of a layer inside a stack of layers' experts
   start = ts_ref[t]
   end = te_ref[t]
   n0 = pl.multiple_of(ni * bn, bn)
@@ -86,15 +87,15 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, ac
       new = []
       for i, acc in enumerate(accs):
         if fmt == "bf16":  # w [G, K, N]
-          wb = w_refs[i][gid, pl.ds(k0, bk), pl.ds(wn // bn * n0, wn)]
+          wb = w_refs[i][wid, pl.ds(k0, bk), pl.ds(wn // bn * n0, wn)]
           new.append(acc + plt.dot(xb, wb))
         elif fmt == "bf16t":  # w [G, N, K]
-          wb = w_refs[i][gid, w_rows, pl.ds(k0, bk)]
+          wb = w_refs[i][wid, w_rows, pl.ds(k0, bk)]
           new.append(acc + plt.dot(xb, wb, trans_b=True))
         else:  # packed [G, N, K/2], scales [G, N, K/32]
           p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
-          pb = p_ref[gid, w_rows, pl.ds(h0, bk // 2)]
-          sb = s_ref[gid, w_rows, pl.ds(kk * (bk // 32), bk // 32)]
+          pb = p_ref[wid, w_rows, pl.ds(h0, bk // 2)]
+          sb = s_ref[wid, w_rows, pl.ds(kk * (bk // 32), bk // 32)]
           w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
           if tiling.joined:  # back to natural K order: one MMA per K step
             wj = jnp.stack([w_even, w_odd], axis=-1).reshape(w_even.shape[0], bk)
@@ -138,9 +139,9 @@ def _kernel(tg_ref, ts_ref, te_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, ac
 
 
 def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
-                   act=None, out_dtype=None, interpret: bool = False, row_index=None,
-                   x_halves: bool = False, zero_tail: bool = True, split_rows: bool = False,
-                   out_scale: float = 1.0):
+                   act=None, out_dtype=None, interpret: bool = False, group_offset=None,
+                   decoder: str | None = None, row_index=None, x_halves: bool = False, zero_tail: bool = True,
+                   split_rows: bool = False, out_scale: float = 1.0):
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
@@ -150,6 +151,10 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   gate/up: w has 2N columns (rows), column 2j gate j, 2j + 1 up j (layout.merge_gate_up). Returns [M, N]; rows
   past sum(group_sizes) are zero (zero_tail). Requires K % bk == 0, N % bn == 0, M >= bm (the
   public wrappers pad).
+  decoder: the MXFP4 decoder (mxfp4.py; None: DECODER; interpret mode runs "jnp" with its x shift).
+  group_offset (int32 scalar, may be traced): group j reads weights[group_offset + j], so the
+  weights may hold several layers' experts ([L * G, ...]) and a scanned layer passes its own
+  without slicing them out (a slice would be a copy of the layer's experts on GPU).
 
   row_index [M] int32: row r of the sorted order is x[row_index[r]] (x [T, K]), gathered by
   the kernel's loads instead of an XLA gather that writes M rows. x_halves (mxfp4): x is
@@ -167,8 +172,9 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   assert act is not None or n_w == 1
   merged = act is not None and n_w == 1  # merged weights carry their own row order
   assert not split_rows or (fmt != "bf16" and n % (2 * tiling.bn) == 0 and not merged), (fmt, n, tiling)
-  decoder = "jnp" if interpret else mx.DECODER
-  shift = mx.x_shift(mx.DECODER)  # interpret mode: the jnp decoder with the GPU decoder's shift
+  decoder = decoder or mx.DECODER   # (None: the default, for direct callers; models pass theirs)
+  shift = mx.x_shift(decoder)  # interpret mode: the jnp decoder with the GPU decoder's shift
+  decoder = "jnp" if interpret else decoder
   if fmt == "mxfp4" and tiling.joined and not x_halves:  # natural order, times 2^shift (exact)
     xs = (x * jnp.asarray(2.0 ** shift, x.dtype) if shift else x,)
   elif fmt == "mxfp4" and not x_halves:  # even / odd columns of x meet the low / high nibbles
@@ -178,6 +184,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   else:
     xs = (x,)
   tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
+  off = jnp.zeros((1,), jnp.int32) if group_offset is None else jnp.reshape(group_offset, (1,)).astype(jnp.int32)
   grid = (n // tiling.bn, tg.shape[0])
   gather = row_index is not None
   kern = functools.partial(_kernel, fmt=fmt, n_x=len(xs), n_w=n_w, m=m, k=k, n=n, g=g,
@@ -192,4 +199,4 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
                                          num_stages=tiling.num_stages),
       interpret=interpret,
       name=f"moe_gmm_{fmt}_{n_w}",
-  )(tg, ts, te, *idx, *xs, *weights)
+  )(tg, ts, te, off, *idx, *xs, *weights)

@@ -121,7 +121,7 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
 
 
 # ------------------------------------------------------------------ in-kernel decoders
-# The GPU kernel's decoder. "ptx4": the first PTX decoder (1.95-2.00 TB/s of packed weights at
+# The GPU kernel's default decoder (a model's own is Backend.mxfp4_decoder, chosen at load). "ptx4": the first PTX decoder (1.95-2.00 TB/s of packed weights at
 # decode, H200 2026-11-29). "ptx8" (default): 18 PTX instructions per 8 weights, scale folded into
 # one multiply; with it, schedule.choose_tiling picks schedule.DECODE_MXFP4 tiles: 2.58-2.63 TB/s
 # in the same run (docs/bench_moe.md run 4). Exact only for scales in PTX8_EXACT_SCALES: model
@@ -204,13 +204,13 @@ PTX8_SHIFT = 64
 PTX8_EXACT_SCALES = (59, 192)  # E8M0 exponents ptx8 decodes exactly
 
 
-def decoder_for_scales(scale_min: int, scale_max: int) -> str:
-  """The decoder to use for weights whose E8M0 scales span [scale_min, scale_max]: the current
-  DECODER, unless that is ptx8 and a scale lies outside its exact window (then ptx4)."""
+def decoder_for_scales(scale_min: int, scale_max: int, preferred: str = DECODER) -> str:
+  """The decoder to use for weights whose E8M0 scales span [scale_min, scale_max]: `preferred`
+  (default DECODER), unless that is ptx8 and a scale lies outside its exact window (then ptx4)."""
   lo, hi = PTX8_EXACT_SCALES
-  if DECODER == "ptx8" and not (lo <= scale_min and scale_max <= hi):
+  if preferred == "ptx8" and not (lo <= scale_min and scale_max <= hi):
     return "ptx4"
-  return DECODER
+  return preferred
 
 
 _M = 0x81C081C0  # sign bits 31, 15 and magnitude bits 24..22, 8..6 of a bf16x2

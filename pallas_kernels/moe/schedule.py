@@ -102,7 +102,8 @@ def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
 
 
 def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
-                  fused: bool | str = False, avg_rows: float | None = None) -> Tiling:
+                  fused: bool | str = False, avg_rows: float | None = None,
+                  decoder: str | None = None) -> Tiling:
   """Default tiles from the average rows per group (decode: small bm, many columns).
 
   fused: False (one weight), True (gate and up weights) or "merged" (one gate/up weight with 2n
@@ -113,6 +114,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   where most of the T*k rows go to other devices' experts (sorted last, never multiplied):
   K3-EP8 at 256 tokens has 4096 rows but ~4.7 per local expert, and m // g = 36 picked
   bm = 64 tiles (MXFP4 MLP 3.5 ms vs bf16 1.76 ms, H200 2026-11-29).
+  decoder: the MXFP4 decoder the kernel will run (None: mxfp4.DECODER; ptx8 brings its own decode tiles).
   """
   avg = max(1, m // max(g, 1)) if avg_rows is None else max(1, int(avg_rows))
   if avg <= 16:
@@ -124,7 +126,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   else:
     bm = 128
   decode = bm <= 32
-  if decode and mxfp4 and bm == 16 and mx.DECODER == "ptx8":  # read at trace time, like the kernel
+  if decode and mxfp4 and bm == 16 and (decoder or mx.DECODER) == "ptx8":
     t = DECODE_MXFP4
     return dataclasses.replace(t, bk=pow2_divisor(k, t.bk, 32), bn=pow2_divisor(n, t.bn))
   if bm == 128:
