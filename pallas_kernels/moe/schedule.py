@@ -158,6 +158,10 @@ PREFILL_TILES = {
     (False, True): Tiling(128, 64, 128, 8, 4),
     (True, False): Tiling(128, 64, 128, 8, 3),
     (True, True): Tiling(128, 128, 128, 8, 3, swap_ab=True),
+    # Not measured yet (docs/bench_moe.md run 6 is to measure them): picks from the offline SASS
+    # (scripts/sass_moe.py --prefill): merged bf16 = the plain gmm's 256-column MMA; MXFP4 merged /
+    # joined = one 64x256 wgmma stream per K step with no wait inside the loop. Only callers passing
+    # merged weights or joined tilings reach them; the two-weight defaults above are run 5's winners.
     (False, "merged"): Tiling(128, 64, 128, 8, 3),
     (True, "merged"): Tiling(256, 128, 64, 8, 3, swap_ab=True, half_tail=True, joined=True),
     (True, "joined"): Tiling(256, 128, 128, 8, 3, swap_ab=True, half_tail=True, joined=True),
