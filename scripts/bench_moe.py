@@ -40,13 +40,9 @@ from pallas_kernels.moe import kernel as kn  # noqa: E402
 from pallas_kernels.moe.schedule import Tiling  # noqa: E402
 from pallas_kernels.moe import mxfp4 as _mxm  # noqa: E402
 
+from bench_moe_prefill import tname  # noqa: E402 (one tiling label for both tables)
+
 DECODER_DEFAULT = _mxm.DECODER  # rows name their decoder; each variant restores the default
-
-
-def tname(t):
-  return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}"
-          + (" swapAB" if t.swap_ab else "") + (" tail/2" if t.half_tail else "")
-          + (" joined" if t.joined else ""))
 
 
 def with_decoder(dec, fn, *args):

@@ -34,13 +34,11 @@ from pallas_kernels.moe import kernel as kn  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mxm  # noqa: E402
 from pallas_kernels.moe.schedule import Tiling  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe_prefill import tname  # noqa: E402
+
 S = jax.ShapeDtypeStruct
 ACT = functools.partial(kn.glu_activation, activation="situ")
-
-
-def tname(t):
-  return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
-          + (" tail/2" if t.half_tail else "") + (" joined" if t.joined else ""))
 
 
 def triton_ir(f, *args):
