@@ -2,7 +2,7 @@
 
   python scripts/bench_moe.py [--deadline 180] [--no-check] [--quick] [--no-anchors]
   python scripts/bench_moe.py --ncu   # two MXFP4 decode launches (new, old decoder) for ncu
-  python scripts/bench_moe.py --sass  # no GPU: main-loop SASS counts per decoder / tiling
+  python scripts/bench_moe.py --sass  # no GPU: main-loop SASS per variant (scripts/sass_moe.py)
   python scripts/bench_moe.py --prefill --no-check  # issue 25: prefill expert MLP (bench_moe_prefill.py)
 
 Shapes (random routing, uniform top-k without replacement):
@@ -40,12 +40,9 @@ from pallas_kernels.moe import kernel as kn  # noqa: E402
 from pallas_kernels.moe.schedule import Tiling  # noqa: E402
 from pallas_kernels.moe import mxfp4 as _mxm  # noqa: E402
 
+from bench_moe_prefill import tname  # noqa: E402 (one tiling label for both tables)
+
 DECODER_DEFAULT = _mxm.DECODER  # rows name their decoder; each variant restores the default
-
-
-def tname(t):
-  return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}"
-          + (" swapAB" if t.swap_ab else ""))
 
 
 def with_decoder(dec, fn, *args):
@@ -387,87 +384,6 @@ def ncu_target():
     log(f"ncu target ran: {dec} {t}")
 
 
-def _triton_ir(f, *args):
-  """Triton IR text of the (one) Pallas kernel that jax.jit(f)(*args) lowers for CUDA, on any
-  host (uses jax internals: a dev tool, not a library path)."""
-  from jax._src.pallas.triton import pallas_call_registration as pcr
-  got, orig = [], pcr.lowering.lower_jaxpr_to_triton_module
-
-  def grab(*a, **kw):
-    r = orig(*a, **kw)
-    got.append(getattr(r, "module", r))
-    return r
-
-  pcr.lowering.lower_jaxpr_to_triton_module = grab
-  try:
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  finally:
-    pcr.lowering.lower_jaxpr_to_triton_module = orig
-  return got[-1].operation.get_asm(enable_debug_info=False)
-
-
-def _loop_counts(sass: str):
-  """Instructions of the longest backward-branch loop in cuobjdump -sass text, by opcode."""
-  import collections
-  import re
-  ins = [(int(m.group(1), 16), m.group(2).strip())
-         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
-  best = None
-  for a, txt in ins:
-    m = re.search(r"BRA\s+(0x[0-9a-f]+)", txt)
-    if m and int(m.group(1), 16) < a:
-      lo = int(m.group(1), 16)
-      loop = [t for b, t in ins if lo <= b <= a]
-      if best is None or len(loop) > len(best):
-        best = loop
-  ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
-                            for t in best or [])
-  return len(best or []), ops
-
-
-def sass_report():
-  """--sass: compile the MXFP4 decode kernel variants offline (Python Triton, sm_90; no GPU)
-  and print main-loop instructions per packed byte. Needs `pip install triton` on the host;
-  jaxlib's XLA embeds its own Triton, so this is a proxy for what runs on the H200."""
-  import subprocess
-  import tempfile
-  import triton
-  from triton.backends.compiler import GPUTarget
-  bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-  m, k, n, g = 2048, 2304, 2048, 256  # Kimi decode 256 tokens, up projection as one gmm
-  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  gs = jax.ShapeDtypeStruct((g,), jnp.int32)
-  p = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
-  sc = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
-  act = functools.partial(kn.glu_activation, activation="situ")
-  variants = [("ptx4", Tiling(16, 256, 64, 4, 3), 1), ("ptx8", Tiling(16, 256, 64, 4, 3), 1),
-              ("ptx8", Tiling(16, 128, 128, 4, 3), 1), ("ptx8", Tiling(16, 128, 64, 2, 3, True), 1),
-              ("ptx8", Tiling(16, 128, 128, 2, 3, True), 1), ("ptx8", Tiling(16, 128, 64, 4, 3, True), 1),
-              ("ptx4", Tiling(16, 256, 64, 4, 3), 2), ("ptx8", Tiling(16, 128, 64, 2, 3, True), 2)]
-  print(f"triton {triton.__version__}, sm_90, M={m} K={k} N={n} G={g}")
-  print("| decoder | tiles | weights | regs | loop instr | packed B / thread / iter | instr / B | top ops |")
-  print("|---|---|---|---|---|---|---|---|")
-  for dec, t, nw in variants:
-    f = lambda x, p, sc, gs, t=t, nw=nw: gm.run_mxfp4(x, (p, sc) * nw, gs, tiling=t, mode="kernel",
-                                                      act=act if nw == 2 else None)
-    with tempfile.TemporaryDirectory() as d:
-      path = os.path.join(d, "k.ttir")
-      with open(path, "w") as fh:
-        fh.write(with_decoder(dec, _triton_ir, f, x, p, sc, gs))
-      ck = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=t.num_warps, num_stages=t.num_stages))
-      with open(os.path.join(d, "k.cubin"), "wb") as fh:
-        fh.write(ck.asm["cubin"])
-      run = lambda *a: subprocess.run([os.path.join(bin_dir, "cuobjdump"), *a, os.path.join(d, "k.cubin")],
-                                      capture_output=True, text=True).stdout
-      regs = [w for w in run("--dump-resource-usage").split() if w.startswith("REG:")]
-      count, ops = _loop_counts(run("-sass"))
-    per_thread = nw * t.bn * t.bk // 2 / (32 * t.num_warps)
-    top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
-    print(f"| {dec} | {tname(t)} | {nw} | {regs[0][4:] if regs else '?'} | {count} | {per_thread:.0f} "
-          f"| {count / per_thread:.2f} | {top} |", flush=True)
-
-
 def table(peak_f, peak_bw, dev):
   head = (f"# MoE benchmark, {datetime.date.today()}, {dev}, jax {jax.__version__}\n"
           f"peaks measured in this run: bf16 matmul 8192^3 {peak_f / 1e12:.0f} TFLOP/s, "
@@ -497,7 +413,7 @@ def main():
                   help="skip the ragged_dot / Mosaic example / dense rows")
   ap.add_argument("--ncu", action="store_true", help="only the two launches ncu_target() makes")
   ap.add_argument("--sass", action="store_true",
-                  help="offline: main-loop SASS counts of the MXFP4 decode kernels (pip install triton)")
+                  help="offline: main-loop SASS of the MoE kernel variants (scripts/sass_moe.py)")
   ap.add_argument("--prefill", action="store_true",
                   help="issue 25: the expert MLP at the prefill shapes, bf16 vs MXFP4 variants")
   ap.add_argument("--json", default="", help="--prefill: also write its rows here as JSON")
@@ -505,7 +421,8 @@ def main():
   if a.ncu:
     return ncu_target()
   if a.sass:
-    return sass_report()
+    import sass_moe
+    return sass_moe.main(["--decode", "--prefill"])
   dev = jax.devices()[0].device_kind
   log("device", dev, jax.__version__)
   if a.smoke and jax.default_backend() == "cpu":

@@ -1,22 +1,26 @@
 """MoE expert MLP at prefill (issue 25): bf16 vs MXFP4, fused MLP vs the plain grouped matmul.
 
-  python scripts/bench_moe.py --prefill [--deadline 200] [--json PATH]   # on the GPU, <= 4 min
+  python scripts/bench_moe.py --prefill [--deadline 140] [--json PATH]   # on the GPU, <= 2.5 min
   python scripts/bench_moe.py --prefill --smoke                          # CPU script check
 
 Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tokens, 112 of
 896 experts top-16), in one run and one process:
   - the plain bf16 grouped matmul of the up projection (D -> 2I as one weight) on the local
     rows: the rate the fused MLP is held to;
-  - each stage alone as the new MLP runs it (up = fused gate+up+SiTU reading the token rows in
-    place, down = the second grouped matmul), bf16 and MXFP4, a few tilings each (MXFP4: weights
-    decoded in the kernel as the MMA's B operand, or as its A operand with swap_ab);
-  - the whole expert MLP (sort, up, down, combine): today's path at its default tiles, and the
-    new one ('gather' routing) with the fastest up / down tilings measured just before;
-  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s), each MLP's error vs the bf16
-    MLP on the dequantized weights (MXFP4) or today's bf16 MLP (bf16).
+  - each stage alone as the MLP runs it (up = fused gate+up+SiTU reading the token rows in place,
+    down = the second grouped matmul): today's default tiles next to the variants: merged gate/up
+    weights (pallas_kernels.moe.layout), MXFP4 joined tiles (Tiling.joined), bm 256 with
+    half-height tail tiles (Tiling.half_tail);
+  - the whole expert MLP (sort, up, down, combine): today's defaults and the new forms with the
+    fastest up / down tilings measured just before, each with its error vs the bf16 MLP (on the
+    dequantized weights for MXFP4);
+  - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s);
+  - the MXFP4 decode stream (issue 20) at 256 tokens: plain gmm and fused up, today vs merged, in
+    TB/s of the touched experts' packed bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -29,19 +33,38 @@ import numpy as np
 from pallas_kernels import moe
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe.schedule import Tiling
 
 T = Tiling
-# (bm, bk, bn, warps, stages[, swap_ab]); the first of each list is the pre-issue-25 default, the
-# fastest of run 5 (docs/bench_moe.md) is schedule.PREFILL_TILES now
-BF16_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4)]
-BF16_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(256, 64, 128, 8, 3)]
-Q_UP = [T(128, 64, 64, 8, 3), T(128, 64, 128, 8, 3), T(256, 64, 64, 8, 3),
-        T(128, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True), T(128, 128, 128, 8, 4, True)]
-Q_DOWN = [T(128, 64, 128, 8, 3), T(128, 64, 256, 8, 3), T(128, 64, 128, 8, 3, True),
-          T(256, 64, 128, 8, 3, True), T(128, 128, 128, 8, 3, True)]
+# (bm, bk, bn, warps, stages[, swap_ab]); the first of each two-weight list is today's default
+# (schedule.PREFILL_TILES, run 5 of docs/bench_moe.md). "merged" = one gate/up weight with the
+# columns (bf16) / rows (MXFP4) interleaved (pallas_kernels.moe.layout): one MMA of 2 bn per tile.
+BF16_UP = [T(128, 64, 128, 8, 4)]
+BF16_UP_MERGED = [T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 64, 64, 8, 4)]
+BF16_DOWN = [T(128, 64, 256, 8, 3)]
+Q_UP = [T(128, 128, 128, 8, 3, True)]
+# merged, x in halves order: bm256 bn64 decodes 128 weight rows per K step for 256 rows (today: 256
+# for 128); "tail/2": a group's last tile of <= 128 rows runs a 128-row loop (Tiling.half_tail)
+Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(128, 128, 128, 8, 3, True)]
+# "joined": the decoded halves re-interleaved to natural K order, one MMA per K step (no wgmma wait
+# between the even and the odd half), x and h in natural order
+J = lambda *a: T(*a, joined=True)
+Q_UP_MERGED_J = [J(256, 128, 64, 8, 3, True, True), J(256, 128, 64, 8, 2, True, True),
+                 J(256, 64, 64, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(256, 128, 64, 8, 3, True)]
+Q_UP_J = [J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 4, True)]
+Q_DOWN = [T(128, 64, 128, 8, 3), T(256, 128, 128, 8, 3, True, True)]
+Q_DOWN_J = [J(256, 128, 128, 8, 3, True, True), J(256, 128, 128, 8, 2, True, True),
+            J(256, 64, 128, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 3)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
+# MXFP4 decode stream (issue 20): the fused gate+up at decode, two weights (today's tiles,
+# schedule.DECODE_MXFP4) vs merged; TB/s of the touched experts' packed bytes
+DECODE_UP = [T(16, 256, 64, 2, 3, True)]
+DECODE_UP_MERGED = [T(16, 256, 32, 2, 3, True), T(16, 256, 64, 2, 3, True), T(16, 256, 64, 4, 3, True),
+                    T(16, 128, 64, 2, 4, True)]
+DECODE_SHAPES = [("Kimi decode 256 tok", 256, 2304, 1024, 256, 256, 8),
+                 ("K3-EP8 decode 256 tok", 256, 3584, 3072, 896, 112, 16)]
 
 SHAPES = [  # label, tokens, d, inter, e_global, e_local, k (K3 first: the shape with the targets)
     ("K3-EP8 prefill 32k tok", 32768, 3584, 3072, 896, 112, 16),
@@ -51,7 +74,8 @@ COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the va
 
 
 def tname(t):
-  return f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
+  return (f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" + (" swapAB" if t.swap_ab else "")
+          + (" tail/2" if t.half_tail else "") + (" joined" if t.joined else ""))
 
 
 def rel_err(out, ref):
@@ -131,28 +155,46 @@ def _inputs(tokens, d, inter, e_global, e_local, k):
 
 
 UP16 = "bf16 up: fused gate+up+SiTU (gather)"
+UP16M = "bf16 up: merged gate/up + SiTU (gather)"
 DOWN16 = "bf16 down gmm"
-UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves out)"
+UPQ = "mxfp4 up: fused gate+up+SiTU (gather, halves in/out)"
+UPQM = "mxfp4 up: merged gate/up + SiTU (gather, halves in)"
+UPQMJ = "mxfp4 up: merged gate/up + SiTU, joined (gather)"
+UPQJ = "mxfp4 up: fused gate+up+SiTU, joined (gather)"
 DOWNQ = "mxfp4 down gmm (halves in)"
+DOWNQJ = "mxfp4 down gmm, joined"
 
 
-def _stage_groups(act, x, tok, gs, h, hq, ws, qs, flops_up, flops_down):
-  """The four stage sweeps, each array an argument of the function it times."""
+def _up16(act):
+  return lambda t: lambda x, tok, gs, *ws: gm.run_bf16(x, ws, gs, tiling=t, act=act, row_index=tok,
+                                                      zero_tail=False)
+
+
+def _upq(act, out_halves=True):
+  return lambda t: lambda x, tok, gs, *ws: gm.run_mxfp4(
+      x, ws, gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True, zero_tail=False,
+      out_halves=out_halves)
+
+
+def _stage_groups(act, x, tok, gs, h, hq, ws, qs, merged, flops_up, flops_down):
+  """The stage sweeps, each array an argument of the function it times."""
   w1, w3, w2 = ws
   (p1, s1), (p3, s3), (p2, s2) = qs
-  xh = mx.to_halves(x, mx.x_shift(mx.DECODER))
-  up16 = lambda t: lambda x, tok, gs, w1, w3: gm.run_bf16(
-      x, (w1, w3), gs, tiling=t, act=act, row_index=tok, zero_tail=False)
+  w13, (p13, s13) = merged
+  shift = mx.x_shift(mx.DECODER)
+  xh, xn = mx.to_operand(x, shift, False), mx.to_operand(x, shift, True)
   down16 = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
-  upq = lambda t: lambda x, tok, gs, p1, s1, p3, s3: gm.run_mxfp4(
-      x, (p1, s1, p3, s3), gs, tiling=t, act=act, mode="kernel", row_index=tok, x_halves=True,
-      zero_tail=False, out_halves=True)
   downq = lambda t: lambda h, gs, p2, s2: gm.run_mxfp4(h, (p2, s2), gs, tiling=t, mode="kernel",
                                                        x_halves=True, zero_tail=False)
-  return [(UP16, up16, (x, tok, gs, w1, w3), flops_up, BF16_UP),
+  return [(UP16, _up16(act), (x, tok, gs, w1, w3), flops_up, BF16_UP),
+          (UP16M, _up16(act), (x, tok, gs, w13), flops_up, BF16_UP_MERGED),
           (DOWN16, down16, (h, gs, w2), flops_down, BF16_DOWN),
-          (UPQ, upq, (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
-          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN)]
+          (UPQ, _upq(act), (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
+          (UPQM, _upq(act, False), (xh, tok, gs, p13, s13), flops_up, Q_UP_MERGED),
+          (UPQMJ, _upq(act), (xn, tok, gs, p13, s13), flops_up, Q_UP_MERGED_J),
+          (UPQJ, _upq(act), (xn, tok, gs, p1, s1, p3, s3), flops_up, Q_UP_J),
+          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN),
+          (DOWNQJ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN_J)]
 
 
 def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
@@ -177,49 +219,52 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
 
   q = lambda w: moe.quantize_mxfp4(jnp.swapaxes(w, 1, 2))
   qs = (q(w1), q(w3), q(w2))
+  merged = (layout.merge_gate_up(w1, w3), jax.jit(layout.merge_gate_up_mxfp4)(qs[0], qs[1]))
   h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
   hq = h * jnp.asarray(2.0 ** mx.x_shift(mx.DECODER), h.dtype)
-  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, hq, (w1, w3, w2), qs, flops_up,
+  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, hq, (w1, w3, w2), qs, merged, flops_up,
                                         flops_down), at(0.8))
   del h, hq
 
   # whole MLPs (compiled side by side, then run one after another); the bf16 MLP's program is the
   # MXFP4 rows' reference too (the same shapes, fed the dequantized weights)
   args = (x, ids, wts, w1, w3, w2)
+  margs = (x, ids, wts, merged[0], w2)
   qargs = (x, ids, wts, *qs)
+  qmargs = (x, ids, wts, merged[1], qs[2])
   mlp = lambda **kw: functools.partial(moe.expert_mlp, activation="situ", num_experts_total=tot, **kw)
   qmlp = lambda **kw: functools.partial(moe.expert_mlp_mxfp4, activation="situ",
                                         num_experts_total=tot, **kw)
-  b16, bq = (best[UP16], best[DOWN16]), (best[UPQ], best[DOWNQ])
-  variants = [("bf16 MLP, today (materialized rows, default tiles)", mlp(gather=False), args, None)]
-  if all(b16):
-    variants.append(("bf16 MLP, gather + fastest stages", mlp(gather=True, tiling=b16), args, b16))
-  if all(bq):
-    variants.append((f"mxfp4 MLP, in-kernel {mx.DECODER} + gather + fastest stages",
-                     qmlp(gather=True, mode="kernel", tiling=bq), qargs, bq))
-  if all(b16):
-    variants.append(("mxfp4 MLP, predequant + gather + fastest bf16 stages",
-                     qmlp(gather=True, mode="predequant", tiling=b16), qargs, b16))
-  variants.append(("mxfp4 MLP, today (predequant above 128 rows/expert)", qmlp(gather=False), qargs,
-                   None))
+  mlp_m = lambda **kw: (lambda x, ids, wts, w13, w2: mlp(**kw)(x, ids, wts, w13, None, w2))
+  qmlp_m = lambda **kw: (lambda x, ids, wts, w13, w2: qmlp(**kw)(x, ids, wts, w13, None, w2))
+  variants = [("bf16 MLP, today's defaults", mlp(), args, None)]
+  if best[UP16M] and best[DOWN16]:
+    tl = (best[UP16M], best[DOWN16])
+    variants.append(("bf16 MLP, merged gate/up + fastest stages", mlp_m(tiling=tl), margs, tl))
+  variants.append(("mxfp4 MLP, today's defaults", qmlp(), qargs, None))
+  if best[UPQMJ] and best[DOWNQJ]:
+    tl = (best[UPQMJ], best[DOWNQJ])
+    variants.append(("mxfp4 MLP, merged gate/up, joined + fastest stages", qmlp_m(tiling=tl), qmargs, tl))
+  if best[UPQJ] and best[DOWNQJ]:
+    tl = (best[UPQJ], best[DOWNQJ])
+    variants.append(("mxfp4 MLP, two weights, joined + fastest stages", qmlp(tiling=tl), qargs, tl))
   deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0], q[1], jnp.bfloat16), 1, 2)
   done = compile_all([(fn, a) for _, fn, a, _ in variants] + [(deq, (qs[0],)), (deq, (qs[2],))])
   exes = {op: ex for (op, *_), ex in zip(variants, done)}
   (deq_up, _), (deq_down, _) = done[-2:]
   today16, _ = exes[variants[0][0]]
   ref16 = None if today16 is None else today16(*args)
-  f16 = exes.get("bf16 MLP, gather + fastest stages", (None, None))[0]
-  f16 = today16 if f16 is None else f16
   refq = None
-  if f16 is not None and deq_up is not None and deq_down is not None:
-    refq = f16(x, ids, wts, deq_up(qs[0]), deq_up(qs[1]), deq_down(qs[2]))
+  if today16 is not None and deq_up is not None and deq_down is not None:
+    refq = today16(x, ids, wts, deq_up(qs[0]), deq_up(qs[1]), deq_down(qs[2]))
   for op, _, a, tl in variants:
     exe, err = exes[op]
     if err is not None:
       run._row(label, op, None, None, flops_mlp, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
       continue
-    ref = (None if op == variants[0][0] else ref16) if a is args else refq
-    what = "today's bf16 MLP" if a is args else "bf16 MLP on dequantized weights"
+    bf16 = a is args or a is margs
+    ref = (None if op == variants[0][0] else ref16) if bf16 else refq
+    what = "today's bf16 MLP" if bf16 else "bf16 MLP on dequantized weights"
     try:
       note = "" if ref is None else f"rel err vs {what} {rel_err(exe(*a), ref):.1e}"
     except Exception as e:  # noqa: BLE001
@@ -227,6 +272,35 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
     run.time(label, op, exe, a, flops_mlp,
              note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + note)
   _ratios(run, label)
+
+
+def bench_decode(run, label, tokens, d, inter, e_global, e_local, k):
+  """MXFP4 fused gate+up at decode: TB/s of the touched experts' packed weights + scales."""
+  ids, _, x, *_ = _inputs(tokens, d, 16, e_global, e_local, k)
+  tok, gs, _ = moe.sort_by_expert(ids, e_local)
+  touched = int((gs > 0).sum())
+  nbytes = touched * 2 * inter * (d // 2 + d // 32)
+  key = jax.random.key(9)
+  w = lambda i: jax.random.normal(jax.random.fold_in(key, i), (e_local, inter, d), jnp.float32) * 0.02
+  q1, q3 = moe.quantize_mxfp4(w(0)), moe.quantize_mxfp4(w(1))
+  q13 = jax.jit(layout.merge_gate_up_mxfp4)(q1, q3)
+  act = functools.partial(kn.glu_activation, activation="situ")
+  xs = x[tok]
+  avg = tokens * k / e_global
+  up = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, act=act, mode="kernel",
+                                                 avg_rows=avg)
+  label = f"{label} ({int(gs.sum())} local rows on {touched} experts, {d}->{inter}x2)"
+  plain = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, mode="kernel")
+  groups = [("mxfp4 decode plain gmm D -> 2I (issue 20's stream)", plain, (xs, gs, *q13), 0.0, DECODE_UP),
+            ("mxfp4 decode up: two weights (today)", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP),
+            ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED)]
+  n0 = len(run.rows)
+  run.sweep(label, groups, 1.0)
+  for r in run.rows[n0:]:  # rate in TB/s of packed bytes in the tflops column's place
+    if r["us"]:
+      r["tbs"] = nbytes / (r["us"] * 1e-6) / 1e12
+      r["note"] = (r["note"] + f" {r['tbs']:.2f} TB/s packed").strip()
+      r["tflops"] = None
 
 
 def _ratios(run, label):
@@ -258,17 +332,21 @@ def table(run, head):
 
 def main(a, time_fn, log, peak_f):
   """Entry from bench_moe.py --prefill (a: its parsed args)."""
-  global BF16_UP, BF16_DOWN, Q_UP, Q_DOWN, PLAIN
-  shapes = SHAPES
+  g = globals()
+  lists = ("BF16_UP", "BF16_UP_MERGED", "BF16_DOWN", "Q_UP", "Q_UP_MERGED", "Q_UP_MERGED_J", "Q_UP_J",
+           "Q_DOWN", "Q_DOWN_J", "DECODE_UP", "DECODE_UP_MERGED")
+  shapes, dshapes = SHAPES, DECODE_SHAPES
   if a.smoke:  # CPU script check: tiny shapes, two tilings per list, kernels interpreted
     shapes = [(lab, tok // 512, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
               for lab, tok, d, inter, eg, el, k in shapes]
-    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = BF16_UP[:2], BF16_DOWN[:2], Q_UP[2:4], Q_DOWN[1:3]
-    small = lambda ts: [Tiling(16, 32, 16, t.num_warps, t.num_stages, t.swap_ab) for t in ts]
-    BF16_UP, BF16_DOWN, Q_UP, Q_DOWN = map(small, (BF16_UP, BF16_DOWN, Q_UP, Q_DOWN))
-    PLAIN = Tiling(16, 32, 32)
+    dshapes = [(lab, tok // 16, d // 8, inter // 8, eg // 16, max(4, el // 16), k // 2)
+               for lab, tok, d, inter, eg, el, k in dshapes]
+    for name in lists:
+      g[name] = [dataclasses.replace(t, bm=32 if t.half_tail else 16, bk=32, bn=16) for t in g[name][:2]]
+    g["PLAIN"] = Tiling(16, 32, 32)
   if a.only:
-    shapes = [s for s in shapes if any(o in s[0] for o in a.only.split(","))]
+    keep = lambda ss: [s for s in ss if any(o in s[0] for o in a.only.split(","))]
+    shapes, dshapes = keep(shapes), keep(dshapes)
   run = Run(time_fn, log, a.deadline)
   dev = jax.devices()[0].device_kind
   head = (f"# MoE prefill (issue 25), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {dev}, "
@@ -277,6 +355,10 @@ def main(a, time_fn, log, peak_f):
   for i, sh in enumerate(shapes):
     log("==", sh[0])
     bench_shape(run, *sh, window=(i / len(shapes), (i + 1) / len(shapes)))
+    _write(run, head, a)
+  for sh in dshapes:
+    log("==", sh[0])
+    bench_decode(run, *sh)
     _write(run, head, a)
   print(_write(run, head, a), flush=True)
 

@@ -276,24 +276,27 @@ def test_expert_mlp_mxfp4_matches_numpy(activation):
 @pytest.mark.parametrize("fmt,fused,decoder,swap", [
     ("bf16", False, "jnp", False), ("bf16", True, "jnp", False), ("mxfp4", False, "jnp", False),
     ("mxfp4", True, "jnp", False), ("mxfp4", True, "ptx4", False), ("mxfp4", False, "ptx8", False),
-    ("mxfp4", True, "ptx8", True)])
+    ("mxfp4", True, "ptx8", True), ("bf16", "merged", "jnp", False), ("mxfp4", "merged", "ptx8", True),
+    ("mxfp4", "joined", "ptx8", True)])
 def test_kernels_lower_to_triton(fmt, fused, decoder, swap):
-  """The kernels (MXFP4: with each decoder, weights as either MMA operand) lower through
-  Pallas' Triton backend for CUDA on CPU; compiling the Triton IR needs the GPU
-  (scripts/bench_moe.py)."""
+  """The kernels (MXFP4: with each decoder, weights as either MMA operand; merged gate/up with
+  half-height tail tiles, joined halves) lower through Pallas' Triton backend for CUDA on CPU;
+  compiling the Triton IR needs the GPU (scripts/bench_moe.py; offline SASS: scripts/sass_moe.py)."""
   m, k, n, g = 256, 256, 128, 8
   act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+  merged, joined = fused in ("merged", "joined"), fused == "joined"
   if fmt == "bf16":
-    w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
-    f = lambda x, w, gs: gm.run_bf16(x, (w, w) if fused else (w,), gs, tiling=None, act=act)
+    w = jax.ShapeDtypeStruct((g, k, 2 * n if merged else n), jnp.bfloat16)
+    t = Tiling(64, 64, 64, 4, 3, half_tail=True) if merged else None
+    f = lambda x, w, gs: gm.run_bf16(x, (w, w) if fused is True else (w,), gs, tiling=t, act=act)
     args = (x, w, gs)
   else:
-    p = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
-    s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
-    t = Tiling(16, 128, 64, 2, 3, swap_ab=swap)
-    f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused else (p, s), gs,
+    p = jax.ShapeDtypeStruct((g, 2 * n if merged else n, k // 2), jnp.uint8)
+    s = jax.ShapeDtypeStruct((g, 2 * n if merged else n, k // 32), jnp.uint8)
+    t = Tiling(64 if merged else 16, 128, 64, 2, 3, swap_ab=swap, half_tail=merged, joined=joined)
+    f = lambda x, p, s, gs: gm.run_mxfp4(x, (p, s, p, s) if fused is True else (p, s), gs,
                                          tiling=t, act=act, mode="kernel", decoder=decoder)
     args = (x, p, s, gs)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -693,3 +696,116 @@ def test_prefill_tiles_survive_the_shared_memory_check():
     for mx4 in (False, True):
       assert sch.choose_tiling(524288, k, n, 112, mxfp4=mx4, fused=fused, avg_rows=585.0) == \
           sch.PREFILL_TILES[(mx4, fused)]
+
+
+# ------------------------------------- merged gate/up weights, half-height tail tiles
+
+def test_merged_gate_up_layout_round_trips():
+  """The merged layouts interleave gate / up columns (bf16) or rows (MXFP4); unmerge gives the
+  inputs back bit for bit."""
+  from pallas_kernels.moe import layout
+  r = _rng(30)
+  q = lambda: (jnp.asarray(r.integers(0, 256, (2, 8, 16), dtype=np.uint8)),
+               jnp.asarray(r.integers(100, 140, (2, 8, 1), dtype=np.uint8)))
+  q1, q3 = q(), q()
+  merged = layout.merge_gate_up_mxfp4(q1, q3)
+  np.testing.assert_array_equal(np.asarray(merged[0])[:, 2 * 5], np.asarray(q1[0])[:, 5])
+  np.testing.assert_array_equal(np.asarray(merged[1])[:, 2 * 3 + 1], np.asarray(q3[1])[:, 3])
+  for a, b in zip((*q1, *q3), (*sum(layout.unmerge_gate_up_mxfp4(merged), ()),)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  w1, w3 = (_bf16(r.standard_normal((2, 4, 6))) for _ in range(2))
+  w13 = np.asarray(layout.merge_gate_up(w1, w3), np.float32)
+  np.testing.assert_array_equal(w13[..., 0::2], np.asarray(w1, np.float32))
+  np.testing.assert_array_equal(w13[..., 1::2], np.asarray(w3, np.float32))
+
+
+@pytest.mark.parametrize("fmt,swap,gather,joined,merged", [
+    ("bf16", False, True, False, True), ("mxfp4", False, False, False, True),
+    ("mxfp4", True, True, False, True), ("mxfp4", True, True, True, True),
+    ("mxfp4", True, True, True, False), ("mxfp4", False, False, True, True)])
+def test_expert_mlp_merged_joined_half_tail_matches_numpy(fmt, swap, gather, joined, merged):
+  """The expert MLP on merged gate/up weights (one matmul per tile, the activation splitting its
+  accumulator) or two, MXFP4 halves joined back into natural K order (one MMA per K step, x and h
+  in natural order), bm-32 tiles whose tail tiles of <= 16 rows run the half-height loop,
+  gathered and materialized rows, other devices' experts among the ids: the float64 loop's
+  values."""
+  from pallas_kernels.moe import layout
+  e_tot = 5
+  x, local, wts, (q1, q3, q2), ref = _ep_case(32, 72, 64, 64, 3, e_tot, 3, "situ")
+  tiles = (Tiling(32, 32, 16, 4, 3, swap, True, joined), Tiling(32, 32, 32, 4, 3, swap, True, joined))
+  sizes = np.bincount(local[local >= 0].ravel(), minlength=3)
+  assert any(0 < s % 32 <= 16 for s in sizes) and any(s % 32 > 16 for s in sizes), sizes
+  kw = dict(activation="situ", interpret=True, tiling=tiles, gather=gather, num_experts_total=e_tot)
+  if fmt == "bf16":
+    w1, w3, w2 = (jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2))
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), layout.merge_gate_up(w1, w3),
+                         None, w2, **kw)
+  else:
+    up = (layout.merge_gate_up_mxfp4(q1, q3), None) if merged else (q1, q3)
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), *up, q2, mode="kernel",
+                               **kw)
+  _close(out, ref, rel=2e-2)
+
+
+def test_merged_gate_up_rejects_predequant_and_bad_pairs():
+  from pallas_kernels.moe import layout
+  x, local, wts, (q1, q3, q2), _ = _ep_case(32, 4, 64, 32, 2, 2, 1, "silu")
+  with pytest.raises(ValueError, match="mode 'kernel' only"):
+    moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), layout.merge_gate_up_mxfp4(q1, q3),
+                         None, q2, activation="silu", interpret=True, mode="predequant")
+  with pytest.raises(ValueError, match="differ"):
+    layout.merge_gate_up_mxfp4(q1, q2)
+  with pytest.raises(ValueError, match="agree on joined"):
+    moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, activation="silu",
+                         interpret=True, tiling=(Tiling(16, 32, 16, joined=True), Tiling(16, 32, 16)))
+  with pytest.raises(ValueError, match="GLU needs"):
+    gm.run_bf16(x, (jnp.zeros((2, 64, 32), jnp.bfloat16),) * 3, jnp.asarray([2, 2], jnp.int32),
+                tiling=None, act=lambda a, b: a * b, interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_merged_prefill_defaults(fmt, monkeypatch):
+  """Merged gate/up weights at prefill (80 rows per expert) run schedule.PREFILL_TILES' merged
+  tiles (bm capped at 128 below 256 rows), MXFP4's down kernel reads h in the up kernel's joined
+  form; the float64 loop's values."""
+  from pallas_kernels.moe import layout
+  from pallas_kernels.moe import schedule as sch
+  seen = []
+  orig = kn.grouped_matmul
+  monkeypatch.setattr(gm.kn, "grouped_matmul", lambda *a, **kw: seen.append(kw["tiling"]) or orig(*a, **kw))
+  x, local, wts, (q1, q3, q2), ref = _ep_case(33, 80, 64, 64, 2, 2, 2, "silu")
+  kw = dict(activation="silu", interpret=True)
+  if fmt == "bf16":
+    w1, w3, w2 = (jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2))
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), layout.merge_gate_up(w1, w3), None,
+                         w2, **kw)
+  else:
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts),
+                               layout.merge_gate_up_mxfp4(q1, q3), None, q2, **kw)
+  _close(out, ref, rel=2e-2)
+  mx4 = fmt == "mxfp4"
+  up = sch.PREFILL_TILES[(mx4, "merged")]
+  down = sch.PREFILL_TILES[(mx4, "joined" if mx4 and up.joined else False)]
+  assert [(t.swap_ab, t.joined, t.half_tail) for t in seen] == [
+      (t.swap_ab, t.joined, t.half_tail) for t in (up, down)]
+  assert seen[0].bm == 128
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
+  """Merged gate/up weights stacked over layers ([L, E, ...]): `layer` picks its experts in place
+  (MXFP4 with joined, half-tail tiles); layer 0 holds other weights, so reading it would show."""
+  from pallas_kernels.moe import layout
+  x, local, wts, (q1, q3, q2), ref = _ep_case(34, 40, 64, 64, 2, 3, 2, "situ")
+  stack = lambda a: jnp.stack([jnp.flip(a, axis=0), a])      # layer 0: the experts in reverse order
+  kw = dict(activation="situ", interpret=True, layer=1, num_experts_total=3, gather=True)
+  if fmt == "bf16":
+    w1, w3, w2 = (jnp.asarray(_deq_in_out(q), jnp.bfloat16) for q in (q1, q3, q2))
+    out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), stack(layout.merge_gate_up(w1, w3)),
+                         None, stack(w2), **kw)
+  else:
+    tiles = (Tiling(32, 32, 16, 4, 3, True, True, True), Tiling(32, 32, 32, 4, 3, True, True, True))
+    out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts),
+                               tuple(map(stack, layout.merge_gate_up_mxfp4(q1, q3))), None,
+                               tuple(map(stack, q2)), tiling=tiles, mode="kernel", **kw)
+  _close(out, ref, rel=2e-2)

@@ -31,10 +31,7 @@ def _as_tiling(tiling, m, k, n, g, **kw) -> sch.Tiling:
   """Heuristic tiling, or the given one with bk / bn shrunk to powers of two dividing K / N."""
   if tiling is None:
     return sch.choose_tiling(m, k, n, g, **kw)
-  if isinstance(tiling, dict):
-    tiling = sch.Tiling(**tiling)
-  elif not isinstance(tiling, sch.Tiling):
-    tiling = sch.Tiling(*tiling)
+  tiling = sch.as_tiling(tiling)
   kw.pop("avg_rows", None)
   kw.pop("decoder", None)
   floor = 32 if kw.get("mxfp4") else 16
@@ -61,6 +58,18 @@ def _check_groups(group_sizes, num_groups: int):
   if group_sizes.ndim != 1 or group_sizes.shape[0] != num_groups:
     raise ValueError(f"group_sizes {group_sizes.shape} must be [G] with G = {num_groups}, the "
                      f"number of weight groups")
+
+
+def _merged(ws, act, arrays_per_weight):
+  """One weight with an activation: the merged gate/up layout (gate / up columns interleaved)."""
+  if act is not None and len(ws) not in (arrays_per_weight, 2 * arrays_per_weight):
+    raise ValueError(f"a GLU needs gate and up weights or one merged weight, got {len(ws)} arrays")
+  return act is not None and len(ws) == arrays_per_weight
+
+
+def _fused(act, merged):
+  """choose_tiling's `fused`: no activation, two weights or one merged gate/up weight."""
+  return "merged" if merged else act is not None
 
 
 def _layer_groups(ws, layer):
@@ -91,20 +100,22 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
   layer (int32, may be traced): ws are stacks over layers ([L, G, K, N]) and this layer's groups
   are used, read in place by the kernel (no per-layer copy of the experts).
   row_index, zero_tail: see kernel.grouped_matmul (rows gathered from lhs [T, K] in the kernel;
-  rows past the groups left unwritten)."""
+  rows past the groups left unwritten). One weight with act: merged gate/up ([G, K, 2N],
+  layout.merge_gate_up), output [M, N]."""
   m, k = _rows(lhs, row_index), lhs.shape[1]
   _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
   ws, offset = _layer_groups(ws, layer)
   if ws[0].shape[1] != k:
     raise ValueError(f"lhs K={k} does not match weights {ws[0].shape}")
-  n = ws[0].shape[-1]
+  per_col = 2 if _merged(ws, act, 1) else 1  # weight columns per output column
+  n = ws[0].shape[-1] // per_col
   kp = k + (-k) % 16
   if kp != k:  # rare: contraction not a multiple of 16 -> zero-pad both operands
     lhs = _pad_last(lhs, 16)
     ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
-  ws = tuple(_pad_last(w, 16) for w in ws)
-  np_ = ws[0].shape[-1]
-  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=act is not None,
+  ws = tuple(_pad_last(w, 16 * per_col) for w in ws)  # merged: zero (gate, up) pairs
+  np_ = ws[0].shape[-1] // per_col
+  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=_fused(act, per_col == 2),
                  avg_rows=avg_rows)
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
@@ -123,12 +134,15 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   None: 'predequant' when the average group has >= schedule.PREDEQUANT_MIN_ROWS rows (avg_rows, else
   M / G), else 'kernel'.
   layer: ws are stacks over layers ([L, G, ...]), as in run_bf16. decoder: the in-kernel decoder.
-  row_index, zero_tail: as run_bf16. x_halves: lhs is already mxfp4.to_halves(x, shift).
-  out_halves: write the output in halves order, times 2^shift (the next MXFP4 kernel's x_halves
-  operand); needs N % (2 bn) == 0.
+  row_index, zero_tail: as run_bf16. x_halves: lhs is already the kernel's x operand,
+  mxfp4.to_operand(x, shift, tiling.joined) ([even | odd] columns, or natural order for joined
+  tiles; times 2^shift). out_halves: write the output as the next MXFP4 kernel's x operand of the
+  same form (halves order needs N % (2 bn) == 0 and two weights or one). Merged gate/up (one
+  weight with act: packed [G, 2N, K/2], layout.merge_gate_up_mxfp4) writes natural order.
   """
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
+  merged = _merged(ws, act, 2)
   if ws[0].shape[-1] * 2 != k:
     raise ValueError(f"lhs K={k} does not match packed weights {ws[0].shape}")
   if mode is None:
@@ -138,30 +152,34 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     ws, layer = tuple(w[layer] for w in ws), None      # the decode pass reads the layer's slice
   _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
   ws, offset = _layer_groups(ws, layer)
-  n = ws[0].shape[1]
+  n = ws[0].shape[1] // (2 if merged else 1)
   rn = (-n) % 16
   if rn:   # (a copy of the stack when layer is set: the models' widths are multiples of 16)
     if out_halves:
       raise ValueError(f"out_halves needs N % 16 == 0 (N={n})")
-    ws = tuple(jnp.pad(w, ((0, 0), (0, rn), (0, 0))) for w in ws)
+    ws = tuple(jnp.pad(w, ((0, 0), (0, rn * (2 if merged else 1)), (0, 0))) for w in ws)
   if mode == "predequant":
     if x_halves:
       raise ValueError("predequant takes x in plain column order")
     wd = tuple(mx.decode_fast(ws[i], ws[i + 1], lhs.dtype) for i in range(0, len(ws), 2))
-    t = _as_tiling(tiling, m, k, n + rn, g, fused=act is not None, avg_rows=avg_rows)
+    t = _as_tiling(tiling, m, k, n + rn, g, fused=_fused(act, merged), avg_rows=avg_rows)
     fmt = "bf16t"
   else:
     wd = ws
-    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=act is not None,
+    t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=_fused(act, merged),
                    avg_rows=avg_rows, decoder=decoder)
     fmt = "mxfp4"
-  if out_halves and (n + rn) % (2 * t.bn):
+  split = out_halves and not t.joined  # joined tiles read x in natural order
+  if split and merged:
+    raise ValueError("merged gate/up weights write natural column order: out_halves needs joined "
+                     "tiles (Tiling.joined)")
+  if split and (n + rn) % (2 * t.bn):
     t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   shift = mx.x_shift(decoder or mx.DECODER)
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
                           interpret=interpret, group_offset=offset, decoder=decoder, row_index=idx,
-                          x_halves=x_halves, zero_tail=zero_tail, split_rows=out_halves,
+                          x_halves=x_halves, zero_tail=zero_tail, split_rows=split,
                           out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 

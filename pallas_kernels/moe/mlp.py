@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import routing
 from pallas_kernels.moe import schedule as sch
@@ -67,7 +68,8 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
-  topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]).
+  topk_weights [T, k] fp32; w1, w3 [E, D, I]; w2 [E, I, D] (bf16, [in, out]). w3 None: w1 is
+  the merged gate/up weight [E, D, 2I] (layout.merge_gate_up), run as one matmul per tile.
   activation 'silu' or 'situ' (fp32). tiling: None or (up_tiling, down_tiling).
   num_experts_total: experts over all devices under expert parallelism (ids of other devices'
   experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
@@ -80,15 +82,36 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   E = w1.shape[0 if layer is None else 1]
   avg = _avg_rows(topk_ids, E, num_experts_total)
   keep = not _use_gather(gather, avg)  # materialized rows: the kernels zero the tail
+  up = (w1,) if w3 is None else (w1, w3)
 
   def kernel(xs, tok, gs, interp):
     kw = dict(interpret=interp, avg_rows=avg, layer=layer, zero_tail=keep)
-    h = gm.run_bf16(xs, (w1, w3), gs, tiling=t_up, act=act, row_index=tok, **kw)
+    h = gm.run_bf16(xs, up, gs, tiling=t_up, act=act, row_index=tok, **kw)
     return gm.run_bf16(h, (w2,), gs, tiling=t_down, **kw)
 
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
-                     lambda xs, gs: _reference_path(xs, gs, *_layer_of((w1, w3, w2), layer), act, x.dtype),
-                     interpret, not keep)
+  def reference(xs, gs):
+    w1l, w2l = _layer_of((w1, w2), layer)
+    g, u = layout.split_gate_up(w1l, 2) if w3 is None else (w1l, _layer_of((w3,), layer)[0])
+    return _reference_path(xs, gs, g, u, w2l, act, x.dtype)
+
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, not keep)
+
+
+def _mxfp4_tilings(t_up, t_down, avg, merged, dims, decoder):
+  """The up / down tilings (defaults from avg rows per expert), which must agree on
+  Tiling.joined: h goes from one kernel to the other in that operand form. dims (E, D, I)."""
+  e, d, i = dims
+  if t_up is None:
+    t_up = sch.choose_tiling(1, d, i, e, mxfp4=True, fused="merged" if merged else True, avg_rows=avg,
+                             decoder=decoder)
+  t_up = sch.as_tiling(t_up)
+  if t_down is None:
+    t_down = sch.choose_tiling(1, i, d, e, mxfp4=True, fused="joined" if t_up.joined else False,
+                               avg_rows=avg, decoder=decoder)
+  t_down = sch.as_tiling(t_down)
+  if t_up.joined != t_down.joined:
+    raise ValueError(f"the up and down tilings must agree on joined, got {t_up} / {t_down}")
+  return t_up, t_down
 
 
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
@@ -101,25 +124,41 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   MXFP4 decoder (mxfp4.py).
   mode: grouped.run_mxfp4's (None: by rows per expert). With gather and mode 'kernel' x goes
   to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
-  kernel: no split pass over the rows."""
+  kernel: no split pass over the rows (joined tiles: x and h in natural order, times 2^shift; the
+  up and down tilings must agree on Tiling.joined). w3 None: w1 is the merged gate/up weight
+  (layout.merge_gate_up_mxfp4; mode 'kernel' only)."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
-  deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(*_layer_of(w, layer), x.dtype), 1, 2)
+  deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
+  merged = w3 is None
   E = w1[0].shape[0 if layer is None else 1]
   avg = _avg_rows(topk_ids, E, num_experts_total)
   use_gather = _use_gather(gather, avg)
   if mode is None:
-    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS else "kernel"
-  halves = use_gather and mode == "kernel"
+    mode = "predequant" if avg >= sch.PREDEQUANT_MIN_ROWS and not merged else "kernel"
+  if merged and mode != "kernel":
+    raise ValueError(f"merged MXFP4 gate/up weights run in mode 'kernel' only, not {mode!r}")
+  joined = False
+  if mode == "kernel":
+    t_up, t_down = _mxfp4_tilings(t_up, t_down, avg, merged, (E, x.shape[1], w2[0].shape[-1] * 2),
+                                  decoder)
+    joined = t_up.joined
+  halves = use_gather and mode == "kernel"  # x handed over as the kernel's operand
+  # h as the down kernel's operand; merged weights write natural order, which only joined tiles read
+  h_halves = halves and (joined or not merged)
   kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather, layer=layer, decoder=decoder)
+  up = tuple(w1) if merged else (*w1, *w3)
 
   def kernel(xs, tok, gs, interp):
     if halves:
-      xs = mx.to_halves(xs, mx.x_shift(decoder or mx.DECODER))
-    h = gm.run_mxfp4(xs, (*w1, *w3), gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
-                     x_halves=halves, out_halves=halves, **kw)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=halves, **kw)
+      xs = mx.to_operand(xs, mx.x_shift(decoder or mx.DECODER), joined)
+    h = gm.run_mxfp4(xs, up, gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
+                     x_halves=halves, out_halves=h_halves, **kw)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=h_halves, **kw)
 
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel,
-                     lambda xs, gs: _reference_path(xs, gs, deq(w1), deq(w3), deq(w2), act, x.dtype),
-                     interpret, use_gather)
+  def reference(xs, gs):
+    w1l, w2l = _layer_of(w1, layer), _layer_of(w2, layer)
+    g, u = layout.unmerge_gate_up_mxfp4(w1l) if merged else (w1l, _layer_of(w3, layer))
+    return _reference_path(xs, gs, deq(g), deq(u), deq(w2l), act, x.dtype)
+
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, use_gather)

@@ -142,6 +142,14 @@ def x_shift(decoder: str) -> int:
   return X_SHIFT[decoder]
 
 
+def to_operand(x: jax.Array, shift: int, joined: bool) -> jax.Array:
+  """The MXFP4 kernel's x operand: to_halves(x, shift), or for joined tiles (schedule.Tiling.joined:
+  the decoded halves re-interleaved into natural K order) x * 2^shift in natural order."""
+  if not joined:
+    return to_halves(x, shift)
+  return x * jnp.asarray(2.0 ** shift, x.dtype) if shift else x
+
+
 def to_halves(x: jax.Array, shift: int) -> jax.Array:
   """[..., K] -> [..., K] laid out [even columns | odd columns] * 2^shift: the kernel's x operand
   for MXFP4 weights (even / odd columns meet the low / high nibbles; the power of two is exact)."""

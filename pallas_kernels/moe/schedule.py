@@ -24,6 +24,10 @@ class Tiling:
   swap_ab (MXFP4 in-kernel decode only): compute out^T = W . x^T, so the decoded weights
   are the MMA's A operand straight from the decoder's registers (with x as A, Triton's
   8-bit-source operand layout costs ~1 register move per decoded pair; see docs/bench_moe.md).
+
+  half_tail: a group's last row tile with <= bm/2 rows runs a bm/2-row loop (a second code path
+  in the same kernel), so bm 256 computes no more padding rows than bm 128 (random routing at
+  ~500-600 rows per expert: 76-80% of the computed rows are real at bm 256, 89-91% at bm 128).
   """
   bm: int
   bk: int
@@ -31,6 +35,8 @@ class Tiling:
   num_warps: int = 4
   num_stages: int = 3
   swap_ab: bool = False
+  half_tail: bool = False
+  joined: bool = False
 
 
 def num_tiles(m: int, g: int, bm: int) -> int:
@@ -96,8 +102,13 @@ def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
 
 
 def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
-                  fused: bool = False, avg_rows: float | None = None, decoder: str | None = None) -> Tiling:
+                  fused: bool | str = False, avg_rows: float | None = None,
+                  decoder: str | None = None) -> Tiling:
   """Default tiles from the average rows per group (decode: small bm, many columns).
+
+  fused: False (one weight), True (gate and up weights) or "merged" (one gate/up weight with 2n
+  columns, layout.merge_gate_up); n is the output width. MXFP4 with one weight: fused="joined"
+  picks the prefill tiles that read x in the joined form (the down projection after a joined up).
 
   avg_rows: expected rows per group when m // g misleads, e.g. under expert parallelism,
   where most of the T*k rows go to other devices' experts (sorted last, never multiplied):
@@ -125,14 +136,16 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
     # stages + 1: these 8-warp tiles were seen taking `stages` buffers (294912 B asked at bm128 bk128
     # bn128 3 stages fused), one more than the decode tiles' stages - 1
     while (not mxfp4 and t.num_stages > 2
-           and pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, fused) > SMEM_LIMIT):
+           and pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, fused in (True, "merged"))
+           > SMEM_LIMIT):
       t = dataclasses.replace(t, num_stages=t.num_stages - 1)
     return t
-  bn = pow2_divisor(n, 64 if decode else (64 if fused else 128))
+  two = fused in (True, "merged")  # two weight tiles (or one of 2 bn) per K step
+  bn = pow2_divisor(n, 64 if decode else (64 if two else 128))
   bk = pow2_divisor(k, 256 if decode else 64, 32 if mxfp4 else 16)
   warps = 4 if (decode or bm * bn <= 64 * 64) else 8
   stages = 4 if decode else 3
-  while stages > 2 and pipeline_smem_bytes(bm, bk, bn, stages, fused) > SMEM_LIMIT:
+  while stages > 2 and pipeline_smem_bytes(bm, bk, bn, stages, two) > SMEM_LIMIT:
     stages -= 1
   return Tiling(bm=bm, bk=bk, bn=bn, num_warps=warps, num_stages=stages)
 
@@ -145,7 +158,25 @@ PREFILL_TILES = {
     (False, True): Tiling(128, 64, 128, 8, 4),
     (True, False): Tiling(128, 64, 128, 8, 3),
     (True, True): Tiling(128, 128, 128, 8, 3, swap_ab=True),
+    # Not measured yet (docs/bench_moe.md run 6 is to measure them): picks from the offline SASS
+    # (scripts/sass_moe.py --prefill): merged bf16 = the plain gmm's 256-column MMA; MXFP4 merged /
+    # joined = one 64x256 wgmma stream per K step with no wait inside the loop. Only callers passing
+    # merged weights or joined tilings reach them; the two-weight defaults above are run 5's winners.
+    (False, "merged"): Tiling(128, 64, 128, 8, 3),
+    (True, "merged"): Tiling(256, 128, 64, 8, 3, swap_ab=True, half_tail=True, joined=True),
+    (True, "joined"): Tiling(256, 128, 128, 8, 3, swap_ab=True, half_tail=True, joined=True),
 }
+# The MXFP4 down kernel reads h in the operand form the up kernel wrote (Tiling.joined)
+assert not PREFILL_TILES[(True, False)].joined and PREFILL_TILES[(True, "joined")].joined
+
+
+def as_tiling(t) -> Tiling:
+  """A Tiling from a Tiling, dict or tuple (bm, bk, bn, num_warps, num_stages, ...)."""
+  if isinstance(t, Tiling):
+    return t
+  return Tiling(**t) if isinstance(t, dict) else Tiling(*t)
+
+
 # Rows per expert from which the expert MLP lets the up kernel gather token rows in place
 # (instead of an XLA gather writing T*k rows) and skips the rows of other devices' experts.
 GATHER_MIN_ROWS = 65
