@@ -3,7 +3,7 @@
 Layout (linear weights are stored [in, out] so `x @ w` needs no transpose):
   embed [V, D], lm_head [D, V], final_norm [D], output_attn_res {proj, norm} [D] (AttnRes models)
   layers[i]: input_norm, post_attn_norm [D]; attn_res {attn_proj, attn_norm, mlp_proj, mlp_norm} [D];
-    attn: KDA or MLA dict (see _kda_spec / _mla_spec); mlp: dense {gate, up, down} or MoE dict.
+    attn: KDA or MLA dict (see kda_spec / mla_spec); mlp: dense {gate, up, down} or MoE dict.
   Routed experts are stacked [E, ...]: bf16 as w1/w3 [E, D', I], w2 [E, I, D'];
   MXFP4 kept packed in the checkpoint's [out, in] orientation: w1_packed [E, I, D'/2] uint8,
   w1_scale [E, I, D'/32] uint8 (likewise w3; w2_packed [E, D', I/2]).
@@ -36,7 +36,7 @@ class Leaf:
         return dtype
 
 
-def _kda_spec(c: ModelConfig) -> dict:
+def kda_spec(c: ModelConfig) -> dict:
     D, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
     HK = H * K
     into_heads = ("embed", "kda_heads")
@@ -59,7 +59,7 @@ def _kda_spec(c: ModelConfig) -> dict:
     return s
 
 
-def _mla_spec(c: ModelConfig) -> dict:
+def mla_spec(c: ModelConfig) -> dict:
     D, H = c.hidden_size, c.mla_num_heads
     s = {}
     if c.q_lora_rank:
@@ -77,7 +77,7 @@ def _mla_spec(c: ModelConfig) -> dict:
     return s
 
 
-def _mlp_spec(d: int, inter: int) -> dict:
+def mlp_spec(d: int, inter: int) -> dict:
     return {"gate": Leaf((d, inter), axes=("embed", "mlp")), "up": Leaf((d, inter), axes=("embed", "mlp")),
             "down": Leaf((inter, d), axes=("mlp", "embed"))}
 
@@ -97,7 +97,7 @@ def experts_spec(c: ModelConfig) -> dict:
     return {"w1": Leaf((E, Dp, I), axes=out_of), "w3": Leaf((E, Dp, I), axes=out_of), "w2": Leaf((E, I, Dp), axes=into)}
 
 
-def _moe_spec(c: ModelConfig) -> dict:
+def moe_spec(c: ModelConfig) -> dict:
     D = c.hidden_size
     s = {
         "router": Leaf((D, c.num_experts), "router", ("embed", "routes")),
@@ -105,7 +105,7 @@ def _moe_spec(c: ModelConfig) -> dict:
         "experts": experts_spec(c),
     }
     if c.num_shared_experts:
-        s["shared"] = _mlp_spec(D, c.moe_intermediate_size * c.num_shared_experts)
+        s["shared"] = mlp_spec(D, c.moe_intermediate_size * c.num_shared_experts)
     if c.routed_expert_hidden_size:
         s["latent_down"] = Leaf((D, c.expert_hidden), axes=("embed", "mlp"))
         s["latent_up"] = Leaf((c.expert_hidden, D), axes=("mlp", "embed"))
@@ -124,8 +124,8 @@ def param_spec(c: ModelConfig, stacked: bool = False) -> dict:
     for i in range(c.num_layers):
         layer = {
             "input_norm": norm, "post_attn_norm": norm,
-            "attn": _kda_spec(c) if c.layer_types[i] == "kda" else _mla_spec(c),
-            "mlp": _mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else _moe_spec(c),
+            "attn": kda_spec(c) if c.layer_types[i] == "kda" else mla_spec(c),
+            "mlp": mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else moe_spec(c),
         }
         if c.attn_res_block_size:
             layer["attn_res"] = {k: norm for k in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm")}

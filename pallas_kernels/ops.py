@@ -113,10 +113,10 @@ def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
-def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, situ_beta: float,
+def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, mxfp4: bool, activation: str, situ_beta: float,
                situ_linear_beta, reference, num_experts_total=None, layer=None, backend: Backend | None = None):
     """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
-    or MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code.
+    or, when mxfp4, MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code.
     num_experts_total: the model's expert count; under expert parallelism E is this device's share
     and the kernels size their tiles from the rows that land here (about T*k / num_experts_total).
     layer (int32, may be traced): every array in experts is a stack over layers ([L, E, ...]) and this
@@ -127,7 +127,7 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, activation: str, sit
     from pallas_kernels import moe
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=b.interpret,
               num_experts_total=num_experts_total, layer=layer)
-    if "w1" in experts:
+    if not mxfp4:
         return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
     # MXFP4: weights decoded in the kernels' main loop at every row count (decode tiles for few rows
     # per expert, schedule.PREFILL_TILES from 65 on). H200 (scripts/bench_moe.py, docs/bench_moe.md):

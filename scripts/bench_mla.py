@@ -251,8 +251,8 @@ def model_prefill_rows(shapes, *, model="kimi-linear-48b-a3b", page_size=16, max
             backend = detect(mla_prefill=form)
             mla.EXPANDED_KEYS_PER_TOKEN = kpt or default_kpt
             try:
-                f = jax.jit(lambda p_, x_, kv_, m_, b=backend: mla.mla_step(p_, x_, c, kv_, {**m_, "decode_only": False},
-                                                                           b), donate_argnums=2)
+                f = jax.jit(lambda p_, x_, kv_, m_, b=backend: mla.MLA.of(c, p_).step(
+                    x_, c, kv_, {**m_, "decode_only": False}, b), donate_argnums=2)
                 ms, outs[form], kv = _time_step(f, p, x, kv, meta, iters)
                 budget_keys = mla.expanded_key_budget(T, meta["block_tables"].shape, page_size, False, backend)
                 note = (f"key buffer {budget_keys}" + (" (sum kv_lens fits)" if keys <= budget_keys else

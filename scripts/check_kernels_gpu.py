@@ -77,7 +77,7 @@ def moe_case(fmt, T, D, I, E, k):
         from k3jax.presets import preset_config
         c = preset_config("kimi-linear-48b-a3b")
         assert c.num_experts == E, (c.num_experts, E)
-        ref = routed_experts_reference({"w1": ws[0], "w3": ws[1], "w2": ws[2]}, x, w, ids, c)
+        ref = routed_experts_reference({"w1": ws[0], "w3": ws[1], "w2": ws[2]}, x, w, ids, c, mxfp4=False)
         return rel(out, ref)
     packs = [moe.quantize_mxfp4(jnp.asarray(r.randn(E, b, a) / np.sqrt(a), jnp.float32)) for a, b in ((D, I), (D, I), (I, D))]
     out = moe.expert_mlp_mxfp4(x, ids, w, *packs, activation="situ")
@@ -90,7 +90,7 @@ def moe_case(fmt, T, D, I, E, k):
     c = dataclasses.replace(preset_config("tiny-random"), num_experts=E)
     pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
     pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
-    return rel(out, routed_experts_reference(pe, x, w, ids, c))
+    return rel(out, routed_experts_reference(pe, x, w, ids, c, mxfp4=True))
 
 
 def decode_step_time(model_name, layers, concurrency, ctx, mode):

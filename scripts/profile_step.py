@@ -179,10 +179,10 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
     from pallas_kernels import ops
     c = model.config
     li = c.kda_layers[0]
-    p = model.layer_params(li)["attn"]
+    attn = kda_layer.KDA.of(c, model.layer_params(li)["attn"])
     x = (jax.random.normal(jax.random.PRNGKey(0), (1, T, c.hidden_size)) * 0.5).astype(jnp.bfloat16)
-    conv = kda_layer.causal_conv(kda_layer._qkv_in(p, x), kda_layer._conv_weights(p))
-    real = jax.jit(lambda x, conv: kda_layer._core(p, x, conv, c))(x, conv)
+    conv = kda_layer.causal_conv(attn.qkv_in(x), attn.conv_weights())
+    real = jax.jit(lambda x, conv: attn.core(x, conv, c))(x, conv)
     H, K = c.kda_num_heads, c.kda_head_dim
     ks = jax.random.split(jax.random.PRNGKey(1), 5)
     nrm = lambda a: a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)   # noqa: E731

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import glu_act, upcast
-from k3jax.layers.moe import expert_weights, moe
+from k3jax.layers.moe import MoE, expert_weights
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 from sharding.mesh import axis_sizes
@@ -73,7 +73,7 @@ def _dispatch_plan(ids, E: int, n: int, cap: int):
 
 def _local_experts(pe_local, rx, re, el: int, c: ModelConfig, backend: Backend | None):
     """Grouped expert MLP on received rows rx [M, D'] with local expert ids re [M] (el = empty row)."""
-    w1, w3, w2 = expert_weights(pe_local, rx.dtype)
+    w1, w3, w2 = expert_weights(pe_local, rx.dtype, c.expert_format == "mxfp4")
     order = jnp.argsort(re, stable=True)
     gs = jnp.zeros((el,), jnp.int32).at[re].add(1, mode="drop")
     xs = rx[order]
@@ -136,5 +136,5 @@ def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_fac
 
 
 def moe_ep(p, x, c: ModelConfig, mesh, *, capacity_factor: float | None = None, backend: Backend | None = None):
-    """`k3jax.layers.moe.moe` with expert-parallel routed experts. x [..., D] -> [..., D]."""
-    return moe(p, x, c, backend=expert_parallel(backend, mesh, capacity_factor=capacity_factor))
+    """The MoE layer (k3jax.layers.moe.MoE over p) with expert-parallel routed experts. x [..., D] -> [..., D]."""
+    return MoE.of(c, p)(x, c, backend=expert_parallel(backend, mesh, capacity_factor=capacity_factor))

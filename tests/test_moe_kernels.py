@@ -487,14 +487,14 @@ def test_expert_mlp_mxfp4_expert_parallel_tiles(monkeypatch):
 
 @pytest.mark.parametrize("fmt,activation", [("bf16", "situ"), ("bf16", "silu"), ("mxfp4", "situ")])
 def test_expert_mlp_equals_model_reference_layer(fmt, activation):
-  """expert_mlp (kernel, interpret) == k3jax.layers.moe.routed_experts (ragged_dot reference)."""
+  """expert_mlp (kernel, interpret) == the model's RoutedExperts module (ragged_dot reference)."""
   layer = pytest.importorskip("k3jax.layers.moe")
   from k3jax.config import ModelConfig
   x, ids, wts, w1, w3, w2 = _moe_inputs(9)
   e, d, i = w1.shape
   c = ModelConfig(vocab_size=32, hidden_size=d, num_layers=1, layer_types=("kda",),
                   mlp_types=("moe",), num_experts=e, num_experts_per_token=ids.shape[1],
-                  moe_intermediate_size=i, hidden_act=activation)
+                  moe_intermediate_size=i, hidden_act=activation, expert_format=fmt)
   if fmt == "bf16":
     pe = {"w1": w1, "w3": w3, "w2": w2}
     out = moe.expert_mlp(x, jnp.asarray(ids), jnp.asarray(wts), w1, w3, w2, activation=activation,
@@ -506,7 +506,7 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(ids), jnp.asarray(wts), q["w1"], q["w3"], q["w2"],
                                activation=activation, situ_beta=c.situ_beta,
                                situ_linear_beta=c.situ_linear_beta, interpret=True)
-  ref = layer.routed_experts(pe, x, jnp.asarray(wts), jnp.asarray(ids), c)
+  ref = layer.RoutedExperts.of(c, pe)(x, jnp.asarray(wts), jnp.asarray(ids), c)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   # both round h and the expert outputs to bf16 (at slightly different points): a few
   # bf16 ulps apart; each is within ~0.6% of the float64 loop (the tests above)

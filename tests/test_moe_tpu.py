@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.layers.moe import moe
+from k3jax.layers.moe import MoE
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 from pallas_kernels.backend import detect
@@ -33,11 +33,11 @@ def test_model_moe_on_the_tpu_path_equals_the_reference(monkeypatch):
     params = init_params_numpy(c, 0, jnp.float32)
     layer = next(lp["mlp"] for lp, t in zip(params["layers"], c.mlp_types) if t == "moe")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((80, c.hidden_size)), jnp.float32)
-    ref = np.asarray(moe(layer, x, c, backend=detect("reference")))
+    ref = np.asarray(MoE.of(c, layer)(x, c, backend=detect("reference")))
     calls = []
     import pallas_kernels.moe.tpu as tpu
     real = tpu.gmm_tpu
     monkeypatch.setattr(tpu, "gmm_tpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))   # a spy
-    got = np.asarray(moe(layer, x, c, backend=detect("pallas", platform="tpu")))
+    got = np.asarray(MoE.of(c, layer)(x, c, backend=detect("pallas", platform="tpu")))
     assert calls and all(kw["interpret"] for kw in calls)        # 3 matmuls per MoE layer went to megablox
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

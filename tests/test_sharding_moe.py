@@ -1,10 +1,10 @@
-"""Expert-parallel MoE (shard_map + all-to-all) against the reference `moe()` on 8 CPU devices."""
+"""Expert-parallel MoE (shard_map + all-to-all) against the reference `MoE` module on 8 CPU devices."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.layers.moe import moe
+from k3jax.layers.moe import MoE
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 from sharding.mesh import make_mesh
@@ -26,7 +26,7 @@ def _setup(fmt, dtype, T=13):
 @pytest.mark.parametrize("spec", ["data=2,expert=4", "tensor=2,expert=4"])
 def test_moe_ep_matches_reference(fmt, dtype, spec):
     c, params, x = _setup(fmt, dtype)         # 13 tokens: not divisible by 8, exercises padding
-    ref = np.asarray(jax.jit(lambda p, x: moe(p, x, c))(params["layers"][1]["mlp"], x), np.float32)
+    ref = np.asarray(jax.jit(lambda p, x: MoE.of(c, p)(x, c))(params["layers"][1]["mlp"], x), np.float32)
     mesh = make_mesh(spec)
     ps = shard_params(params, mesh, c)["layers"][1]["mlp"]
     f = jax.jit(lambda p, x: moe_ep(p, x, c, mesh))

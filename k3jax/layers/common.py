@@ -1,10 +1,11 @@
-"""Small shared pieces: RMSNorm, GLU activations, Attention Residuals, dense MLP."""
+"""Small shared pieces: RMSNorm, GLU activations, Attention Residuals (functions and modules), dense MLP."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.layers.module import Group, value
 
 
 def upcast(x):
@@ -34,11 +35,6 @@ def glu_act(gate, up, c: ModelConfig):
     return out.astype(gate.dtype)
 
 
-def dense_mlp(p, x, c: ModelConfig):
-    """Full-width gated MLP (dense first layer, shared experts)."""
-    return glu_act(x @ p["gate"], x @ p["up"], c) @ p["down"]
-
-
 def attn_res(prefix_sum, blocks, proj, norm, eps: float):
     """Attention Residuals: softmax over sources [blocks..., prefix_sum] scored per token (fp32).
 
@@ -59,3 +55,44 @@ def attn_res_stacked(sources, proj, norm, eps: float, count=None):
         score = jnp.where(live.reshape((-1,) + (1,) * (score.ndim - 1)), score, -jnp.inf)
     p = jax.nn.softmax(score, axis=0)
     return jnp.sum(p[..., None] * v, axis=0).astype(sources.dtype)
+
+
+def mix_sources(buf, n, proj, norm, eps: float):
+    """attn_res over a block buffer's sources 0..n (n static: exactly the unrolled formula; traced:
+    masked, for the scan)."""
+    if isinstance(n, int):
+        return buf[0] if n == 0 else attn_res_stacked(buf[:n + 1], proj, norm, eps)
+    return attn_res_stacked(buf, proj, norm, eps, count=n + 1)
+
+
+def add_to_source(buf, n, x):
+    """buf[n] += x (n static or traced)."""
+    if isinstance(n, int):
+        return buf.at[n].add(x.astype(buf.dtype))
+    cur = jax.lax.dynamic_index_in_dim(buf, n, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, cur + x.astype(buf.dtype), n, 0)
+
+
+class DenseMLP(Group):
+    """gate/up/down GLU MLP (the dense first layer, shared experts)."""
+
+    def __call__(self, x, c: ModelConfig):
+        return glu_act(x @ value(self.gate), x @ value(self.up), c) @ value(self.down)
+
+
+class AttnRes(Group):
+    """Attention Residuals of one layer: the learned queries and key norms that mix the block
+    history before the attention and before the MLP."""
+
+    def before_attn(self, buf, n, eps: float):
+        return mix_sources(buf, n, value(self.attn_proj), value(self.attn_norm), eps)
+
+    def before_mlp(self, buf, n, eps: float):
+        return mix_sources(buf, n, value(self.mlp_proj), value(self.mlp_norm), eps)
+
+
+class OutputAttnRes(Group):
+    """Attention Residuals after the last layer: mixes the block history into the final hidden states."""
+
+    def __call__(self, buf, n, eps: float):
+        return mix_sources(buf, n, value(self.proj), value(self.norm), eps)

@@ -1,8 +1,9 @@
 """KDA (Kimi Delta Attention) layer: projections, short convs, gate, delta rule, gated norm.
 
-Two entry points over the same parameters (backend: pallas_kernels/backend.py):
-  kda_full(p, x [B, T, D], c, backend)                      whole sequences from a zero state;
-  kda_step(p, x [T, D], c, state, conv, meta, backend)      ragged chunks resuming from pooled states.
+The `KDA` module (output gate full-rank or low-rank, fixed when built) has two entry points over
+the same parameters (backend: pallas_kernels/backend.py):
+  KDA.full(x [B, T, D], c, backend)                        whole sequences from a zero state;
+  KDA.step(x [T, D], c, state, conv, meta, backend)        ragged chunks resuming from pooled states.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
+from k3jax.layers.module import Group, value
+from k3jax.params import kda_spec
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.scatter import read_rows, set_rows
@@ -18,40 +21,6 @@ from pallas_kernels.scatter import read_rows, set_rows
 
 def _heads(x, c: ModelConfig):
     return x.reshape(*x.shape[:-1], c.kda_num_heads, c.kda_head_dim)
-
-
-def _conv_weights(p):
-    """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""
-    return jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=-1)
-
-
-def _qkv_in(p, x):
-    """Raw (pre-conv) projections packed as [..., 3*H*K]: this is what the conv state caches."""
-    return jnp.concatenate([x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]], axis=-1)
-
-
-def _core(p, x, conv_out, c: ModelConfig):
-    """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
-    act = jax.nn.silu(conv_out).astype(x.dtype)
-    q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
-    # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
-    # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower, issue 18).
-    q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
-    f = _heads((x @ p["f_a_proj"]) @ p["f_b_proj"], c)
-    g = ops.kda_gate(f, p["A_log"], p["dt_bias"], lower_bound=c.gate_lower_bound)
-    beta = jax.nn.sigmoid(upcast(x @ p["b_proj"]))
-    return q, k, v, g, beta
-
-
-def _output(p, x, o, c: ModelConfig):
-    """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
-    gate = x @ p["g_proj"] if "g_proj" in p else (x @ p["g_a_proj"]) @ p["g_b_proj"]
-    gate = upcast(_heads(gate, c))
-    of = upcast(o)
-    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
-    of = of * upcast(p["o_norm"]) * jax.nn.sigmoid(gate)
-    of = of.astype(x.dtype).reshape(*x.shape[:-1], c.kda_dim)
-    return of @ p["o_proj"]
 
 
 def causal_conv(x_in, w):
@@ -66,14 +35,6 @@ def _safe_gate(c: ModelConfig) -> bool:
     """K3's bounded gate keeps every log decay in [lower_bound, 0]; >= -5 allows the cheaper
     diagonal blocks in the chunk kernel."""
     return c.gate_lower_bound is not None and c.gate_lower_bound >= -5.0
-
-
-def kda_full(p, x, c: ModelConfig, backend: Backend | None = None):
-    """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
-    conv_out = causal_conv(_qkv_in(p, x), _conv_weights(p))
-    q, k, v, g, beta = _core(p, x, conv_out, c)
-    o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c), backend=backend)
-    return _output(p, x, o, c)
 
 
 def _gather_state(pool, src):
@@ -112,54 +73,103 @@ def _step_conv(x_in, w, conv0, meta):
     return out, jnp.stack(new, axis=1).astype(conv0.dtype)
 
 
-def kda_step(p, x, c: ModelConfig, state_pool, conv_pool, meta, backend: Backend | None = None):
-    """One engine step of a KDA layer over ragged token chunks.
+class KDA(Group):
+    """Kimi Delta Attention: q/k/v projections with short convolutions, the gated delta rule's decay
+    (A_log, dt_bias, f_a/f_b) and beta (b_proj), output norm and gate (full-rank g_proj, or low-rank
+    g_a/g_b: `full_rank_gate`)."""
+    spec_for = staticmethod(kda_spec)
 
-    x [T, D] flat tokens; state_pool [S, H, K, V] fp32; conv_pool [S, Kc-1, 3*H*K].
-    meta: cu_seqlens [N+1], token_seq [T], token_local [T], state_src [N] (slot to resume from,
-    -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
-    checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
-    """
-    b = resolve(backend)
-    if meta.get("decode_only"):
-        return _decode_step(p, x, c, state_pool, conv_pool, meta, b)
-    src = meta["state_src"]
-    with jax.named_scope("kda_in"):
-        x_in = _qkv_in(p, x)
-        conv0 = _gather_state(conv_pool, src)
-        conv_out, conv_new = _step_conv(x_in, _conv_weights(p), conv0, meta)
-        q, k, v, g, beta = _core(p, x, conv_out, c)
-        s0 = _gather_state(state_pool, src)
-    with jax.named_scope("kda_chunk"):
-        o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
-                              initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c), backend=b)
-    with jax.named_scope("kda_state_write"):
-        for dst in (meta["state_dst"], meta["ckpt_dst"]):
-            state_pool = set_rows(state_pool, dst, s1, bits=b.scatter_bits)
-            conv_pool = set_rows(conv_pool, dst, conv_new, bits=b.scatter_bits)
-    with jax.named_scope("kda_out"):
-        return _output(p, x, o[0], c), state_pool, conv_pool
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        super().__init__(spec, values, config)
+        self.full_rank_gate = bool(config.kda_full_rank_gate)
 
+    def conv_weights(self):
+        """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""
+        return jnp.concatenate([value(self.q_conv), value(self.k_conv), value(self.v_conv)], axis=-1)
 
-def _decode_step(p, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
-    """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
-    runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter)."""
-    cu = meta["cu_seqlens"]
-    n = cu.shape[0] - 1
-    valid = cu[1:] > cu[:-1]
-    slots = jnp.where(valid, meta["state_src"], -1)
-    xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
-    x_in = _qkv_in(p, xs)
-    conv0 = read_rows(conv_pool, jnp.maximum(slots, 0))                 # [N, Kc-1, C]
-    w = _conv_weights(p)
-    # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
-    conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
-    window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
-    q, k, v, g, beta = _core(p, xs, conv_out, c)
-    o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5, backend=b)
-    conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
-                         mode="drop", bits=b.scatter_bits)
-    out = _output(p, xs, o, c)                                          # [N, D]
-    tok_seq = meta["token_seq"]
-    tok_ok = jnp.arange(x.shape[0]) < cu[n]
-    return jnp.where(tok_ok[:, None], out[tok_seq], 0).astype(out.dtype), state_pool, conv_pool
+    def qkv_in(self, x):
+        """Raw (pre-conv) projections packed as [..., 3*H*K]: this is what the conv state caches."""
+        return jnp.concatenate([x @ value(self.q_proj), x @ value(self.k_proj), x @ value(self.v_proj)], axis=-1)
+
+    def core(self, x, conv_out, c: ModelConfig):
+        """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
+        act = jax.nn.silu(conv_out).astype(x.dtype)
+        q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
+        # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
+        # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower, issue 18).
+        q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
+        f = _heads((x @ value(self.f_a_proj)) @ value(self.f_b_proj), c)
+        g = ops.kda_gate(f, value(self.A_log), value(self.dt_bias), lower_bound=c.gate_lower_bound)
+        beta = jax.nn.sigmoid(upcast(x @ value(self.b_proj)))
+        return q, k, v, g, beta
+
+    def output(self, x, o, c: ModelConfig):
+        """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
+        gate = x @ value(self.g_proj) if self.full_rank_gate else (x @ value(self.g_a_proj)) @ value(self.g_b_proj)
+        gate = upcast(_heads(gate, c))
+        of = upcast(o)
+        of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
+        of = of * upcast(value(self.o_norm)) * jax.nn.sigmoid(gate)
+        of = of.astype(x.dtype).reshape(*x.shape[:-1], c.kda_dim)
+        return of @ value(self.o_proj)
+
+    def full(self, x, c: ModelConfig, backend: Backend | None = None):
+        """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
+        conv_out = causal_conv(self.qkv_in(x), self.conv_weights())
+        q, k, v, g, beta = self.core(x, conv_out, c)
+        o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c),
+                             backend=backend)
+        return self.output(x, o, c)
+
+    def step(self, x, c: ModelConfig, state_pool, conv_pool, meta, backend: Backend | None = None):
+        """One engine step over ragged token chunks.
+
+        x [T, D] flat tokens; state_pool [S, H, K, V] fp32; conv_pool [S, Kc-1, 3*H*K].
+        meta: cu_seqlens [N+1], token_seq [T], token_local [T], state_src [N] (slot to resume from,
+        -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
+        checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
+        """
+        b = resolve(backend)
+        if meta.get("decode_only"):
+            return self._decode_step(x, c, state_pool, conv_pool, meta, b)
+        src = meta["state_src"]
+        with jax.named_scope("kda_in"):
+            x_in = self.qkv_in(x)
+            conv0 = _gather_state(conv_pool, src)
+            conv_out, conv_new = _step_conv(x_in, self.conv_weights(), conv0, meta)
+            q, k, v, g, beta = self.core(x, conv_out, c)
+            s0 = _gather_state(state_pool, src)
+        with jax.named_scope("kda_chunk"):
+            o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
+                                  initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c),
+                                  backend=b)
+        with jax.named_scope("kda_state_write"):
+            for dst in (meta["state_dst"], meta["ckpt_dst"]):
+                state_pool = set_rows(state_pool, dst, s1, bits=b.scatter_bits)
+                conv_pool = set_rows(conv_pool, dst, conv_new, bits=b.scatter_bits)
+        with jax.named_scope("kda_out"):
+            return self.output(x, o[0], c), state_pool, conv_pool
+
+    def _decode_step(self, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
+        """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
+        runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter)."""
+        cu = meta["cu_seqlens"]
+        n = cu.shape[0] - 1
+        valid = cu[1:] > cu[:-1]
+        slots = jnp.where(valid, meta["state_src"], -1)
+        xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
+        x_in = self.qkv_in(xs)
+        conv0 = read_rows(conv_pool, jnp.maximum(slots, 0))                 # [N, Kc-1, C]
+        w = self.conv_weights()
+        # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
+        conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
+        window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
+        q, k, v, g, beta = self.core(xs, conv_out, c)
+        o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5,
+                                       backend=b)
+        conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
+                             mode="drop", bits=b.scatter_bits)
+        out = self.output(xs, o, c)                                         # [N, D]
+        tok_seq = meta["token_seq"]
+        tok_ok = jnp.arange(x.shape[0]) < cu[n]
+        return jnp.where(tok_ok[:, None], out[tok_seq], 0).astype(out.dtype), state_pool, conv_pool

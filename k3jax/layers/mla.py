@@ -1,7 +1,8 @@
 """MLA (multi-head latent attention, no rotary) layer.
 
-kda-like pair of entry points: `mla_full` expands keys/values per head (the plain form), and
-`mla_step` runs an engine step on the paged 576-wide latent cache, in one of two equal forms:
+The `MLA` module (queries low-rank or full, output gate or none: fixed when built) has a kda-like
+pair of entry points: `MLA.full` expands keys/values per head (the plain form), and `MLA.step`
+runs an engine step on the paged 576-wide latent cache, in one of two equal forms:
 absorbed (queries folded into the latent space; decode and small steps) or expanded (the step's
 cached latents decompressed by kv_b_proj into per-head K/V, then varlen causal flash attention:
 3.4x fewer FLOPs per (query, key) pair, the better form for prefill). The forms are
@@ -14,46 +15,13 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
+from k3jax.layers.module import Group, value
+from k3jax.params import mla_spec
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
 _LATENT_NORM_EPS = 1e-6
-
-
-def _queries_joint(p, x, c: ModelConfig):
-    """q [..., H, nope + rope]."""
-    if "q_a_proj" in p:
-        q = rms_norm(x @ p["q_a_proj"], p["q_a_norm"], _LATENT_NORM_EPS) @ p["q_b_proj"]
-    else:
-        q = x @ p["q_proj"]
-    return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
-
-
-def _queries(p, x, c: ModelConfig):
-    q = _queries_joint(p, x, c)
-    return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-
-
-def latent_kv(p, x, c: ModelConfig):
-    """The per-token cache entry: [normalized latent (kv_lora_rank), k_rope (qk_rope_head_dim)]."""
-    kv = x @ p["kv_a_proj"]
-    ckv = rms_norm(kv[..., :c.kv_lora_rank], p["kv_a_norm"], _LATENT_NORM_EPS)
-    return jnp.concatenate([ckv, kv[..., c.kv_lora_rank:]], axis=-1)
-
-
-def _kv_b(p, c: ModelConfig):
-    """kv_b_proj split per head: W_uk [L, H, nope], W_uv [L, H, v]."""
-    w = p["kv_b_proj"].reshape(c.kv_lora_rank, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
-    return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
-
-
-def _output(p, x, o, c: ModelConfig):
-    """o [..., H, v] -> optional sigmoid output gate -> o_proj."""
-    o = o.reshape(*x.shape[:-1], c.mla_num_heads * c.v_head_dim)
-    if "g_proj" in p:
-        o = (upcast(o) * jax.nn.sigmoid(upcast(x @ p["g_proj"]))).astype(x.dtype)
-    return o @ p["o_proj"]
 
 
 # "auto": expanded for steps of at least this many tokens (decode-only steps never) when the GPU
@@ -84,68 +52,103 @@ def scale(c: ModelConfig) -> float:
     return c.qk_head_dim ** -0.5
 
 
-def mla_full(p, x, c: ModelConfig):
-    """x [B, T, D] -> [B, T, D], causal attention within each sequence."""
-    q_nope, q_rope = _queries(p, x, c)
-    kv = latent_kv(p, x, c)
-    ckv, k_rope = kv[..., :c.kv_lora_rank], kv[..., c.kv_lora_rank:]
-    w_uk, w_uv = _kv_b(p, c)
-    k_nope = jnp.einsum("btl,lhd->bthd", ckv, w_uk)
-    v = jnp.einsum("btl,lhd->bthd", ckv, w_uv)
-    s = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=upcast(x).dtype)
-         + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=upcast(x).dtype)) * scale(c)
-    T = x.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    s = jnp.where(causal, s, -jnp.inf)
-    prob = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", prob.astype(v.dtype), v)
-    return _output(p, x, o, c)
+class MLA(Group):
+    """Multi-head latent attention (no rotary): queries low-rank (q_a/q_b, `low_rank_q`) or full
+    (q_proj), the 576-wide latent cache entry, an optional sigmoid output gate (`output_gate`)."""
+    spec_for = staticmethod(mla_spec)
 
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        super().__init__(spec, values, config)
+        self.low_rank_q = bool(config.q_lora_rank)
+        self.output_gate = bool(config.mla_output_gate)
 
-def _absorbed(p, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
-    """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
-    w_uk, w_uv = _kv_b(p, c)
-    q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
-    o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
-                                 kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"], scale=scale(c),
-                                 decode_only=bool(meta.get("decode_only", False)), backend=backend)
-    return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
-
-
-def _expanded(p, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
-    """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
-    by kv_b_proj into per-head K/V, then varlen causal attention."""
-    rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
-    kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ p["kv_b_proj"]).astype(kv_pages.dtype)
-    kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
-    o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"], starts,
-                                   nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
-    return o.astype(dtype)
-
-
-def mla_step(p, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
-    """One engine step over ragged chunks on the paged latent cache (form: `expanded_key_budget`).
-
-    x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
-    -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
-    this step), optional static decode_only. Returns (out [T, D], kv_pages).
-    """
-    with jax.named_scope("mla_in"):
-        q = _queries_joint(p, x, c)
-        kv_pages = ops.write_kv_pages(kv_pages, latent_kv(p, x, c).astype(kv_pages.dtype), meta["slot_mapping"],
-                                      backend=backend)
-    backend = resolve(backend)
-    num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
-                                   bool(meta.get("decode_only", False)), backend)
-    with jax.named_scope("mla_attn"):
-        absorbed = lambda: _absorbed(p, c, q, kv_pages, meta, x.dtype, backend)
-        expanded = lambda: _expanded(p, c, q, kv_pages, meta, x.dtype, num_keys, backend)
-        n_seqs, max_pages = meta["block_tables"].shape
-        if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
-            o = expanded()
-        elif num_keys:
-            o = jax.lax.cond(jnp.sum(meta["kv_lens"]) <= num_keys, expanded, absorbed)
+    def queries_joint(self, x, c: ModelConfig):
+        """q [..., H, nope + rope]."""
+        if self.low_rank_q:
+            q = rms_norm(x @ value(self.q_a_proj), value(self.q_a_norm), _LATENT_NORM_EPS) @ value(self.q_b_proj)
         else:
-            o = absorbed()
-    with jax.named_scope("mla_out"):
-        return _output(p, x, o, c), kv_pages
+            q = x @ value(self.q_proj)
+        return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
+
+    def latent_kv(self, x, c: ModelConfig):
+        """The per-token cache entry: [normalized latent (kv_lora_rank), k_rope (qk_rope_head_dim)]."""
+        kv = x @ value(self.kv_a_proj)
+        ckv = rms_norm(kv[..., :c.kv_lora_rank], value(self.kv_a_norm), _LATENT_NORM_EPS)
+        return jnp.concatenate([ckv, kv[..., c.kv_lora_rank:]], axis=-1)
+
+    def kv_b(self, c: ModelConfig):
+        """kv_b_proj split per head: W_uk [L, H, nope], W_uv [L, H, v]."""
+        w = value(self.kv_b_proj).reshape(c.kv_lora_rank, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+
+    def output(self, x, o, c: ModelConfig):
+        """o [..., H, v] -> optional sigmoid output gate -> o_proj."""
+        o = o.reshape(*x.shape[:-1], c.mla_num_heads * c.v_head_dim)
+        if self.output_gate:
+            o = (upcast(o) * jax.nn.sigmoid(upcast(x @ value(self.g_proj)))).astype(x.dtype)
+        return o @ value(self.o_proj)
+
+    def full(self, x, c: ModelConfig, backend: Backend | None = None):
+        """x [B, T, D] -> [B, T, D], causal attention within each sequence (plain jnp: no backend)."""
+        q = self.queries_joint(x, c)
+        q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        kv = self.latent_kv(x, c)
+        ckv, k_rope = kv[..., :c.kv_lora_rank], kv[..., c.kv_lora_rank:]
+        w_uk, w_uv = self.kv_b(c)
+        k_nope = jnp.einsum("btl,lhd->bthd", ckv, w_uk)
+        v = jnp.einsum("btl,lhd->bthd", ckv, w_uv)
+        s = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=upcast(x).dtype)
+             + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=upcast(x).dtype)) * scale(c)
+        T = x.shape[1]
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        s = jnp.where(causal, s, -jnp.inf)
+        prob = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", prob.astype(v.dtype), v)
+        return self.output(x, o, c)
+
+    def _absorbed(self, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
+        """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
+        w_uk, w_uv = self.kv_b(c)
+        q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
+        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
+                                     kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"],
+                                     scale=scale(c), decode_only=bool(meta.get("decode_only", False)),
+                                     backend=backend)
+        return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
+
+    def _expanded(self, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
+        """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
+        by kv_b_proj into per-head K/V, then varlen causal attention."""
+        rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
+        kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ value(self.kv_b_proj)).astype(kv_pages.dtype)
+        kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"],
+                                       starts, nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
+        return o.astype(dtype)
+
+    def step(self, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
+        """One engine step over ragged chunks on the paged latent cache (form: `expanded_key_budget`).
+
+        x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
+        -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
+        this step), optional static decode_only. Returns (out [T, D], kv_pages).
+        """
+        with jax.named_scope("mla_in"):
+            q = self.queries_joint(x, c)
+            kv_pages = ops.write_kv_pages(kv_pages, self.latent_kv(x, c).astype(kv_pages.dtype),
+                                          meta["slot_mapping"], backend=backend)
+        backend = resolve(backend)
+        num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
+                                       bool(meta.get("decode_only", False)), backend)
+        with jax.named_scope("mla_attn"):
+            absorbed = lambda: self._absorbed(c, q, kv_pages, meta, x.dtype, backend)  # noqa: E731
+            expanded = lambda: self._expanded(c, q, kv_pages, meta, x.dtype, num_keys, backend)  # noqa: E731
+            n_seqs, max_pages = meta["block_tables"].shape
+            if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
+                o = expanded()
+            elif num_keys:
+                o = jax.lax.cond(jnp.sum(meta["kv_lens"]) <= num_keys, expanded, absorbed)
+            else:
+                o = absorbed()
+        with jax.named_scope("mla_out"):
+            return self.output(x, o, c), kv_pages

@@ -1,7 +1,9 @@
 """Mixture of experts: sigmoid router, routed experts (bf16 or MXFP4), latent MoE, shared experts.
 
-This is the reference MoE layer: tokens are sorted by expert (no dense one-hot) and the three
-expert projections run as grouped matmuls through `ops.gmm` (jax.lax.ragged_dot semantics).
+`MoE` / `RoutedExperts` are the layer's modules (variants fixed when built: MXFP4 or bf16 experts,
+latent MoE with or without its norm, shared experts). The reference routed experts sort tokens by
+expert (no dense one-hot) and run the three expert projections as grouped matmuls through `ops.gmm`
+(jax.lax.ragged_dot semantics); on accelerators `ops.expert_mlp` runs the fused kernels.
 """
 from __future__ import annotations
 
@@ -9,37 +11,16 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import dense_mlp, glu_act, rms_norm, upcast
+from k3jax.layers.common import DenseMLP, glu_act, rms_norm, upcast
+from k3jax.layers.module import Group, value
+from k3jax.params import experts_spec, moe_spec
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 
 
-def route(p, x, c: ModelConfig):
-    """Router in fp32. x [T, D] -> (weights [T, k] fp32, expert ids [T, k] int32).
-
-    Chooses the top-k of sigmoid scores + correction bias; weights are the unbiased scores of the
-    chosen experts, renormalized (optional) and scaled.
-    """
-    scores = jax.nn.sigmoid(upcast(x) @ upcast(p["router"]))
-    choice = scores + upcast(p["router_bias"])
-    E, G = c.num_experts, c.num_expert_group
-    if G > 1:
-        grouped = choice.reshape(-1, G, E // G)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                    # [T, G]
-        _, top_groups = jax.lax.top_k(group_score, c.topk_group)
-        keep = jnp.zeros(group_score.shape, bool).at[
-            jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
-        choice = jnp.where(jnp.repeat(keep, E // G, axis=-1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, c.num_experts_per_token)
-    w = jnp.take_along_axis(scores, ids, axis=-1)
-    if c.moe_renormalize:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
-    return w * c.routed_scaling_factor, ids.astype(jnp.int32)
-
-
-def expert_weights(pe, dtype):
-    """(w1, w3, w2) as [E, in, out] arrays; MXFP4 experts are dequantized on the fly."""
-    if "w1" in pe:
+def expert_weights(pe, dtype, mxfp4: bool):
+    """(w1, w3, w2) as [E, in, out] arrays from an experts dict; MXFP4 experts are dequantized on the fly."""
+    if not mxfp4:
         return pe["w1"], pe["w3"], pe["w2"]
     from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
     return tuple(jnp.swapaxes(dequantize_mxfp4(pe[f"{n}_packed"], pe[f"{n}_scale"], dtype), -1, -2)
@@ -59,19 +40,12 @@ def layer_experts(pe, layer):
     return pe if layer is None else jax.tree_util.tree_map(lambda w: w[layer], pe)
 
 
-def routed_experts(pe, z, weights, ids, c: ModelConfig, layer=None, backend: Backend | None = None):
-    """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on accelerators).
-    layer: pe's leaves are stacks over layers and the kernels read this layer's experts in place."""
-    return ops.expert_mlp(z, ids, weights, pe, activation=c.hidden_act, situ_beta=c.situ_beta,
-                          situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts, layer=layer,
-                          backend=backend,
-                          reference=lambda: routed_experts_reference(layer_experts(pe, layer), z, weights, ids, c,
-                                                                     backend))
-
-
-def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backend | None = None):
-    """The jnp formula, accumulated in fp32: sort by expert, three grouped matmuls, weighted scatter-add."""
-    w1, w3, w2 = expert_weights(pe, z.dtype)
+def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backend | None = None, *,
+                             mxfp4: bool | None = None):
+    """The jnp formula, accumulated in fp32: sort by expert, three grouped matmuls, weighted scatter-add.
+    pe: an experts dict, MXFP4 when `mxfp4` (None: the config's expert format)."""
+    mxfp4 = c.expert_format == "mxfp4" if mxfp4 is None else mxfp4
+    w1, w3, w2 = expert_weights(pe, z.dtype, mxfp4)
     order, tok, gs = sort_by_expert(ids, c.num_experts)
     xs = z[tok]
     h = glu_act(ops.gmm(xs, w1, gs, backend=backend), ops.gmm(xs, w3, gs, backend=backend), c)
@@ -79,33 +53,79 @@ def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backe
     return jnp.zeros(z.shape, y.dtype).at[tok].add(y).astype(z.dtype)
 
 
-def moe(p, x, c: ModelConfig, layer=None, backend: Backend | None = None):
-    """Full MoE block. x [..., D] -> [..., D]. layer: p["experts"] holds every scanned layer's experts
-    ([L, E, ...]) and this one runs. backend.routed_experts (expert parallelism, sharding/moe_ep.py)
-    replaces the single-device routed experts."""
-    b = resolve(backend)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    with jax.named_scope("moe_route"):
-        weights, ids = route(p, x2, c)
-        z = x2 @ p["latent_down"] if "latent_down" in p else x2
-    with jax.named_scope("moe_experts"):
-        if b.routed_experts is None:
-            y = routed_experts(p["experts"], z, weights, ids, c, layer, b)
-        else:
-            y = b.routed_experts(layer_experts(p["experts"], layer), z, weights, ids, c, b)
-    with jax.named_scope("moe_shared"):
-        if "latent_norm" in p:
-            y = rms_norm(y, p["latent_norm"], c.rms_norm_eps)
-        if "latent_up" in p:
-            y = y @ p["latent_up"]
-        if "shared" in p:
-            y = y + dense_mlp(p["shared"], x2, c)
-        return y.reshape(shape)
+class RoutedExperts(Group):
+    """The routed experts [E, ...] (bf16 w1/w3/w2, or MXFP4 packed values and E8M0 scales: `mxfp4`)."""
+    spec_for = staticmethod(experts_spec)
+
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        super().__init__(spec, values, config)
+        self.mxfp4 = config.expert_format == "mxfp4"
+
+    def __call__(self, z, weights, ids, c: ModelConfig, layer=None, backend: Backend | None = None):
+        """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on
+        accelerators). layer: the experts are stacks over layers ([L, E, ...]) and the kernels read
+        this layer's in place."""
+        pe = self.tree()
+        return ops.expert_mlp(z, ids, weights, pe, mxfp4=self.mxfp4, activation=c.hidden_act, situ_beta=c.situ_beta,
+                              situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts, layer=layer,
+                              backend=backend,
+                              reference=lambda: routed_experts_reference(layer_experts(pe, layer), z, weights, ids,
+                                                                         c, backend, mxfp4=self.mxfp4))
 
 
-def mlp_or_moe(p, x, c: ModelConfig, layer=None, backend: Backend | None = None):
-    if "router" in p:
-        return moe(p, x, c, layer=layer, backend=backend)
-    with jax.named_scope("dense_mlp"):
-        return dense_mlp(p, x, c)
+class MoE(Group):
+    """Sigmoid router, routed experts (optionally in a latent space, optionally normed there), shared experts."""
+    _children = {"experts": RoutedExperts, "shared": DenseMLP}
+    spec_for = staticmethod(moe_spec)
+
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        super().__init__(spec, values, config)
+        self.latent = bool(config.routed_expert_hidden_size)
+        self.latent_normed = self.latent and bool(config.latent_moe_norm)
+        self.with_shared = bool(config.num_shared_experts)
+
+    def route(self, x, c: ModelConfig):
+        """Router in fp32. x [T, D] -> (weights [T, k] fp32, expert ids [T, k] int32).
+
+        Chooses the top-k of sigmoid scores + correction bias; weights are the unbiased scores of the
+        chosen experts, renormalized (optional) and scaled.
+        """
+        scores = jax.nn.sigmoid(upcast(x) @ upcast(value(self.router)))
+        choice = scores + upcast(value(self.router_bias))
+        E, G = c.num_experts, c.num_expert_group
+        if G > 1:
+            grouped = choice.reshape(-1, G, E // G)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                    # [T, G]
+            _, top_groups = jax.lax.top_k(group_score, c.topk_group)
+            keep = jnp.zeros(group_score.shape, bool).at[
+                jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+            choice = jnp.where(jnp.repeat(keep, E // G, axis=-1), choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, c.num_experts_per_token)
+        w = jnp.take_along_axis(scores, ids, axis=-1)
+        if c.moe_renormalize:
+            w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        return w * c.routed_scaling_factor, ids.astype(jnp.int32)
+
+    def __call__(self, x, c: ModelConfig, layer=None, backend: Backend | None = None):
+        """x [..., D] -> [..., D]. layer: the routed experts hold every scanned layer's experts
+        ([L, E, ...]) and this one runs. backend.routed_experts (expert parallelism,
+        sharding/moe_ep.py) replaces the single-device routed experts."""
+        b = resolve(backend)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        with jax.named_scope("moe_route"):
+            weights, ids = self.route(x2, c)
+            z = x2 @ value(self.latent_down) if self.latent else x2
+        with jax.named_scope("moe_experts"):
+            if b.routed_experts is None:
+                y = self.experts(z, weights, ids, c, layer, b)
+            else:
+                y = b.routed_experts(layer_experts(self.experts.tree(), layer), z, weights, ids, c, b)
+        with jax.named_scope("moe_shared"):
+            if self.latent_normed:
+                y = rms_norm(y, value(self.latent_norm), c.rms_norm_eps)
+            if self.latent:
+                y = y @ value(self.latent_up)
+            if self.with_shared:
+                y = y + self.shared(x2, c)
+            return y.reshape(shape)

@@ -1,0 +1,77 @@
+"""One decoder layer: input norm -> attention (KDA or MLA) -> post-attention norm -> MLP (dense or MoE),
+with or without Attention Residuals (the mixing of earlier blocks' outputs).
+
+Attention Residuals as a fixed-size state: the block history is a buffer [S, ..., D]: sources
+0..n-1 are the finished blocks, source n the running sum of the current block, with n = the blocks
+started before the layer (a function of the layer index alone, so a scan needs no counter). Slots
+past n are zero until their block starts.
+"""
+from __future__ import annotations
+
+import jax
+
+from k3jax.config import ModelConfig
+from k3jax.layers.common import AttnRes, DenseMLP, add_to_source, rms_norm
+from k3jax.layers.kda import KDA
+from k3jax.layers.mla import MLA
+from k3jax.layers.module import Group, value
+from k3jax.layers.moe import MoE
+from pallas_kernels.backend import Backend
+
+
+def num_sources(c: ModelConfig) -> int:
+    """Slots of the block-history buffer: every block, plus the running sum."""
+    return -(-c.num_layers // c.attn_res_block_size) + 1
+
+
+def blocks_before(i, B: int):
+    """Blocks started before layer i (a block starts at every layer i % B == 0)."""
+    return (i + B - 1) // B
+
+
+class DecoderLayer(Group):
+    """input norm -> attention (KDA or MLA) -> post-attention norm -> MLP (DenseMLP or MoE), the
+    residual stream plain or an Attention Residuals block history (`block_size`)."""
+
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        super().__init__(spec, values, config)
+        self.moe = isinstance(self.mlp, MoE)
+        self.block_size = config.attn_res_block_size or 0
+
+    def _child(self, name, spec, config):
+        # the spec is the config's (k3jax.params.param_spec): its keys say which kind this layer is
+        if name == "attn":
+            return MLA if "kv_a_proj" in spec else KDA
+        if name == "mlp":
+            return MoE if "router" in spec else DenseMLP
+        if name == "attn_res":
+            return AttnRes
+        return Group
+
+    def feed_forward(self, x, c: ModelConfig, stack_index=None, backend: Backend | None = None):
+        if self.moe:
+            return self.mlp(x, c, stack_index, backend)
+        with jax.named_scope("dense_mlp"):
+            return self.mlp(x, c)
+
+    def __call__(self, c: ModelConfig, i, stream, cache, attend, backend: Backend, stack_index=None):
+        """i: layer index (int, or traced inside the scan). stream: hidden states (or the AttnRes
+        buffer); attend(attn, x, cache) -> (out, cache) runs this layer's attention module.
+        stack_index: the routed experts are stacks over the scanned repeats and this layer is
+        repeat `stack_index` (the MoE kernels read its experts in place)."""
+        eps = c.rms_norm_eps
+        B = self.block_size
+        mlp = lambda x: self.feed_forward(rms_norm(x, value(self.post_attn_norm), eps), c,  # noqa: E731
+                                          stack_index, backend)
+        if not B:
+            a, cache = attend(self.attn, rms_norm(stream, value(self.input_norm), eps), cache)
+            h = stream + a
+            return h + mlp(h), cache
+        buf = stream
+        h = self.attn_res.before_attn(buf, blocks_before(i, B), eps)
+        n = blocks_before(i + 1, B)                         # this layer's block (a new one if i % B == 0)
+        a, cache = attend(self.attn, rms_norm(h, value(self.input_norm), eps), cache)
+        buf = add_to_source(buf, n, a)
+        m_in = self.attn_res.before_mlp(buf, n, eps)
+        buf = add_to_source(buf, n, mlp(m_in))
+        return buf, cache

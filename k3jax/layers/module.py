@@ -1,0 +1,86 @@
+"""The base of the layer modules: an nnx.Module built from a parameter spec (k3jax/params.py).
+
+Each parameter becomes an `nnx.Param` named as in the checkpoint, carrying its logical axes; a
+sub-dict of the spec becomes a child module. Subclasses read their variants (MXFP4 experts, low-rank
+queries, ...) from the config when they are built and keep them as plain attributes, so their
+methods (the layer maths) branch on those, never on which keys a parameter dict holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.params import Leaf
+
+# flax >= 0.12 wants lists of modules wrapped (older flax took plain lists as pytree attributes)
+List = getattr(nnx, "List", list)
+
+
+def value(p: nnx.Param):
+    """A Param's array (get_value where flax has it; .value is deprecated there)."""
+    get = getattr(p, "get_value", None)
+    return get() if get is not None else p.value
+
+
+class Group(nnx.Module):
+    """Named parameters (nnx.Param with logical axes) and sub-groups of one part of the model."""
+
+    _children: dict = {}        # attribute name -> Group subclass for a sub-dict (default: Group)
+    spec_for = None             # config -> this group's spec, for `of` (a staticmethod where set)
+
+    def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        for name, leaf in spec.items():
+            if isinstance(leaf, Leaf):
+                setattr(self, name, nnx.Param(values[name], logical_axes=leaf.axes))
+            else:
+                setattr(self, name, self._child(name, leaf, config)(leaf, values[name], config))
+
+    def _child(self, name: str, spec: dict, config: ModelConfig) -> type:
+        return self._children.get(name, Group)
+
+    @classmethod
+    def of(cls, config: ModelConfig, values: dict):
+        """The module over a parameter dict of one layer part (scripts and tests holding such dicts)."""
+        return cls(cls.spec_for(config), values, config)
+
+    def tree(self) -> dict:
+        """The parameters as a dict of arrays (the same arrays), named as in the checkpoint."""
+        out = {}
+        for name, v in vars(self).items():
+            if isinstance(v, nnx.Param):
+                out[name] = value(v)
+            elif isinstance(v, Group):
+                out[name] = v.tree()
+            elif isinstance(v, List):
+                out[name] = [x.tree() for x in v]
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """What splitting a module leaves besides its arrays: nnx's graphdef and the state's tree structure."""
+    graphdef: Any
+    treedef: Any
+
+    def merge(self, params):
+        """The module over `params` (a tree of arrays in the split layout; inside a trace, tracers)."""
+        leaves = jax.tree_util.tree_leaves(params)
+        if len(leaves) != self.treedef.num_leaves:
+            raise ValueError(f"{len(leaves)} parameter arrays for a model graph of {self.treedef.num_leaves}")
+        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, leaves))
+
+
+def split_module(module: Group) -> tuple[Graph, dict]:
+    """(graph, module.tree()): the parameter dict is in the order of the nnx state's leaves (checked),
+    so `graph.merge(tree)` rebuilds the module, with its variants, over other arrays of that layout."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    params = module.tree()
+    if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(params), leaves)) or \
+            len(jax.tree_util.tree_leaves(params)) != len(leaves):
+        raise AssertionError("the nnx state's leaf order differs from the parameter tree's")
+    return Graph(graphdef, treedef), params
