@@ -152,7 +152,7 @@ def kda_decode_rows(run, shapes, variants):
 
 
 def kda_decode_model_rows(run, cases):
-    """ops.kda_decode as kda_step's decode-only path calls it: bf16 q/k/v, fp32 g/beta, a pool with
+    """ops.kda_decode as KDA.step's decode-only path calls it: bf16 q/k/v, fp32 g/beta, a pool with
     more slots than sequences, the sequence bucket's padding rows at slot -1."""
     from pallas_kernels import ops
     K = V = run.kv
@@ -231,7 +231,7 @@ def mla_decode_rows(run, shapes, variants_by_heads, page_size=64, with_default=T
 
 
 def mla_decode_model_rows(run, cases):
-    """ops.mla_ragged_paged as mla_step's absorbed form calls it in a decode-only step: the engine's
+    """ops.mla_ragged_paged as MLA.step's absorbed form calls it in a decode-only step: the engine's
     16-token pages, block tables max_model_len / 16 wide, the sequence bucket's padding rows (no
     token, kv_len 0), bucket-padded tokens; decode_only=True (this branch) vs False (main before)."""
     from pallas_kernels import ops
@@ -293,7 +293,7 @@ def kda_prefill_rows(run, shapes):
 
 
 def kda_prefill_model_rows(run, cases):
-    """ops.kda_chunk as kda_step calls it: one flat ragged batch (B=1, cu_seqlens), the token and
+    """ops.kda_chunk as KDA.step calls it: one flat ragged batch (B=1, cu_seqlens), the token and
     sequence buckets' padding, an fp32 initial state per sequence, bf16 q/k/v, fp32 g/beta, safe_gate
     from the model's gate bound (K3: -5)."""
     from pallas_kernels import ops

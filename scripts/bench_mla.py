@@ -10,7 +10,7 @@ Usage: python scripts/bench_mla.py [--smoke] [--budget SECONDS] [--sweep]
   [--prefill SPECS]   (spec grammar: see parse_spec)
 
 `--model-prefill` prints instead the MLA prefill table *as the model calls it*: one MLA layer's
-`mla_step` (Kimi-Linear-48B dims, engine-shaped step batch) absorbed vs expanded vs the form
+`MLA.step` (Kimi-Linear-48B dims, engine-shaped step batch) absorbed vs expanded vs the form
 `auto` picks, plus the expanded attention kernel alone over a few tile configs.
 """
 from __future__ import annotations
@@ -213,7 +213,7 @@ def _step_inputs(c, n, new, ctx, page_size, max_pages, dtype, seed=1):
 
 
 def _time_step(f, p, x, kv, meta, iters):
-    """Median ms of `iters` chained mla_step calls (pool donated and threaded, as the engine does)."""
+    """Median ms of `iters` chained MLA.step calls (pool donated and threaded, as the engine does)."""
     kv = jax.block_until_ready(f(p, x, kv, meta)[1])
     ts = []
     for _ in range(3):

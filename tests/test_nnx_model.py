@@ -54,6 +54,21 @@ def test_runner_step_traces_the_functional_step(tiny):
     assert str(merged) == str(direct)
 
 
+def test_variants_are_fixed_from_the_config(tiny):
+    """Each module's variant flags come from the config; parameters of another variant are refused
+    by name when the model is built (not a KeyError deep inside a traced step)."""
+    c, params = tiny
+    layer = nnx_model.K3Model(c, params).layers[c.mla_layers[0]]
+    assert (layer.attn.low_rank_q, layer.attn.output_gate) == (bool(c.q_lora_rank), c.mla_output_gate)
+    moe = nnx_model.K3Model(c, params).layers[c.mlp_types.index("moe")].mlp
+    assert moe.experts.mxfp4 == (c.expert_format == "mxfp4") and moe.latent == bool(c.routed_expert_hidden_size)
+    other = c.replace(kda_full_rank_gate=not c.kda_full_rank_gate, q_lora_rank=None)
+    kda = nnx_model.K3Model(other, init_params_numpy(other, 0, jnp.float32)).layers[other.kda_layers[0]].attn
+    assert kda.full_rank_gate == other.kda_full_rank_gate
+    with pytest.raises(ValueError, match="KDA: no parameter"):
+        nnx_model.K3Model(other, params)
+
+
 def test_module_tree_types_and_counts(tiny):
     c, params = tiny
     model = nnx_model.K3Model(c, stack_layers(params, c))

@@ -33,6 +33,10 @@ class Group(nnx.Module):
     spec_for = None             # config -> this group's spec, for `of` (a staticmethod where set)
 
     def __init__(self, spec: dict, values: dict, config: ModelConfig):
+        missing = [name for name in spec if name not in values]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: no parameter(s) {missing} in {sorted(values)}; the config's "
+                             "variant needs them (parameters made or converted for another config?)")
         for name, leaf in spec.items():
             if isinstance(leaf, Leaf):
                 setattr(self, name, nnx.Param(values[name], logical_axes=leaf.axes))
