@@ -86,7 +86,7 @@ def test_a_release_packing_more_than_the_experts_loads(packed_release):
     cfg = ModelConfig.from_json_file(os.path.join(src, "config.json"))
     assert cfg.expert_format == "mxfp4" and cfg.quant_targets == ("Linear",)
     m = load_model(src, dtype="float32")
-    moe = m.params["layers"][1]["mlp"]
+    moe = m.layer_params(1)["mlp"]            # the model holds the scanned layout
     got = {modules[0]: moe["latent_down"], modules[1]: moe["latent_up"],
            modules[2]: moe["shared"]["down"]}
     for name, arr in got.items():
