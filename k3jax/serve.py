@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
                          "scheduled while one runs on the device)")
     ap.add_argument("--compile-threads", type=int, default=None,
-                    help="host threads compiling the warm-up's step shapes (default: one per core, up to 8)")
+                    help="host threads compiling the warm-up's step shapes (default: half the cores, up to 8)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")

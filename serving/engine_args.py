@@ -35,7 +35,7 @@ class EngineArgs:
     max_logprobs: int = 20
     seed: int = 0
     warmup: bool = True
-    compile_threads: Optional[int] = None         # warm-up's step shapes compiled on this many host threads (None: up to 8)
+    compile_threads: Optional[int] = None         # warm-up's step shapes compiled on this many host threads (None: half the cores, up to 8)
     forbid_compile_after_warmup: bool = False
     async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")

@@ -273,8 +273,8 @@ class ModelRunner:
     def warmup(self, progress: bool = True, multimodal: bool = False, threads: int | None = None):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
         multimodal: also the variant of each bucket that takes image embeddings. The step shapes are
-        traced one after another and compiled on `threads` host threads (default: up to 8, one per
-        core): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
+        traced one after another and compiled on `threads` host threads (default: half the cores, up
+        to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
         t0 = time.perf_counter()
         if self._aot:
@@ -296,7 +296,8 @@ class ModelRunner:
         for _call; traced here in turn, compiled concurrently."""
         import concurrent.futures
         import os
-        threads = max(1, min(len(shapes), threads or min(8, os.cpu_count() or 1)))
+        # default: half the cores (up to 8); XLA's own compile passes use threads too
+        threads = max(1, min(len(shapes), threads or min(8, (os.cpu_count() or 2) // 2)))
         lowered = {}
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)

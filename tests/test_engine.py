@@ -320,7 +320,7 @@ def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_fact
     runs = {}
     for mode in (False, True):
         eng = _engine(model, tmp_path_factory, async_scheduling=mode, max_num_seqs=4, seq_buckets=(4,),
-                      enable_prefix_caching=False)
+                      token_buckets=(256,), enable_prefix_caching=False, warmup=mode, compile_threads=2)
         events = []
         for name in ("launch", "fetch"):
             real = getattr(eng.runner, name)
@@ -333,7 +333,7 @@ def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_fact
         runs[mode] = outs
         _assert_no_leaks(eng)
         # every step ran an executable the warm-up compiled ahead of time (on host threads): none jitted
-        assert eng.runner._compiled and eng.runner._step._cache_size() == 0
+        assert not mode or (eng.runner._compiled and eng.runner._step._cache_size() == 0)
         assert events.count("launch") == 3                       # 12 prompts, 4 sequences per step
         if mode:   # each launch after the first comes before the fetch of the step before it
             assert events == ["launch", "launch", "fetch", "launch", "fetch", "fetch"], events
