@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
@@ -36,6 +38,7 @@ def _start(cache_dir):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_restart_compiles_from_the_cache(tmp_path):
     cold = _start(str(tmp_path))
     assert cold["hits"] == 0 and os.listdir(tmp_path)             # executables were written

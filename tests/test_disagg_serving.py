@@ -18,6 +18,7 @@ def _complete(server, prompt):
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_decode_server_matches_one_server_and_survives_its_peer(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("JAX_ENABLE_X64", "1")

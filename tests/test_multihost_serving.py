@@ -57,6 +57,7 @@ async def _both(*urls):
     return await asyncio.gather(*(_answers(u) for u in urls))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_process_server_matches_one_device(tmp_path):
     coord = f"127.0.0.1:{free_port()}"

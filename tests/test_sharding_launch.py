@@ -53,6 +53,7 @@ def test_single_process_helpers_are_no_ops(monkeypatch):
     assert distributed._bucket(1) == 1024 and distributed._bucket(5000) == 8192
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_slurm_script_runs_two_tasks_with_fake_srun(tmp_path):
     """The task script's env (coordinator = first node, ids from SLURM_*) starts a real 2-process job."""
