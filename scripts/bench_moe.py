@@ -41,6 +41,7 @@ from pallas_kernels.moe.schedule import Tiling  # noqa: E402
 from pallas_kernels.moe import mxfp4 as _mxm  # noqa: E402
 
 from bench_moe_prefill import tname  # noqa: E402 (one tiling label for both tables)
+from tables import Table, add_csv_argument  # noqa: E402
 
 DECODER_DEFAULT = _mxm.DECODER  # rows name their decoder; each variant restores the default
 
@@ -384,21 +385,34 @@ def ncu_target():
     log(f"ncu target ran: {dec} {t}")
 
 
+def _pct(key):
+  return lambda r: "" if r.get(key) is None else f"{100 * r[key]:.0f}%"
+
+
+def rows_table():
+  """The decode/prefill gmm table: raw values in the CSV, the markdown as it always read ("ours /
+  anchor" rows show their speedup in the TFLOP/s column)."""
+  def tflops(r):
+    if r.get("speedup") is not None:
+      return f"{r['speedup']:.2f}x"
+    return "" if r.get("tflops") is None else f"{r['tflops']:.1f}"
+  return Table(("shape", "shape"), ("op", "op"), ("us", "time us", ".1f"), ("tflops", None),
+               ("speedup", None), ("tflops_cell", "TFLOP/s", tflops), ("weight_tb_s", "weight TB/s", ".2f"),
+               ("of_peak_flop", None), ("of_peak_bw", None), ("pf_cell", "% peak FLOP", _pct("of_peak_flop")),
+               ("pb_cell", "% peak BW", _pct("of_peak_bw")), ("note", "note"))
+
+
 def table(peak_f, peak_bw, dev):
   head = (f"# MoE benchmark, {datetime.date.today()}, {dev}, jax {jax.__version__}\n"
           f"peaks measured in this run: bf16 matmul 8192^3 {peak_f / 1e12:.0f} TFLOP/s, "
-          f"copy (x+1 fp32 4 GiB, read+write) {peak_bw / 1e12:.2f} TB/s\n\n"
-          "| shape | op | time us | TFLOP/s | weight TB/s | % peak FLOP | % peak BW | note |\n"
-          "|---|---|---|---|---|---|---|---|\n")
-  fmt = lambda v, f: "" if v is None else f.format(v)
-  lines = []
-  for (lab, op, t, tf, tb, pf, pb, note) in ROWS:
+          f"copy (x+1 fp32 4 GiB, read+write) {peak_bw / 1e12:.2f} TB/s\n\n")
+  t = rows_table()
+  for (lab, op, us, tf, tb, pf, pb, note) in ROWS:
     if op.startswith("ours / anchor"):
-      lines.append(f"| {lab} | {op} | | {t:.2f}x | | | | {note} |")
-      continue
-    lines.append(f"| {lab} | {op} | {fmt(t, '{:.1f}')} | {fmt(tf, '{:.1f}')} | {fmt(tb, '{:.2f}')} "
-                 f"| {fmt(pf and 100 * pf, '{:.0f}%')} | {fmt(pb and 100 * pb, '{:.0f}%')} | {note} |")
-  return head + "\n".join(lines) + "\n"
+      t.add(shape=lab, op=op, speedup=us, note=note)
+    else:
+      t.add(shape=lab, op=op, us=us, tflops=tf, weight_tb_s=tb, of_peak_flop=pf, of_peak_bw=pb, note=note)
+  return head + t.markdown() + "\n", t
 
 
 def main():
@@ -417,6 +431,7 @@ def main():
   ap.add_argument("--prefill", action="store_true",
                   help="issue 25: the expert MLP at the prefill shapes, bf16 vs MXFP4 variants")
   ap.add_argument("--json", default="", help="--prefill: also write its rows here as JSON")
+  add_csv_argument(ap)
   a = ap.parse_args()
   if a.ncu:
     return ncu_target()
@@ -476,19 +491,21 @@ def main():
     bench_gmm(lab2, gs, d, 2 * inter, peak_f, peak_bw, pre_t if pre else dec_t,
               pre_q if pre else dec_q, pre_mgpu if pre else dec_mgpu, a.deadline,
               glu_tilings=pre_glu if pre else (), anchors=not a.no_anchors)
-    write_table(peak_f, peak_bw, dev)
+    write_table(peak_f, peak_bw, dev, a.csv)
   for lab, tok, d, inter, eg, el, k, pre in ([] if a.no_mlp else shapes):
     bench_mlp(f"{lab} MLP", tok, d, inter, eg, el, k, peak_bw, a.deadline + 25)
-    write_table(peak_f, peak_bw, dev)
-  print(write_table(peak_f, peak_bw, dev), flush=True)
+    write_table(peak_f, peak_bw, dev, a.csv)
+  print(write_table(peak_f, peak_bw, dev, a.csv), flush=True)
 
 
-def write_table(peak_f, peak_bw, dev):
-  """Render the table and (re)write it to $OUT/bench_moe.md so a timeout keeps it."""
-  out = table(peak_f, peak_bw, dev)
+def write_table(peak_f, peak_bw, dev, csv_path=None):
+  """Render the table and (re)write it to $OUT/bench_moe.md (and --csv) so a timeout keeps it."""
+  out, t = table(peak_f, peak_bw, dev)
   if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "bench_moe.md"), "w") as fh:
       fh.write(out)
+  if csv_path:
+    t.write_csv(csv_path)
   return out
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import moe
+from tables import Table  # scripts/tables.py (scripts/ is on sys.path: run as a script or from bench_moe)
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe import layout
@@ -320,14 +321,17 @@ def _ratios(run, label):
                            note=f"{a['op']} vs {b['op']}"))
 
 
+def rows_table() -> Table:
+  return Table(("shape", "shape"), ("op", "op"), ("tiling", "tiling"), ("us", "time us", ".1f"),
+               ("tflops", "TFLOP/s", ".1f"), ("ratio", "ratio", ".3f"), ("note", "note"))
+
+
 def table(run, head):
-  lines = [head, "", "| shape | op | tiling | time us | TFLOP/s | ratio | note |",
-           "|---|---|---|---|---|---|---|"]
-  f = lambda v, s: "" if v is None else s.format(v)
+  t = rows_table()
   for r in run.rows:
-    lines.append(f"| {r['shape']} | {r['op']} | {r['tiling'] or ''} | {f(r['us'], '{:.1f}')} | "
-                 f"{f(r['tflops'], '{:.1f}')} | {f(r.get('ratio'), '{:.3f}')} | {r['note']} |")
-  return "\n".join(lines) + "\n"
+    t.add(shape=r["shape"], op=r["op"], tiling=r["tiling"] or None, us=r["us"], tflops=r["tflops"],
+          ratio=r.get("ratio"), note=r["note"])
+  return head + "\n\n" + t.markdown() + "\n", t
 
 
 def main(a, time_fn, log, peak_f):
@@ -364,7 +368,9 @@ def main(a, time_fn, log, peak_f):
 
 
 def _write(run, head, a):
-  out = table(run, head)
+  out, t = table(run, head)
+  if getattr(a, "csv", None):
+    t.write_csv(a.csv)
   if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "bench_moe_prefill.md"), "w") as fh:
       fh.write(out)

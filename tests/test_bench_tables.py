@@ -133,3 +133,24 @@ def test_check_tiny_gpu_tables_print_as_before():
     assert greedy.add(positions=4096, equal=agree, identical_rows=3, prompts=16, first_divergence_median=92,
                       reference_s=41.26, auto_s=38.04) == f"| 4096 | {100 * agree:.1f}% | 3/16 | 92 | 41.3 | 38.0 |"
     assert ppl.add(experts_ops="mxfp4/auto", perplexity=56.4449) == "| mxfp4/auto | 56.445 |"
+
+
+def test_bench_moe_tables_print_as_before_and_keep_raw_values_in_the_csv(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    moe = _script("bench_moe")
+    monkeypatch.setattr(moe, "ROWS", [("K (8 rows)", "bf16 gmm", 12.345, 100.0, 2.5, 0.2, 0.6, "ok"),
+                                      ("K (8 rows)", "ours / anchor speedup", 1.234, None, None, None, None, "x")])
+    out, t = moe.table(7e14, 4e12, "H200")
+    lines = out.splitlines()
+    # the lines the f-strings before tables.py printed for a measured row and a speedup row
+    assert lines[-2] == "| K (8 rows) | bf16 gmm | 12.3 | 100.0 | 2.50 | 20% | 60% | ok |"
+    assert lines[-1] == "| K (8 rows) | ours / anchor speedup |  | 1.23x |  |  |  | x |"
+    t.write_csv(str(tmp_path / "m.csv"))
+    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
+    assert rows[0]["us"] == "12.345" and rows[0]["of_peak_bw"] == "0.6" and rows[1]["speedup"] == "1.234"
+    pre = _script("bench_moe_prefill")
+    run = type("Run", (), {"rows": [dict(shape="s", op="mxfp4 MLP", tiling=None, us=1.25, tflops=291.24,
+                                         note="n"), dict(shape="s", op="ratio", tiling=None, us=None,
+                                                         tflops=None, ratio=0.69, note="a vs b")]})
+    out, t = pre.table(run, "# head")
+    assert out.splitlines()[-2:] == ["| s | mxfp4 MLP |  | 1.2 | 291.2 |  | n |", "| s | ratio |  |  |  | 0.690 | a vs b |"]
