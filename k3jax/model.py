@@ -25,7 +25,7 @@ from k3jax.config import ModelConfig
 from k3jax.layer_stack import is_stacked, layer_stack_plan
 from k3jax.layers.common import OutputAttnRes, rms_norm, upcast
 from k3jax.layers.decoder import DecoderLayer, blocks_before, num_sources
-from k3jax.layers.module import Group, List, split_module, value
+from k3jax.layers.module import Group, List, StackedWeight, right_operand_mask, split_module, value
 from k3jax.params import Leaf, param_spec
 from pallas_kernels.backend import Backend, resolve
 
@@ -109,14 +109,17 @@ class K3Model(Group):
             # Each unit position runs as its module merged over one repeat's slices. Routed experts
             # stay whole (closed over, not scanned): the MoE kernels read repeat r's experts inside
             # the stack, where a scanned slice would be a copy of the layer's experts on GPU.
-            graphs, sliced, experts = [], [], []
+            # backend.dense_in_place: the weights used only as `x @ w` stay whole too (StackedWeight).
+            graphs, sliced, experts, held = [], [], [], []
             for u in st.units:
                 graph, tree = split_module(u)
                 in_place = backend.experts_in_place and u.moe
                 graphs.append(graph)
                 experts.append(tree["mlp"]["experts"] if in_place else None)
-                sliced.append(dict(tree, mlp={k: v for k, v in tree["mlp"].items() if k != "experts"})
-                              if in_place else tree)
+                tree = dict(tree, mlp={k: v for k, v in tree["mlp"].items() if k != "experts"}) if in_place else tree
+                tree, hold = _hold(tree, right_operand_mask(u)) if backend.dense_in_place else (tree, None)
+                sliced.append(tree)
+                held.append(hold)
 
             def body(carry, xs):
                 stream, cache = carry
@@ -124,6 +127,8 @@ class K3Model(Group):
                 for j, tree in enumerate(units):
                     kind, i0 = kinds[j], plan.layer(0, j)
                     idx = ordinal[i0] + r * per_unit[kind]
+                    if held[j] is not None:
+                        tree = _rejoin(tree, held[j], r, backend)
                     if experts[j] is not None:
                         tree = dict(tree, mlp=dict(tree["mlp"], experts=experts[j]))
                     stream, cache = graphs[j].merge(tree)(
@@ -178,6 +183,27 @@ class K3Model(Group):
         unflat = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
         return logits, CachePools(mla_kv=unflat(kv, pools.mla_kv), kda_state=unflat(st, pools.kda_state),
                                   kda_conv=unflat(cv, pools.kda_conv))
+
+
+def _hold(tree, mask):
+    """(scanned, held): a unit's parameter tree split by `mask` (True: held whole in its stack, read in
+    place); each side has None where the other has the leaf (None is an empty pytree for the scan)."""
+    if isinstance(tree, dict):
+        pairs = {k: _hold(v, mask[k]) for k, v in tree.items()}
+        return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
+    if isinstance(tree, list):
+        pairs = [_hold(v, m) for v, m in zip(tree, mask)]
+        return [a for a, _ in pairs], [b for _, b in pairs]
+    return (None, tree) if mask else (tree, None)
+
+
+def _rejoin(scanned, held, r, backend: Backend):
+    """The unit's tree for repeat r: scanned slices, and StackedWeights over the held stacks."""
+    if isinstance(scanned, dict):
+        return {k: _rejoin(v, held[k], r, backend) for k, v in scanned.items()}
+    if isinstance(scanned, list):
+        return [_rejoin(v, h, r, backend) for v, h in zip(scanned, held)]
+    return StackedWeight(held, r, backend) if held is not None else scanned
 
 
 def _token_meta(cu_seqlens, T: int):

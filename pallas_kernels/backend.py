@@ -32,6 +32,8 @@ class Backend:
     scatter_bits: bool = False        # 16-bit pool scatters as uint16 bits (XLA:CPU converts bf16 pools)
     mla_prefill: str = "auto"         # MLA prefill form: "auto" | "absorbed" | "expanded"
     experts_in_place: bool = True     # scanned layers: the MoE kernels read a layer's experts in the stack
+    dense_in_place: bool = False      # scanned layers: few-row steps' dense matmuls read the layer's weight
+                                      # in the stack (GPU kernels, unsharded weights: serving.runner sets it)
     routed_experts: Optional[Callable] = None   # (pe, z, weights, ids, c, backend) -> y: expert parallel
 
     def replace(self, **kw) -> "Backend":

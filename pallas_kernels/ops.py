@@ -100,6 +100,15 @@ def expanded_kernel_available(backend: Backend | None = None) -> bool:
     return b.kernels and b.platform == "gpu"
 
 
+# ---- dense matmuls of scanned layers ----------------------------------------
+def stacked_matmul(x, w, index, *, backend: Backend | None = None):
+    """x [..., K] @ w[index], w [L, K, N] a weight stacked over scanned layers, index traced
+    (pallas_kernels/stacked.py: GPU kernels read few-row steps' weight in place)."""
+    from pallas_kernels import stacked
+    b = resolve(backend)
+    return stacked.stacked_matmul(x, w, index, kernel=b.kernels and b.platform == "gpu", interpret=b.interpret)
+
+
 # ---- MoE -------------------------------------------------------------------
 def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
     """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -121,7 +122,6 @@ GPU_STEP_OPTIONS = {
 
 def step_compiler_options() -> dict:
     """The step's per-compile XLA options on this backend; an option the user set in XLA_FLAGS wins."""
-    import os
     if jax.default_backend() != "gpu":
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
@@ -200,6 +200,10 @@ class ModelRunner:
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
+        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE", "1") != "0":
+            # unsharded weights: few-row steps read the scanned layers' dense weights in place
+            # (pallas_kernels/stacked.py; K3JAX_DENSE_IN_PLACE=0 slices them, for comparison)
+            self.backend = self.backend.replace(dense_in_place=True)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
                              compiler_options=step_compiler_options(), **step_kw)
@@ -295,7 +299,6 @@ class ModelRunner:
         """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes, kept by shape
         for _call; traced here in turn, compiled concurrently."""
         import concurrent.futures
-        import os
         # default: half the cores (up to 8); XLA's own compile passes use threads too
         threads = max(1, min(len(shapes), threads or min(8, (os.cpu_count() or 2) // 2)))
         lowered = {}

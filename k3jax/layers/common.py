@@ -76,6 +76,8 @@ def add_to_source(buf, n, x):
 class DenseMLP(Group):
     """gate/up/down GLU MLP (the dense first layer, shared experts)."""
 
+    right_operands = ("gate", "up", "down")
+
     def __call__(self, x, c: ModelConfig):
         return glu_act(x @ value(self.gate), x @ value(self.up), c) @ value(self.down)
 

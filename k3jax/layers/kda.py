@@ -77,6 +77,9 @@ class KDA(Group):
     """Kimi Delta Attention: q/k/v projections with short convolutions, the gated delta rule's decay
     (A_log, dt_bias, f_a/f_b) and beta (b_proj), output norm and gate (full-rank g_proj, or low-rank
     g_a/g_b: `full_rank_gate`)."""
+
+    right_operands = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "g_a_proj",
+                      "g_b_proj", "o_proj")
     spec_for = staticmethod(kda_spec)
 
     def __init__(self, spec: dict, values: dict, config: ModelConfig):

@@ -55,6 +55,8 @@ def scale(c: ModelConfig) -> float:
 class MLA(Group):
     """Multi-head latent attention (no rotary): queries low-rank (q_a/q_b, `low_rank_q`) or full
     (q_proj), the 576-wide latent cache entry, an optional sigmoid output gate (`output_gate`)."""
+
+    right_operands = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "g_proj", "o_proj")
     spec_for = staticmethod(mla_spec)
 
     def __init__(self, spec: dict, values: dict, config: ModelConfig):

@@ -26,10 +26,26 @@ def value(p: nnx.Param):
     return get() if get is not None else p.value
 
 
+class StackedWeight:
+    """A scanned layer's weight left in its stack ([L, K, N]) with the layer's index, standing in for
+    the layer's [K, N] slice: `x @ w` reads it in place (ops.stacked_matmul). Only the parameters a
+    Group lists in `right_operands` become one, so any other use fails at trace time."""
+
+    __slots__ = ("stack", "index", "backend")
+
+    def __init__(self, stack, index, backend):
+        self.stack, self.index, self.backend = stack, index, backend
+
+    def __rmatmul__(self, x):
+        from pallas_kernels import ops
+        return ops.stacked_matmul(x, self.stack, self.index, backend=self.backend)
+
+
 class Group(nnx.Module):
     """Named parameters (nnx.Param with logical axes) and sub-groups of one part of the model."""
 
     _children: dict = {}        # attribute name -> Group subclass for a sub-dict (default: Group)
+    right_operands: tuple = ()  # parameters whose only use is `x @ w` (a scan may pass StackedWeights)
     spec_for = None             # config -> this group's spec, for `of` (a staticmethod where set)
 
     def __init__(self, spec: dict, values: dict, config: ModelConfig):
@@ -62,6 +78,19 @@ class Group(nnx.Module):
             elif isinstance(v, List):
                 out[name] = [x.tree() for x in v]
         return out
+
+
+def right_operand_mask(module: Group) -> dict:
+    """module.tree()'s layout with True at the parameters listed in their Group's right_operands."""
+    out = {}
+    for name, v in vars(module).items():
+        if isinstance(v, nnx.Param):
+            out[name] = name in module.right_operands
+        elif isinstance(v, Group):
+            out[name] = right_operand_mask(v)
+        elif isinstance(v, List):
+            out[name] = [right_operand_mask(x) for x in v]
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

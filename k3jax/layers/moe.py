@@ -75,6 +75,8 @@ class RoutedExperts(Group):
 
 class MoE(Group):
     """Sigmoid router, routed experts (optionally in a latent space, optionally normed there), shared experts."""
+
+    right_operands = ("latent_down", "latent_up")
     _children = {"experts": RoutedExperts, "shared": DenseMLP}
     spec_for = staticmethod(moe_spec)
 

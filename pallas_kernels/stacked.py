@@ -1,0 +1,52 @@
+"""x @ w[index] where w is a stack of one weight over scanned layers ([L, K, N]) and index is traced.
+
+Inside a `lax.scan`, slicing a layer's weight out of the stack is a copy on GPU (cuBLAS needs its
+operand as a buffer of its own): for a decode step that is a read and a write of every dense weight
+on top of the matmul's own read. Here a step of few rows runs the grouped-matmul kernel with one
+group, which reads layer `index`'s weight where it lies in the stack (as the MoE kernels read a
+layer's experts). Larger steps take the slice: their matmuls are compute-bound and the copy is
+small next to them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import grouped
+from pallas_kernels.moe import schedule as sch
+
+# Rows up to which the kernel reads in place (decode buckets); above, the slice and XLA's dot.
+MAX_ROWS = 256
+
+
+def tiling(m: int, k: int, n: int, num_sms: int = 132) -> sch.Tiling:
+    """Tiles for one group of m <= MAX_ROWS rows: the grouped kernel's decode tiles, with columns
+    narrowed until the grid has a tile per SM (a weight read by fewer tiles than SMs leaves
+    bandwidth idle)."""
+    t = sch.choose_tiling(m, k, n, 1, avg_rows=m)
+    bn = t.bn
+    while bn > 16 and (n // bn) * -(-m // t.bm) < num_sms:
+        bn //= 2
+    return dataclasses.replace(t, bn=sch.pow2_divisor(n, bn))
+
+
+def fits(x, w) -> bool:
+    """Whether the kernel path takes x @ w[i]: bf16 operands, K and N multiples of 16, few rows."""
+    k, n = w.shape[1:]
+    return (x.dtype == w.dtype == jnp.bfloat16 and k % 16 == 0 and n % 16 == 0
+            and math.prod(x.shape[:-1]) <= MAX_ROWS)
+
+
+def stacked_matmul(x, w, index, *, kernel: bool, interpret: bool = False, tiles: sch.Tiling | None = None):
+    """x [..., K] @ w[index] for w [L, K, N]. kernel: read in place when `fits` (else the slice)."""
+    if not (kernel and fits(x, w)):
+        return x @ jax.lax.dynamic_index_in_dim(w, index, keepdims=False)
+    k, n = w.shape[1:]
+    m = math.prod(x.shape[:-1])
+    t = tiles or tiling(m, k, n)
+    y = grouped.run_bf16(x.reshape(m, k), (w[:, None],), jnp.full((1,), m, jnp.int32), tiling=t,
+                         interpret=interpret, layer=jnp.asarray(index, jnp.int32))
+    return y.reshape(x.shape[:-1] + (n,))
