@@ -9,7 +9,6 @@ small next to them.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -19,18 +18,20 @@ from pallas_kernels.moe import grouped
 from pallas_kernels.moe import schedule as sch
 
 # Rows up to which the kernel reads in place (decode buckets); above, the slice and XLA's dot.
-MAX_ROWS = 256
+MAX_ROWS = 64
 
 
-def tiling(m: int, k: int, n: int, num_sms: int = 132) -> sch.Tiling:
-    """Tiles for one group of m <= MAX_ROWS rows: the grouped kernel's decode tiles, with columns
-    narrowed until the grid has a tile per SM (a weight read by fewer tiles than SMs leaves
-    bandwidth idle)."""
-    t = sch.choose_tiling(m, k, n, 1, avg_rows=m)
-    bn = t.bn
-    while bn > 16 and (n // bn) * -(-m // t.bm) < num_sms:
-        bn //= 2
-    return dataclasses.replace(t, bn=sch.pow2_divisor(n, bn))
+def tiling(m: int, k: int, n: int) -> sch.Tiling:
+    """Tiles for one group of m <= MAX_ROWS rows: the whole group in one row tile, long K steps and
+    narrow column tiles, so that a weight is streamed by one tile per 32 columns (H200, decode rows
+    16 and 64, scripts/bench_dense_in_place.py: bk 256, bn 32 were the fastest of bn 16-64)."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    bk, bn = sch.pow2_divisor(k, 256), sch.pow2_divisor(n, 32)
+    stages = 4
+    # (stages + 1: Triton was seen taking `stages` buffers; bm 64 bk 256 bn 64 at 4 stages did not fit)
+    while stages > 2 and sch.pipeline_smem_bytes(bm, bk, bn, stages + 1, False) > sch.SMEM_LIMIT:
+        stages -= 1
+    return sch.Tiling(bm=bm, bk=bk, bn=bn, num_warps=2 if bm == 16 else 4, num_stages=stages)
 
 
 def fits(x, w) -> bool:

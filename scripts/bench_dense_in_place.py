@@ -1,17 +1,19 @@
-"""Dense matmuls of the scanned layer stack as a decode step makes them (prints tables).
+"""Dense matmuls of the scanned layer stack as a decode step makes them (prints a table).
 
-  python scripts/bench_dense_in_place.py [--model kimi-linear-48b-a3b] [--rows 16,64,256] [--csv PATH]
+  python scripts/bench_dense_in_place.py [--model kimi-linear-48b-a3b] [--rows 16,32,64] [--csv PATH]
 
-For each weight that a scanned unit uses only as `x @ w` (k3jax.layers.module.right_operand_mask), a
-`lax.scan` over the model's repeats runs x @ w[r] three ways: "slice" (w[r] sliced out of the stack:
+Every weight that the scanned units use only as `x @ w` (k3jax.layers.module.right_operand_mask) is
+applied in each iteration of one `lax.scan` over the model's repeats, as in the step and compiled with
+the step's XLA options (serving.runner.step_compiler_options): "slice" (w[r] sliced out of the stack:
 a copy on GPU, then XLA's dot; the scan without pallas_kernels/stacked.py), "in place" (the grouped
-kernel reading w[r] in the stack) and "separate" (one array per layer, the loop unrolled: the layout
-before the scan, an anchor). Rows per weight and for the whole unit, with the weight bytes' rate next
-to the copy bandwidth measured in the same run.
+kernel reading w[r] in the stack, with stacked.tiling's tiles and a few others) and "separate" (one
+array per layer, the loop unrolled: the layout before the scan, an anchor). The weight bytes' rate is
+printed next to the copy bandwidth measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -30,6 +32,24 @@ from k3jax.model import K3Model, _hold  # noqa: E402
 from k3jax.params import param_shapes  # noqa: E402
 from k3jax.presets import preset_config  # noqa: E402
 from pallas_kernels import stacked  # noqa: E402
+from pallas_kernels.moe import schedule as sch  # noqa: E402
+from serving.runner import step_compiler_options  # noqa: E402
+
+# in-place tile variants: name -> (m, k, n) -> Tiling (None: stacked.tiling, the default)
+def _variant(**kw):
+    def tiles(m, k, n):
+        t = stacked.tiling(m, k, n)
+        return dataclasses.replace(t, **{key: f(t, k, n) for key, f in kw.items()})
+    return tiles
+
+
+VARIANTS = {
+    "default": None,
+    "bn16": _variant(bn=lambda t, k, n: sch.pow2_divisor(n, 16)),
+    "bn64 bk128": _variant(bn=lambda t, k, n: sch.pow2_divisor(n, 64), bk=lambda t, k, n: sch.pow2_divisor(k, 128)),
+    "2x warps": _variant(num_warps=lambda t, k, n: 2 * t.num_warps),
+    "3 stages": _variant(num_stages=lambda t, k, n: 3),
+}
 
 
 def held_weights(model: str):
@@ -43,104 +63,63 @@ def held_weights(model: str):
     return out
 
 
-def scanned(ws, x, kernel: bool, tiles=None):
-    """Every weight of `ws` ([R, K, N] each) applied to x in each of R scan iterations."""
+def scanned(ws, xs, kernel: bool, tiles=None):
+    """Every weight of `ws` ([R, K, N] each) applied to xs[K] in each of R scan iterations."""
     interpret = jax.default_backend() == "cpu"       # (a smoke run here; the numbers are the GPU's)
 
     def body(carry, r):
-        return carry, [stacked.stacked_matmul(x, w, r, kernel=kernel, interpret=interpret, tiles=tiles) for w in ws]
+        return carry, [stacked.stacked_matmul(xs[w.shape[1]], w, r, kernel=kernel, interpret=interpret,
+                                              tiles=tiles and tiles(xs[w.shape[1]].shape[0], *w.shape[1:]))
+                       for w in ws]
     return jax.lax.scan(body, 0, jnp.arange(ws[0].shape[0], dtype=jnp.int32))[1]
 
 
-def unrolled(layers, x):
-    return [[x @ w for w in ws] for ws in layers]
-
-
-def sweep(weights, stacks, rows, rng):
-    """In-place tiles around the default (bn, bk, warps) per distinct weight shape of >= 1 MB, first two row counts."""
-    import dataclasses
-    table = Table(("rows", "rows"), ("shape", "[R, K, N]"), ("tiles", "tiles"), ("us", "in place us", ",.1f"),
-                  ("default", "default tiles"))
-    print("\n" + table.header())
-    seen = set()
-    for name, shape in weights:
-        if shape in seen or np.prod(shape[1:]) * 2 < 1 << 20:
-            continue
-        seen.add(shape)
-        for m in rows[:2]:
-            x = jnp.asarray(rng.standard_normal((m, shape[1]), np.float32), jnp.bfloat16)
-            base = stacked.tiling(m, shape[1], shape[2])
-            for bn in (16, 32, 64):
-                for bk, st, wp in ((128, 4, 4), (256, 4, 4), (256, 4, 2)):
-                    t = dataclasses.replace(base, bn=bn, bk=bk, num_stages=st, num_warps=wp)
-                    if shape[2] % bn or shape[1] % bk:
-                        continue
-                    fn = jax.jit(lambda ws, x, t=t: scanned(ws, x, True, tiles=t))
-                    try:
-                        us = time_fn(fn, [stacks[name]], x) * 1e6
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit must not end the run
-                        print(f"| {m} | {shape} | {t} | failed: {type(e).__name__} | |")
-                        continue
-                    print(table.add(rows=m, shape=str(tuple(shape)),
-                                    tiles=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}", us=us,
-                                    default="yes" if t == base else ""), flush=True)
+def unrolled(layers, xs):
+    """The same products from one array per layer (outputs stacked as the scan's)."""
+    outs = [[xs[w.shape[0]] @ w for w in ws] for ws in layers]
+    return [jnp.stack([o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
-    ap.add_argument("--rows", default="16,64,256")
+    ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--csv", default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time other in-place tiles per distinct weight shape")
     args = ap.parse_args()
     dev = jax.devices()[0]
     bw = copy_bandwidth(4.0 if dev.platform == "gpu" else 1 / 64)
-    everything = held_weights(args.model)
-    count = {}                                  # one row per distinct shape, counted in the unit's total
-    for name, shape in everything:
-        count[shape] = count.get(shape, 0) + 1
-    weights = [next((n, s) for n, s in everything if s == shape) for shape in count]
+    weights = held_weights(args.model)
     rng = np.random.default_rng(0)
-    stacks = {name: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16)
-              for name, shape in weights}
-    table = Table(("rows", "rows"), ("weight", "weight"), ("shape", "[R, K, N]"), ("count", "per unit"),
-                  ("tiles", "in-place tiles"),
-                  ("slice_us", "slice us", ",.1f"), ("in_place_us", "in place us", ",.1f"),
-                  ("separate_us", "separate us", ",.1f"), ("in_place_tbs", "in place TB/s", ".2f"),
-                  ("speedup", "slice / in place", ".2f"), ("rel_err", "rel err", ".1e"))
-    print(f"# bench_dense_in_place  {args.model}  {dev.device_kind}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    ws = [jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16) for _, shape in weights]
+    layers = [[w[r] for w in ws] for r in range(ws[0].shape[0])]
+    nbytes = sum(w.size * w.dtype.itemsize for w in ws)
+    opts = step_compiler_options()
+    table = Table(("rows", "rows"), ("path", "path"), ("us", "us per step", ",.1f"),
+                  ("tbs", "weight TB/s", ".2f"), ("of_copy", "of copy", ".0%"), ("vs_slice", "slice / this", ".2f"),
+                  ("rel_err", "rel err vs slice", ".1e"))
+    print(f"# bench_dense_in_place  {args.model}  {dev.device_kind}  {len(weights)} weights x {ws[0].shape[0]} "
+          f"repeats, {nbytes / 2**30:.2f} GiB; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(table.header())
-    slice_fn = jax.jit(lambda ws, x: scanned(ws, x, False))
-    place_fn = jax.jit(lambda ws, x: scanned(ws, x, True))
-    sep_fn = jax.jit(unrolled)
     for m in (int(r) for r in args.rows.split(",")):
-        x = jnp.asarray(rng.standard_normal((m, weights[0][1][1]), np.float32), jnp.bfloat16)
-        tot = dict(slice_us=0.0, in_place_us=0.0, separate_us=0.0, nbytes=0)
-        for name, shape in weights:
-            w = stacks[name]
-            xk = x if shape[1] == x.shape[1] else jnp.asarray(rng.standard_normal((m, shape[1]), np.float32),
-                                                                jnp.bfloat16)
-            layers = [[w[r]] for r in range(shape[0])]
-            t_s = time_fn(slice_fn, [w], xk) * 1e6
-            t_p = time_fn(place_fn, [w], xk) * 1e6
-            t_u = time_fn(sep_fn, layers, xk) * 1e6
-            got, want = np.asarray(place_fn([w], xk)[0], np.float32), np.asarray(slice_fn([w], xk)[0], np.float32)
-            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-            nbytes = w.size * w.dtype.itemsize
-            t = stacked.tiling(m, shape[1], shape[2]) if stacked.fits(xk, w) else None
-            print(table.add(rows=m, weight=name, shape=str(tuple(shape)), count=count[shape],
-                            tiles=f"bm{t.bm} bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}" if t else "slice",
-                            slice_us=t_s, in_place_us=t_p, separate_us=t_u, in_place_tbs=nbytes / t_p / 1e6,
-                            speedup=t_s / t_p, rel_err=err), flush=True)
-            for k, v in (("slice_us", t_s), ("in_place_us", t_p), ("separate_us", t_u), ("nbytes", nbytes)):
-                tot[k] += v * count[shape]
-        print(table.add(rows=m, weight="all (one step's scanned dense matmuls)", shape="", count=len(everything),
-                        tiles="",
-                        slice_us=tot["slice_us"], in_place_us=tot["in_place_us"], separate_us=tot["separate_us"],
-                        in_place_tbs=tot["nbytes"] / tot["in_place_us"] / 1e6,
-                        speedup=tot["slice_us"] / tot["in_place_us"], rel_err=None), flush=True)
-    if args.sweep:
-        sweep(weights, stacks, [int(r) for r in args.rows.split(",")], rng)
+        xs = {k: jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16) for k in {w.shape[1] for w in ws}}
+        runs = [("slice", jax.jit(lambda ws, xs: scanned(ws, xs, False), compiler_options=opts), ws)]
+        runs += [(f"in place {name}", jax.jit(lambda ws, xs, t=t: scanned(ws, xs, True, t), compiler_options=opts), ws)
+                 for name, t in VARIANTS.items()]
+        runs.append(("separate (unrolled)", jax.jit(unrolled, compiler_options=opts), layers))
+        base, ref = None, None
+        for name, fn, arg in runs:
+            try:
+                t = time_fn(fn, arg, xs)
+                out = fn(arg, xs)
+            except Exception as e:  # noqa: BLE001 - a variant that fails must not end the run
+                print(f"| {m} | {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | | |", flush=True)
+                continue
+            flat = np.concatenate([np.asarray(o, np.float32).ravel() for o in jax.tree_util.tree_leaves(out)])
+            if name == "slice":
+                base, ref = t, flat
+            err = float(np.abs(flat - ref).max() / max(np.abs(ref).max(), 1e-30)) if ref is not None else None
+            print(table.add(rows=m, path=name, us=t * 1e6, tbs=nbytes / t / 1e12, of_copy=nbytes / t / bw,
+                            vs_slice=base / t if base else None, rel_err=err), flush=True)
     if args.csv:
         table.write_csv(args.csv)
 

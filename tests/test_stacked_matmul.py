@@ -13,6 +13,7 @@ from k3jax.model import forward_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 from pallas_kernels import stacked
+from pallas_kernels.moe import schedule as sch
 from pallas_kernels.backend import Backend
 
 
@@ -34,8 +35,10 @@ def test_kernel_path_only_where_it_fits():
     assert not stacked.fits(jnp.zeros((4, 64), jnp.float32), w.astype(jnp.float32))      # fp32: the slice
     assert not stacked.fits(jnp.zeros((stacked.MAX_ROWS + 1, 64), jnp.bfloat16), w)      # prefill: the slice
     assert not stacked.fits(jnp.zeros((4, 64), jnp.bfloat16), jnp.zeros((2, 64, 40), jnp.bfloat16))  # N % 16
-    t = stacked.tiling(16, 2304, 4096)
-    assert 4096 // t.bn >= 132                                    # a column tile per SM at one row tile
+    for m in (1, 16, 64):
+        t = stacked.tiling(m, 2304, 4096)
+        assert t.bm >= m and 2304 % t.bk == 0 and 4096 // t.bn >= 128    # one row tile, ~a column tile per SM
+        assert sch.pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, False) <= sch.SMEM_LIMIT
 
 
 def test_scanned_step_holds_right_operands_whole():
