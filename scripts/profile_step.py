@@ -70,7 +70,7 @@ def scope_of(op_name: str, depth: int) -> str:
 
 
 def device_events(trace_dir: str):
-    """(name, duration_ns, stats) of every event on the GPU planes of the newest trace."""
+    """(name, duration_ns, stats, start_ns) of every event on the GPU planes of the newest trace."""
     from jax.profiler import ProfileData
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     data = ProfileData.from_file(files[-1])
@@ -82,21 +82,23 @@ def device_events(trace_dir: str):
             for ev in line.events:
                 stats = dict(ev.stats)
                 if gpu or str(stats.get("hlo_module", "")).startswith(STEP_MODULES):   # CPU: the step's thunks
-                    yield ev.name, ev.duration_ns, stats
+                    yield ev.name, ev.duration_ns, stats, ev.start_ns
 
 
 def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: int = 12):
     events = list(device_events(trace_dir))
-    programs = collections.Counter(st.get("program_id") for _, _, st in events if st.get("program_id") is not None)
+    programs = collections.Counter(st.get("program_id") for _, _, st, _ in events if st.get("program_id") is not None)
     names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
     by_scope, by_kernel = collections.defaultdict(float), collections.defaultdict(float)
     count = collections.Counter()
     total = 0.0
-    for name, dur, stats in events:
+    scopes = []
+    for name, dur, stats, _ in events:
         tf_op = str(stats.get("tf_op", ""))
         op = (tf_op if "/" in tf_op else "") or names.get(str(stats.get("hlo_op", "")), "")
         hlo = str(stats.get("hlo_op", name))
         scope = scope_of(op, depth) if op else f"(no scope) {hlo[:30]}({names.get('?' + hlo, '')})"
+        scopes.append(scope)
         by_scope[scope] += dur
         by_kernel[name[:70]] += dur
         count[scope] += 1
@@ -116,7 +118,34 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         print(f"  | {s} | {ms(d):.3f} | {100 * d / total:.1f}% | {count[s] / steps:.0f} |")
     print("  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
                                           sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
+    idle_gaps(events, scopes, steps)
     return ms(total)
+
+
+def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
+    """Where the GPU waits: the traced span less the union of kernel intervals (all streams), and the
+    longest gaps with the kernels around them. A gap inside a step is a launch, a host sync (a
+    conditional's predicate read back, a transfer) or a kernel waiting on the host."""
+    order = sorted(range(len(events)), key=lambda i: events[i][3])
+    busy, gaps, end, last = 0, [], None, None
+    for i in order:
+        start, stop = events[i][3], events[i][3] + events[i][1]
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, last, i))
+            busy, end, last = busy + stop - start, stop, i
+        elif stop > end:
+            busy, end, last = busy + stop - end, stop, i
+    span = end - events[order[0]][3]
+    per = lambda ns: ns / steps / 1e6          # noqa: E731
+    small = sum(g for g, _, _ in gaps if g < min_us * 1e3)
+    print(f"  GPU timeline per step: span {per(span):.2f} ms, busy {per(busy):.2f} ms, idle {per(span - busy):.2f} ms "
+          f"({len(gaps) / steps:.0f} gaps; {per(small):.2f} ms in gaps < {min_us:.0f} us); span covers {steps} steps "
+          "and the host time between them")
+    print("  | gap us | after kernel (scope) | before kernel (scope) |")
+    print("  |---|---|---|")
+    for g, a, b in sorted(gaps, key=lambda x: -x[0])[:top]:
+        print(f"  | {g / 1e3:,.0f} | {events[a][0][:40]} ({scopes[a]}) | {events[b][0][:40]} ({scopes[b]}) |")
 
 
 def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):

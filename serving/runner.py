@@ -200,15 +200,19 @@ class ModelRunner:
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
-        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE", "1") != "0":
-            # unsharded weights: few-row steps read the scanned layers' dense weights in place
-            # (pallas_kernels/stacked.py; K3JAX_DENSE_IN_PLACE=0 slices them, for comparison)
+        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE") == "1":
+            # opt-in: few-row steps read the scanned layers' dense weights in place (pallas_kernels/stacked.py);
+            # off by default: the whole unit's matmuls ran 2x slower in place than sliced (H200,
+            # scripts/bench_dense_in_place.py, docs/benchmarks.md)
             self.backend = self.backend.replace(dense_in_place=True)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
                              compiler_options=step_compiler_options(), **step_kw)
+        # the step's options here too: the sampler's lax.conds (all greedy? top-k/top-p sort?) as device-side
+        # conditionals in command buffers; XLA's default reads each predicate back to the host, which
+        # blocks the dispatching thread until the step before has run (the next step could not be queued)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
-                               donate_argnums=(4,), **sample_kw)
+                               donate_argnums=(4,), compiler_options=step_compiler_options(), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)
         if mesh is not None:

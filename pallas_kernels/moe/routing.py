@@ -1,4 +1,4 @@
-"""Token <-> expert permutation helpers (argsort based, no dense [tokens, experts] one-hot)."""
+"""Token <-> expert permutation helpers (argsort based; decode sizes by counting over a [T*k, E+1] one-hot)."""
 from __future__ import annotations
 
 import jax
@@ -19,12 +19,34 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int):
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   valid = (flat >= 0) & (flat < num_experts)
   key = jnp.where(valid, flat, num_experts)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  if t * k * (num_experts + 1) <= COUNTING_SORT_MAX_CELLS:
+    order, inverse = _counting_sort(key, num_experts + 1)
+  else:
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
+        jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
   sorted_token_index = order // k
   group_sizes = jnp.zeros((num_experts,), jnp.int32).at[key].add(1, mode="drop")
-  inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
-      jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
   return sorted_token_index, group_sizes, inverse
+
+
+# Decode-sized routing (T*k x (E+1) cells up to this) sorts by counting: a few fused passes over the
+# [T*k, E+1] one-hot, where a radix sort launches several kernels per MoE layer (~44 us a layer at
+# 64 tokens on the H200, ~1.1 ms of a Kimi-Linear c64 decode step).
+COUNTING_SORT_MAX_CELLS = 1 << 20
+
+
+def _counting_sort(key, num_keys: int):
+  """(order, inverse) of a stable sort of int keys in [0, num_keys): order = argsort(key, stable),
+  inverse[i] = sorted position of element i."""
+  n = key.shape[0]
+  onehot = (key[:, None] == jnp.arange(num_keys, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+  counts = jnp.sum(onehot, axis=0)
+  starts = jnp.cumsum(counts) - counts
+  before = jnp.cumsum(onehot, axis=0) - onehot          # earlier elements with the same key
+  inverse = starts[key] + jnp.take_along_axis(before, key[:, None], axis=1)[:, 0]
+  order = jnp.zeros((n,), jnp.int32).at[inverse].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+  return order, inverse
 
 
 def combine(expert_out: jax.Array, weights: jax.Array, inverse: jax.Array,
