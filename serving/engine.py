@@ -94,7 +94,8 @@ class LLMEngine:
                                          out_dtype=cache_dtype, mesh=mesh)
             self.scheduler.is_encoded = self.encoder.cache.__contains__
         if args.warmup:
-            self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads)
+            self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads,
+                               all_sampler_variants=args.forbid_compile_after_warmup)
             if self.encoder is not None:
                 self.encoder.warmup()
         self.runner.guard = args.forbid_compile_after_warmup
@@ -239,7 +240,8 @@ class LLMEngine:
                  for r, ch in zip(reqs, out.chunks)]
         results = self.runner.launch(
             chunks, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks)
+            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks,
+            top_logprobs=self.verifier is not None)       # the prefix-cache check compares top logprobs
         self.scheduler.after_step(out)
         rows = []
         for i, req in sampled:

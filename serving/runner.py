@@ -8,6 +8,7 @@ compiled at warm-up per sequence bucket, never a recompile of the model while se
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -200,19 +201,18 @@ class ModelRunner:
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
-        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE") == "1":
-            # opt-in: few-row steps read the scanned layers' dense weights in place (pallas_kernels/stacked.py);
-            # off by default: the whole unit's matmuls ran 2x slower in place than sliced (H200,
-            # scripts/bench_dense_in_place.py, docs/benchmarks.md)
+        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE") != "0":
+            # unsharded weights: few-row steps read the scanned layers' dense weights in place
+            # (pallas_kernels/stacked.py; the step's slices were 1.8 ms of copies per c64 decode step on the
+            # H200; K3JAX_DENSE_IN_PLACE=0 slices them, for comparison)
             self.backend = self.backend.replace(dense_in_place=True)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
                              compiler_options=step_compiler_options(), **step_kw)
-        # the step's options here too: the sampler's lax.conds (all greedy? top-k/top-p sort?) as device-side
-        # conditionals in command buffers; XLA's default reads each predicate back to the host, which
-        # blocks the dispatching thread until the step before has run (the next step could not be queued)
+        # (no lax.cond inside: XLA:GPU reads a conditional's predicate back to the host, which blocked this
+        # dispatch until the step before had run; see sampler.SamplingArrays.truncate)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
-                               donate_argnums=(4,), compiler_options=step_compiler_options(), **sample_kw)
+                               donate_argnums=(4,), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)
         if mesh is not None:
@@ -236,7 +236,8 @@ class ModelRunner:
 
     @staticmethod
     def _variant(sarr: SamplingArrays):
-        return tuple(None if x is None else x.shape for x in (sarr.prompt_mask, sarr.output_tokens, sarr.allowed_mask))
+        return tuple(None if x is None else x.shape for x in (sarr.prompt_mask, sarr.output_tokens, sarr.allowed_mask)
+                     ) + (sarr.truncate, sarr.top_logprobs)
 
     # ------------------------------------------------------------------ execution
     def copy_pages(self, copies):
@@ -257,16 +258,18 @@ class ModelRunner:
         return tuple(x[:n] for x in out)
 
     def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
-               prompt_ids=None, output_ids=None, allowed_masks=None):
+               prompt_ids=None, output_ids=None, allowed_masks=None, top_logprobs: bool = False):
         """Dispatch one step without waiting: device (tokens, logprobs, top_ids, top_vals), one row per
         bucket sequence. A negative token -(r + 1) in a chunk stands for row r of the previous step's
-        sampled tokens, which are still on the device."""
+        sampled tokens, which are still on the device. top_ids / top_vals have max_logprobs columns when
+        a row asks for logprobs or `top_logprobs`, else none."""
         T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
         N = _fit(self.seq_buckets, len(chunks))
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
                                      prompt_token_ids=prompt_ids, output_token_ids=output_ids,
-                                     allowed_masks=allowed_masks, penalty_width=self.penalty_width)
+                                     allowed_masks=allowed_masks, penalty_width=self.penalty_width,
+                                     top_logprobs=True if top_logprobs else None)
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
         self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None))
@@ -278,9 +281,12 @@ class ModelRunner:
         """Wait for a launched step and bring its results to the host (one transfer for all)."""
         return tuple(np.asarray(x) for x in jax.device_get(results))
 
-    def warmup(self, progress: bool = True, multimodal: bool = False, threads: int | None = None):
+    def warmup(self, progress: bool = True, multimodal: bool = False, threads: int | None = None,
+               all_sampler_variants: bool = False):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
-        multimodal: also the variant of each bucket that takes image embeddings. The step shapes are
+        multimodal: also the variant of each bucket that takes image embeddings. all_sampler_variants: also
+        the rare sampler variants (penalties or an allowed-token mask together with top-k/top-p or top
+        logprobs; otherwise compiled when first used). The step shapes are
         traced one after another and compiled on `threads` host threads (default: half the cores, up
         to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
@@ -291,11 +297,14 @@ class ModelRunner:
             self._run_padding(T, N, decode=decode, mm=mm)
         # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
         # step that holds it: a request with presence_penalty must not compile while others run
+        # (penalties, masked) x (top-k/top-p sort, top logprobs): the common ones, or all 16 when a compile
+        # after warm-up would be an error (all_sampler_variants); 0.5-1 s each on CPU
+        variants = [v for v in itertools.product((False, True), repeat=4)
+                    if all_sampler_variants or not any(v[2:]) or not any(v[:2])]
         for N in self.seq_buckets:
             T = _fit(self.token_buckets, N)
-            for penalties in (False, True):
-                for masked in (False, True):
-                    self._run_padding(T, N, decode=False, penalties=penalties, masked=masked)
+            for variant in variants:
+                self._run_padding(T, N, False, False, *variant)
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
@@ -323,7 +332,7 @@ class ModelRunner:
             bar.close()
 
     def _padding_batch(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
-                       masked: bool = False):
+                       masked: bool = False, truncate: bool = False, top_logprobs: bool = False):
         # A one-token chunk on the garbage page / slot 0 fills bucket (T, N) without touching real state;
         # resuming from slot 0 gives the decode-only variant of the same bucket.
         rows = [(0, np.zeros((1, self.config.hidden_size), self.params["embed"].dtype))] if mm else ()
@@ -331,14 +340,15 @@ class ModelRunner:
                                 num_tokens=T, num_seqs=N, max_pages=self.max_pages)
         v = self.config.vocab_size
         sarr = build_sampling_arrays(
-            [SamplingParams(temperature=0.0, presence_penalty=0.5 if penalties else 0.0)], seeds=[0], num_rows=N,
-            vocab_size=v, prompt_token_ids=[[0]], output_token_ids=[[]], penalty_width=self.penalty_width,
+            [SamplingParams(temperature=0.0, presence_penalty=0.5 if penalties else 0.0, top_p=0.9 if truncate else 1.0)],
+            seeds=[0], num_rows=N, vocab_size=v, prompt_token_ids=[[0]], output_token_ids=[[]],
+            penalty_width=self.penalty_width, top_logprobs=top_logprobs,
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
         return batch, sarr
 
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
-                     masked: bool = False):
-        batch, sarr = self._padding_batch(T, N, decode, mm, penalties, masked)
+                     masked: bool = False, truncate: bool = False, top_logprobs: bool = False):
+        batch, sarr = self._padding_batch(T, N, decode, mm, penalties, masked, truncate, top_logprobs)
         self._note_shape(("step", T, N, batch.decode_only, mm))
         self._note_shape(("sample", N, self._variant(sarr)))
         self._call("step", batch, sarr, np.zeros(N, np.int32))

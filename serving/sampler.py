@@ -49,6 +49,12 @@ class SamplingArrays:
     prompt_mask: Optional[jax.Array] = None    # [S, ceil(V/32)] u32 bitmask of prompt tokens
     output_tokens: Optional[jax.Array] = None  # [S, L] i32 generated tokens, -1 = padding
     allowed_mask: Optional[jax.Array] = None   # [S, ceil(V/32)] u32, bit t%32 of word t//32
+    # Static (compiled variants; build_sampling_arrays sets them from the rows): some row uses top-k or
+    # top-p (the full sort runs), the top logprobs are computed. Static rather than lax.cond on device
+    # values: XLA:GPU reads a conditional's predicate back to the host, which blocks the dispatching
+    # thread until the model step before it has run.
+    truncate: bool = flax.struct.field(pytree_node=False, default=True)
+    top_logprobs: bool = flax.struct.field(pytree_node=False, default=True)
 
 
 def make_key_data(seed: int) -> np.ndarray:
@@ -91,14 +97,15 @@ def apply_penalties(logits, prompt_mask, output_tokens, repetition, presence, fr
     return logits
 
 
-def truncation_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def truncation_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                    sort: bool = True) -> jax.Array:
     """Tokens kept by min-p, then top-k, then top-p. x [S, V] temperature-scaled logits;
     top_k [S] i32 (0 off), top_p [S] f32 (1 off), min_p [S] f32 (0 off). Returns [S, V] bool.
 
     min-p keeps p_t >= min_p * p_max; top-k keeps logits >= the k-th largest; top-p keeps the
     smallest head of the (renormalised) sorted distribution whose mass reaches top_p, i.e.
-    every token whose strictly-higher-sorted mass is < top_p, widened to ties. The full sort
-    only runs when some row uses top-k or top-p."""
+    every token whose strictly-higher-sorted mass is < top_p, widened to ties. The full sort runs
+    when `sort` (static: some row uses top-k or top-p; without it every row must have them off)."""
     v = x.shape[-1]
     xmax = jnp.max(x, axis=-1)
     thr = jnp.where(min_p > 0, xmax + jnp.log(jnp.maximum(min_p, 1e-38)), NEG_INF)
@@ -116,9 +123,7 @@ def truncation_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax
         pth = jnp.take_along_axis(s1, (n_keep - 1)[:, None], axis=-1)[:, 0]
         return jnp.maximum(thr, jnp.where(top_p < 1.0, pth, NEG_INF))
 
-    need_sort = jnp.any((top_k > 0) | (top_p < 1.0))
-    thr = jax.lax.cond(need_sort, with_sort, lambda t: t, thr)
-    return x >= thr[:, None]
+    return x >= (with_sort(thr) if sort else thr)[:, None]
 
 
 def row_keys(key_data: jax.Array, seeds: jax.Array, counters: jax.Array):
@@ -153,18 +158,17 @@ def sample(logits, params: SamplingArrays, key_data, step_counters,
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
     xs = x / jnp.where(greedy, 1.0, params.temperature)[:, None]
 
-    def draw(_):
-        keep = truncation_mask(xs, params.top_k, params.top_p, params.min_p)
-        xm = jnp.where(keep | greedy[:, None], xs, NEG_INF)
-        keys = row_keys(key_data, params.seed, step_counters)
-        g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-        tok = jnp.argmax(jnp.where(keep, xs + g, NEG_INF), axis=-1).astype(jnp.int32)
-        return jnp.where(greedy, greedy_tok, tok), xm
-
-    tokens, processed = jax.lax.cond(jnp.all(greedy), lambda _: (greedy_tok, xs), draw, None)
+    # every row is drawn, greedy ones too (then discarded): a lax.cond on "all greedy" would sync the
+    # host (see SamplingArrays.truncate), and the draw costs little next to it
+    keep = truncation_mask(xs, params.top_k, params.top_p, params.min_p, sort=params.truncate)
+    processed = jnp.where(keep | greedy[:, None], xs, NEG_INF)
+    keys = row_keys(key_data, params.seed, step_counters)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    tok = jnp.argmax(jnp.where(keep, xs + g, NEG_INF), axis=-1).astype(jnp.int32)
+    tokens = jnp.where(greedy, greedy_tok, tok)
     lp = jax.nn.log_softmax(logits if logprobs_mode == "raw" else processed, axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    if num_top_logprobs > 0:
+    if num_top_logprobs > 0 and params.top_logprobs:
         top_vals, top_ids = jax.lax.top_k(lp, num_top_logprobs)
     else:
         top_vals, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
@@ -191,7 +195,7 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_rows=None,
                           vocab_size=None, prompt_token_ids=None, output_token_ids=None,
-                          allowed_masks=None, penalty_width=None) -> SamplingArrays:
+                          allowed_masks=None, penalty_width=None, top_logprobs=None) -> SamplingArrays:
     """Host: SamplingArrays (numpy) for a batch.
 
     params: one SamplingParams per row. seeds: optional per-row ints overriding params.seed
@@ -204,6 +208,7 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
     penalty_width: when set, penalties take one shape whatever the batch (output_tokens
     [rows, penalty_width], prompt_mask always present, zero where repetition is off), so a
     server compiles one penalties variant at warm-up instead of one per output length.
+    top_logprobs: compute the top logprobs (None: when some row asks for logprobs).
     """
     n = len(params)
     rows = n if num_rows is None else num_rows
@@ -255,4 +260,6 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
             if m is not None:
                 am[i] = np.asarray(m, np.uint32)
         out["allowed_mask"] = am
+    out["truncate"] = bool((out["top_k"] > 0).any() or (out["top_p"] < 1.0).any())
+    out["top_logprobs"] = any(p.logprobs for p in params) if top_logprobs is None else bool(top_logprobs)
     return SamplingArrays(**out)

@@ -240,10 +240,14 @@ def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
     eng.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3),
                     matcher=ScriptedMatcher([11, 12], tok.vocab_size, tok.stop_ids))
     eng.add_request([8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    # top-p (the sort) and top logprobs are static sampler variants too, with penalties alongside
+    eng.add_request([5, 6], SamplingParams(temperature=0.8, seed=2, top_p=0.9, presence_penalty=0.3, logprobs=2,
+                                           max_tokens=4, ignore_eos=True))
     finished = {}
     while eng.has_unfinished():
         finished.update({o.request_id: o for o in eng.step() if o.finished})
-    assert [len(finished[r].outputs[0].token_ids) for r in sorted(finished)] == [40, 20, 3, 5]
+    assert [len(finished[r].outputs[0].token_ids) for r in sorted(finished)] == [40, 20, 3, 5, 4]
+    assert all(len(top) == 2 for _, top in finished["req-4"].outputs[0].logprobs)
     assert finished["req-2"].outputs[0].token_ids[:2] == [11, 12]
     assert eng.runner.num_compiles == compiled
 

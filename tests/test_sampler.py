@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from serving.sampler import (SamplingArrays, apply_penalties, build_sampling_arrays,
-                             make_key_data, sample_jit, token_bitmask, truncation_mask)
+                             make_key_data, sample, sample_jit, token_bitmask, truncation_mask)
 from serving.sampling_params import SamplingParams
 from serving.stop import StopChecker, find_stop_string
 
@@ -175,7 +175,7 @@ def test_bitmask_forbids_tokens():
 def test_logprobs_raw_and_processed():
     rng = np.random.default_rng(5)
     logits = rng.normal(0, 2, (4, 64)).astype(np.float32)
-    arrays = build_sampling_arrays([SamplingParams(temperature=0.5, top_k=2, seed=i) for i in range(4)])
+    arrays = build_sampling_arrays([SamplingParams(temperature=0.5, top_k=2, seed=i, logprobs=3) for i in range(4)])
     raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     tok, lp, (ids, vals) = sample_jit(jnp.asarray(logits), arrays, KEY, np.zeros(4, np.int32),
                                       num_top_logprobs=3)
@@ -270,3 +270,22 @@ def test_stop_strings_against_brute_force():
                 want = (s, text[:i + (len(s) if include else 0)])
                 break
         assert (None if r is None else (r.stop_reason, c.text)) == want, (stops, pieces)
+
+
+def test_static_variants_leave_no_device_conditional():
+    """No lax.cond on device values (XLA:GPU reads the predicate back to the host, stalling dispatch):
+    whether to sort (top-k / top-p) and whether to compute top logprobs are static, set from the rows."""
+    import jax
+    greedy = build_sampling_arrays([SamplingParams(temperature=0), SamplingParams(temperature=0.7, min_p=0.1)])
+    assert not greedy.truncate and not greedy.top_logprobs
+    topp = build_sampling_arrays([SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(logprobs=2)])
+    assert topp.truncate and topp.top_logprobs
+    logits = jnp.asarray(np.random.default_rng(0).normal(0, 1, (2, 50)), jnp.float32)
+    for arrays in (greedy, topp):
+        jaxpr = jax.make_jaxpr(lambda x, a: sample(x, a, KEY, jnp.zeros(2, jnp.int32), num_top_logprobs=3))(
+            logits, arrays)
+        assert "cond" not in str(jaxpr)
+    _, _, (ids, _) = sample_jit(logits, greedy, KEY, np.zeros(2, np.int32), num_top_logprobs=3)
+    assert ids.shape == (2, 0)                           # nobody asked: no top-k over the vocabulary
+    tok = np.asarray(sample_jit(logits, greedy, KEY, np.zeros(2, np.int32))[0])
+    assert tok[0] == int(np.argmax(np.asarray(logits[0])))
