@@ -161,3 +161,26 @@ def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
                                tuple(map(stack, layout.merge_gate_up_mxfp4(q1, q3))), None,
                                tuple(map(stack, q2)), tiling=tiles, mode="kernel", **kw)
   _close(out, ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_joined_halves_never_join_straight_from_the_decoder_asm(swap):
+  """XLA's Triton joins a tt.join's operands two values at a time when the first one comes straight
+  from an inline asm of 4 packed elements with 16-bit results (its int4 unpacking patch), which
+  scrambled the joined MXFP4 tiles' K order on the H200 (rel err 1.2-1.3, 2026-12-01; interpret
+  mode and upstream Triton join one at a time). The kernel's Triton IR must give the join another
+  producer (kernel.interleave_k: a bitcast)."""
+  import re
+  import jax
+  from scripts_module import load_script
+  triton_ir = load_script("sass_moe").triton_ir
+  g, k, n = 4, 256, 128
+  sds = jax.ShapeDtypeStruct
+  p, s = sds((g, n, k // 2), jnp.uint8), sds((g, n, k // 32), jnp.uint8)
+  t = Tiling(64, 64, 64, 4, 3, swap, joined=True)
+  f = lambda x, gs, p, s: gm.run_mxfp4(x, (p, s), gs, tiling=t, mode="kernel", decoder="ptx8")
+  ir = triton_ir(f, sds((256, k), jnp.bfloat16), sds((g,), jnp.int32), p, s)
+  asm = set(re.findall(r"(%\w+) = tt\.elementwise_inline_asm .*packed_element = 4", ir))
+  joins = re.findall(r"tt\.join (%\w+), (%\w+)", ir)
+  assert len(asm) == 2 and len(joins) == 1, (asm, joins)
+  assert not asm & {a for a, _ in joins}, joins
