@@ -25,10 +25,11 @@ def _interleave(a, b, axis):
 
 @jax.jit
 def merge_gate_up(w1: jax.Array, w3: jax.Array) -> jax.Array:
-  """bf16 gate / up weights [E, D, I] -> [E, D, 2I], column 2j = w1[..., j], 2j + 1 = w3[..., j]."""
+  """bf16 gate / up weights [..., E, D, I] -> [..., E, D, 2I], column 2j = w1[..., j], 2j + 1 =
+  w3[..., j] (leading axes: e.g. a stack over layers)."""
   if w1.shape != w3.shape:
     raise ValueError(f"gate {w1.shape} and up {w3.shape} weights differ in shape")
-  return _interleave(w1, w3, 2)
+  return _interleave(w1, w3, w1.ndim - 1)
 
 
 def halves_order(n: int):
@@ -40,8 +41,8 @@ def halves_order(n: int):
 
 @jax.jit
 def merge_gate_up_mxfp4(w1, w3):
-  """MXFP4 gate / up (packed [E, I, D/2], scales [E, I, D/32]) -> (packed [E, 2I, D/2], scales
-  [E, 2I, D/32]): rows 2p, 2p + 1 = gate, up rows of feature f(p), f = halves_order(I). Rows are
+  """MXFP4 gate / up (packed [..., E, I, D/2], scales [..., E, I, D/32]) -> (packed [..., E, 2I, D/2],
+  scales [..., E, 2I, D/32]): rows 2p, 2p + 1 = gate, up rows of feature f(p), f = halves_order(I). Rows are
   whole output features, each with its own scales, so the permutation is lossless."""
   (p1, s1), (p3, s3) = w1, w3
   if p1.shape != p3.shape or s1.shape != s3.shape:
