@@ -37,6 +37,7 @@ from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import schedule as sch
 from pallas_kernels.moe.schedule import Tiling
 
 T = Tiling
@@ -49,14 +50,15 @@ BF16_UP_MERGED = [T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4)]
 BF16_DOWN = [T(128, 64, 256, 8, 3)]
 Q_UP = [T(128, 128, 128, 8, 3, True)]
 # merged, x and h in halves order: bm256 bn64 decodes 128 weight rows per K step for 256 rows
-Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(256, 64, 64, 8, 4, True, True),
-               T(128, 128, 128, 8, 3, True)]
+Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(256, 128, 64, 8, 4, True, True),
+               T(256, 64, 64, 8, 4, True, True), T(128, 128, 128, 8, 3, True)]
 # "joined": the decoded halves re-interleaved to natural K order, one MMA per K step, x and h in
 # natural order (merged weights: x natural, h in halves order, so no merged joined MLP)
 J = lambda *a: T(*a, joined=True)
 Q_UP_MERGED_J = [J(256, 64, 64, 8, 4, True, True), J(256, 128, 64, 8, 3, True, True)]
 Q_UP_J = [J(128, 64, 128, 8, 4, True), J(128, 128, 128, 8, 3, True)]
-Q_DOWN = [T(256, 128, 128, 8, 3, True, True), T(256, 64, 128, 8, 4, True, True), T(128, 64, 128, 8, 3)]
+Q_DOWN = [T(256, 128, 128, 8, 3, True, True), T(256, 128, 128, 8, 4, True, True),
+          T(256, 64, 128, 8, 4, True, True), T(128, 64, 128, 8, 3)]
 Q_DOWN_J = [J(128, 64, 128, 8, 3), J(256, 64, 128, 8, 4, True, True)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 # MXFP4 decode stream (issue 20): the fused gate+up at decode, two weights (today's tiles,
@@ -190,18 +192,29 @@ def _upq(act, out_halves=True):
       out_halves=out_halves)
 
 
+def _check_bounds(gs):
+  """Row bounds of the first CHECK_EXPERTS experts in the sorted order."""
+  return np.concatenate([[0], np.cumsum(np.asarray(gs[:CHECK_EXPERTS]))])
+
+
+def _dense_up(act, xs, gs, w1, w3):
+  """fp32 act(xs @ w1[e], xs @ w3[e]) on the rows of the first CHECK_EXPERTS experts (xs: rows in
+  the sorted order; w [E, in, out]): (r, [r, I])."""
+  bounds = _check_bounds(gs)
+  dot = lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
+  return int(bounds[-1]), jnp.concatenate([act(dot(xs[a:b], w1[e]), dot(xs[a:b], w3[e]))
+                                           for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+
+
 def _dense_refs(act, x, tok, gs, h, ws):
   """fp32 references on the rows [0, r) of the first CHECK_EXPERTS experts (plain XLA dots): the
   up stage (act of the two projections) and the down stage (h's rows), for ws = (w1, w3, w2)
   [E, in, out]. Returns (r, up [r, I], down [r, D])."""
-  bounds = np.concatenate([[0], np.cumsum(np.asarray(gs[:CHECK_EXPERTS]))])
-  dot = lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
-  up, down = [], []
-  for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-    xs = x[tok[a:b]]
-    up.append(act(dot(xs, ws[0][e]), dot(xs, ws[1][e])))
-    down.append(dot(h[a:b], ws[2][e]))
-  return int(bounds[-1]), jnp.concatenate(up), jnp.concatenate(down)
+  bounds = _check_bounds(gs)
+  r, up = _dense_up(act, x[tok[:int(bounds[-1])]], gs, ws[0], ws[1])
+  down = [jnp.dot(h[a:b], ws[2][e], preferred_element_type=jnp.float32)
+          for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+  return r, up, jnp.concatenate(down)
 
 
 def _check(ref, rows, halves=False, scaled=False):
@@ -324,32 +337,45 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
 
 
 def bench_decode(run, label, tokens, d, inter, e_global, e_local, k):
-  """MXFP4 fused gate+up at decode: TB/s of the touched experts' packed weights + scales."""
+  """The fused gate+up at decode, two weights vs merged: TB/s of the touched experts' bytes (MXFP4:
+  packed weights + scales; bf16 at the default tiles, the Kimi-Linear case), each checked on the
+  first experts' rows."""
   ids, _, x, *_ = _inputs(tokens, d, 16, e_global, e_local, k)
   tok, gs, _ = moe.sort_by_expert(ids, e_local)
   touched = int((gs > 0).sum())
-  nbytes = touched * 2 * inter * (d // 2 + d // 32)
+  nbytes = {"mxfp4": touched * 2 * inter * (d // 2 + d // 32), "bf16": touched * 2 * inter * d * 2}
   key = jax.random.key(9)
   w = lambda i: jax.random.normal(jax.random.fold_in(key, i), (e_local, inter, d), jnp.float32) * 0.02
   q1, q3 = moe.quantize_mxfp4(w(0)), moe.quantize_mxfp4(w(1))
   q13 = jax.jit(layout.merge_gate_up_mxfp4)(q1, q3)
+  w1, w3 = (jnp.swapaxes(w(i), 1, 2).astype(jnp.bfloat16) for i in (0, 1))
+  w13 = layout.merge_gate_up(w1, w3)
   act = functools.partial(kn.glu_activation, activation="situ")
   xs = x[tok]
   avg = tokens * k / e_global
+  deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0][:CHECK_EXPERTS], q[1][:CHECK_EXPERTS]), 1, 2)
+  r, ref_q = _dense_up(act, xs, gs, deq(q1), deq(q3))
+  _, ref_16 = _dense_up(act, xs, gs, w1, w3)
   up = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, act=act, mode="kernel",
                                                  avg_rows=avg)
+  up16 = lambda t: lambda x, gs, *ws: gm.run_bf16(x, ws, gs, tiling=t, act=act, avg_rows=avg)
+  t16 = lambda fused: [sch.choose_tiling(xs.shape[0], d, inter, e_local, fused=fused, avg_rows=avg)]
   label = f"{label} ({int(gs.sum())} local rows on {touched} experts, {d}->{inter}x2)"
   plain = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, mode="kernel")
   groups = [("mxfp4 decode plain gmm D -> 2I (issue 20's stream)", plain, (xs, gs, *q13), 0.0, DECODE_UP),
-            ("mxfp4 decode up: two weights (today)", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP),
-            ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED)]
+            ("mxfp4 decode up: two weights", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP, _check(ref_q, r)),
+            ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED,
+             _check(ref_q, r, halves=True)),
+            ("bf16 decode up: two weights", up16, (xs, gs, w1, w3), 0.0, t16(True), _check(ref_16, r)),
+            ("bf16 decode up: merged gate/up", up16, (xs, gs, w13), 0.0, t16("merged"), _check(ref_16, r))]
   n0 = len(run.rows)
   run.sweep(label, groups, 1.0)
-  for r in run.rows[n0:]:  # rate in TB/s of packed bytes in the tflops column's place
-    if r["us"]:
-      r["tbs"] = nbytes / (r["us"] * 1e-6) / 1e12
-      r["note"] = (r["note"] + f" {r['tbs']:.2f} TB/s packed").strip()
-      r["tflops"] = None
+  for row in run.rows[n0:]:  # rate in TB/s of the weight bytes in the tflops column's place
+    if row["us"]:
+      fmt = row["op"].split()[0]
+      row["tbs"] = nbytes[fmt] / (row["us"] * 1e-6) / 1e12
+      row["note"] = (row["note"] + f" {row['tbs']:.2f} TB/s {'packed' if fmt == 'mxfp4' else 'bf16'}").strip()
+      row["tflops"] = None
 
 
 def _ratios(run, label):
