@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.expert_layout import merge_gate_up, split_gate_up
 from k3jax.layer_stack import stack_layers
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
@@ -67,7 +68,7 @@ class Model:
         """The parameters in the checkpoint layout (params["layers"] a list of per-layer dicts);
         stacked layers come out as slices, i.e. copies."""
         from k3jax.layer_stack import unstack_layers
-        return unstack_layers(self.params, self.config)
+        return split_gate_up(unstack_layers(self.params, self.config))
 
     def layer_params(self, i: int) -> dict:
         """Layer i's parameters under their checkpoint names."""
@@ -156,13 +157,17 @@ def _tiny_params(config: ModelConfig, seed: int | None, dtype):
     return init_params_numpy(config, TINY_SEED if seed is None else seed, dtype)
 
 
-def _place(params, mesh, config):
+def _place(params, mesh, config, backend: Backend):
     """Put every parameter on the mesh by the partition rules (sharding/rules.py), then stack the
-    repeating layers for the scanned decoder (k3jax/layer_stack.py)."""
+    repeating layers for the scanned decoder (k3jax/layer_stack.py); on one device running the
+    fused MoE kernels, merge the routed experts' gate and up weights (k3jax/expert_layout.py)."""
     if mesh is not None:
         from sharding.rules import shard_params
         params = shard_params(params, mesh, config)
-    return stack_layers(params, config, donate=True)
+    params = stack_layers(params, config, donate=True)
+    if mesh is None and backend.kernels and backend.platform != "tpu":
+        params = merge_gate_up(params)
+    return params
 
 
 def _backend_for(params) -> Backend:
@@ -212,7 +217,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
         backend = _backend_for(params)
         tokenizer = _load_tokenizer(src)
-        return Model(config, _place(params, mesh, config), tokenizer, name=os.path.basename(os.path.normpath(src)),
+        return Model(config, _place(params, mesh, config, backend), tokenizer, name=os.path.basename(os.path.normpath(src)),
                      mesh=mesh, vision=load_vision(src, config, tokenizer, dt), backend=backend)
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
@@ -235,7 +240,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     backend = _backend_for(params)
     tokenizer = _load_tokenizer(None, src) if embedded else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
-    return Model(config, _place(params, mesh, config), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
+    return Model(config, _place(params, mesh, config, backend), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
 
 
 def _media_pad_id(config: ModelConfig, tokenizer) -> int:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from k3jax.cache import CachePools, StepBatch
 from k3jax.config import ModelConfig
+from k3jax.expert_layout import experts_merged
 from k3jax.layer_stack import is_stacked, layer_stack_plan
 from k3jax.layers.common import OutputAttnRes, rms_norm, upcast
 from k3jax.layers.decoder import DecoderLayer, blocks_before, num_sources
@@ -53,7 +54,7 @@ class K3Model(Group):
         self.config = config
         self.stacked = is_stacked(params)
         self.tied_embeddings = bool(config.tie_word_embeddings)
-        spec = param_spec(config, stacked=self.stacked)
+        spec = param_spec(config, stacked=self.stacked, merged_experts=experts_merged(params))
         for name, leaf in spec.items():
             if name == "layers":
                 self.layers = (LayerStack(leaf, params[name], config) if self.stacked

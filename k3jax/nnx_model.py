@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.expert_layout import experts_merged
 from k3jax.layer_stack import is_stacked, layer_stack_plan
 from k3jax.layers.common import AttnRes, DenseMLP, OutputAttnRes
 from k3jax.layers.decoder import DecoderLayer
@@ -59,20 +60,21 @@ def split_model(model: K3Model) -> tuple[ModelGraph, dict]:
 _graphs: dict = {}
 
 
-def model_graph(config: ModelConfig, stacked: bool) -> ModelGraph:
+def model_graph(config: ModelConfig, stacked: bool, merged_experts: bool = False) -> ModelGraph:
     """The graph of a model of this config and layout, from abstract parameters (nothing allocated;
     memoized: configs hold dicts, so they are keyed by repr)."""
-    key = (repr(config), stacked)
+    key = (repr(config), stacked, merged_experts)
     if key not in _graphs:
         shapes = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32),
-                                        param_spec(config, stacked=stacked), is_leaf=is_leaf)
+                                        param_spec(config, stacked=stacked, merged_experts=merged_experts),
+                                        is_leaf=is_leaf)
         _graphs[key] = split_model(K3Model(config, shapes))[0]
     return _graphs[key]
 
 
 def graph_for(config: ModelConfig, params) -> ModelGraph:
-    """The graph for a parameter tree of either layout."""
-    return model_graph(config, is_stacked(params))
+    """The graph for a parameter tree of any layout (layers stacked or not, experts merged or not)."""
+    return model_graph(config, is_stacked(params), experts_merged(params))
 
 
 # ---- inspection ----------------------------------------------------------------------------------

@@ -82,11 +82,19 @@ def mlp_spec(d: int, inter: int) -> dict:
             "down": Leaf((inter, d), axes=("mlp", "embed"))}
 
 
-def experts_spec(c: ModelConfig) -> dict:
+def experts_spec(c: ModelConfig, merged: bool = False) -> dict:
     """Routed experts [E, ...]: E over "experts", the intermediate width over "expert_mlp" (MXFP4 in the
-    checkpoint's [out, in] orientation, so w1/w3 carry it first and w2 last)."""
+    checkpoint's [out, in] orientation, so w1/w3 carry it first and w2 last). merged: the serving
+    layout of k3jax.expert_layout, gate and up as one w13 of width 2I (never in a checkpoint)."""
     E, Dp, I = c.num_experts, c.expert_hidden, c.moe_intermediate_size
     into, out_of = ("experts", "expert_mlp", "expert_embed"), ("experts", "expert_embed", "expert_mlp")
+    if merged and c.expert_format == "mxfp4":
+        return {"w13_packed": Leaf((E, 2 * I, Dp // 2), "mx_packed", into),
+                "w13_scale": Leaf((E, 2 * I, Dp // 32), "mx_scale", into),
+                "w2_packed": Leaf((E, Dp, I // 2), "mx_packed", out_of),
+                "w2_scale": Leaf((E, Dp, I // 32), "mx_scale", out_of)}
+    if merged:
+        return {"w13": Leaf((E, Dp, 2 * I), axes=out_of), "w2": Leaf((E, I, Dp), axes=into)}
     if c.expert_format == "mxfp4":
         return {
             "w1_packed": Leaf((E, I, Dp // 2), "mx_packed", into), "w1_scale": Leaf((E, I, Dp // 32), "mx_scale", into),
@@ -97,12 +105,12 @@ def experts_spec(c: ModelConfig) -> dict:
     return {"w1": Leaf((E, Dp, I), axes=out_of), "w3": Leaf((E, Dp, I), axes=out_of), "w2": Leaf((E, I, Dp), axes=into)}
 
 
-def moe_spec(c: ModelConfig) -> dict:
+def moe_spec(c: ModelConfig, merged_experts: bool = False) -> dict:
     D = c.hidden_size
     s = {
         "router": Leaf((D, c.num_experts), "router", ("embed", "routes")),
         "router_bias": Leaf((c.num_experts,), "zeros32", ("routes",)),
-        "experts": experts_spec(c),
+        "experts": experts_spec(c, merged_experts),
     }
     if c.num_shared_experts:
         s["shared"] = mlp_spec(D, c.moe_intermediate_size * c.num_shared_experts)
@@ -114,10 +122,10 @@ def moe_spec(c: ModelConfig) -> dict:
     return s
 
 
-def param_spec(c: ModelConfig, stacked: bool = False) -> dict:
+def param_spec(c: ModelConfig, stacked: bool = False, merged_experts: bool = False) -> dict:
     """Nested dict of Leaf: the single source of truth for the parameter tree (shapes, init kinds,
     logical axes). stacked: the scan layout (k3jax.layer_stack), scanned leaves with a leading
-    "layers" axis."""
+    "layers" axis. merged_experts: routed experts with one gate/up weight (k3jax.expert_layout)."""
     D, V = c.hidden_size, c.vocab_size
     norm = Leaf((D,), "norm", ("embed",))
     layers = []
@@ -125,7 +133,7 @@ def param_spec(c: ModelConfig, stacked: bool = False) -> dict:
         layer = {
             "input_norm": norm, "post_attn_norm": norm,
             "attn": kda_spec(c) if c.layer_types[i] == "kda" else mla_spec(c),
-            "mlp": mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else moe_spec(c),
+            "mlp": mlp_spec(D, c.intermediate_size) if c.mlp_types[i] == "dense" else moe_spec(c, merged_experts),
         }
         if c.attn_res_block_size:
             layer["attn_res"] = {k: norm for k in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm")}

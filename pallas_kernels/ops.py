@@ -125,7 +125,8 @@ def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
 def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, mxfp4: bool, activation: str, situ_beta: float,
                situ_linear_beta, reference, num_experts_total=None, layer=None, backend: Backend | None = None):
     """Routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]). experts holds w1/w3/w2 ([E, in, out])
-    or, when mxfp4, MXFP4 (w*_packed, w*_scale). `reference()` computes the same with the model's own jnp code.
+    or, when mxfp4, MXFP4 (w*_packed, w*_scale); w13 (w13_packed, w13_scale) in place of w1 and w3: the
+    merged gate/up layout (pallas_kernels/moe/layout.py). `reference()` computes the same with the model's own jnp code.
     num_experts_total: the model's expert count; under expert parallelism E is this device's share
     and the kernels size their tiles from the rows that land here (about T*k / num_experts_total).
     layer (int32, may be traced): every array in experts is a stack over layers ([L, E, ...]) and this
@@ -137,12 +138,13 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, mxfp4: bool, activat
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=b.interpret,
               num_experts_total=num_experts_total, layer=layer)
     if not mxfp4:
-        return moe.expert_mlp(x, topk_ids, topk_weights, experts["w1"], experts["w3"], experts["w2"], **kw)
+        up = (experts["w13"], None) if "w13" in experts else (experts["w1"], experts["w3"])
+        return moe.expert_mlp(x, topk_ids, topk_weights, *up, experts["w2"], **kw)
     # MXFP4: weights decoded in the kernels' main loop at every row count (decode tiles for few rows
     # per expert, schedule.PREFILL_TILES from 65 on). H200 (scripts/bench_moe.py, docs/bench_moe.md):
     # 435-673 us per decode MoE layer where dequantizing all experts first took 25-59 ms; at prefill
     # 1.36-1.49x faster than one XLA decode pass + the bf16 kernels (2026-12-01). (The "rel err 1.26
     # at K3 shapes" that once made this path suspect was a wrong reference in check_kernels_gpu.py.)
-    return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, (experts["w1_packed"], experts["w1_scale"]),
-                                (experts["w3_packed"], experts["w3_scale"]),
-                                (experts["w2_packed"], experts["w2_scale"]), decoder=b.mxfp4_decoder, **kw)
+    q = lambda n: (experts[f"{n}_packed"], experts[f"{n}_scale"])
+    up = (q("w13"), None) if "w13_packed" in experts else (q("w1"), q("w3"))
+    return moe.expert_mlp_mxfp4(x, topk_ids, topk_weights, *up, q("w2"), decoder=b.mxfp4_decoder, **kw)

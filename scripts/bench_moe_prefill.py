@@ -8,12 +8,13 @@ Per shape (Kimi-Linear 16k tokens, 256 experts top-8; K3 under 8-way EP, 32k tok
   - the plain bf16 grouped matmul of the up projection (D -> 2I as one weight) on the local
     rows: the rate the fused MLP is held to;
   - each stage alone as the MLP runs it (up = fused gate+up+SiTU reading the token rows in place,
-    down = the second grouped matmul): today's default tiles next to the variants: merged gate/up
+    down = the second grouped matmul): the default tiles next to the variants: merged gate/up
     weights (pallas_kernels.moe.layout), MXFP4 joined tiles (Tiling.joined), bm 256 with
-    half-height tail tiles (Tiling.half_tail);
-  - the whole expert MLP (sort, up, down, combine): today's defaults and the new forms with the
-    fastest up / down tilings measured just before, each with its error vs the bf16 MLP (on the
-    dequantized weights for MXFP4);
+    half-height tail tiles (Tiling.half_tail); each output's rel err on the first experts' rows
+    vs plain XLA dots (a wrong variant is never the fastest);
+  - the whole expert MLP (sort, up, down, combine): the defaults (two weights, merged) and the
+    forms with the fastest up / down tilings measured just before, each with its error vs the
+    two-weight bf16 MLP (on the dequantized weights for MXFP4);
   - ratios: MXFP4 MLP / bf16 MLP, fused MLP / plain gmm (TFLOP/s);
   - the MXFP4 decode stream (issue 20) at 256 tokens: plain gmm and fused up, today vs merged, in
     TB/s of the touched experts' packed bytes.
@@ -36,28 +37,29 @@ from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import schedule as sch
 from pallas_kernels.moe.schedule import Tiling
 
 T = Tiling
-# (bm, bk, bn, warps, stages[, swap_ab]); the first of each two-weight list is today's default
-# (schedule.PREFILL_TILES, run 5 of docs/bench_moe.md). "merged" = one gate/up weight with the
-# columns (bf16) / rows (MXFP4) interleaved (pallas_kernels.moe.layout): one MMA of 2 bn per tile.
+# (bm, bk, bn, warps, stages[, swap_ab, half_tail]); the first of each list is the default
+# (schedule.PREFILL_TILES, run 7 of docs/bench_moe.md). "merged" = one gate/up weight with the
+# columns (bf16) / rows (MXFP4, features in halves order) interleaved (pallas_kernels.moe.layout):
+# one MMA of 2 bn per tile. "tail/2": a group's last tile of <= bm/2 rows runs a bm/2-row loop.
 BF16_UP = [T(128, 64, 128, 8, 4)]
-BF16_UP_MERGED = [T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4), T(128, 64, 64, 8, 4)]
+BF16_UP_MERGED = [T(128, 64, 128, 8, 3), T(128, 64, 128, 8, 4)]
 BF16_DOWN = [T(128, 64, 256, 8, 3)]
 Q_UP = [T(128, 128, 128, 8, 3, True)]
-# merged, x in halves order: bm256 bn64 decodes 128 weight rows per K step for 256 rows (today: 256
-# for 128); "tail/2": a group's last tile of <= 128 rows runs a 128-row loop (Tiling.half_tail)
-Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(128, 128, 128, 8, 3, True)]
-# "joined": the decoded halves re-interleaved to natural K order, one MMA per K step (no wgmma wait
-# between the even and the odd half), x and h in natural order
+# merged, x and h in halves order: bm256 bn64 decodes 128 weight rows per K step for 256 rows
+Q_UP_MERGED = [T(256, 128, 64, 8, 3, True, True), T(256, 128, 64, 8, 4, True, True),
+               T(256, 64, 64, 8, 4, True, True), T(128, 128, 128, 8, 3, True)]
+# "joined": the decoded halves re-interleaved to natural K order, one MMA per K step, x and h in
+# natural order (merged weights: x natural, h in halves order, so no merged joined MLP)
 J = lambda *a: T(*a, joined=True)
-Q_UP_MERGED_J = [J(256, 128, 64, 8, 3, True, True), J(256, 128, 64, 8, 2, True, True),
-                 J(256, 64, 64, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(256, 128, 64, 8, 3, True)]
-Q_UP_J = [J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 4, True)]
-Q_DOWN = [T(128, 64, 128, 8, 3), T(256, 128, 128, 8, 3, True, True)]
-Q_DOWN_J = [J(256, 128, 128, 8, 3, True, True), J(256, 128, 128, 8, 2, True, True),
-            J(256, 64, 128, 8, 4, True, True), J(128, 128, 128, 8, 3, True), J(128, 64, 128, 8, 3)]
+Q_UP_MERGED_J = [J(256, 64, 64, 8, 4, True, True), J(256, 128, 64, 8, 3, True, True)]
+Q_UP_J = [J(128, 64, 128, 8, 4, True), J(128, 128, 128, 8, 3, True)]
+Q_DOWN = [T(256, 128, 128, 8, 3, True, True), T(256, 128, 128, 8, 4, True, True),
+          T(256, 64, 128, 8, 4, True, True), T(128, 64, 128, 8, 3)]
+Q_DOWN_J = [J(128, 64, 128, 8, 3), J(256, 64, 128, 8, 4, True, True)]
 PLAIN = T(128, 64, 256, 8, 3)  # bench_moe.md run 3's best plain tiling (507 / 547 TFLOP/s)
 # MXFP4 decode stream (issue 20): the fused gate+up at decode, two weights (today's tiles,
 # schedule.DECODE_MXFP4) vs merged; TB/s of the touched experts' packed bytes
@@ -118,22 +120,32 @@ class Run:
     return t
 
   def sweep(self, label, groups, frac):
-    """groups: [(op, fn(tiling) -> callable of args, args, flops, tilings)]. Compiles every
+    """groups: [(op, fn(tiling) -> callable of args, args, flops, tilings[, check])]. Compiles every
     variant side by side, then times them one after another (nothing else running: a compile
     thread holding the GIL would starve the timed loop's dispatch) until frac of the deadline,
-    at least one per op. Returns {op: fastest tiling or None}."""
-    jobs = [(op, t, args, flops, make(t)) for op, make, args, flops, tilings in groups for t in tilings]
-    done = compile_all([(fn, args) for _, _, args, _, fn in jobs])
-    best = {op: (None, None) for op, *_ in groups}
-    for (op, t, args, flops, _), (exe, err) in zip(jobs, done):
+    at least one per op. check(output) -> rel err vs a dense reference, in the row's note; a
+    variant over CHECK_TOL is never the fastest. Returns {op: fastest tiling or None}."""
+    jobs = [(op, t, g[2], g[3], g[1](t), g[5] if len(g) > 5 else None)
+            for g in groups for op, t in ((g[0], t) for t in g[4])]
+    done = compile_all([(fn, args) for _, _, args, _, fn, _ in jobs])
+    best = {g[0]: (None, None) for g in groups}
+    for (op, t, args, flops, _, check), (exe, err) in zip(jobs, done):
       if err is not None:
         self._row(label, op, t, None, flops, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
-      elif self.late(frac) and best[op][0] is not None:
+        continue
+      if self.late(frac) and best[op][0] is not None:
         self._row(label, op, t, None, flops, "skipped: deadline")
-      else:
-        tt = self.time(label, op, exe, args, flops, t)
-        if tt is not None and (best[op][1] is None or tt < best[op][1]):
-          best[op] = (t, tt)
+        continue
+      err_note, ok = "", True
+      if check is not None:
+        try:
+          e = check(exe(*args))
+          err_note, ok = f"rel err {e:.1e}", e < CHECK_TOL
+        except Exception as ex:  # noqa: BLE001
+          err_note, ok = f"check failed: {type(ex).__name__}: {str(ex)[:200]}", False
+      tt = self.time(label, op, exe, args, flops, t, note=err_note)
+      if ok and tt is not None and (best[op][1] is None or tt < best[op][1]):
+        best[op] = (t, tt)
     return {op: b[0] for op, b in best.items()}
 
 
@@ -164,6 +176,9 @@ UPQMJ = "mxfp4 up: merged gate/up + SiTU, joined (gather)"
 UPQJ = "mxfp4 up: fused gate+up+SiTU, joined (gather)"
 DOWNQ = "mxfp4 down gmm (halves in)"
 DOWNQJ = "mxfp4 down gmm, joined"
+MLP16 = "bf16 MLP, two weights, defaults"   # the bf16 rows' reference, fed dequantized weights the MXFP4 rows'
+CHECK_EXPERTS = 2  # stages checked on the rows of the first local experts (dense XLA references)
+CHECK_TOL = 3e-2   # rel err from which a variant is wrong (a bf16 output's rounding: ~4e-3)
 
 
 def _up16(act):
@@ -177,25 +192,68 @@ def _upq(act, out_halves=True):
       out_halves=out_halves)
 
 
-def _stage_groups(act, x, tok, gs, h, hq, ws, qs, merged, flops_up, flops_down):
-  """The stage sweeps, each array an argument of the function it times."""
+def _check_bounds(gs):
+  """Row bounds of the first CHECK_EXPERTS experts in the sorted order."""
+  return np.concatenate([[0], np.cumsum(np.asarray(gs[:CHECK_EXPERTS]))])
+
+
+def _dense_up(act, xs, gs, w1, w3):
+  """fp32 act(xs @ w1[e], xs @ w3[e]) on the rows of the first CHECK_EXPERTS experts (xs: rows in
+  the sorted order; w [E, in, out]): (r, [r, I])."""
+  bounds = _check_bounds(gs)
+  dot = lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
+  return int(bounds[-1]), jnp.concatenate([act(dot(xs[a:b], w1[e]), dot(xs[a:b], w3[e]))
+                                           for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+
+
+def _dense_refs(act, x, tok, gs, h, ws):
+  """fp32 references on the rows [0, r) of the first CHECK_EXPERTS experts (plain XLA dots): the
+  up stage (act of the two projections) and the down stage (h's rows), for ws = (w1, w3, w2)
+  [E, in, out]. Returns (r, up [r, I], down [r, D])."""
+  bounds = _check_bounds(gs)
+  r, up = _dense_up(act, x[tok[:int(bounds[-1])]], gs, ws[0], ws[1])
+  down = [jnp.dot(h[a:b], ws[2][e], preferred_element_type=jnp.float32)
+          for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+  return r, up, jnp.concatenate(down)
+
+
+def _check(ref, rows, halves=False, scaled=False):
+  """output -> rel err vs ref on its first `rows` rows, undoing the MXFP4 operand form (halves
+  order [even | odd] and / or the decoder's 2^shift) first."""
+  def check(out):
+    o = out[:rows].astype(jnp.float32)
+    if scaled:
+      o = o * jnp.float32(2.0 ** -mx.x_shift(mx.DECODER))
+    if halves:
+      o = jnp.stack(jnp.split(o, 2, axis=-1), axis=-1).reshape(o.shape)
+    return rel_err(o, ref)
+  return check
+
+
+def _stage_groups(act, x, tok, gs, h, ws, qs, merged, flops_up, flops_down):
+  """The stage sweeps, each array an argument of the function it times, each output checked on
+  the first experts' rows against dense references (bf16 weights / the dequantized MXFP4 ones)."""
   w1, w3, w2 = ws
   (p1, s1), (p3, s3), (p2, s2) = qs
   w13, (p13, s13) = merged
   shift = mx.x_shift(mx.DECODER)
   xh, xn = mx.to_operand(x, shift, False), mx.to_operand(x, shift, True)
-  down16 = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
+  hh, hn = mx.to_operand(h, shift, False), mx.to_operand(h, shift, True)  # the same h, both forms
+  deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0][:CHECK_EXPERTS], q[1][:CHECK_EXPERTS]), 1, 2)
+  r, up16, down16 = _dense_refs(act, x, tok, gs, h, ws)
+  _, upq, downq_ref = _dense_refs(act, x, tok, gs, h, [deq(q) for q in qs])
+  down16_fn = lambda t: lambda h, gs, w2: gm.run_bf16(h, (w2,), gs, tiling=t, zero_tail=False)
   downq = lambda t: lambda h, gs, p2, s2: gm.run_mxfp4(h, (p2, s2), gs, tiling=t, mode="kernel",
                                                        x_halves=True, zero_tail=False)
-  return [(UP16, _up16(act), (x, tok, gs, w1, w3), flops_up, BF16_UP),
-          (UP16M, _up16(act), (x, tok, gs, w13), flops_up, BF16_UP_MERGED),
-          (DOWN16, down16, (h, gs, w2), flops_down, BF16_DOWN),
-          (UPQ, _upq(act), (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP),
-          (UPQM, _upq(act, False), (xh, tok, gs, p13, s13), flops_up, Q_UP_MERGED),
-          (UPQMJ, _upq(act), (xn, tok, gs, p13, s13), flops_up, Q_UP_MERGED_J),
-          (UPQJ, _upq(act), (xn, tok, gs, p1, s1, p3, s3), flops_up, Q_UP_J),
-          (DOWNQ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN),
-          (DOWNQJ, downq, (hq, gs, p2, s2), flops_down, Q_DOWN_J)]
+  return [(UP16, _up16(act), (x, tok, gs, w1, w3), flops_up, BF16_UP, _check(up16, r)),
+          (UP16M, _up16(act), (x, tok, gs, w13), flops_up, BF16_UP_MERGED, _check(up16, r)),
+          (DOWN16, down16_fn, (h, gs, w2), flops_down, BF16_DOWN, _check(down16, r)),
+          (UPQ, _upq(act), (xh, tok, gs, p1, s1, p3, s3), flops_up, Q_UP, _check(upq, r, True, True)),
+          (UPQM, _upq(act), (xh, tok, gs, p13, s13), flops_up, Q_UP_MERGED, _check(upq, r, True, True)),
+          (UPQMJ, _upq(act, False), (xn, tok, gs, p13, s13), flops_up, Q_UP_MERGED_J, _check(upq, r, True)),
+          (UPQJ, _upq(act), (xn, tok, gs, p1, s1, p3, s3), flops_up, Q_UP_J, _check(upq, r, False, True)),
+          (DOWNQ, downq, (hh, gs, p2, s2), flops_down, Q_DOWN, _check(downq_ref, r)),
+          (DOWNQJ, downq, (hn, gs, p2, s2), flops_down, Q_DOWN_J, _check(downq_ref, r))]
 
 
 def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
@@ -222,10 +280,9 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
   qs = (q(w1), q(w3), q(w2))
   merged = (layout.merge_gate_up(w1, w3), jax.jit(layout.merge_gate_up_mxfp4)(qs[0], qs[1]))
   h = jax.random.normal(jax.random.key(7), (tok.shape[0], inter), jnp.bfloat16)
-  hq = h * jnp.asarray(2.0 ** mx.x_shift(mx.DECODER), h.dtype)
-  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, hq, (w1, w3, w2), qs, merged, flops_up,
+  best = run.sweep(label, _stage_groups(act, x, tok, gs, h, (w1, w3, w2), qs, merged, flops_up,
                                         flops_down), at(0.8))
-  del h, hq
+  del h
 
   # whole MLPs (compiled side by side, then run one after another); the bf16 MLP's program is the
   # MXFP4 rows' reference too (the same shapes, fed the dequantized weights)
@@ -238,14 +295,15 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
                                         num_experts_total=tot, **kw)
   mlp_m = lambda **kw: (lambda x, ids, wts, w13, w2: mlp(**kw)(x, ids, wts, w13, None, w2))
   qmlp_m = lambda **kw: (lambda x, ids, wts, w13, w2: qmlp(**kw)(x, ids, wts, w13, None, w2))
-  variants = [("bf16 MLP, today's defaults", mlp(), args, None)]
+  variants = [(MLP16, mlp(), args, None), ("bf16 MLP, merged gate/up, defaults", mlp_m(), margs, None)]
   if best[UP16M] and best[DOWN16]:
     tl = (best[UP16M], best[DOWN16])
     variants.append(("bf16 MLP, merged gate/up + fastest stages", mlp_m(tiling=tl), margs, tl))
-  variants.append(("mxfp4 MLP, today's defaults", qmlp(), qargs, None))
-  if best[UPQMJ] and best[DOWNQJ]:
-    tl = (best[UPQMJ], best[DOWNQJ])
-    variants.append(("mxfp4 MLP, merged gate/up, joined + fastest stages", qmlp_m(tiling=tl), qmargs, tl))
+  variants += [("mxfp4 MLP, two weights, defaults", qmlp(), qargs, None),
+               ("mxfp4 MLP, merged gate/up, defaults", qmlp_m(), qmargs, None)]
+  if best[UPQM] and best[DOWNQ]:
+    tl = (best[UPQM], best[DOWNQ])
+    variants.append(("mxfp4 MLP, merged gate/up + fastest stages", qmlp_m(tiling=tl), qmargs, tl))
   if best[UPQJ] and best[DOWNQJ]:
     tl = (best[UPQJ], best[DOWNQJ])
     variants.append(("mxfp4 MLP, two weights, joined + fastest stages", qmlp(tiling=tl), qargs, tl))
@@ -264,48 +322,65 @@ def bench_shape(run, label, tokens, d, inter, e_global, e_local, k, window):
       run._row(label, op, None, None, flops_mlp, f"compile failed: {type(err).__name__}: {str(err)[:200]}")
       continue
     bf16 = a is args or a is margs
-    ref = (None if op == variants[0][0] else ref16) if bf16 else refq
-    what = "today's bf16 MLP" if bf16 else "bf16 MLP on dequantized weights"
+    ref = (None if op == MLP16 else ref16) if bf16 else refq
+    what = "the two-weight bf16 MLP" if bf16 else "bf16 MLP on dequantized weights"
+    err = None
     try:
-      note = "" if ref is None else f"rel err vs {what} {rel_err(exe(*a), ref):.1e}"
+      err = None if ref is None else rel_err(exe(*a), ref)
+      note = "" if err is None else f"rel err vs {what} {err:.1e}"
     except Exception as e:  # noqa: BLE001
-      note = f"check failed: {type(e).__name__}: {str(e)[:200]}"
-    run.time(label, op, exe, a, flops_mlp,
-             note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + note)
+      note, err = f"check failed: {type(e).__name__}: {str(e)[:200]}", float("inf")
+    if run.time(label, op, exe, a, flops_mlp,
+                note=(f"up {tname(tl[0])} / down {tname(tl[1])}; " if tl else "") + note):
+      run.rows[-1]["err"] = err
   _ratios(run, label)
 
 
 def bench_decode(run, label, tokens, d, inter, e_global, e_local, k):
-  """MXFP4 fused gate+up at decode: TB/s of the touched experts' packed weights + scales."""
+  """The fused gate+up at decode, two weights vs merged: TB/s of the touched experts' bytes (MXFP4:
+  packed weights + scales; bf16 at the default tiles, the Kimi-Linear case), each checked on the
+  first experts' rows."""
   ids, _, x, *_ = _inputs(tokens, d, 16, e_global, e_local, k)
   tok, gs, _ = moe.sort_by_expert(ids, e_local)
   touched = int((gs > 0).sum())
-  nbytes = touched * 2 * inter * (d // 2 + d // 32)
+  nbytes = {"mxfp4": touched * 2 * inter * (d // 2 + d // 32), "bf16": touched * 2 * inter * d * 2}
   key = jax.random.key(9)
   w = lambda i: jax.random.normal(jax.random.fold_in(key, i), (e_local, inter, d), jnp.float32) * 0.02
   q1, q3 = moe.quantize_mxfp4(w(0)), moe.quantize_mxfp4(w(1))
   q13 = jax.jit(layout.merge_gate_up_mxfp4)(q1, q3)
+  w1, w3 = (jnp.swapaxes(w(i), 1, 2).astype(jnp.bfloat16) for i in (0, 1))
+  w13 = layout.merge_gate_up(w1, w3)
   act = functools.partial(kn.glu_activation, activation="situ")
   xs = x[tok]
   avg = tokens * k / e_global
+  deq = lambda q: jnp.swapaxes(moe.dequantize_mxfp4(q[0][:CHECK_EXPERTS], q[1][:CHECK_EXPERTS]), 1, 2)
+  r, ref_q = _dense_up(act, xs, gs, deq(q1), deq(q3))
+  _, ref_16 = _dense_up(act, xs, gs, w1, w3)
   up = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, act=act, mode="kernel",
                                                  avg_rows=avg)
+  up16 = lambda t: lambda x, gs, *ws: gm.run_bf16(x, ws, gs, tiling=t, act=act, avg_rows=avg)
+  t16 = lambda fused: [sch.choose_tiling(xs.shape[0], d, inter, e_local, fused=fused, avg_rows=avg)]
   label = f"{label} ({int(gs.sum())} local rows on {touched} experts, {d}->{inter}x2)"
   plain = lambda t: lambda x, gs, *ws: gm.run_mxfp4(x, ws, gs, tiling=t, mode="kernel")
   groups = [("mxfp4 decode plain gmm D -> 2I (issue 20's stream)", plain, (xs, gs, *q13), 0.0, DECODE_UP),
-            ("mxfp4 decode up: two weights (today)", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP),
-            ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED)]
+            ("mxfp4 decode up: two weights", up, (xs, gs, *q1, *q3), 0.0, DECODE_UP, _check(ref_q, r)),
+            ("mxfp4 decode up: merged gate/up", up, (xs, gs, *q13), 0.0, DECODE_UP_MERGED,
+             _check(ref_q, r, halves=True)),
+            ("bf16 decode up: two weights", up16, (xs, gs, w1, w3), 0.0, t16(True), _check(ref_16, r)),
+            ("bf16 decode up: merged gate/up", up16, (xs, gs, w13), 0.0, t16("merged"), _check(ref_16, r))]
   n0 = len(run.rows)
   run.sweep(label, groups, 1.0)
-  for r in run.rows[n0:]:  # rate in TB/s of packed bytes in the tflops column's place
-    if r["us"]:
-      r["tbs"] = nbytes / (r["us"] * 1e-6) / 1e12
-      r["note"] = (r["note"] + f" {r['tbs']:.2f} TB/s packed").strip()
-      r["tflops"] = None
+  for row in run.rows[n0:]:  # rate in TB/s of the weight bytes in the tflops column's place
+    if row["us"]:
+      fmt = row["op"].split()[0]
+      row["tbs"] = nbytes[fmt] / (row["us"] * 1e-6) / 1e12
+      row["note"] = (row["note"] + f" {row['tbs']:.2f} TB/s {'packed' if fmt == 'mxfp4' else 'bf16'}").strip()
+      row["tflops"] = None
 
 
 def _ratios(run, label):
-  got = {r["op"]: r for r in run.rows if r["shape"] == label and r["tflops"]}
+  got = {r["op"]: r for r in run.rows if r["shape"] == label and r["tflops"]
+         and (r.get("err") or 0) < CHECK_TOL}  # a wrong variant is no one's best
   best = lambda prefix: max((r for op, r in got.items() if op.startswith(prefix)),
                             key=lambda r: r["tflops"], default=None)
   plain = got.get("bf16 plain gmm (D -> 2I, one weight)")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
+from k3jax.expert_layout import split_experts
 from k3jax.layers.common import glu_act, upcast
 from k3jax.layers.moe import MoE, expert_weights
 from pallas_kernels import ops
@@ -87,7 +88,10 @@ def routed_experts_ep(pe, z, weights, ids, c: ModelConfig, mesh, *, capacity_fac
     """Expert-parallel `routed_experts`: z [T, D'], weights [T, k] fp32, ids [T, k] -> [T, D'] (z.dtype).
 
     mesh: a Mesh with axes data/expert/tensor; num_experts must be divisible by the expert axis.
+    Experts in the merged gate/up layout (k3jax.expert_layout, a single-device load) are split back
+    first: the partition rules and the tensor split of the intermediate width are the checkpoint's.
     """
+    pe = split_experts(pe)
     sizes = axis_sizes(mesh)
     n, E = sizes["expert"], c.num_experts
     if E % n:

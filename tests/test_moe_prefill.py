@@ -53,16 +53,17 @@ def test_prefill_tiles_survive_the_shared_memory_check():
 # ------------------------------------- merged gate/up weights, half-height tail tiles
 
 def test_merged_gate_up_layout_round_trips():
-  """The merged layouts interleave gate / up columns (bf16) or rows (MXFP4); unmerge gives the
-  inputs back bit for bit."""
+  """The merged layouts interleave gate / up columns (bf16) or rows (MXFP4; features in halves
+  order: 0, 2, 4, 6, 1, 3, 5, 7); unmerge gives the inputs back bit for bit."""
   from pallas_kernels.moe import layout
   r = _rng(30)
   q = lambda: (jnp.asarray(r.integers(0, 256, (2, 8, 16), dtype=np.uint8)),
                jnp.asarray(r.integers(100, 140, (2, 8, 1), dtype=np.uint8)))
   q1, q3 = q(), q()
   merged = layout.merge_gate_up_mxfp4(q1, q3)
-  np.testing.assert_array_equal(np.asarray(merged[0])[:, 2 * 5], np.asarray(q1[0])[:, 5])
-  np.testing.assert_array_equal(np.asarray(merged[1])[:, 2 * 3 + 1], np.asarray(q3[1])[:, 3])
+  np.testing.assert_array_equal(np.asarray(merged[0])[:, 2 * 5], np.asarray(q1[0])[:, 3])
+  np.testing.assert_array_equal(np.asarray(merged[0])[:, 2 * 2], np.asarray(q1[0])[:, 4])
+  np.testing.assert_array_equal(np.asarray(merged[1])[:, 2 * 3 + 1], np.asarray(q3[1])[:, 6])
   for a, b in zip((*q1, *q3), (*sum(layout.unmerge_gate_up_mxfp4(merged), ()),)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   w1, w3 = (_bf16(r.standard_normal((2, 4, 6))) for _ in range(2))
@@ -73,8 +74,8 @@ def test_merged_gate_up_layout_round_trips():
 
 @pytest.mark.parametrize("fmt,swap,gather,joined,merged", [
     ("bf16", False, True, False, True), ("mxfp4", False, False, False, True),
-    ("mxfp4", True, True, False, True), ("mxfp4", True, True, True, True),
-    ("mxfp4", True, True, True, False), ("mxfp4", False, False, True, True)])
+    ("mxfp4", True, True, False, True), ("mxfp4", True, True, True, False),
+    ("mxfp4", False, False, True, False)])
 def test_expert_mlp_merged_joined_half_tail_matches_numpy(fmt, swap, gather, joined, merged):
   """The expert MLP on merged gate/up weights (one matmul per tile, the activation splitting its
   accumulator) or two, MXFP4 halves joined back into natural K order (one MMA per K step, x and h
@@ -107,6 +108,10 @@ def test_merged_gate_up_rejects_predequant_and_bad_pairs():
                          None, q2, activation="silu", interpret=True, mode="predequant")
   with pytest.raises(ValueError, match="differ"):
     layout.merge_gate_up_mxfp4(q1, q2)
+  with pytest.raises(ValueError, match="halves order"):
+    moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), layout.merge_gate_up_mxfp4(q1, q3),
+                         None, q2, activation="silu", interpret=True,
+                         tiling=(Tiling(16, 32, 16, joined=True), Tiling(16, 32, 16, joined=True)))
   with pytest.raises(ValueError, match="agree on joined"):
     moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts), q1, q3, q2, activation="silu",
                          interpret=True, tiling=(Tiling(16, 32, 16, joined=True), Tiling(16, 32, 16)))
@@ -146,7 +151,7 @@ def test_expert_mlp_merged_prefill_defaults(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
   """Merged gate/up weights stacked over layers ([L, E, ...]): `layer` picks its experts in place
-  (MXFP4 with joined, half-tail tiles); layer 0 holds other weights, so reading it would show."""
+  (MXFP4 with half-tail tiles); layer 0 holds other weights, so reading it would show."""
   from pallas_kernels.moe import layout
   x, local, wts, (q1, q3, q2), ref = _ep_case(34, 40, 64, 64, 2, 3, 2, "situ")
   stack = lambda a: jnp.stack([jnp.flip(a, axis=0), a])      # layer 0: the experts in reverse order
@@ -156,8 +161,31 @@ def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
     out = moe.expert_mlp(x, jnp.asarray(local), jnp.asarray(wts), stack(layout.merge_gate_up(w1, w3)),
                          None, stack(w2), **kw)
   else:
-    tiles = (Tiling(32, 32, 16, 4, 3, True, True, True), Tiling(32, 32, 32, 4, 3, True, True, True))
+    tiles = (Tiling(32, 32, 16, 4, 3, True, True), Tiling(32, 32, 32, 4, 3, True, True))
     out = moe.expert_mlp_mxfp4(x, jnp.asarray(local), jnp.asarray(wts),
                                tuple(map(stack, layout.merge_gate_up_mxfp4(q1, q3))), None,
                                tuple(map(stack, q2)), tiling=tiles, mode="kernel", **kw)
   _close(out, ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_joined_halves_never_join_straight_from_the_decoder_asm(swap):
+  """XLA's Triton joins a tt.join's operands two values at a time when the first one comes straight
+  from an inline asm of 4 packed elements with 16-bit results (its int4 unpacking patch), which
+  scrambled the joined MXFP4 tiles' K order on the H200 (rel err 1.2-1.3, 2026-12-01; interpret
+  mode and upstream Triton join one at a time). The kernel's Triton IR must give the join another
+  producer (kernel.interleave_k: a bitcast)."""
+  import re
+  import jax
+  from scripts_module import load_script
+  triton_ir = load_script("sass_moe").triton_ir
+  g, k, n = 4, 256, 128
+  sds = jax.ShapeDtypeStruct
+  p, s = sds((g, n, k // 2), jnp.uint8), sds((g, n, k // 32), jnp.uint8)
+  t = Tiling(64, 64, 64, 4, 3, swap, joined=True)
+  f = lambda x, gs, p, s: gm.run_mxfp4(x, (p, s), gs, tiling=t, mode="kernel", decoder="ptx8")
+  ir = triton_ir(f, sds((256, k), jnp.bfloat16), sds((g,), jnp.int32), p, s)
+  asm = set(re.findall(r"(%\w+) = tt\.elementwise_inline_asm .*packed_element = 4", ir))
+  joins = re.findall(r"tt\.join (%\w+), (%\w+)", ir)
+  assert len(asm) == 2 and len(joins) == 1, (asm, joins)
+  assert not asm & {a for a, _ in joins}, joins

@@ -74,3 +74,18 @@ def test_experts_not_divisible_by_expert_axis_raise():
     ids = jnp.zeros((4, c.num_experts_per_token), jnp.int32)
     with pytest.raises(ValueError, match="12 experts are not divisible by the expert axis"):
         routed_experts_ep(pe, x[:4, :c.expert_hidden], jnp.ones(ids.shape), ids, c, mesh)
+
+
+def test_ep_splits_merged_experts_back():
+    """A single-device load's merged gate/up (k3jax.expert_layout) reaching the expert-parallel path
+    with a tensor split: split back to the checkpoint layout first, so the same output as that layout."""
+    from k3jax.expert_layout import merge_experts
+    c, params, _ = _setup("mxfp4", jnp.float32)
+    pe = params["layers"][1]["mlp"]["experts"]
+    r = np.random.RandomState(3)
+    x = jnp.asarray(r.standard_normal((13, c.expert_hidden)), jnp.float32)    # the experts' (latent) width
+    ids = jnp.asarray(np.stack([r.choice(c.num_experts, c.num_experts_per_token, replace=False)
+                                for _ in range(x.shape[0])]), jnp.int32)
+    wts = jnp.asarray(r.rand(*ids.shape), jnp.float32)
+    f = jax.jit(lambda pe, x: routed_experts_ep(pe, x, wts, ids, c, make_mesh("tensor=2,expert=4")))
+    np.testing.assert_array_equal(np.asarray(f(merge_experts(pe), x)), np.asarray(f(pe, x)))

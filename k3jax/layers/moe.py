@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.expert_layout import split_experts
 from k3jax.layers.common import DenseMLP, glu_act, rms_norm, upcast
 from k3jax.layers.module import Group, value
 from k3jax.params import experts_spec, moe_spec
@@ -19,7 +20,9 @@ from pallas_kernels.backend import Backend, resolve
 
 
 def expert_weights(pe, dtype, mxfp4: bool):
-    """(w1, w3, w2) as [E, in, out] arrays from an experts dict; MXFP4 experts are dequantized on the fly."""
+    """(w1, w3, w2) as [E, in, out] arrays from an experts dict (merged gate/up split again: a copy);
+    MXFP4 experts are dequantized on the fly."""
+    pe = split_experts(pe)
     if not mxfp4:
         return pe["w1"], pe["w3"], pe["w2"]
     from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
@@ -54,7 +57,8 @@ def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backe
 
 
 class RoutedExperts(Group):
-    """The routed experts [E, ...] (bf16 w1/w3/w2, or MXFP4 packed values and E8M0 scales: `mxfp4`)."""
+    """The routed experts [E, ...] (bf16 w1/w3/w2, or MXFP4 packed values and E8M0 scales: `mxfp4`;
+    gate and up as one w13 in the merged layout, k3jax.expert_layout)."""
     spec_for = staticmethod(experts_spec)
 
     def __init__(self, spec: dict, values: dict, config: ModelConfig):

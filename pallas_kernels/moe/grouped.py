@@ -138,7 +138,9 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   mxfp4.to_operand(x, shift, tiling.joined) ([even | odd] columns, or natural order for joined
   tiles; times 2^shift). out_halves: write the output as the next MXFP4 kernel's x operand of the
   same form (halves order needs N % (2 bn) == 0 and two weights or one). Merged gate/up (one
-  weight with act: packed [G, 2N, K/2], layout.merge_gate_up_mxfp4) writes natural order.
+  weight with act: packed [G, 2N, K/2], layout.merge_gate_up_mxfp4) holds its features in halves
+  order, so its output is in halves order whatever the tiles; out_halves adds the 2^shift (and is
+  refused with joined tiles, whose consumer would read natural order).
   """
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
@@ -169,10 +171,10 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
     t = _as_tiling(tiling, m, k, n + rn, g, mxfp4=True, fused=_fused(act, merged),
                    avg_rows=avg_rows, decoder=decoder)
     fmt = "mxfp4"
-  split = out_halves and not t.joined  # joined tiles read x in natural order
-  if split and merged:
-    raise ValueError("merged gate/up weights write natural column order: out_halves needs joined "
-                     "tiles (Tiling.joined)")
+  if out_halves and merged and t.joined:
+    raise ValueError("merged MXFP4 gate/up weights write h in halves order "
+                     "(layout.merge_gate_up_mxfp4): out_halves cannot take joined tiles (natural order)")
+  split = out_halves and not t.joined and not merged  # joined: natural order; merged: halves already
   if split and (n + rn) % (2 * t.bn):
     t = dataclasses.replace(t, bn=sch.pow2_divisor((n + rn) // 2, t.bn))
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)

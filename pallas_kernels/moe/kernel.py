@@ -36,6 +36,20 @@ def glu_activation(g, u, activation: str, situ_beta: float = 4.0,
   raise ValueError(f"unknown activation {activation!r}")
 
 
+def interleave_k(even, odd):
+  """[n, k/2] x 2 -> [n, k]: even at columns 2j, odd at 2j + 1 (tt.join + tt.reshape in Triton).
+
+  The halves are joined as uint16, not as the decoder's bf16 results: XLA's Triton
+  (speed_up_int4_unpacking.patch in XLA's third_party/triton) lowers a tt.join whose first operand
+  comes straight from an inline-asm op with 4 packed elements and a 16-bit result as if the asm had
+  produced its own int4-unpacking order: it joins two values of each operand at a time, which
+  scrambles K here (the joined MXFP4 MLPs measured rel err 1.2-1.3 on the H200, 2026-12-01). A
+  bitcast in between costs no instruction and keeps Triton's plain join."""
+  bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+  joined = jnp.stack([bits(even), bits(odd)], axis=-1).reshape(even.shape[0], 2 * even.shape[1])
+  return jax.lax.bitcast_convert_type(joined, even.dtype)
+
+
 def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, n, g, tiling, act, decoder, shift,
             gather, zero_tail, split_rows, out_scale):
   idx_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
@@ -98,7 +112,7 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, n, g, t
           sb = s_ref[wid, w_rows, pl.ds(kk * (bk // 32), bk // 32)]
           w_even, w_odd = mx.decode_halves(pb, sb, decoder, shift)
           if tiling.joined:  # back to natural K order: one MMA per K step
-            wj = jnp.stack([w_even, w_odd], axis=-1).reshape(w_even.shape[0], bk)
+            wj = interleave_k(w_even, w_odd)
             new.append(acc + (plt.dot(wj, xb, trans_b=True) if swap else plt.dot(xb, wj, trans_b=True)))
           elif swap:  # acc^T [bn, bm] += w [bn, bk/2] . x^T
             acc = acc + plt.dot(w_even, xe, trans_b=True)

@@ -126,7 +126,8 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   to the up kernel in MXFP4 halves order and the up kernel writes h in that order for the down
   kernel: no split pass over the rows (joined tiles: x and h in natural order, times 2^shift; the
   up and down tilings must agree on Tiling.joined). w3 None: w1 is the merged gate/up weight
-  (layout.merge_gate_up_mxfp4; mode 'kernel' only)."""
+  (layout.merge_gate_up_mxfp4; mode 'kernel' only, not joined tiles): its features are in halves
+  order, so h always reaches the down kernel as its operand, also at decode."""
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
   deq = lambda w: jnp.swapaxes(mx.dequantize_mxfp4(w[0], w[1], x.dtype), 1, 2)
@@ -143,9 +144,11 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
     t_up, t_down = _mxfp4_tilings(t_up, t_down, avg, merged, (E, x.shape[1], w2[0].shape[-1] * 2),
                                   decoder)
     joined = t_up.joined
+  if merged and joined:
+    raise ValueError("merged MXFP4 gate/up weights write h in halves order, which joined tiles "
+                     "(natural order) cannot read: run them with two weights")
   halves = use_gather and mode == "kernel"  # x handed over as the kernel's operand
-  # h as the down kernel's operand; merged weights write natural order, which only joined tiles read
-  h_halves = halves and (joined or not merged)
+  h_halves = halves or merged  # h as the down kernel's operand (merged: halves order by layout)
   kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather, layer=layer, decoder=decoder)
   up = tuple(w1) if merged else (*w1, *w3)
 

@@ -127,7 +127,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
     bm = 128
   decode = bm <= 32
   if decode and mxfp4 and bm == 16 and (decoder or mx.DECODER) == "ptx8":
-    t = DECODE_MXFP4
+    t = DECODE_MXFP4_MERGED if fused == "merged" else DECODE_MXFP4
     return dataclasses.replace(t, bk=pow2_divisor(k, t.bk, 32), bn=pow2_divisor(n, t.bn))
   if bm == 128:
     t = PREFILL_TILES[(mxfp4, fused)]
@@ -151,23 +151,23 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
 
 
 # Prefill (more than 64 rows per expert: bm 128 and up) tiles by (MXFP4 weights, fused gate+up):
-# the fastest of each stage in scripts/bench_moe.py --prefill at K3-EP8 32k tokens and Kimi-Linear
-# 16k tokens (docs/bench_moe.md, issue 25). MXFP4 fused: the decoded weights as the MMA's A operand.
+# the fastest correct tiling of each stage in scripts/bench_moe.py --prefill at K3-EP8 32k tokens and
+# Kimi-Linear 16k tokens (docs/bench_moe.md runs 5-7, issue 25). MXFP4 swap_ab: the decoded weights as
+# the MMA's A operand; bm 256 with half-height tails (Tiling.half_tail). "merged": one gate/up
+# weight (pallas_kernels.moe.layout), MXFP4 with h written in halves order for the down kernel.
+# "joined": the down kernel after a joined up kernel (callers passing joined tilings).
 PREFILL_TILES = {
     (False, False): Tiling(128, 64, 256, 8, 3),
     (False, True): Tiling(128, 64, 128, 8, 4),
-    (True, False): Tiling(128, 64, 128, 8, 3),
+    (True, False): Tiling(256, 128, 128, 8, 3, swap_ab=True, half_tail=True),
     (True, True): Tiling(128, 128, 128, 8, 3, swap_ab=True),
-    # Not measured yet (docs/bench_moe.md run 6 is to measure them): picks from the offline SASS
-    # (scripts/sass_moe.py --prefill): merged bf16 = the plain gmm's 256-column MMA; MXFP4 merged /
-    # joined = one 64x256 wgmma stream per K step with no wait inside the loop. Only callers passing
-    # merged weights or joined tilings reach them; the two-weight defaults above are run 5's winners.
     (False, "merged"): Tiling(128, 64, 128, 8, 3),
-    (True, "merged"): Tiling(256, 128, 64, 8, 3, swap_ab=True, half_tail=True, joined=True),
-    (True, "joined"): Tiling(256, 128, 128, 8, 3, swap_ab=True, half_tail=True, joined=True),
+    (True, "merged"): Tiling(256, 128, 64, 8, 3, swap_ab=True, half_tail=True),
+    (True, "joined"): Tiling(128, 64, 128, 8, 3, joined=True),
 }
 # The MXFP4 down kernel reads h in the operand form the up kernel wrote (Tiling.joined)
-assert not PREFILL_TILES[(True, False)].joined and PREFILL_TILES[(True, "joined")].joined
+assert not any(PREFILL_TILES[(True, f)].joined for f in (False, True, "merged"))
+assert PREFILL_TILES[(True, "joined")].joined
 
 
 def as_tiling(t) -> Tiling:
@@ -202,3 +202,7 @@ def pipeline_smem_bytes(bm: int, bk: int, bn: int, stages: int, fused: bool, ite
 # (bench_moe.py, 8 tilings at 3 decode shapes): this one was fastest at all three, 2.58-2.63 TB/s of
 # packed weights (bk 128: 2.11-2.30; ptx4 with its (16, 256, 64, 4 warps) tiles: 1.95-2.00).
 DECODE_MXFP4 = Tiling(bm=16, bk=256, bn=64, num_warps=2, num_stages=3, swap_ab=True)
+# Merged gate/up at decode: 64 weight rows per tile (32 gate/up pairs), the plain gmm's stream:
+# H200 2026-12-01, 256 tokens: Kimi 268.7 us (two weights 345.2, merged bn 64: 295.8), K3-EP8 558.3
+# (two weights 645.1, merged bn 64: 575.0).
+DECODE_MXFP4_MERGED = dataclasses.replace(DECODE_MXFP4, bn=32)
