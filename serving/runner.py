@@ -55,6 +55,11 @@ def _step_key(batch) -> tuple:
             batch.mm_embeds is not None)
 
 
+def _sampler_key(sarr) -> tuple:
+    """The compiled sampler variant sampling arrays need: rows, optional fields' shapes, static flags."""
+    return ("sample", sarr.temperature.shape[0]) + ModelRunner._variant(sarr)
+
+
 def _fit(buckets: Sequence[int], n: int) -> int:
     for b in buckets:
         if n <= b:
@@ -291,16 +296,16 @@ class ModelRunner:
         to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
         t0 = time.perf_counter()
-        if self._aot:
-            self._compile_steps(shapes, progress, threads)
-        for T, N, decode, mm in tqdm_if(shapes, progress and not self._aot):
-            self._run_padding(T, N, decode=decode, mm=mm)
-        # every sampler variant (penalties x allowed-token mask) of every sequence bucket, on the smallest
-        # step that holds it: a request with presence_penalty must not compile while others run
-        # (penalties, masked) x (top-k/top-p sort, top logprobs): the common ones, or all 16 when a compile
-        # after warm-up would be an error (all_sampler_variants); 0.5-1 s each on CPU
+        # sampler variants of every sequence bucket, (penalties, masked) x (top-k/top-p sort, top logprobs): the
+        # common ones, or all 16 when a compile after warm-up would be an error (all_sampler_variants); a
+        # request with presence_penalty must not compile while others run
         variants = [v for v in itertools.product((False, True), repeat=4)
                     if all_sampler_variants or not any(v[2:]) or not any(v[:2])]
+        if self._aot:
+            self._compile_steps(shapes, progress, threads, variants)
+        for T, N, decode, mm in tqdm_if(shapes, progress and not self._aot):
+            self._run_padding(T, N, decode=decode, mm=mm)
+        # each variant once, on the smallest step that holds its bucket (compiled above, or here)
         for N in self.seq_buckets:
             T = _fit(self.token_buckets, N)
             for variant in variants:
@@ -308,20 +313,29 @@ class ModelRunner:
         self.copy_pages([(0, 0)])
         log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
 
-    def _compile_steps(self, shapes, progress: bool, threads: int | None):
-        """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes, kept by shape
-        for _call; traced here in turn, compiled concurrently."""
+    def _compile_steps(self, shapes, progress: bool, threads: int | None, sampler_variants=()):
+        """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes and of the sampler
+        for each sequence bucket's variants (warmup's flags), kept by shape for _call; traced here in turn,
+        compiled concurrently."""
         import concurrent.futures
-        # default: half the cores (up to 8); XLA's own compile passes use threads too
-        threads = max(1, min(len(shapes), threads or min(8, (os.cpu_count() or 2) // 2)))
         lowered = {}
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
             lowered[_step_key(batch)] = self._step.lower(self.params, self.pools, batch, self.last_tokens)
+        for N in self.seq_buckets:
+            logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
+                                          jnp.result_type(self.params["embed"].dtype, jnp.float32))
+            for v in sampler_variants:
+                _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
+                lowered[_sampler_key(sarr)] = self._sample.lower(logits, sarr, self.key_data, np.zeros(N, np.int32),
+                                                                 self.last_tokens)
+        # default: half the cores (up to 8); XLA's own compile passes use threads too
+        threads = max(1, min(len(lowered), threads or min(8, (os.cpu_count() or 2) // 2)))
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(lowered), desc=f"warm-up (compiling step shapes, {threads} threads)", unit="shape")
+            bar = tqdm(total=len(lowered), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
+                       unit="program")
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
             futures = {pool.submit(low.compile): key for key, low in lowered.items()}
             for done in concurrent.futures.as_completed(futures):
@@ -362,8 +376,9 @@ class ModelRunner:
                 batch, sarr, counters = args
                 step = self._compiled.get(_step_key(batch), self._step)     # warm-up's executable, if any
                 logits, self.pools = step(self.params, self.pools, batch, self.last_tokens)
-                toks, lp, (top_ids, top_vals), self.last_tokens = self._sample(logits, sarr, self.key_data, counters,
-                                                                              self.last_tokens)
+                sample = self._compiled.get(_sampler_key(sarr), self._sample)
+                toks, lp, (top_ids, top_vals), self.last_tokens = sample(logits, sarr, self.key_data, counters,
+                                                                         self.last_tokens)
                 return multihost.settle((toks, lp, top_ids, top_vals))
             if control == "copy":
                 src, dst = args
