@@ -181,8 +181,9 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     cfg = tuning_for(num_heads, decode, max_pages * page_size, config)
     groups = cfg.pop("head_groups", None)
     if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
-        # an entry is a head count (the other config keys apply) or (heads, config tuple or None)
-        groups = [(g, cfg) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
+        # an entry is a head count (config's other keys apply) or (heads, config tuple or None)
+        rest = {k: v for k, v in dict(config or {}).items() if k != "head_groups"}
+        groups = [(g, rest) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
         if sum(h for h, _ in groups) != num_heads:
             raise ValueError(f"head_groups {groups} must sum to H={num_heads}")
         outs, a = [], 0
