@@ -424,8 +424,9 @@ def plan(tiny):
                        ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)])
 
 
+# run order: defaults first, the checks of every timed config, then the variants
 SECTIONS = ("kda_decode", "kda_decode_model", "mla_decode", "mla_model", "kda_prefill", "kda_prefill_model",
-            "kda_decode_variants", "checks", "mla_variants")
+            "checks", "kda_decode_variants", "mla_variants")
 
 
 def main(argv=None):
@@ -454,7 +455,7 @@ def main(argv=None):
           f"(>= 64k)", flush=True)
     anchors(run)
     p = plan(args.tiny)
-    steps = dict(  # in priority order: defaults first, then the variants
+    steps = dict(
         kda_decode=lambda: kda_decode_rows(run, p["kda_decode"], None),
         kda_decode_model=lambda: kda_decode_model_rows(run, p["kda_decode_model"]),
         mla_decode=lambda: mla_decode_rows(run, p["mla"], {}),
