@@ -197,10 +197,13 @@ MLA_H96_VARIANTS = [
     ("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96),
     ("heads 64 (T r64 w8) + 32 (T w4)", ((64, "T-w8-r64"), (32, "T-w4"))),
 ]
-# page-16 variants of the model's call: 16-key blocks lie inside one page (contiguous rows, no gather)
-KIMI_PAGE16 = [("T w4 bk16 (one page a block)", "T-w4-bk16")]
+# page-16 variants of the model's call: 16-key blocks lie inside one page (contiguous rows, no gather);
+# small blocks may need more stages in flight; keys-on-M at bk16 has M=16, so the row form too
+KIMI_PAGE16 = [("T w4 bk16 (one page a block)", "T-w4-bk16"), ("T w4 bk16 st4", "T-w4-bk16-st4"),
+               ("R w4 bk16 st4", "R-w4-bk16-st4")]
 K3_8K_PAGE16 = [("one group R r64 w8 (default before)", "R-w8-r64"),
-                ("split, bk16 (one page a block)", ((64, "R-w8-r64-bk16"), (32, "T-w4-bk16")))]
+                ("split, bk16 (one page a block)", ((64, "R-w8-r64-bk16"), (32, "T-w4-bk16"))),
+                ("split, bk16 st4", ((64, "R-w8-r64-bk16-st4"), (32, "R-w4-bk16-st4")))]
 K3_128K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
 
 
@@ -370,7 +373,9 @@ def checks(run):
             ("head groups R r64 w8 + T w4, fp32, page 16", big + small, ((big, "R-w8-r64"), (small, "T-w4"))),
             ("head groups T r64 w8 + T w4, fp32, page 16", big + small, ((big, "T-w8-r64"), (small, "T-w4"))),
             ("head groups bk16, fp32, page 16", big + small, ((big, "R-w8-r64-bk16"), (small, "T-w4-bk16"))),
-            (f"H={small} T w4 bk16, fp32, page 16", small, "T-w4-bk16")]:
+            ("head groups bk16 st4, fp32, page 16", big + small, ((big, "R-w8-r64-bk16-st4"), (small, "R-w4-bk16-st4"))),
+            (f"H={small} T w4 bk16, fp32, page 16", small, "T-w4-bk16"),
+            (f"H={small} T w4 bk16 st4, fp32, page 16", small, "T-w4-bk16-st4")]:
         cfg = _mla_config(spec, heads, 16, bt.shape[1], 5)
         row("MLA decode", label, lambda cfg=cfg, h=heads: err(
             mla_paged_decode(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
