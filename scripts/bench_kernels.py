@@ -204,7 +204,7 @@ KIMI_PAGE16 = [("T w4 bk16 (one page a block)", "T-w4-bk16"), ("T w4 bk16 st4", 
 K3_8K_PAGE16 = [("one group R r64 w8 (default before)", "R-w8-r64"),
                 ("split, bk16 (one page a block)", ((64, "R-w8-r64-bk16"), (32, "T-w4-bk16"))),
                 ("split, bk16 st4", ((64, "R-w8-r64-bk16-st4"), (32, "R-w4-bk16-st4")))]
-K3_128K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
+K3_128K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96), ("R r32 w4 bk16 st4", "R-w4-r32-bk16-st4")]
 
 
 def _mla_config(spec, heads, page_size, max_pages, n_seqs):
