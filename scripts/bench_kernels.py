@@ -97,16 +97,15 @@ def anchors(run):
 
 
 # ---- KDA decode ---------------------------------------------------------------------------------
-# (block_v, num_warps, block_h), timed beside recurrent_pallas.decode_config(H) (the default, not repeated).
+# (block_v, num_warps, block_h), timed beside recurrent_pallas.CONFIG (the default, not repeated).
 # 1 warp: the reductions over K stay inside a warp (no shared-memory round trip), as FLA's decode does;
 # bv16 / bv8 w1 (65% / 51% of copy on 2026-12-01) are left out
 KDA_DECODE_VARIANTS = [(64, 4, 1), (64, 4, 2), (64, 2, 1), (64, 2, 2), (128, 4, 1), (32, 4, 1), (32, 1, 1)]
 
 
-def _kda_default(heads):
+def _kda_default():
     from pallas_kernels.kda import recurrent_pallas as rp
-    c = rp.decode_config(heads)
-    return c["block_v"], c["num_warps"], c["block_h"]
+    return rp.CONFIG["block_v"], rp.CONFIG["num_warps"], rp.CONFIG.get("block_h", 1)
 
 
 def _kda_label(bv, nw, bh):
@@ -128,7 +127,7 @@ def _decode_target(frac):
 
 
 def kda_decode_rows(run, shapes, variants):
-    """variants None: the default of each head count only; else those variants minus the default."""
+    """variants None: the default only; else those variants minus the default."""
     from pallas_kernels.kda import recurrent_pallas as rp
     K = V = run.kv
     for N, H in shapes:
@@ -144,7 +143,7 @@ def kda_decode_rows(run, shapes, variants):
                                                                          output_final_state=True), reps=20)
             anchor = f"FLA fused_recurrent {t_fla * 1e6:.0f} us"
             del tq, h0
-        default = _kda_default(H)
+        default = _kda_default()
         for bv, nw, bh in [default] if variants is None else [v for v in variants if v != default]:
             label = _kda_label(bv, nw, bh) + (" (default)" if (bv, nw, bh) == default else "")
             kw = dict(rp.CONFIG, block_v=bv, num_warps=nw)
@@ -189,22 +188,15 @@ def kda_decode_model_rows(run, cases):
 
 
 # ---- MLA decode ---------------------------------------------------------------------------------
-# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...).
-# (R-w16-r64 73-75 and R-w8-r64-bk32-st3 122-130 TFLOP/s on 2026-12-01 are left out.)
-SPLIT_96 = ((64, "R-w8-r64"), (32, "T-w4"))            # the < 64k-key decode default since 2026-12-01
-MLA_H96_VARIANTS = [
-    ("one group R r64 w8 (< 64k default before)", "R-w8-r64"),
-    ("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96),
-    ("heads 64 (T r64 w8) + 32 (T w4)", ((64, "T-w8-r64"), (32, "T-w4"))),
-]
-# page-16 variants of the model's call: 16-key blocks lie inside one page (contiguous rows, no gather);
-# small blocks may need more stages in flight; keys-on-M at bk16 has M=16, so the row form too
-KIMI_PAGE16 = [("T w4 bk16 (one page a block)", "T-w4-bk16"), ("T w4 bk16 st4", "T-w4-bk16-st4"),
-               ("R w4 bk16 st4", "R-w4-bk16-st4")]
-K3_8K_PAGE16 = [("one group R r64 w8 (default before)", "R-w8-r64"),
-                ("split, bk16 (one page a block)", ((64, "R-w8-r64-bk16"), (32, "T-w4-bk16"))),
-                ("split, bk16 st4", ((64, "R-w8-r64-bk16-st4"), (32, "R-w4-bk16-st4")))]
-K3_128K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96), ("R r32 w4 bk16 st4", "R-w4-r32-bk16-st4")]
+# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...). Left out
+# after the 2026-12-01 runs: R-w16-r64 (73-75 TFLOP/s), R-w8-r64-bk32-st3 (122-130), the 64 heads in
+# keys-on-M form (163 / 179 vs 189 / 207 row form); at the engine's 16-token pages 16-key blocks (one
+# page a block, 2 or 4 stages, either form: 14-45% slower than gathering 64-key blocks).
+SPLIT_96 = ((64, "R-w8-r64"), (32, "T-w4"))  # paged.default_tuning's split (pages >= 64 < 64k, pages of 16 >= 64k)
+MLA_H96_VARIANTS = [("one group R r64 w8", "R-w8-r64"), ("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
+# the model's call at 16-token pages: the other side of default_tuning's page-size choice
+K3_8K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
+K3_128K_PAGE16 = [("R r32 w4 (default before)", "R-w4-r32")]
 
 
 def _mla_config(spec, heads, page_size, max_pages, n_seqs):
@@ -371,11 +363,7 @@ def checks(run):
     # the configs the table times (fp32 tiles shrink to fit shared memory: paged.fit_shared_memory)
     for label, heads, spec in [
             ("head groups R r64 w8 + T w4, fp32, page 16", big + small, ((big, "R-w8-r64"), (small, "T-w4"))),
-            ("head groups T r64 w8 + T w4, fp32, page 16", big + small, ((big, "T-w8-r64"), (small, "T-w4"))),
-            ("head groups bk16, fp32, page 16", big + small, ((big, "R-w8-r64-bk16"), (small, "T-w4-bk16"))),
-            ("head groups bk16 st4, fp32, page 16", big + small, ((big, "R-w8-r64-bk16-st4"), (small, "R-w4-bk16-st4"))),
-            (f"H={small} T w4 bk16, fp32, page 16", small, "T-w4-bk16"),
-            (f"H={small} T w4 bk16 st4, fp32, page 16", small, "T-w4-bk16-st4")]:
+            ("R r32 w4, fp32, page 16", big + small, "R-w4-r32")]:
         cfg = _mla_config(spec, heads, 16, bt.shape[1], 5)
         row("MLA decode", label, lambda cfg=cfg, h=heads: err(
             mla_paged_decode(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
@@ -419,7 +407,7 @@ def plan(tiny):
         kda_decode_model=[("Kimi-Linear-48B", 250, 256, 32, 312), ("K3 (DP attention)", 250, 256, 96, 312)],
         mla=[(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)],
         mla_variants={96: MLA_H96_VARIANTS},
-        mla_model=[("Kimi-Linear-48B", 60, 64, 8192, 32, 16, (True, False, *KIMI_PAGE16)),
+        mla_model=[("Kimi-Linear-48B", 60, 64, 8192, 32, 16, (True, False)),
                    ("Kimi-Linear-48B", 60, 64, 8192, 32, 64, (True,)),
                    ("K3 (DP attention)", 60, 64, 8192, 96, 16, (True, False, *K3_8K_PAGE16)),
                    ("K3 (DP attention)", 16, 16, 131072, 96, 16, (True, *K3_128K_PAGE16)),
@@ -454,10 +442,9 @@ def main(argv=None):
     from pallas_kernels.kda import chunk_pallas, recurrent_pallas
     from pallas_kernels.mla import paged
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode H=32 {recurrent_pallas.decode_config(32)}, "
-          f"H=96 {recurrent_pallas.decode_config(96)}\n# MLA decode tuning H=32 {paged.default_tuning(32, True)}, "
-          f"H=96 {paged.default_tuning(96, True, 8192)} (< 64k keys), {paged.default_tuning(96, True, 131072)} "
-          f"(>= 64k)", flush=True)
+    print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 "
+          + ", ".join(f"page {ps} {'<' if k < 65536 else '>='} 64k keys {paged.default_tuning(96, True, k, ps)}"
+                      for ps in (64, 16) for k in (8192, 131072)), flush=True)
     anchors(run)
     p = plan(args.tiny)
     steps = dict(

@@ -236,16 +236,6 @@ def test_decode_kernel_variants(cfg, monkeypatch):
     assert np.all(np.asarray(o)[1] == 0)
 
 
-def test_decode_config_by_head_count(monkeypatch):
-    """Two heads per program at H <= 32, one above (the H200's measured winners); a block_h set in
-    CONFIG itself wins."""
-    from pallas_kernels.kda import recurrent_pallas as rp
-    assert rp.decode_config(32)["block_h"] == 2 and rp.decode_config(96)["block_h"] == 1
-    assert {k: rp.decode_config(96)[k] for k in rp.CONFIG} == rp.CONFIG
-    monkeypatch.setitem(rp.CONFIG, "block_h", 4)
-    assert rp.decode_config(32)["block_h"] == 4
-
-
 def test_state_tiles_fill_one_wave_then_widen():
     """The state kernel's V block: narrowest whose programs fit one wave of SMs, else 128 wide
     (one program per SM fits; see chunk_pallas.state_tiles), never wider than V."""

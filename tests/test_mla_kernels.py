@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mla import mla_paged_decode, ragged_paged_mla
-from pallas_kernels.mla.paged import pick_config
+from pallas_kernels.mla.paged import default_tuning, pick_config
 from test_mla_ops import build_case, numpy_attention
 
 L, R = 64, 16
@@ -93,19 +93,21 @@ def test_pick_config_shapes():
     assert c["bh"] == 4 and c["bq"] == 8 and c["rows"] == 32
 
 
-def test_default_tuning_h96_decode_depends_on_table_width():
-    from pallas_kernels.mla.paged import default_tuning, tuning_for
-    groups = dict(default_tuning(96, True, 8192)["head_groups"])      # 8k: 64 + 32 heads
+def test_default_tuning_h96_decode_depends_on_table_width_and_pages():
+    from pallas_kernels.mla.paged import tuning_for
+    one_group = {"max_rows": 64, "num_warps": 8, "transposed": False}
+    thin = {"max_rows": 32, "num_warps": 4, "transposed": False}
+    groups = dict(default_tuning(96, True, 8192, 64)["head_groups"])   # 8k, pages of 64: 64 + 32
     assert sorted(groups) == [32, 64]
-    assert dict(groups[64]) == {"max_rows": 64, "num_warps": 8, "transposed": False}
-    assert dict(groups[32]) == {"num_warps": 4, "transposed": True}
-    wide = default_tuning(96, True, 131072)                           # 128k: 32-head tiles
-    assert wide == {"max_rows": 32, "num_warps": 4, "transposed": False}
-    assert default_tuning(96, False, 131072)["max_rows"] == 64       # prefill unchanged
-    assert default_tuning(32, True, 131072)["transposed"] is True
-    assert "head_groups" not in default_tuning(48, True, 8192)       # H=96 under tensor=2
+    assert dict(groups[64]) == one_group and dict(groups[32]) == {"num_warps": 4, "transposed": True}
+    assert default_tuning(96, True, 131072, 64) == thin                 # 128k: 32-head tiles
+    assert default_tuning(96, True, 8192, 16) == one_group              # pages of 16: the other way
+    assert "head_groups" in default_tuning(96, True, 131072, 16)
+    assert default_tuning(96, False, 131072, 16)["max_rows"] == 64     # prefill unchanged
+    assert default_tuning(32, True, 131072, 16)["transposed"] is True
+    assert "head_groups" not in default_tuning(48, True, 8192, 64)     # H=96 under tensor=2
     # a config that names knobs is one group (a benchmark variant runs as it says)
-    assert tuning_for(96, True, 8192, (("num_warps", 16),)) == {"num_warps": 16}
+    assert tuning_for(96, True, 8192, 64, (("num_warps", 16),)) == {"num_warps": 16}
 
 
 def test_tiles_fit_shared_memory_for_the_dtype():
@@ -116,7 +118,7 @@ def test_tiles_fit_shared_memory_for_the_dtype():
     # the tiling Triton refused at fp32 (asked 425,984 bytes): the estimate must not be below it
     assert 425984 <= smem_estimate(64, 64, 2, 512, 64, 4, False)
     for heads, keys in [(96, 131072), (64, 8192), (32, 8192), (32, 131072), (12, 8192)]:
-        tune = tuning_for(heads, True, keys, None)
+        tune = tuning_for(heads, True, keys, 64, None)
         bf16 = fit_shared_memory(tune, heads, keys, 512, 64, 2, True, h200)
         assert {k: bf16[k] for k in tune} == tune and (bf16["bk"], bf16["num_stages"]) == (64, 2)
         fp32 = fit_shared_memory(tune, heads, keys, 512, 64, 4, True, h200)
@@ -136,7 +138,7 @@ def test_tiles_fit_shared_memory_for_the_dtype():
     (4, None),                                            # decode tuning: keys-on-M, one tile per sequence
     (6, (("head_groups", (4, 2)), ("bk", 16))),           # heads in two groups, each its own tiles
     (6, (("head_groups", ((4, (("transposed", True),)), (2, (("bk", 16), ("transposed", False))))),)),
-    (96, None),                                           # K3's default: 64 row form + 32 keys-on-M
+    (96, tuple(default_tuning(96, True, 8192, 64).items())),  # K3's split: 64 row form + 32 keys-on-M
 ])
 def test_ragged_decode_only_matches_oracle(heads, config):
     """The engine's decode-only step: one token per real sequence, a padding sequence (no token)

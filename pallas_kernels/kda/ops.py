@@ -143,7 +143,7 @@ def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=No
         return fused_recurrent_kda_pallas(
             q, k, v, g, beta, state_pool, state_indices.astype(jnp.int32), a, dt, scale=scale,
             l2norm=use_qk_l2norm_in_kernel, gate=use_gate_in_kernel, lower_bound=lower_bound,
-            interpret=(mode == "interpret"), backend=mode, **recurrent_pallas.decode_config(H))
+            interpret=(mode == "interpret"), backend=mode, **recurrent_pallas.CONFIG)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_gate_in_kernel:

@@ -72,14 +72,8 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
 
 
 # Kernel choices (scripts/sweep_kda_decode.py sweeps them on the GPU).
+# (block_h stays 1: 2 heads a program tied with it over two H200 runs, docs/benchmarks.md 2026-12-01)
 CONFIG = dict(block_v=64, num_warps=4, order="vhn")
-
-
-def decode_config(num_heads):
-    """CONFIG plus heads per program for H. N=256, H200, 2026-12-01 (docs/benchmarks.md): at H=32
-    two heads per program 314 us vs 317 (one) and 316 (two warps); at H=96 one head stayed
-    fastest, 884 us vs 892-893. Within run-to-run noise (the default measured 310-317 us at H=32)."""
-    return {"block_h": 2 if num_heads <= 32 else 1, **CONFIG}
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "gate", "lower_bound", "block_v",

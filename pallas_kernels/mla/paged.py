@@ -59,37 +59,41 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
 
 
-def default_tuning(num_heads, decode, max_keys=None):
+def default_tuning(num_heads, decode, max_keys=None, page_size=None):
     """Kernel knobs chosen from the H200 sweeps (docs/bench_mla.md 2026-11-29, docs/benchmarks.md
-    kernel table 2026-12-01).
+    kernel table 2026-12-01, two runs).
 
     Decode, H <= 32: keys-on-M ("transposed") form, 4 warps, 2 stages, no explicit
     prefetch (2.50 / 2.80 TB/s at 8k / 128k; 3 stages, 1 stage, page-id or register
     prefetch and more splits all measured slower or equal).
-    H > 32: row form, 64-row tiles, 8 warps (H=96: 48-head tiles padded to 64 rows, ~0.95 TB/s).
-    Decode at H = 64k + 32 (K3's 96) over block tables < 64k keys wide: the heads as two groups,
-    H-32 in row form (r64 w8) + 32 keys-on-M (w4), each with its own tiles so no padding rows
-    (186 vs 173 TFLOP/s at 8k, page 64). Decode over tables >= 64k keys wide (``max_keys``, the
-    block table's width in keys): 32-head tiles with 4 warps (219 TFLOP/s at 128k vs 208 split).
+    H > 32: row form, 8 warps, 64-row tiles (H=96: 48-head tiles padded to 64 rows), or for
+    decode over block tables >= 64k keys wide (``max_keys``) 32-head tiles with 4 warps.
+    Decode at H = 64k + 32 (K3's 96): the heads as two groups, H-32 in row form (r64 w8) + 32
+    keys-on-M (w4), each with its own tiles (no padding rows), where that measured fastest, which
+    flips with the page size (``page_size`` < 64: a 64-key block is gathered from several pages):
+      pages >= 64: split < 64k keys (189 vs 171 TFLOP/s at 8k), 32-head tiles >= 64k (218 vs 207);
+      pages of 16: 64-row tiles < 64k (153 vs 132 split), split >= 64k (151 vs 138 32-head tiles).
     Ragged prefill: row form, 8 warps (150 TFLOP/s at H=32 vs 140 transposed).
     """
     if num_heads > 32:
-        if decode and max_keys is not None and max_keys >= 65536:
-            return {"max_rows": 32, "num_warps": 4, "transposed": False}
-        if decode and num_heads > 64 and num_heads % 64 == 32:
+        wide = decode and max_keys is not None and max_keys >= 65536
+        gathered = page_size is not None and page_size < 64
+        if decode and num_heads > 64 and num_heads % 64 == 32 and wide == gathered:
             row_form = (("max_rows", 64), ("num_warps", 8), ("transposed", False))
             return {"head_groups": ((num_heads - 32, row_form),
                                     (32, (("num_warps", 4), ("transposed", True))))}
+        if wide:
+            return {"max_rows": 32, "num_warps": 4, "transposed": False}
         return {"max_rows": 64, "num_warps": 8, "transposed": False}
     if decode:
         return {"num_warps": 4, "transposed": True}
     return {"num_warps": 8, "transposed": False}
 
 
-def tuning_for(num_heads, decode, max_keys, config):
+def tuning_for(num_heads, decode, max_keys, page_size, config):
     """default_tuning overridden by config's keys. A config that names anything runs as one head
     group unless it names head_groups itself (so a measured variant is what it says)."""
-    base = default_tuning(num_heads, decode, max_keys)
+    base = default_tuning(num_heads, decode, max_keys, page_size)
     if config:
         base.pop("head_groups", None)
     return {**base, **dict(config or {})}
@@ -178,7 +182,7 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    cfg = tuning_for(num_heads, decode, max_pages * page_size, config)
+    cfg = tuning_for(num_heads, decode, max_pages * page_size, page_size, config)
     groups = cfg.pop("head_groups", None)
     if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
         # an entry is a head count (config's other keys apply) or (heads, config tuple or None)
