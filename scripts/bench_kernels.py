@@ -191,7 +191,7 @@ def kda_decode_model_rows(run, cases):
 # H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...). Left out
 # after the 2026-12-01 runs: R-w16-r64 (73-75 TFLOP/s), R-w8-r64-bk32-st3 (122-130), the 64 heads in
 # keys-on-M form (163 / 179 vs 189 / 207 row form); at the engine's 16-token pages 16-key blocks (one
-# page a block, 2 or 4 stages, either form: 14-45% slower than gathering 64-key blocks).
+# page a block, 2 or 4 stages, either form: 21-45% slower than gathering 64-key blocks).
 SPLIT_96 = ((64, "R-w8-r64"), (32, "T-w4"))  # paged.default_tuning's split (pages >= 64 < 64k, pages of 16 >= 64k)
 MLA_H96_VARIANTS = [("one group R r64 w8", "R-w8-r64"), ("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
 # the model's call at 16-token pages: the other side of default_tuning's page-size choice
