@@ -5,6 +5,7 @@ measured in the same run: copy bandwidth, bf16 matmul peak, FLA (chunk_kda / fus
 when it imports.
 
   python3 scripts/bench_kernels.py [--budget 120] [--json PATH] [--csv PATH] [--no-fla] [--tiny]
+                                   [--only SECTION,...]
 
 Rows run in priority order and no case starts after --budget seconds (a skipped row says so), so the
 whole run stays under ~150 s on one H200. `--tiny` runs every row at toy sizes on CPU with the Pallas
@@ -96,10 +97,19 @@ def anchors(run):
 
 
 # ---- KDA decode ---------------------------------------------------------------------------------
-# (block_v, num_warps, block_h); the first is recurrent_pallas.CONFIG's
-# 1 warp: the reductions over K stay inside a warp (no shared-memory round trip), as FLA's decode does
-KDA_DECODE_VARIANTS = [(64, 4, 1), (64, 2, 1), (128, 4, 1), (32, 4, 1), (32, 1, 1), (16, 1, 1), (8, 1, 1),
-                       (64, 4, 2)]
+# (block_v, num_warps, block_h), timed beside recurrent_pallas.CONFIG (the default, not repeated).
+# 1 warp: the reductions over K stay inside a warp (no shared-memory round trip), as FLA's decode does;
+# bv16 / bv8 w1 (65% / 51% of copy on 2026-12-01) are left out
+KDA_DECODE_VARIANTS = [(64, 4, 1), (64, 4, 2), (64, 2, 1), (64, 2, 2), (128, 4, 1), (32, 4, 1), (32, 1, 1)]
+
+
+def _kda_default():
+    from pallas_kernels.kda import recurrent_pallas as rp
+    return rp.CONFIG["block_v"], rp.CONFIG["num_warps"], rp.CONFIG.get("block_h", 1)
+
+
+def _kda_label(bv, nw, bh):
+    return f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "")
 
 
 def _time_pool_step(step, args, pool, reps):
@@ -117,6 +127,7 @@ def _decode_target(frac):
 
 
 def kda_decode_rows(run, shapes, variants):
+    """variants None: the default only; else those variants minus the default."""
     from pallas_kernels.kda import recurrent_pallas as rp
     K = V = run.kv
     for N, H in shapes:
@@ -132,9 +143,9 @@ def kda_decode_rows(run, shapes, variants):
                                                                          output_final_state=True), reps=20)
             anchor = f"FLA fused_recurrent {t_fla * 1e6:.0f} us"
             del tq, h0
-        for bv, nw, bh in variants:
-            label = f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "")
-            label += " (default)" if (bv, nw, bh) == (rp.CONFIG["block_v"], rp.CONFIG["num_warps"], 1) else ""
+        default = _kda_default()
+        for bv, nw, bh in [default] if variants is None else [v for v in variants if v != default]:
+            label = _kda_label(bv, nw, bh) + (" (default)" if (bv, nw, bh) == default else "")
             kw = dict(rp.CONFIG, block_v=bv, num_warps=nw)
             step = jax.jit(lambda q, k, v, g, b, i, p, kw=kw, bh=bh: rp.fused_recurrent_kda_pallas(
                 q, k, v, g, b, p, i, jnp.zeros((H,)), jnp.zeros((H, K)), scale=K ** -0.5, block_h=bh,
@@ -177,12 +188,15 @@ def kda_decode_model_rows(run, cases):
 
 
 # ---- MLA decode ---------------------------------------------------------------------------------
-# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...)
-MLA_H96_VARIANTS = [
-    ("R-w16-r64", "R-w16-r64"),
-    ("R-w8-r64-bk32-st3", "R-w8-r64-bk32-st3"),
-    ("heads 64 (R r64 w8) + 32 (T w4)", ((64, "R-w8-r64"), (32, "T-w4"))),
-]
+# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...). Left out
+# after the 2026-12-01 runs: R-w16-r64 (73-75 TFLOP/s), R-w8-r64-bk32-st3 (122-130), the 64 heads in
+# keys-on-M form (163 / 179 vs 189 / 207 row form); at the engine's 16-token pages 16-key blocks (one
+# page a block, 2 or 4 stages, either form: 21-45% slower than gathering 64-key blocks).
+SPLIT_96 = ((64, "R-w8-r64"), (32, "T-w4"))  # paged.default_tuning's split (pages >= 64 < 64k, pages of 16 >= 64k)
+MLA_H96_VARIANTS = [("one group R r64 w8", "R-w8-r64"), ("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
+# the model's call at 16-token pages: the other side of default_tuning's page-size choice
+K3_8K_PAGE16 = [("heads 64 (R r64 w8) + 32 (T w4)", SPLIT_96)]
+K3_128K_PAGE16 = [("R r32 w4 (default before)", "R-w4-r32")]
 
 
 def _mla_config(spec, heads, page_size, max_pages, n_seqs):
@@ -233,8 +247,11 @@ def mla_decode_rows(run, shapes, variants_by_heads, page_size=64, with_default=T
 def mla_decode_model_rows(run, cases):
     """ops.mla_ragged_paged as MLA.step's absorbed form calls it in a decode-only step: the engine's
     16-token pages, block tables max_model_len / 16 wide, the sequence bucket's padding rows (no
-    token, kv_len 0), bucket-padded tokens; decode_only=True (this branch) vs False (main before)."""
+    token, kv_len 0), bucket-padded tokens; decode_only=True (the engine's decode steps) vs False
+    (main before). A mode (label, spec) is a tuning variant: the same call (ragged_paged_mla, which
+    ops.mla_ragged_paged dispatches to, decode_only=True) with that config."""
     from pallas_kernels import ops
+    from pallas_kernels.mla import ragged_paged_mla
     lat, rope = run.lat, run.rope
     for model, n_real, n_bucket, ctx, heads, page_size, modes in cases:
         case = f"N={n_real} of bucket {n_bucket} ctx={ctx} H={heads} page {page_size}"
@@ -249,10 +266,16 @@ def mla_decode_model_rows(run, cases):
         qr = jax.random.normal(k2, (n_bucket, heads, rope), jnp.bfloat16)
         n_bytes = n_real * ctx * (lat + rope) * 2
         flops = float(n_real) * ctx * heads * MLA_FLOP(lat, rope)
-        for decode_only in modes:
-            variant = "decode_only=True" if decode_only else "decode_only=False (main before)"
-            f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=decode_only,
-                                            backend=run.backend))
+        for mode in modes:
+            if isinstance(mode, tuple):
+                variant = f"decode_only=True, {mode[0]}"
+                f = jax.jit(functools.partial(
+                    ragged_paged_mla, scale=192 ** -0.5, decode_only=True, interpret=run.interpret,
+                    config=_mla_config(mode[1], heads, page_size, bt.shape[1], n_bucket)))
+            else:
+                variant = "decode_only=True" if mode else "decode_only=False (main before)"
+                f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=mode,
+                                              backend=run.backend))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
                           lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
             if t is None:
@@ -333,28 +356,35 @@ def checks(run):
             run.add(kernel=kernel, case="small shapes vs reference", call="check", variant=variant,
                     target=f"rel err {e:.1e}")
     lat, rope, scale = run.lat, run.rope, 192 ** -0.5
-    ql, qr, kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(5), 5, 300, 96 if not run.tiny else 6,
-                                                lat, rope, 16, jnp.float32)
+    big, small = (4, 2) if run.tiny else (64, 32)    # K3's heads: big + small
+    ql, qr, kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(5), 5, 300, big + small, lat, rope, 16,
+                                                jnp.float32)
     lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
-    groups = ((64, "R-w8-r64"), (32, "T-w4")) if not run.tiny else ((4, None), (2, None))
-    cfg = _mla_config(groups, ql.shape[1], 16, bt.shape[1], 5)
-    row("MLA decode", "head groups, fp32, page 16", lambda: err(
-        mla_paged_decode(ql, qr, kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
-        mla_decode_reference(ql, qr, kv, bt, lens, scale=scale)))
+    # the configs the table times (fp32 tiles shrink to fit shared memory: paged.fit_shared_memory)
+    for label, heads, spec in [
+            ("head groups R r64 w8 + T w4, fp32, page 16", big + small, ((big, "R-w8-r64"), (small, "T-w4"))),
+            ("R r32 w4, fp32, page 16", big + small, "R-w4-r32")]:
+        cfg = _mla_config(spec, heads, 16, bt.shape[1], 5)
+        row("MLA decode", label, lambda cfg=cfg, h=heads: err(
+            mla_paged_decode(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
+            mla_decode_reference(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale)))
     pad_bt, pad_lens = jnp.pad(bt, ((0, 2), (0, 0))), jnp.pad(lens, (0, 2))
     cu = jnp.array([0, 1, 2, 3, 4, 5, 5, 5], jnp.int32)
     qlp, qrp = (jnp.pad(x, ((0, 3), (0, 0), (0, 0))) for x in (ql, qr))  # 8 tokens: 3 bucket padding
-    row("MLA decode", "decode_only ragged, padding rows and tokens", lambda: err(
-        ragged_paged_mla(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale, interpret=run.interpret,
-                         decode_only=True),
-        ragged_paged_mla_reference(qlp, qrp, kv, pad_bt, cu, pad_lens, scale=scale)))
+    for dtype in (jnp.float32, jnp.bfloat16):  # bf16: the tiles the model gets (fp32's are smaller)
+        a = [x.astype(dtype) for x in (qlp, qrp, kv)]
+        row("MLA decode", f"decode_only ragged default, {jnp.dtype(dtype).name}, padding rows and tokens",
+            lambda a=a: err(ragged_paged_mla(a[0], a[1], a[2], pad_bt, cu, pad_lens, scale=scale,
+                                             interpret=run.interpret, decode_only=True),
+                            ragged_paged_mla_reference(*(x.astype(jnp.float32) for x in a), pad_bt, cu,
+                                                       pad_lens, scale=scale)))
     K = run.kv
     q, k, v, g, beta = (x[0].astype(jnp.float32) for x in bench_kda.make_inputs(jax.random.PRNGKey(6), 1, 6, 4, K, K))
     pool = jax.random.normal(jax.random.PRNGKey(7), (9, 4, K, K))
     idx = jnp.array([4, -1, 0, 8, 2, 5], jnp.int32)
     want = decode_reference(q, k, v, g, beta, pool, idx)
-    for bv, nw, bh in KDA_DECODE_VARIANTS[1:]:
-        row("KDA decode", f"bv{bv} w{nw}" + (f" h{bh}" if bh > 1 else "") + ", fp32 (o and pool)", lambda bv=bv, nw=nw, bh=bh: max(
+    for bv, nw, bh in KDA_DECODE_VARIANTS:
+        row("KDA decode", _kda_label(bv, nw, bh) + ", fp32 (o and pool)", lambda bv=bv, nw=nw, bh=bh: max(
             err(a, b) for a, b in zip(rp.fused_recurrent_kda_pallas(
                 q, k, v, g, beta, pool, idx, jnp.zeros((4,)), jnp.zeros((4, K)), scale=K ** -0.5, block_v=bv,
                 num_warps=nw, block_h=bh, interpret=bool(run.interpret),
@@ -370,7 +400,7 @@ def plan(tiny):
             kda_decode_model=[("Kimi-Linear-48B", 3, 4, 2, 6)],
             mla=[(2, 64, 4)], mla_variants={4: [("head groups 2+2", ((2, None), (2, None))),
                                                 ("R-w8-bk16", "R-w8-bk16")]},
-            mla_model=[("K3", 2, 3, 48, 4, 16, (True, False))],
+            mla_model=[("K3", 2, 3, 48, 4, 16, (True, False, ("one group", "R-w8-r64")))],
             prefill=[(1, 64, 2)], prefill_model=[("K3", [30, 20], 64, 3, 2, True)])
     return dict(
         kda_decode=[(256, 32), (256, 96)], kda_decode_variants=[(256, 32), (256, 96)],
@@ -379,12 +409,17 @@ def plan(tiny):
         mla_variants={96: MLA_H96_VARIANTS},
         mla_model=[("Kimi-Linear-48B", 60, 64, 8192, 32, 16, (True, False)),
                    ("Kimi-Linear-48B", 60, 64, 8192, 32, 64, (True,)),
-                   ("K3 (DP attention)", 60, 64, 8192, 96, 16, (True, False)),
-                   ("K3 (DP attention)", 16, 16, 131072, 96, 16, (True,)),
+                   ("K3 (DP attention)", 60, 64, 8192, 96, 16, (True, False, *K3_8K_PAGE16)),
+                   ("K3 (DP attention)", 16, 16, 131072, 96, 16, (True, *K3_128K_PAGE16)),
                    ("K3 (tensor=8: 12 heads)", 60, 64, 8192, 12, 16, (True,))],
         prefill=[(16, 4096, 32), (2, 32768, 32), (16, 4096, 96), (2, 32768, 96)],
         prefill_model=[("Kimi-Linear-48B", [2000, 2000], 4096, 4, 32, False),
                        ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)])
+
+
+# run order: defaults first, the checks of every timed config, then the variants
+SECTIONS = ("kda_decode", "kda_decode_model", "mla_decode", "mla_model", "kda_prefill", "kda_prefill_model",
+            "checks", "kda_decode_variants", "mla_variants")
 
 
 def main(argv=None):
@@ -392,30 +427,40 @@ def main(argv=None):
     ap.add_argument("--budget", "--deadline", type=float, default=120.0, help="start no case after (s)")
     ap.add_argument("--tiny", "--smoke", action="store_true", help="toy shapes, CPU interpret mode")
     ap.add_argument("--no-fla", action="store_true", help="skip the FLA anchor even if it imports")
+    ap.add_argument("--only", default=None, metavar="SECTION,...",
+                    help=f"run only these sections (anchors always run): {','.join(SECTIONS)}")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and anchors as JSON")
     add_csv_argument(ap)
     args = ap.parse_args(argv)
+    only = SECTIONS if args.only is None else tuple(x.strip() for x in args.only.split(",") if x.strip())
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--only: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
     run = Run(args.tiny, args.budget, fla=not args.no_fla)
     from pallas_kernels.backend import detect
     run.backend = detect("pallas")     # the model-path rows run the kernels (interpreted on CPU) as the step does
     from pallas_kernels.kda import chunk_pallas, recurrent_pallas
     from pallas_kernels.mla import paged
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n"
-          f"# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 {paged.default_tuning(96, True)}",
-          flush=True)
+    print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 "
+          + ", ".join(f"page {ps} {'<' if k < 65536 else '>='} 64k keys {paged.default_tuning(96, True, k, ps)}"
+                      for ps in (64, 16) for k in (8192, 131072)), flush=True)
     anchors(run)
     p = plan(args.tiny)
-    kda_decode_rows(run, p["kda_decode"], KDA_DECODE_VARIANTS[:1])
-    kda_decode_model_rows(run, p["kda_decode_model"])
-    mla_decode_rows(run, p["mla"], {})
-    mla_decode_model_rows(run, p["mla_model"])
-    kda_prefill_rows(run, p["prefill"])
-    kda_prefill_model_rows(run, p["prefill_model"])
-    kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS[1:])
-    checks(run)
-    mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]], p["mla_variants"],
-                    with_default=False)
+    steps = dict(
+        kda_decode=lambda: kda_decode_rows(run, p["kda_decode"], None),
+        kda_decode_model=lambda: kda_decode_model_rows(run, p["kda_decode_model"]),
+        mla_decode=lambda: mla_decode_rows(run, p["mla"], {}),
+        mla_model=lambda: mla_decode_model_rows(run, p["mla_model"]),
+        kda_prefill=lambda: kda_prefill_rows(run, p["prefill"]),
+        kda_prefill_model=lambda: kda_prefill_model_rows(run, p["prefill_model"]),
+        kda_decode_variants=lambda: kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS),
+        checks=lambda: checks(run),
+        mla_variants=lambda: mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]],
+                                             p["mla_variants"], with_default=False))
+    for name in SECTIONS:
+        if name in only:
+            steps[name]()
     print(f"\n# kernel table, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"copy {run.copy_bw / 1e12:.2f} TB/s, bf16 matmul {run.peak / 1e12:.0f} TFLOP/s; "
           f"roof = copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA)")

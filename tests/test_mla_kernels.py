@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mla import mla_paged_decode, ragged_paged_mla
-from pallas_kernels.mla.paged import pick_config
+from pallas_kernels.mla.paged import default_tuning, pick_config
 from test_mla_ops import build_case, numpy_attention
 
 L, R = 64, 16
@@ -93,19 +93,52 @@ def test_pick_config_shapes():
     assert c["bh"] == 4 and c["bq"] == 8 and c["rows"] == 32
 
 
-def test_default_tuning_h96_decode_depends_on_table_width():
-    from pallas_kernels.mla.paged import default_tuning
-    assert default_tuning(96, True, 8192)["max_rows"] == 64          # 8k: 48-head tiles
-    wide = default_tuning(96, True, 131072)                           # 128k: 32-head tiles
-    assert wide == {"max_rows": 32, "num_warps": 4, "transposed": False}
-    assert default_tuning(96, False, 131072)["max_rows"] == 64       # prefill unchanged
-    assert default_tuning(32, True, 131072)["transposed"] is True
+def test_default_tuning_h96_decode_depends_on_table_width_and_pages():
+    from pallas_kernels.mla.paged import tuning_for
+    one_group = {"max_rows": 64, "num_warps": 8, "transposed": False}
+    thin = {"max_rows": 32, "num_warps": 4, "transposed": False}
+    groups = dict(default_tuning(96, True, 8192, 64)["head_groups"])   # 8k, pages of 64: 64 + 32
+    assert sorted(groups) == [32, 64]
+    assert dict(groups[64]) == one_group and dict(groups[32]) == {"num_warps": 4, "transposed": True}
+    assert default_tuning(96, True, 131072, 64) == thin                 # 128k: 32-head tiles
+    assert default_tuning(96, True, 8192, 16) == one_group              # pages of 16: the other way
+    assert "head_groups" in default_tuning(96, True, 131072, 16)
+    assert default_tuning(96, False, 131072, 16)["max_rows"] == 64     # prefill unchanged
+    assert default_tuning(32, True, 131072, 16)["transposed"] is True
+    assert "head_groups" not in default_tuning(48, True, 8192, 64)     # H=96 under tensor=2
+    # a config that names knobs is one group (a benchmark variant runs as it says)
+    assert tuning_for(96, True, 8192, 64, (("num_warps", 16),)) == {"num_warps": 16}
+
+
+def test_tiles_fit_shared_memory_for_the_dtype():
+    """fp32 needs twice bf16's shared memory: the tiles shrink until the estimate fits the block,
+    the bf16 defaults (measured on the H200) stay as they are."""
+    from pallas_kernels.mla.paged import fit_shared_memory, smem_estimate, tuning_for
+    h200 = 227 * 1024
+    # the tiling Triton refused at fp32 (asked 425,984 bytes): the estimate must not be below it
+    assert 425984 <= smem_estimate(64, 64, 2, 512, 64, 4, False)
+    for heads, keys in [(96, 131072), (64, 8192), (32, 8192), (32, 131072), (12, 8192)]:
+        tune = tuning_for(heads, True, keys, 64, None)
+        bf16 = fit_shared_memory(tune, heads, keys, 512, 64, 2, True, h200)
+        assert {k: bf16[k] for k in tune} == tune and (bf16["bk"], bf16["num_stages"]) == (64, 2)
+        fp32 = fit_shared_memory(tune, heads, keys, 512, 64, 4, True, h200)
+        rows = pick_config(heads, 1, keys, 1, max_rows=fp32["max_rows"], splits=1, slots=1,
+                           decode=True)["rows"]
+        assert smem_estimate(rows, fp32["bk"], fp32["num_stages"], 512, 64, 4,
+                             fp32["transposed"]) <= h200
+        assert 16 <= fp32["bk"] < 64 and fp32["num_warps"] == tune["num_warps"]
+    small = fit_shared_memory({"max_rows": 64}, 64, 8192, 512, 64, 2, True, 99 * 1024)  # sm_89
+    assert small["max_rows"] < 64 or small["num_stages"] == 1
+    assert fit_shared_memory({}, 4, 20, 64, 16, 4, True, h200)["bk"] == 32  # short table: bk <= keys
+    with pytest.raises(ValueError, match="shared memory"):
+        fit_shared_memory({}, 32, 8192, 4096, 64, 4, True, h200)
 
 
 @pytest.mark.parametrize("heads,config", [
     (4, None),                                            # decode tuning: keys-on-M, one tile per sequence
     (6, (("head_groups", (4, 2)), ("bk", 16))),           # heads in two groups, each its own tiles
     (6, (("head_groups", ((4, (("transposed", True),)), (2, (("bk", 16), ("transposed", False))))),)),
+    (96, tuple(default_tuning(96, True, 8192, 64).items())),  # K3's split: 64 row form + 32 keys-on-M
 ])
 def test_ragged_decode_only_matches_oracle(heads, config):
     """The engine's decode-only step: one token per real sequence, a padding sequence (no token)

@@ -72,6 +72,7 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
 
 
 # Kernel choices (scripts/sweep_kda_decode.py sweeps them on the GPU).
+# (block_h stays 1: 2 heads a program tied with it over two H200 runs, docs/benchmarks.md 2026-12-01)
 CONFIG = dict(block_v=64, num_warps=4, order="vhn")
 
 

@@ -10,10 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.device_info import num_sms
+from pallas_kernels.device_info import num_sms, smem_per_block
 from pallas_kernels.mla import reference
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
+# mla_tiles_call's defaults for knobs a tuning may leave out
+KERNEL_DEFAULTS = {"max_rows": 32, "bk": 64, "num_stages": 2, "transposed": False}
+MIN_TILE = 16  # Triton's MMA needs >= 16 rows and >= 16 keys a block; padding rows are masked
 
 
 def _num_sms():
@@ -56,24 +59,82 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
 
 
-def default_tuning(num_heads, decode, max_keys=None):
-    """Kernel knobs chosen from the H200 sweeps (docs/bench_mla.md, 2026-11-29, two runs).
+def default_tuning(num_heads, decode, max_keys=None, page_size=None):
+    """Kernel knobs chosen from the H200 sweeps (docs/bench_mla.md 2026-11-29, docs/benchmarks.md
+    kernel table 2026-12-01, two runs).
 
     Decode, H <= 32: keys-on-M ("transposed") form, 4 warps, 2 stages, no explicit
     prefetch (2.50 / 2.80 TB/s at 8k / 128k; 3 stages, 1 stage, page-id or register
     prefetch and more splits all measured slower or equal).
-    H > 32 (e.g. 96): row form, 48-head tiles padded to 64 rows, 8 warps (~0.95-1.0 TB/s);
-    for decode over block tables >= 64k keys wide, 32-head tiles with 4 warps (7 % faster
-    at 128k in both runs, 10 % slower at 8k). ``max_keys``: the block table's width in keys.
+    H > 32: row form, 8 warps, 64-row tiles (H=96: 48-head tiles padded to 64 rows), or for
+    decode over block tables >= 64k keys wide (``max_keys``) 32-head tiles with 4 warps.
+    Decode at H = 64k + 32 (K3's 96): the heads as two groups, H-32 in row form (r64 w8) + 32
+    keys-on-M (w4), each with its own tiles (no padding rows), where that measured fastest, which
+    flips with the page size (``page_size`` < 64: a 64-key block is gathered from several pages):
+      pages >= 64: split < 64k keys (189 vs 171 TFLOP/s at 8k), 32-head tiles >= 64k (218 vs 207);
+      pages of 16: 64-row tiles < 64k (153 vs 132 split), split >= 64k (151 vs 138 32-head tiles).
     Ragged prefill: row form, 8 warps (150 TFLOP/s at H=32 vs 140 transposed).
     """
     if num_heads > 32:
-        if decode and max_keys is not None and max_keys >= 65536:
+        wide = decode and max_keys is not None and max_keys >= 65536
+        gathered = page_size is not None and page_size < 64
+        if decode and num_heads > 64 and num_heads % 64 == 32 and wide == gathered:
+            row_form = (("max_rows", 64), ("num_warps", 8), ("transposed", False))
+            return {"head_groups": ((num_heads - 32, row_form),
+                                    (32, (("num_warps", 4), ("transposed", True))))}
+        if wide:
             return {"max_rows": 32, "num_warps": 4, "transposed": False}
         return {"max_rows": 64, "num_warps": 8, "transposed": False}
     if decode:
         return {"num_warps": 4, "transposed": True}
     return {"num_warps": 8, "transposed": False}
+
+
+def tuning_for(num_heads, decode, max_keys, page_size, config):
+    """default_tuning overridden by config's keys. A config that names anything runs as one head
+    group unless it names head_groups itself (so a measured variant is what it says)."""
+    base = default_tuning(num_heads, decode, max_keys, page_size)
+    if config:
+        base.pop("head_groups", None)
+    return {**base, **dict(config or {})}
+
+
+def smem_estimate(rows, bk, num_stages, lat, rope, itemsize, transposed):
+    """Upper estimate of the kernel's shared memory (bytes): num_stages buffers of the cache block
+    [bk, L+R], the query tile [rows, L+R] and the probabilities [rows, bk]; in keys-on-M form with
+    4-byte inputs also a K-major copy of the latent block (tf32 wgmma reads no transposed operand).
+    Triton asked for 425,984 bytes at fp32, rows 64, bk 64, 2 stages (estimate 458,752); every bf16
+    default estimates <= 229,376 and compiles."""
+    width = lat + rope
+    need = (num_stages * bk * width + rows * width + rows * bk) * itemsize
+    if transposed and itemsize >= 4:
+        need += bk * lat * itemsize
+    return need
+
+
+def fit_shared_memory(tune, num_heads, max_keys, lat, rope, itemsize, decode, smem_limit):
+    """tune with max_rows / bk / num_stages shrunk until smem_estimate fits smem_limit: the key
+    block first (down to 16), then the pipeline stages, then the rows (fp32 needs twice bf16's).
+    Raises ValueError when even 16 rows, 16 keys and one stage do not fit."""
+    t = {**KERNEL_DEFAULTS, **tune}
+    bk = min(t["bk"], _pow2_ceil(max_keys))
+    while True:
+        probe = pick_config(num_heads, 1, max_keys, 1, max_rows=t["max_rows"], bk=bk, splits=1,
+                            min_rows=MIN_TILE, slots=1, decode=decode)
+        need = smem_estimate(probe["rows"], probe["bk"], t["num_stages"], lat, rope, itemsize,
+                             t["transposed"])
+        if need <= smem_limit:
+            return {**t, "bk": bk}
+        if bk > MIN_TILE:
+            bk //= 2
+        elif t["num_stages"] > 1:
+            t["num_stages"] -= 1
+        elif t["max_rows"] > 1 and probe["rows"] > MIN_TILE:
+            t["max_rows"] = max(1, t["max_rows"] // 2)
+        else:
+            raise ValueError(f"no MLA tile fits {smem_limit} bytes of shared memory "
+                             f"(L={lat}, R={rope}, {itemsize}-byte inputs, H={num_heads}): "
+                             f"needs {need}")
 
 
 def chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq):
@@ -118,31 +179,33 @@ def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
 
 def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
                  decode, interpret, config):
-    groups = (config or {}).get("head_groups")
-    if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
-        rest = {k: v for k, v in config.items() if k != "head_groups"}
-        # an entry is a head count (the other config keys apply) or (heads, config tuple or None)
-        groups = [(g, rest) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
-        if sum(h for h, _ in groups) != q_latent.shape[1]:
-            raise ValueError(f"head_groups {groups} must sum to H={q_latent.shape[1]}")
-        outs, a = [], 0
-        for h, cfg in groups:
-            outs.append(_kernel_path(q_latent[:, a:a + h], q_rope[:, a:a + h], kv_pages, block_tables,
-                                     cu_seqlens, kv_lens, scale=scale, decode=decode,
-                                     interpret=interpret, config=cfg))
-            a += h
-        return jnp.concatenate(outs, axis=1)
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    cfg = {**default_tuning(num_heads, decode, max_pages * page_size), **dict(config or {})}
+    cfg = tuning_for(num_heads, decode, max_pages * page_size, page_size, config)
+    groups = cfg.pop("head_groups", None)
+    if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
+        # an entry is a head count (config's other keys apply) or (heads, config tuple or None)
+        rest = {k: v for k, v in dict(config or {}).items() if k != "head_groups"}
+        groups = [(g, rest) if isinstance(g, int) else (g[0], dict(g[1] or ())) for g in groups]
+        if sum(h for h, _ in groups) != num_heads:
+            raise ValueError(f"head_groups {groups} must sum to H={num_heads}")
+        outs, a = [], 0
+        for h, group_cfg in groups:
+            outs.append(_kernel_path(q_latent[:, a:a + h], q_rope[:, a:a + h], kv_pages, block_tables,
+                                     cu_seqlens, kv_lens, scale=scale, decode=decode,
+                                     interpret=interpret, config=group_cfg))
+            a += h
+        return jnp.concatenate(outs, axis=1)
+    itemsize = max(jnp.dtype(q_latent.dtype).itemsize, jnp.dtype(kv_pages.dtype).itemsize)
+    cfg = fit_shared_memory(cfg, num_heads, max_pages * page_size, lat, q_rope.shape[-1], itemsize,
+                            decode, smem_per_block())
     tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}
-    min_rows = 16  # Triton's MMA needs >= 16 rows; padding rows are masked
-    probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=min_rows, decode=decode,
+    probe = pick_config(num_heads, page_size, max_pages, 1, min_rows=MIN_TILE, decode=decode,
                         **tune)
     bq = probe["bq"]
     n_chunks = n_seqs if decode else (n_tok if bq == 1 else -(-n_tok // bq) + n_seqs)
-    tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=min_rows,
+    tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=MIN_TILE,
                      decode=decode, **tune)
     rows = tc["rows"]
     cu_seqlens = cu_seqlens.astype(jnp.int32)
