@@ -34,7 +34,8 @@ def enable_compilation_cache(path: Optional[str]):
         return
     try:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # every warm-up program, the sampler's variants too (0.2-0.5 s each: 16 per sequence bucket)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     except Exception as e:  # noqa: BLE001 - an older jax without these flags still serves
         log.warning("persistent compilation cache not enabled: %s", e)
 
