@@ -222,13 +222,15 @@ def test_malformed_json_and_auth(server):
     assert "k3jax:time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
 
 
-def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory):
+def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory, server):
     """SIGTERM with two streams running: the short one finishes inside the grace window; the long one
     (issue 17 item 5: cut with no error event, no [DONE], a traceback each) ends with an error event
     and [DONE]. The process exits 0 without a traceback."""
     import signal
     import threading
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "3", "--no-vision")
+    # its warm-up loads the step shapes `server` compiled (the same model and pools)
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "3", "--no-vision",
+                      "--compilation-cache-dir", server.compilation_cache_dir)
     streams = {"short": [], "long": []}
 
     def consume(name, max_tokens):
