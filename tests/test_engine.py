@@ -27,6 +27,11 @@ def model(x64, tmp_path_factory):
     return load_model("tiny-random", dtype="float64")
 
 
+# The tests that need cache pressure share one pool size: each distinct pool shape is a warm-up of its own
+# (every step shape compiled again), the largest cost of this file.
+SMALL_POOLS = dict(num_pages=40, num_slots=12, max_num_seqs=8)
+
+
 def _engine(model, tmp_path_factory, **kw):
     args = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, page_size=16, prefix_match_unit=16,
                 state_block_size=64, num_pages=400, num_slots=64, token_buckets=(32, 256), seq_buckets=(16,),
@@ -56,7 +61,8 @@ def test_prefix_caching_on_off_identical_outputs(model, tmp_path_factory):
 
 
 def test_checkpoint_granularity_finer_than_state_block(model, tmp_path_factory):
-    eng = _engine(model, tmp_path_factory, page_size=64, state_block_size=256, max_model_len=1024)
+    # (its own pool shapes: no warm-up, only the two step shapes it runs are compiled)
+    eng = _engine(model, tmp_path_factory, page_size=64, state_block_size=256, max_model_len=1024, warmup=False)
     rng = np.random.RandomState(1)
     first = rng.randint(0, 1024, 700).tolist()
     second = first + rng.randint(0, 1024, 50).tolist()
@@ -194,8 +200,7 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     res = {}
     for host_bytes in (64 << 20, 0):
-        eng = _engine(model, tmp_path_factory, num_pages=40, num_slots=18, state_block_size=0,
-                      host_cache_bytes=host_bytes)
+        eng = _engine(model, tmp_path_factory, **SMALL_POOLS, state_block_size=0, host_cache_bytes=host_bytes)
         for i, p in enumerate([base] + others):
             run_one(eng, p, params, f"p{i}")
         out = run_one(eng, follow, params, "f")
@@ -209,7 +214,7 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
 def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_factory):
     work = make_workload(3, 24, model.config.vocab_size, max_new=(24, 40))
     roomy = run_workload(_engine(model, tmp_path_factory), work)
-    tight = _engine(model, tmp_path_factory, num_pages=36, num_slots=10, max_num_seqs=8)
+    tight = _engine(model, tmp_path_factory, **SMALL_POOLS)
     squeezed = run_workload(tight, work, arrivals_per_step=8)
     assert {k: v[0] for k, v in squeezed.items()} == {k: v[0] for k, v in roomy.items()}
     assert tight.stats()["num_preemptions"] > 0
@@ -298,7 +303,7 @@ def test_async_scheduling_gives_the_same_outputs(model, tmp_path_factory):
     vocab = model.config.vocab_size
     runs = {}
     for mode in (False, True):
-        eng = _engine(model, tmp_path_factory, async_scheduling=mode, num_pages=40, num_slots=12, max_num_seqs=8)
+        eng = _engine(model, tmp_path_factory, async_scheduling=mode, **SMALL_POOLS)
         runs[mode] = _mixed_run(eng, vocab)
         assert eng.stats()["num_preemptions"] > 0
         _assert_no_leaks(eng)
@@ -323,8 +328,8 @@ def test_prefill_only_steps_overlap_with_the_step_in_flight(model, tmp_path_fact
     prompts = [rng.randint(0, vocab, rng.randint(5, 40)).tolist() for _ in range(12)]
     runs = {}
     for mode in (False, True):
-        eng = _engine(model, tmp_path_factory, async_scheduling=mode, max_num_seqs=4, seq_buckets=(4,),
-                      token_buckets=(256,), enable_prefix_caching=False, warmup=mode, compile_threads=2)
+        eng = _engine(model, tmp_path_factory, async_scheduling=mode, max_num_seqs=4, enable_prefix_caching=False,
+                      warmup=mode, compile_threads=2)
         events = []
         for name in ("launch", "fetch"):
             real = getattr(eng.runner, name)

@@ -9,27 +9,40 @@ import pytest
 from k3jax import LLM, SamplingParams
 
 PROMPTS = [np.random.RandomState(i).randint(0, 1000, n).tolist() for i, n in enumerate((5, 40, 130))]
+_LLMS = {}
+
+
+def _llm(mesh):
+    """One engine per mesh for the module: one token bucket (each step shape is a compile, most of this
+    file's time) and a 16 MiB cache (a CPU step's time grows with the pools' size)."""
+    if mesh not in _LLMS:
+        _LLMS[mesh] = LLM("tiny-random", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128,
+                          token_buckets=(128,), max_model_len=256, warmup=False, cache_memory_bytes=16 << 20)
+    return _LLMS[mesh]
 
 
 def _greedy(mesh):
-    llm = LLM("tiny-random", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
-              warmup=False)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs], llm
+    outs = _llm(mesh).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def one_device_tokens():
+    return _greedy(None)
 
 
 @pytest.mark.parametrize("mesh", ["data=2,expert=4", "tensor=2,expert=4"])
-def test_engine_on_mesh_matches_one_device(mesh):
-    ref, _ = _greedy(None)
-    got, llm = _greedy(mesh)
-    assert got == ref
+def test_engine_on_mesh_matches_one_device(mesh, one_device_tokens):
+    assert _greedy(mesh) == one_device_tokens
+    llm = _llm(mesh)
     pool = llm.engine.runner.pools.kda_state
-    assert len(pool.sharding.device_set) == 8 and (llm.engine.scheduler.slots.capacity + 1) % 8 == 0
+    shards = llm.model.mesh.shape["data"] * llm.model.mesh.shape["expert"]     # the pools' row axis
+    assert len(pool.sharding.device_set) == 8 and (llm.engine.scheduler.slots.capacity + 1) % shards == 0
 
 
 def test_generate_cli_with_mesh():
     r = subprocess.run([sys.executable, "-m", "k3jax.generate", "--model", "tiny-random", "--mesh", "data=2,expert=4",
-                        "--prompt", "Hello", "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+                        "--prompt", "Hello", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     bad = subprocess.run([sys.executable, "-m", "k3jax.generate", "--mesh", "data=3"], capture_output=True, text=True,
                          timeout=300)
@@ -45,12 +58,12 @@ def test_image_chat_on_mesh_matches_one_device(tmp_path):
                                          {"type": "text", "text": "What is it?"}]}]
     outs = []
     for mesh in (None, "data=2,expert=4"):
-        llm = LLM("tiny-random", dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256,
-                  warmup=False)
+        llm = _llm(mesh)
+        before = llm.engine.stats()["encoded_images"]
         out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), thinking=False)
         text_only = llm.chat([{"role": "user", "content": "What is it?"}],
                              SamplingParams(temperature=0, max_tokens=1), thinking=False)
         assert len(out.prompt_token_ids) > len(text_only.prompt_token_ids) + 4
-        assert llm.engine.stats()["encoded_images"] == 1
+        assert llm.engine.stats()["encoded_images"] - before == 1
         outs.append(out.outputs[0].token_ids)
     assert outs[0] == outs[1]

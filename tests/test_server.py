@@ -222,13 +222,15 @@ def test_malformed_json_and_auth(server):
     assert "k3jax:time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
 
 
-def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory):
+def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory, server):
     """SIGTERM with two streams running: the short one finishes inside the grace window; the long one
     (issue 17 item 5: cut with no error event, no [DONE], a traceback each) ends with an error event
     and [DONE]. The process exits 0 without a traceback."""
     import signal
     import threading
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "3", "--no-vision")
+    # its warm-up loads the step shapes `server` compiled (the same model and pools)
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "6", "--no-vision",
+                      "--compilation-cache-dir", server.compilation_cache_dir)
     streams = {"short": [], "long": []}
 
     def consume(name, max_tokens):
@@ -236,12 +238,16 @@ def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory):
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120, headers=AUTH) as r:
             streams[name].extend(x for x in r.iter_lines() if x)
 
-    threads = [threading.Thread(target=consume, args=a) for a in (("short", 4), ("long", 500))]
+    # short: ~1 s of decode on 2 cores (long enough to be seen running, well inside the grace window);
+    # long: ~40 s
+    threads = [threading.Thread(target=consume, args=a) for a in (("short", 12), ("long", 500))]
     for t in threads:
         t.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and s.metric("k3jax:num_requests_running") < 2:
+    deadline, running = time.time() + 60, 0
+    while time.time() < deadline and running < 2:
+        running = s.metric("k3jax:num_requests_running")
         time.sleep(0.05)
+    assert running == 2, "the two streams never ran together"
     s.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(120)

@@ -69,26 +69,28 @@ def run(eng, prompts, max_tokens=4):
     return done
 
 
-def reference(model, ids, images, max_tokens=4):
-    """Greedy tokens and their logprobs from the tower + a full forward pass per token."""
+def reference(model, forward, ids, images, generated, padded_len=64):
+    """Teacher forcing: the tower + one full forward pass (no cache) over the prompt and the engine's
+    `generated` tokens -> (the greedy token at each generated position, the logprob there of the
+    generated token). Greedy decoding yields `generated` iff every greedy token matches it."""
     ids, placed = expand_image_placeholders(ids, images, model.vision.pad_id)
     vb = prepare_vision_batch(model.vision.config, [im.grid_thw for im in placed])
     px = np.concatenate([im.pixel_values for im in placed])
     rows = np.asarray(encode_images(model.vision.params, model.vision.config, px, vb))
-    emb = np.zeros((len(ids) + max_tokens, model.config.hidden_size))
-    mask = np.zeros(len(ids) + max_tokens, bool)
+    # right padding to one length (one compile): a causal model's earlier logits ignore it
+    assert len(ids) + len(generated) <= padded_len
+    toks = np.full(padded_len, model.config.pad_token_id)
+    toks[:len(ids) + len(generated)] = list(ids) + list(generated)
+    emb = np.zeros((padded_len, model.config.hidden_size))
+    mask = np.zeros(padded_len, bool)
     for im, at in zip(placed, vb.token_offsets):
         emb[im.offset:im.end] = rows[at:at + im.num_tokens]
         mask[im.offset:im.end] = True
-    toks, lps = list(ids), []
-    for _ in range(max_tokens):
-        n = len(toks)
-        logits = np.asarray(forward_full(model.params, model.config, np.asarray([toks]), emb[None, :n],
-                                         mask[None, :n]))[0, -1]
-        t = int(np.argmax(logits))
-        lps.append(float(logits[t] - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()))
-        toks.append(t)
-    return toks[len(ids):], lps
+    logits = np.asarray(forward(model.params, toks[None], emb[None], mask[None]))[0]
+    logits = logits[len(ids) - 1:len(ids) - 1 + len(generated)]
+    logprobs = logits - logits.max(-1, keepdims=True)
+    logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+    return [int(t) for t in logits.argmax(-1)], [float(lp[t]) for lp, t in zip(logprobs, generated)]
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +103,24 @@ def test_engine_with_images_matches_tower_plus_full_forward(model, eng, tmp_path
     a, b = image_input(model, 0, 90, 60), image_input(model, 1, 40, 130)
     assert a.num_tokens != b.num_tokens
     ids1, ids2 = chat_ids(model, 1), chat_ids(model, 2, "Compare them.")
-    want = {name: reference(model, ids, imgs) for name, (ids, imgs) in
-            {"one": (ids1, [a]), "two": (ids2, [b, a])}.items()}
+    prompts = {"one": (ids1, [a]), "two": (ids2, [b, a])}
     # 32-token steps split the images over several prefill chunks; 256-token steps pack both
     # requests' images into one tower call
     small = engine(model, tmp_path_factory, max_num_batched_tokens=32, token_buckets=(32,), warmup=False,
                    forbid_compile_after_warmup=False, enable_prefix_caching=False)
+    outputs = []
     for e in (eng, small):
         before = e.stats()["encoded_images"]
-        got = run(e, {"one": (ids1, [a]), "two": (ids2, [b, a])})
-        for name, (toks, lps) in want.items():
-            assert got[name][0] == toks, name
-            np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
+        outputs.append(run(e, prompts))
         assert e.stats()["encoded_images"] - before == 2          # `a` encoded once for both requests
+    forward = jax.jit(lambda params, *a: forward_full(params, model.config, *a))
+    for name, (ids, imgs) in prompts.items():
+        toks = outputs[0][name][0]
+        assert len(toks) == 4, name
+        greedy, lps = reference(model, forward, ids, imgs, toks)
+        for got in outputs:
+            assert got[name][0] == greedy, name
+            np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
 
 
 def test_images_change_the_output(model, eng):
