@@ -458,23 +458,35 @@ def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def _gauge(server, name, state):
+def _gauges(server, name):
+    """{state: value} of one labelled gauge, from one scrape of /metrics."""
+    out = {}
     for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") and f'state="{state}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError((name, state))
+        if line.startswith(name + "{") and 'state="' in line:
+            out[line.split('state="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _gauge(server, name, state):
+    return _gauges(server, name)[state]
 
 
 def test_cache_gauges_separate_in_use_from_cached(server):
     """issue 17 item 9: page_pool_usage counted blocks held only by the prefix cache (evictable) as used."""
-    body = {"prompt": list(range(10, 74)), "max_tokens": 40, "ignore_eos": True, "stream": True}
+    # a long stream, closed early: the gauges refresh twice a second, so poll until one refresh saw it running
+    body = {"prompt": list(range(10, 74)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    seen = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
         lines = r.iter_lines()
-        for _ in range(8):
+        deadline = time.time() + 10
+        while time.time() < deadline:
             next(lines)
-        time.sleep(0.6)                              # the breakdown refreshes twice a second
-        assert _gauge(server, "k3jax:cache_pages", "in_use") >= 4        # 64 prompt tokens in 16-token pages
-        assert _gauge(server, "k3jax:cache_state_slots", "in_use") >= 1
+            seen.append((_gauge(server, "k3jax:cache_pages", "in_use"),
+                         _gauge(server, "k3jax:cache_state_slots", "in_use")))
+            if seen[-1][0] >= 4 and seen[-1][1] >= 1:    # 64 prompt tokens in 16-token pages; one state slot
+                break
+            time.sleep(0.1)
+        assert seen[-1][0] >= 4 and seen[-1][1] >= 1, seen
     deadline = time.time() + 30
     while time.time() < deadline and server.metric("k3jax:num_requests_running") > 0:
         time.sleep(0.2)
