@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from k3jax.config import ModelConfig
+from pallas_kernels.scatter import storage_dtype
 
 
 @struct.dataclass
@@ -44,8 +45,11 @@ class CachePools:
         return getattr(self, kind)[:, j]
 
 
-def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16):
-    """ShapeDtypeStruct pools (for planning and eval_shape)."""
+def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16,
+                bits: bool = False):
+    """ShapeDtypeStruct pools (for planning and eval_shape); bits: 16-bit float pools stored as uint16
+    (Backend.pool_bits, pallas_kernels/scatter.py)."""
+    dtype = storage_dtype(dtype, bits)
     H, K = c.kda_num_heads, c.kda_head_dim
     nm, nk = len(c.mla_layers), len(c.kda_layers)
     kv = jax.ShapeDtypeStruct((num_pages, nm, page_size, c.mla_cache_dim), dtype)
@@ -54,11 +58,12 @@ def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, 
     return CachePools(mla_kv=kv, kda_state=st, kda_conv=cv)
 
 
-def make_pools(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16) -> CachePools:
-    """Zero-filled pools. num_pages / num_slots include the reserved id 0."""
+def make_pools(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16,
+               bits: bool = False) -> CachePools:
+    """Zero-filled pools. num_pages / num_slots include the reserved id 0; bits: see pool_shapes."""
     if num_pages < 2 or num_slots < 2:
         raise ValueError("pools need at least 2 pages and 2 slots (id 0 is reserved)")
-    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype)
+    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype, bits)
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

@@ -29,7 +29,8 @@ class Backend:
     platform: str = "cpu"             # kernel family: "gpu" (Triton), "tpu" (Mosaic); "cpu": none
     device: str = "cpu"               # where the step runs (jax.default_backend() when detected)
     mxfp4_decoder: str = "ptx8"       # the GPU kernel's in-register MXFP4 decoder (moe/mxfp4.py)
-    scatter_bits: bool = False        # 16-bit pool scatters as uint16 bits (XLA:CPU converts bf16 pools)
+    pool_bits: bool = False           # 16-bit float pools stored as uint16 bits (pallas_kernels/scatter.py:
+                                      # XLA:CPU converts whole bf16 pools in scatters and looped gathers)
     mla_prefill: str = "auto"         # MLA prefill form: "auto" | "absorbed" | "expanded"
     experts_in_place: bool = True     # scanned layers: the MoE kernels read a layer's experts in the stack
     dense_in_place: bool = False      # scanned layers: few-row steps' dense matmuls read the layer's weight
@@ -57,7 +58,7 @@ def detect(mode: str | None = None, platform: str | None = None, mla_prefill: st
     device = jax.default_backend()
     kernels = mode == "pallas" or (mode == "auto" and device != "cpu")
     return Backend(kernels=kernels, interpret=kernels and device == "cpu", platform=platform or device,
-                   device=device, scatter_bits=device == "cpu", mla_prefill=mla_prefill)
+                   device=device, pool_bits=device == "cpu", mla_prefill=mla_prefill)
 
 
 def resolve(backend: Backend | None) -> Backend:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import scatter
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.kda import reference as kda_ref
 from pallas_kernels.mla import expanded as mla_expanded
@@ -61,9 +62,10 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None, backe
 
 
 # ---- MLA -------------------------------------------------------------------
-def write_kv_pages(kv_pages, new_kv, slot_mapping, *, backend: Backend | None = None):
-    """Scatter new latent rows into the page pool (in place under donation)."""
-    return mla_ref.write_kv_pages(kv_pages, new_kv, slot_mapping, bits=resolve(backend).scatter_bits)
+def write_kv_pages(kv_pages, new_kv, slot_mapping):
+    """Scatter new latent rows into the page pool (in place under donation; rows in the pool's value dtype
+    when it stores bits, pallas_kernels/scatter.py)."""
+    return mla_ref.write_kv_pages(kv_pages, new_kv, slot_mapping)
 
 
 def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
@@ -73,6 +75,8 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     b = resolve(backend)
     if b.kernels:
         from pallas_kernels import mla
+        if kv_pages.dtype == scatter.BITS:      # a CPU bits pool (interpret mode): the kernels read floats
+            kv_pages = jax.lax.bitcast_convert_type(kv_pages, q_latent.dtype)
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
                                     decode_only=bool(decode_only))

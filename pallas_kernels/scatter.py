@@ -1,30 +1,61 @@
-"""Row scatter into cache pools that never converts the pool.
+"""Rows of cache pools: read and written without converting the pool.
 
-XLA:CPU runs a bf16 / f16 scatter in f32: it converts the whole operand (a cache pool holding every
-layer) to f32 and back on every update. On CPU the 16-bit patterns are scattered as uint16 instead
-(exact; XLA:CPU still materializes the bitcast once, half the traffic of the two conversions). GPUs
-scatter 16-bit floats natively, and there a bitcast-convert of a whole pool risks a pool-sized copy,
-so they scatter the pool as it is.
+XLA:CPU computes on bf16 / f16 arrays in f32: a scatter into a 16-bit pool converts the whole pool to
+f32 and back, and a gather from one inside a loop (the reference attention's map over tokens) converts
+the whole pool once per step, hoisted out of the loop. With the default CPU cache (256 MiB) that was
+~0.8 GiB of conversions per decode step of the tiny model, 4x its arithmetic. So on CPU
+(`Backend.pool_bits`) 16-bit float pools are *stored* as their uint16 bit patterns: rows are gathered
+and scattered as integers (exact, native) and bitcast to the value dtype after the gather. GPUs and TPUs
+move 16-bit floats natively and keep the float pools.
+
+The value dtype of a bits pool is not in the array: readers name it (`read_rows(..., dtype)`,
+`values(rows, dtype)`), and writers pass rows already in it (`set_rows` bitcasts 16-bit float rows).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-
-def read_rows(pool, idx):
-    """pool[idx], materialized: for rows that the same step then writes back into the pool. Fused
-    into that scatter, the read would make XLA copy the whole pool first to keep the old rows
-    (on the H200: the KDA conv pool, twice per decode step, scanned or not)."""
-    return jax.lax.optimization_barrier(pool[idx])
+BITS = jnp.uint16
 
 
-def set_rows(pool, idx, rows, mode=None, bits: bool = False):
-    """pool.at[idx].set(rows cast to pool.dtype, mode=mode), in place under donation. bits: scatter
-    16-bit floats as uint16 (Backend.scatter_bits: on CPU)."""
-    rows = rows.astype(pool.dtype)
-    if bits and pool.dtype.itemsize == 2 and jnp.issubdtype(pool.dtype, jnp.floating):
-        u16 = jax.lax.bitcast_convert_type(pool, jnp.uint16)
-        new = jax.lax.bitcast_convert_type(rows, jnp.uint16)
-        return jax.lax.bitcast_convert_type(u16.at[idx].set(new, mode=mode), pool.dtype)
-    return pool.at[idx].set(rows, mode=mode)
+def _is_float16(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def storage_dtype(dtype, bits: bool):
+    """The dtype a pool of `dtype` values is stored in: uint16 for 16-bit floats when bits, else dtype."""
+    return BITS if bits and _is_float16(dtype) else jnp.dtype(dtype)
+
+
+def value_dtype(pool, like):
+    """The dtype of a pool's values: its own, or `like` (the model's activation dtype, which the engine
+    makes its pools in) for a pool of bits."""
+    return jnp.dtype(like) if pool.dtype == BITS else pool.dtype
+
+
+def values(rows, dtype):
+    """rows read from a pool, as `dtype` values: uint16 bits of a 16-bit float bitcast to it; any other
+    rows (a float pool's) unchanged."""
+    if rows.dtype == BITS and _is_float16(dtype):
+        return jax.lax.bitcast_convert_type(rows, dtype)
+    return rows
+
+
+def read_rows(pool, idx, dtype=None):
+    """pool[idx], materialized (as `dtype` values when given): for rows that the same step then writes back
+    into the pool. Fused into that scatter, the read would make XLA copy the whole pool first to keep the
+    old rows (on the H200: the KDA conv pool, twice per decode step, scanned or not)."""
+    rows = jax.lax.optimization_barrier(pool[idx])
+    return rows if dtype is None else values(rows, dtype)
+
+
+def set_rows(pool, idx, rows, mode=None):
+    """pool.at[idx].set(rows, mode=mode), in place under donation. A bits pool takes 16-bit float rows as
+    their bits (or uint16 rows as they are); any other pool casts rows to its dtype."""
+    if pool.dtype == BITS and rows.dtype != BITS:
+        if not _is_float16(rows.dtype):
+            raise TypeError(f"rows of {rows.dtype} for a pool of 16-bit float bits: cast them to the "
+                            "pool's value dtype first")
+        rows = jax.lax.bitcast_convert_type(rows, BITS)
+    return pool.at[idx].set(rows.astype(pool.dtype), mode=mode)

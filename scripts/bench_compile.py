@@ -43,7 +43,9 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     params = param_shapes(c, dt)
     if not unrolled:                                    # the runner's layout (stacked at load)
         params = jax.eval_shape(lambda p: stack_layers(p, c), params)
-    pools = pool_shapes(c, args.max_num_seqs * max_pages + 1, args.page_size, args.max_num_seqs + 2, dt)
+    from pallas_kernels.backend import detect
+    pools = pool_shapes(c, args.max_num_seqs * max_pages + 1, args.page_size, args.max_num_seqs + 2, dt,
+                        bits=detect().pool_bits)                  # as the runner stores them
     step = jax.jit(make_step_fn(c), donate_argnums=(1,), compiler_options=step_compiler_options())  # as the runner
     rows = []
     for T, N, decode, mm in shapes:

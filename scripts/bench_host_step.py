@@ -1,6 +1,6 @@
 """Host time of a decode step: what the Python side spends before the device can run it.
 
-  python scripts/bench_host_step.py [--model tiny-random] [--seqs 4] [--steps 40] [--json]
+  python scripts/bench_host_step.py [--model tiny-random] [--seqs 4] [--steps 40] [--cache-mib M] [--json]
 
 Builds a ModelRunner on the model, prefills `--seqs` sequences, then runs `--steps` decode steps
 and reports, per step (median and min over the steps, milliseconds):
@@ -8,6 +8,8 @@ and reports, per step (median and min over the steps, milliseconds):
             tree and launching: what a split or merge of an NNX model on the host would add to)
   launch    runner.launch: batch and sampling arrays built, step and sampler dispatched, no wait
   step      launch + fetch of the sampled tokens (includes the device's compute)
+Pools: just enough for the sequences, or with --cache-mib as the engine sizes them for that cache budget
+(EngineArgs.cache_memory_bytes; the CPU default is 256 MiB): on CPU the step's time grew with the pools.
 Works on any backend; nothing here is specific to one version of the runner, so the same command
 measures two branches side by side.
 """
@@ -23,7 +25,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: str = "float32") -> dict:
+def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: str = "float32",
+            cache_mib: int | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -35,7 +38,12 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
     m = load_model(model, dtype=dtype)
     page_size, max_len, prompt = 16, 256, 8
     pages_per_seq = max_len // page_size
-    runner = ModelRunner(m.config, m.params, num_pages=seqs * pages_per_seq + 1, num_slots=seqs + 2,
+    num_pages, num_slots = seqs * pages_per_seq + 1, seqs + 2
+    if cache_mib:
+        from serving.engine_args import EngineArgs, size_pools
+        num_pages, num_slots = size_pools(EngineArgs(cache_memory_bytes=cache_mib << 20, max_model_len=max_len),
+                                          m.config, 0, m.dtype)
+    runner = ModelRunner(m.config, m.params, num_pages=num_pages, num_slots=num_slots,
                          page_size=page_size, max_model_len=max_len, max_num_seqs=seqs,
                          max_num_batched_tokens=max(32, seqs * prompt), backend=m.backend)
     pages = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(seqs)]
@@ -70,7 +78,9 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
             dispatch.append(t1 - t0)
     def ms(xs):
         return {"median_ms": round(1e3 * statistics.median(xs), 3), "min_ms": round(1e3 * min(xs), 3)}
-    return {"model": model, "seqs": seqs, "steps": steps, "platform": jax.default_backend(),
+    return {"model": model, "seqs": seqs, "steps": steps, "platform": jax.default_backend(), "dtype": dtype,
+            "num_pages": num_pages, "num_slots": num_slots,
+            "pool_dtypes": sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(runner.pools)}),
             "param_arrays": len(jax.tree_util.tree_leaves(runner.params)),
             "dispatch": ms(dispatch), "launch": ms(launch), "step": ms(step),
             "sampled_ok": bool(np.all((toks >= 0) & (toks < m.config.vocab_size)))}
@@ -82,14 +92,16 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cache-mib", type=int, default=None, help="size the pools for this cache budget")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = measure(a.model, a.seqs, a.steps, a.dtype)
+    r = measure(a.model, a.seqs, a.steps, a.dtype, a.cache_mib)
     if a.json:
         print(json.dumps(r))
         return
-    print(f"{r['model']} on {r['platform']}: {r['seqs']} sequences, {r['steps']} decode steps, "
-          f"{r['param_arrays']} parameter arrays")
+    print(f"{r['model']} ({r['dtype']}) on {r['platform']}: {r['seqs']} sequences, {r['steps']} decode steps, "
+          f"{r['param_arrays']} parameter arrays; pools {r['num_pages']} pages, {r['num_slots']} slots "
+          f"({', '.join(r['pool_dtypes'])})")
     print(f"{'':<10}{'median ms':>12}{'min ms':>10}")
     for k in ("dispatch", "launch", "step"):
         print(f"{k:<10}{r[k]['median_ms']:>12.3f}{r[k]['min_ms']:>10.3f}")

@@ -7,9 +7,9 @@
 Variants (comma list, --variants):
   unrolled   every layer traced (the checkpoint layout)
   scan       the scanned decoder as the runner runs it (routed experts read in place from their stack,
-             pools scattered natively off CPU)
-  scan-old   the first scanned decoder: experts sliced per repeat, bf16 pools scattered as uint16 bits
-  scan-slice scan, but experts sliced per repeat          scan-bits: scan, but pools scattered as bits
+             16-bit pools stored as floats off CPU, as uint16 bits on CPU: pallas_kernels/scatter.py)
+  scan-old   the first scanned decoder: experts sliced per repeat, 16-bit pools stored as uint16 bits
+  scan-slice scan, but experts sliced per repeat          scan-bits: scan, but pools stored as bits
   scan-dsf   scan compiled with XLA's dynamic-slice fusion (--xla_gpu_enable_dynamic_slice_fusion)
 Two steps per variant: decode (16 sequences x 1 token after a 1024-token context, the fused decode
 path) and prefill (2 fresh sequences x 2048 tokens, T=4096). For each: compile seconds, XLA's scratch
@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-VARIANTS = {  # name: (scanned layout, Backend.experts_in_place, Backend.scatter_bits (None: detected), XLA options)
+VARIANTS = {  # name: (scanned layout, Backend.experts_in_place, Backend.pool_bits (None: detected), XLA options)
     "unrolled": (False, True, None, {}),
     "scan": (True, True, None, {}),
     "scan-old": (True, False, True, {}),
@@ -90,7 +90,7 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
         scanned, in_place, bits, opts = VARIANTS[v]
         backend = detect().replace(experts_in_place=in_place)
         if bits is not None:
-            backend = backend.replace(scatter_bits=bits)
+            backend = backend.replace(pool_bits=bits)
         params = stacked if scanned else (jax.eval_shape(lambda p: unstack_layers(p, c), stacked) if abstract
                                           else unstack_layers(stacked, c))
         step = jax.jit(make_step_fn(c, backend), donate_argnums=(1,))
@@ -98,7 +98,8 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
             row = {"variant": v, "step": kind}
             try:
                 t = time.perf_counter()
-                compiled = step.lower(params, abstract_pools, batch).compile(compiler_options=opts or None)
+                pools_in = pool_shapes(c, num_pages, page_size, num_slots, jnp.bfloat16, bits=backend.pool_bits)
+                compiled = step.lower(params, pools_in, batch).compile(compiler_options=opts or None)
                 row["compile_s"] = round(time.perf_counter() - t, 1)
             except Exception as e:  # noqa: BLE001 - e.g. an XLA option this build does not know
                 row["error"] = str(e).splitlines()[0][:160]
@@ -120,7 +121,7 @@ def run(model: str, layers: int | None, variants, abstract: bool, num_pages: int
                 with gzip.open(os.path.join(dump, f"{name}_{v}_{kind}.hlo.gz"), "wt") as f:
                     f.write(text)
             if not abstract:
-                pools = make_pools(c, num_pages, page_size, num_slots, jnp.bfloat16)
+                pools = make_pools(c, num_pages, page_size, num_slots, jnp.bfloat16, bits=backend.pool_bits)
                 for _ in range(2):
                     _, pools = compiled(params, pools, batch)
                 jax.block_until_ready(pools)

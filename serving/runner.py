@@ -141,7 +141,7 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
     the same measurement without running."""
     from k3jax.cache import pool_shapes
-    pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype)
+    pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype, bits=resolve(backend).pool_bits)
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
@@ -151,8 +151,8 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
 
 
-def _copy_pages(pools, src, dst, bits: bool):
-    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src), bits=bits))  # all layers
+def _copy_pages(pools, src, dst):
+    return pools.replace(mla_kv=set_rows(pools.mla_kv, dst, read_rows(pools.mla_kv, src)))  # all layers, as stored
 
 
 def _with_previous_tokens(step):
@@ -185,7 +185,8 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
-        self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype)
+        self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype,
+                                bits=self.backend.pool_bits)
         self.token_buckets, self.seq_buckets = step_buckets(
             max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
             token_buckets=token_buckets, seq_buckets=seq_buckets)
@@ -224,8 +225,7 @@ class ModelRunner:
             self.last_tokens = jax.device_put(self.last_tokens, rep)
         # one penalties variant: output ids padded to the context (a power of two, as the buckets)
         self.penalty_width = 1 << max(0, max_model_len - 1).bit_length()
-        self._copy = jax.jit(functools.partial(_copy_pages, bits=self.backend.scatter_bits), donate_argnums=(0,),
-                             **copy_kw)
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_kw)
         self.num_compiles = 0
         self._aot = mesh is None and jax.process_count() == 1   # on a mesh: jit places the host batch
         self._compiled = {}          # step shape -> executable compiled ahead of time by warmup

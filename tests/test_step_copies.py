@@ -1,9 +1,10 @@
 """The compiled engine step holds no copy of a cache pool: the scanned decoder updates the stacked pools in
 place (the first scanned version was reverted for pool/weight-sized copies around its kernels on the H200).
 
-CPU, abstract weights, float32 pools (XLA:CPU converts bf16 pools for any scatter, which GPUs do not; the
-bf16 layout's copies are measured on the GPU by scripts/scan_copies.py). Pools are sized so that each
-is far larger than any activation of the step: a data move of pool size can only be a pool.
+CPU, abstract weights; float32 pools, and bf16 pools stored as uint16 bits as the CPU runner stores them
+(XLA:CPU converted bf16 pools to f32 for every scatter and for the reference attention's looped gathers:
+pallas_kernels/scatter.py; the GPU's bf16 pools are measured by scripts/scan_copies.py). Pools are sized
+so that each is far larger than any activation of the step: a data move of pool size can only be a pool.
 """
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,13 @@ from scripts_module import load_script
 from serving.runner import make_step_fn
 
 
-@pytest.fixture(scope="module")
-def compiled_steps():
+@pytest.fixture(scope="module", params=["float32", "bfloat16-bits"])
+def compiled_steps(request):
     c = preset_config("tiny-random")
-    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
-    pools = pool_shapes(c, 4097, 16, 514, jnp.float32)
+    dtype = jnp.float32 if request.param == "float32" else jnp.bfloat16
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, dtype))
+    scale = 4 // jnp.dtype(dtype).itemsize             # the same pool bytes for both dtypes
+    pools = pool_shapes(c, 4096 * scale + 1, 16, 512 * scale + 2, dtype, bits=request.param.endswith("bits"))
     step = jax.jit(make_step_fn(c), donate_argnums=(1,))
     batches = load_script("scan_copies").step_batches(16, context=64, prefill=(2, 64))
     smallest = min(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(pools))

@@ -16,7 +16,7 @@ from k3jax.layers.module import Group, value
 from k3jax.params import kda_spec
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
-from pallas_kernels.scatter import read_rows, set_rows
+from pallas_kernels.scatter import read_rows, set_rows, value_dtype
 
 
 def _heads(x, c: ModelConfig):
@@ -37,9 +37,9 @@ def _safe_gate(c: ModelConfig) -> bool:
     return c.gate_lower_bound is not None and c.gate_lower_bound >= -5.0
 
 
-def _gather_state(pool, src):
-    """Rows `src` of a pool; negative src means a fresh (zero) state."""
-    rows = read_rows(pool, jnp.maximum(src, 0))
+def _gather_state(pool, src, dtype=None):
+    """Rows `src` of a pool (as `dtype` values, for a pool of bits); negative src means a fresh (zero) state."""
+    rows = read_rows(pool, jnp.maximum(src, 0), dtype)
     keep = (src >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
     return jnp.where(keep, rows, jnp.zeros_like(rows))
 
@@ -138,7 +138,7 @@ class KDA(Group):
         src = meta["state_src"]
         with jax.named_scope("kda_in"):
             x_in = self.qkv_in(x)
-            conv0 = _gather_state(conv_pool, src)
+            conv0 = _gather_state(conv_pool, src, x.dtype)
             conv_out, conv_new = _step_conv(x_in, self.conv_weights(), conv0, meta)
             q, k, v, g, beta = self.core(x, conv_out, c)
             s0 = _gather_state(state_pool, src)
@@ -148,8 +148,8 @@ class KDA(Group):
                                   backend=b)
         with jax.named_scope("kda_state_write"):
             for dst in (meta["state_dst"], meta["ckpt_dst"]):
-                state_pool = set_rows(state_pool, dst, s1, bits=b.scatter_bits)
-                conv_pool = set_rows(conv_pool, dst, conv_new, bits=b.scatter_bits)
+                state_pool = set_rows(state_pool, dst, s1)
+                conv_pool = set_rows(conv_pool, dst, conv_new.astype(value_dtype(conv_pool, x.dtype)))
         with jax.named_scope("kda_out"):
             return self.output(x, o[0], c), state_pool, conv_pool
 
@@ -162,7 +162,7 @@ class KDA(Group):
         slots = jnp.where(valid, meta["state_src"], -1)
         xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
         x_in = self.qkv_in(xs)
-        conv0 = read_rows(conv_pool, jnp.maximum(slots, 0))                 # [N, Kc-1, C]
+        conv0 = read_rows(conv_pool, jnp.maximum(slots, 0), x.dtype)        # [N, Kc-1, C]
         w = self.conv_weights()
         # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
         conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
@@ -171,7 +171,7 @@ class KDA(Group):
         o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5,
                                        backend=b)
         conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
-                             mode="drop", bits=b.scatter_bits)
+                             mode="drop")
         out = self.output(xs, o, c)                                         # [N, D]
         tok_seq = meta["token_seq"]
         tok_ok = jnp.arange(x.shape[0]) < cu[n]

@@ -17,7 +17,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
 from k3jax.layers.module import Group, value
 from k3jax.params import mla_spec
-from pallas_kernels import ops
+from pallas_kernels import ops, scatter
 from pallas_kernels.backend import Backend, resolve
 
 # q_a_layernorm / kv_a_layernorm use the norm class default, not rms_norm_eps (spec section 3).
@@ -112,7 +112,8 @@ class MLA(Group):
         """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
         w_uk, w_uv = self.kv_b(c)
         q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
-        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_pages.dtype), q[..., c.qk_nope_head_dim:].astype(kv_pages.dtype),
+        kv_dtype = scatter.value_dtype(kv_pages, dtype)
+        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_dtype), q[..., c.qk_nope_head_dim:].astype(kv_dtype),
                                      kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"],
                                      scale=scale(c), decode_only=bool(meta.get("decode_only", False)),
                                      backend=backend)
@@ -121,10 +122,12 @@ class MLA(Group):
     def _expanded(self, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
         """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
         by kv_b_proj into per-head K/V, then varlen causal attention."""
+        kv_dtype = scatter.value_dtype(kv_pages, dtype)
         rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
-        kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ value(self.kv_b_proj)).astype(kv_pages.dtype)
+        rows = scatter.values(rows, kv_dtype)
+        kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ value(self.kv_b_proj)).astype(kv_dtype)
         kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        o = ops.mla_expanded_attention(q.astype(kv_pages.dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"],
+        o = ops.mla_expanded_attention(q.astype(kv_dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"],
                                        starts, nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
         return o.astype(dtype)
 
@@ -137,8 +140,8 @@ class MLA(Group):
         """
         with jax.named_scope("mla_in"):
             q = self.queries_joint(x, c)
-            kv_pages = ops.write_kv_pages(kv_pages, self.latent_kv(x, c).astype(kv_pages.dtype),
-                                          meta["slot_mapping"], backend=backend)
+            kv_pages = ops.write_kv_pages(kv_pages, self.latent_kv(x, c).astype(scatter.value_dtype(kv_pages, x.dtype)),
+                                          meta["slot_mapping"])
         backend = resolve(backend)
         num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
                                        bool(meta.get("decode_only", False)), backend)
