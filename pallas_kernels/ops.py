@@ -75,8 +75,7 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     b = resolve(backend)
     if b.kernels:
         from pallas_kernels import mla
-        if kv_pages.dtype == scatter.BITS:      # a CPU bits pool (interpret mode): the kernels read floats
-            kv_pages = jax.lax.bitcast_convert_type(kv_pages, q_latent.dtype)
+        kv_pages = scatter.values(kv_pages, q_latent.dtype)   # a CPU bits pool (interpret mode): as floats
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
                                     decode_only=bool(decode_only))

@@ -10,6 +10,7 @@ Variants (comma list, --variants):
              16-bit pools stored as floats off CPU, as uint16 bits on CPU: pallas_kernels/scatter.py)
   scan-old   the first scanned decoder: experts sliced per repeat, 16-bit pools stored as uint16 bits
   scan-slice scan, but experts sliced per repeat          scan-bits: scan, but pools stored as bits
+  scan-floats scan, but 16-bit pools stored as floats (on CPU: what XLA:CPU converts to f32 per step)
   scan-dsf   scan compiled with XLA's dynamic-slice fusion (--xla_gpu_enable_dynamic_slice_fusion)
 Two steps per variant: decode (16 sequences x 1 token after a 1024-token context, the fused decode
 path) and prefill (2 fresh sequences x 2048 tokens, T=4096). For each: compile seconds, XLA's scratch
@@ -35,6 +36,7 @@ VARIANTS = {  # name: (scanned layout, Backend.experts_in_place, Backend.pool_bi
     "scan-old": (True, False, True, {}),
     "scan-slice": (True, False, None, {}),
     "scan-bits": (True, True, True, {}),
+    "scan-floats": (True, True, False, {}),
     "scan-dsf": (True, True, None, {"xla_gpu_enable_dynamic_slice_fusion": True}),
 }
 
