@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels import scatter
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.kda import reference as kda_ref
+from pallas_kernels.mla import blocked as mla_blocked
 from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
 
@@ -79,8 +80,10 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
                                     decode_only=bool(decode_only))
-    return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
-                                              kv_lens, scale=scale)
+    # CPU: work bounded by the real lengths (the reference reads every table entry: ~3x slower there at the
+    # default 8192-token context); accelerators without a kernel keep the reference's parallel form
+    ragged = mla_blocked.ragged_paged_mla_blocked if b.device == "cpu" else mla_ref.ragged_paged_mla_reference
+    return ragged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, scale=scale)
 
 
 mla_gather_latents = mla_expanded.gather_latents

@@ -1,4 +1,5 @@
-"""Reference paged MLA (pallas_kernels/mla/reference.py) vs a float64 numpy oracle."""
+"""Reference paged MLA (pallas_kernels/mla/reference.py) and the CPU's length-bounded form
+(pallas_kernels/mla/blocked.py) vs a float64 numpy oracle."""
 import functools
 
 import jax
@@ -6,8 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mla.blocked import ragged_paged_mla_blocked
 from pallas_kernels.mla.reference import (
     mla_decode_reference, ragged_paged_mla_reference, write_kv_pages)
+from pallas_kernels.scatter import BITS
+
+# the CPU form with 2-page blocks, so that the cases' contexts span several blocks
+RAGGED = {"reference": ragged_paged_mla_reference,
+          "blocked": functools.partial(ragged_paged_mla_blocked, pages_per_block=2)}
 
 
 def build_case(rng, ctx_lens, new_lens, *, heads, lat, rope, page_size, pad_tokens=0,
@@ -67,21 +74,22 @@ H, L, R = 4, 64, 16
 SCALE = (L // 4 + R) ** -0.5
 
 
-def _run_ref(case, **kw):
-    f = jax.jit(functools.partial(ragged_paged_mla_reference, scale=SCALE, **kw))
+def _run_ref(case, impl="reference", **kw):
+    f = jax.jit(functools.partial(RAGGED[impl], scale=SCALE, **kw))
     return np.asarray(f(*(jnp.asarray(case[k]) for k in
                           ("q_latent", "q_rope", "kv_pages", "block_tables", "cu_seqlens",
                            "kv_lens"))))
 
 
+@pytest.mark.parametrize("impl", list(RAGGED))
 @pytest.mark.parametrize("page_size", [8, 16])
-def test_ragged_mixed_batch(page_size):
+def test_ragged_mixed_batch(page_size, impl):
     rng = np.random.default_rng(page_size)
     # resumed prefill chunk, decode, fresh prefill, length-1 decode, decode at a page boundary
     ctx = [13, 20, 0, 0, 2 * page_size - 1]
     new = [7, 1, 5, 1, 1]
     case = build_case(rng, ctx, new, heads=H, lat=L, rope=R, page_size=page_size, pad_tokens=6)
-    got = _run_ref(case)
+    got = _run_ref(case, impl)
     want = numpy_attention(case, SCALE)
     assert np.all(np.isfinite(got)), "read NaN garbage (page 0 or unused slot)"
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -98,11 +106,14 @@ def test_decode_reference_matches_oracle():
         *(jnp.asarray(case[k]) for k in ("q_latent", "q_rope", "kv_pages", "block_tables",
                                          "kv_lens")))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
-    # the ragged entry gives the same thing for one token per sequence
-    np.testing.assert_allclose(_run_ref(case, batch_size=3), want, rtol=2e-5, atol=2e-5)
+    # the ragged entries give the same thing for one token per sequence
+    for impl in RAGGED:
+        np.testing.assert_allclose(_run_ref(case, impl, batch_size=3), want, rtol=2e-5, atol=2e-5)
 
 
-def test_bf16_cache_close_to_oracle():
+@pytest.mark.parametrize("impl,bits", [("reference", False), ("blocked", True)])
+def test_bf16_cache_close_to_oracle(impl, bits):
+    """bits: the pool stored as uint16 bit patterns, as the CPU runner stores 16-bit pools."""
     rng = np.random.default_rng(2)
     case = build_case(rng, [9, 30], [4, 1], heads=H, lat=L, rope=R, page_size=16)
     bf = dict(case)
@@ -111,7 +122,9 @@ def test_bf16_cache_close_to_oracle():
         case[k] = np.asarray(bf[k].astype(jnp.float32))  # oracle sees the rounded inputs
     case["caches"] = [np.asarray(jnp.asarray(c).astype(jnp.bfloat16).astype(jnp.float32))
                       for c in case["caches"]]
-    got = jax.jit(functools.partial(ragged_paged_mla_reference, scale=SCALE))(
+    if bits:
+        bf["kv_pages"] = jax.lax.bitcast_convert_type(bf["kv_pages"], BITS)
+    got = jax.jit(functools.partial(RAGGED[impl], scale=SCALE))(
         *(jnp.asarray(bf[k]) for k in ("q_latent", "q_rope", "kv_pages", "block_tables",
                                        "cu_seqlens", "kv_lens")))
     assert got.dtype == jnp.bfloat16
