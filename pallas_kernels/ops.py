@@ -55,10 +55,10 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None, backe
                                        interpret=b.interpret, platform=b.platform)
     idx = state_indices.astype(jnp.int32)
     ok = idx >= 0
-    s0 = state_pool[jnp.maximum(idx, 0)]
+    s0 = scatter.read_rows(state_pool, jnp.maximum(idx, 0))
     o, s1 = kda_ref.recurrent_kda_reference(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
                                             scale=scale, initial_state=s0)
-    pool = state_pool.at[jnp.where(ok, idx, state_pool.shape[0])].set(s1.astype(state_pool.dtype), mode="drop")
+    pool = scatter.set_rows(state_pool, jnp.where(ok, idx, state_pool.shape[0]), s1, mode="drop")
     return jnp.where(ok[:, None, None], o[:, 0], 0).astype(v.dtype), pool
 
 

@@ -46,7 +46,11 @@ def read_rows(pool, idx, dtype=None):
     """pool[idx], materialized (as `dtype` values when given): for rows that the same step then writes back
     into the pool. Fused into that scatter, the read would make XLA copy the whole pool first to keep the
     old rows (on the H200: the KDA conv pool, twice per decode step, scanned or not)."""
+    one = idx.ndim == 1 and idx.shape[0] == 1
+    if one:     # XLA turns a one-row gather into a dynamic slice and fuses it into later readers (see set_rows)
+        idx = jnp.concatenate([idx, idx])
     rows = jax.lax.optimization_barrier(pool[idx])
+    rows = rows[:1] if one else rows
     return rows if dtype is None else values(rows, dtype)
 
 
@@ -58,4 +62,11 @@ def set_rows(pool, idx, rows, mode=None):
             raise TypeError(f"rows of {rows.dtype} for a pool of 16-bit float bits: cast them to the "
                             "pool's value dtype first")
         rows = jax.lax.bitcast_convert_type(rows, BITS)
+    if idx.ndim == 1 and idx.shape[0] == 1:
+        # XLA rewrites a one-row scatter as select(in bounds, dynamic-update-slice, pool): a select over the
+        # whole pool, i.e. a pool copy (every pool, per layer, in steps of one sequence such as
+        # k3jax.generate's: ~5x slower decode on CPU). A second, out-of-bounds row (dropped) keeps a scatter.
+        idx = jnp.concatenate([idx, jnp.full((1,), pool.shape[0], idx.dtype)])
+        rows = jnp.concatenate([rows, rows])
+        mode = "drop"
     return pool.at[idx].set(rows.astype(pool.dtype), mode=mode)

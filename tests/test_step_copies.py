@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax import hlo_stats
-from k3jax.cache import pool_shapes
+from k3jax.cache import SeqChunk, make_step_batch, pool_shapes
 from k3jax.layer_stack import stack_layers
 from k3jax.params import param_shapes
 from k3jax.presets import preset_config
@@ -27,12 +27,18 @@ def compiled_steps(request):
     scale = 4 // jnp.dtype(dtype).itemsize             # the same pool bytes for both dtypes
     pools = pool_shapes(c, 4096 * scale + 1, 16, 512 * scale + 2, dtype, bits=request.param.endswith("bits"))
     step = jax.jit(make_step_fn(c), donate_argnums=(1,))
-    batches = load_script("scan_copies").step_batches(16, context=64, prefill=(2, 64))
+    step_batches = load_script("scan_copies").step_batches
+    batches = step_batches(16, context=64, prefill=(2, 64))
+    # steps of one sequence (max_num_seqs=1, e.g. k3jax.generate): XLA turns one-row gathers / scatters into
+    # dynamic slices and selects, which copied every pool (pallas_kernels/scatter.py)
+    batches["decode-1seq"] = step_batches(16, context=64, decode_seqs=1)["decode"]
+    batches["prefill-1seq"] = make_step_batch([SeqChunk([1] * 20, 0, [1, 2], -1, 1)], 16, num_tokens=32,
+                                              num_seqs=1, max_pages=5)
     smallest = min(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(pools))
     return {k: step.lower(params, pools, b).compile() for k, b in batches.items()}, smallest
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "decode-1seq", "prefill-1seq"])
 def test_scanned_step_holds_no_pool_sized_copy(compiled_steps, kind):
     steps, smallest = compiled_steps
     compiled = steps[kind]
