@@ -84,12 +84,48 @@ class StopChecker:
     def stream_text(self) -> str:
         """Output that can be sent to a streaming client now: everything except a tail that
         could still become the start of a stop string (all of it once finished)."""
-        if self.finished is not None or not self.stops:
+        if self.finished is not None:
             return self.text
-        hold = 0
-        for k in range(min(len(self.text), max(len(s) for s in self.stops) - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = k
-                break
-        return self.text[:len(self.text) - hold]
+        return self.text[:len(self.text) - held_tail(self.text, self.stops)]
+
+
+def held_tail(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that could still become the start of a stop string:
+    a stream must hold those characters back until the next token decides."""
+    if not stops:
+        return 0
+    for k in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0
+
+
+def cut_at_stop(text: str, stop_reason, include: bool) -> str:
+    """Text that was parsed out of a finished output (a chat answer without its reasoning) cut
+    before the stop string the engine matched, as the engine cuts its own text."""
+    if isinstance(stop_reason, str) and not include:
+        i = text.find(stop_reason)
+        if i >= 0:
+            return text[:i]
+    return text
+
+
+class StopStringStream:
+    """Streams such parsed text the way the engine streams its own: a tail that could begin a stop
+    string is held back until later text decides, and the end is cut by `cut_at_stop`."""
+
+    def __init__(self, stops: Sequence[str], include: bool):
+        self.stops, self.include = list(stops), include
+        self.text, self.sent = "", 0
+
+    def feed(self, new_text: str, finished: bool = False, stop_reason=None) -> str:
+        """Add parsed text; returns what may be sent now."""
+        self.text += new_text
+        if finished:
+            end = len(cut_at_stop(self.text, stop_reason, self.include))
+        else:
+            end = len(self.text) - held_tail(self.text, self.stops)
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out

@@ -159,6 +159,36 @@ def test_scripted_reasoning(client, tok):
     assert m.content == "The answer." and m.model_extra["reasoning_content"] == "Thinking hard"
 
 
+def test_stop_strings_cut_chat_streams_like_whole_answers(client, tok):
+    """A chat stream sent the stop string and the rest of the token holding it (the answer is parsed from
+    ids, past the engine's own stop cut): streamed content must equal the non-streamed content."""
+    script = _script(tok, ["The quick brown fox jumps over", "<|im_end|>"])
+    stops = ["wn fox", "qu!"]        # the first straddles tokens; the second's "qu" is held back, then sent
+    kw = dict(max_tokens=40, stop=stops, n=2, extra_body={**NO_THINK, "k3jax_test_script": script})
+    whole = _chat(client, **kw)
+    assert [c.message.content for c in whole.choices] == ["The quick bro"] * 2
+    streamed, finish = {0: "", 1: ""}, {}
+    for ch in _chat(client, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert streamed == {0: "The quick bro", 1: "The quick bro"} and finish == {0: "stop", 1: "stop"}
+
+
+def test_streamed_completion_logprobs_match_non_streamed(client):
+    kw = dict(model="tiny-random", prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, lps, offsets = [], [], []
+    for ch in client.completions.create(stream=True, **kw):     # they were null in every chunk
+        lp = ch.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            lps += lp.token_logprobs
+            offsets += lp.text_offset
+    assert (tokens, lps, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset) and len(tokens) == 5
+
+
 def test_many_concurrent_streams(server):
     async def one(ac, i):
         stream = await ac.completions.create(model="tiny-random", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,
@@ -408,6 +438,23 @@ def test_engine_refusals_are_the_same_status_with_and_without_streaming(server, 
                                       + server.metric("k3jax:num_requests_waiting")) > 0:
         time.sleep(0.2)
     assert server.metric("k3jax:num_requests_running") + server.metric("k3jax:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("path,body,param,needle", [
+    # pydantic's union tags ("constrained-str") leaked into param, and "not a string" hid the real fault
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
+    # a named tool's bad parameters schema was blamed on response_format
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {
+        "type": "function", "function": {"name": "f"}}, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools", "parameters of 'f'"),
+    # a test script that is not a list was a 500 (TypeError)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "k3jax_test_script": 5},
+     "k3jax_test_script", "list of token ids"),
+])
+def test_refusals_name_the_field_at_fault(server, path, body, param, needle):
+    _assert_openai_error(_post(server, path, {**body, "max_tokens": 2}), 400, param, needle)
 
 
 @pytest.mark.parametrize("n", [1000, 201, 100000])

@@ -26,16 +26,22 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def _is_union_tag(part) -> bool:
-    # pydantic names the union member that failed in `loc` ("str", "list[...]", "ContentPart"): not a field.
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool", "none"))
+    # pydantic names the union member that failed in `loc` ("str", "list[...]", "ContentPart",
+    # "constrained-str"): not a field. (No request field has a "-" in its name.)
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part
+                                      or part in ("str", "int", "float", "bool", "none"))
 
 
 def validation_error(errs: list) -> APIError:
     """pydantic / FastAPI validation errors -> one 400 naming a bad field, in JSON terms. Of a union's
-    failed alternatives the deepest is the one the client most likely meant."""
+    failed alternatives the deepest is the one the client most likely meant, and at equal depth one
+    that got the type right but not the value ([-1] as token ids: "must be >= 0", not "not a string")."""
     def path(err):
         return [str(x) for x in err.get("loc", ())[1:] if not _is_union_tag(x)]
-    first = max(errs, key=lambda err: len(path(err))) if errs else {}
+
+    def rank(err):
+        return len(path(err)), not str(err.get("type", "")).endswith("_type")
+    first = max(errs, key=rank) if errs else {}
     loc = ".".join(path(first)) or None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     msg = re.sub(r" or instance of \w+", "", msg)

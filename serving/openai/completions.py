@@ -24,17 +24,19 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list:
     return [list(x) for x in p]
 
 
-def _logprobs(state, out, k):
+def _logprobs(state, out, k, start: int = 0, offset: int = 0):
+    """The legacy logprobs object of the choice's tokens from `start` on (a stream sends each token's
+    entry once); `offset`: where those tokens' text starts in the completion."""
     if k is None:
         return None
     c = out.outputs[0]
-    toks = [state.tokenizer.decode([t]) for t in c.token_ids]
-    offs, pos = [], 0
+    toks = [state.tokenizer.decode([t]) for t in c.token_ids[start:]]
+    offs, pos = [], offset
     for t in toks:
         offs.append(pos)
         pos += len(t)
-    return {"tokens": toks, "token_logprobs": [lp for lp, _ in c.logprobs],
-            "top_logprobs": [{state.tokenizer.decode([i]): v for i, v in top.items()} for _, top in c.logprobs],
+    return {"tokens": toks, "token_logprobs": [lp for lp, _ in c.logprobs[start:]],
+            "top_logprobs": [{state.tokenizer.decode([i]): v for i, v in top.items()} for _, top in c.logprobs[start:]],
             "text_offset": offs}
 
 
@@ -124,7 +126,7 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         try:
             for p_i, (ids, streams) in enumerate(admitted):
-                sent = {}
+                sent, sent_lp = {}, {}       # per choice: chars of text, tokens of logprobs sent
                 usage["prompt_tokens"] += len(ids)
                 async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", streams=streams):
                     c = out.outputs[0]
@@ -134,8 +136,12 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
                     if req.echo and not out.metrics.get("echoed") and len(c.token_ids) == 1:
                         text = state.tokenizer.decode(ids) + text
                     if text or out.finished:
+                        start, offset = sent_lp.get(i, (0, 0))
+                        lp = _logprobs(state, out, req.logprobs, start, offset)
+                        if lp is not None:
+                            sent_lp[i] = (len(c.token_ids), offset + sum(map(len, lp["tokens"])))
                         yield event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                     "choices": [{"index": idx, "text": text, "logprobs": None,
+                                     "choices": [{"index": idx, "text": text, "logprobs": lp,
                                                   "finish_reason": c.finish_reason if out.finished else None}]})
                     if out.finished:
                         usage["completion_tokens"] += len(c.token_ids)

@@ -36,7 +36,7 @@ class ServerState:
         if not self.test_hooks or script is None:
             return None
         from serving.test_hooks import ScriptedMatcher
-        ids = list(script)
+        ids = script if isinstance(script, list) else [None]
         if not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids):
             raise ValueError("k3jax_test_script: expected a list of token ids")
         return lambda: ScriptedMatcher(ids, self.tokenizer.vocab_size, self.tokenizer.stop_ids)
