@@ -11,6 +11,7 @@ When several stop strings match, the one starting earliest wins (then the longes
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -54,7 +55,7 @@ class StopChecker:
         self.params = params
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.stops = list(params.stop)
+        self.stops = sorted(params.stop)      # sorted for held_tail
         self.text = ""
         self.num_tokens = 0
         self.finished: Optional[StopResult] = None
@@ -89,14 +90,18 @@ class StopChecker:
         return self.text[:len(self.text) - held_tail(self.text, self.stops)]
 
 
-def held_tail(text: str, stops: Sequence[str]) -> int:
+def held_tail(text: str, sorted_stops: Sequence[str]) -> int:
     """Length of the longest tail of `text` that could still become the start of a stop string:
-    a stream must hold those characters back until the next token decides."""
-    if not stops:
+    a stream must hold those characters back until the next token decides. The stops must be
+    sorted: the ones starting with a tail sit right after where the tail would be inserted, so a
+    request's thousands of long stop strings cost a bisection per tail, not a scan (this runs on
+    the engine's thread for every token)."""
+    if not sorted_stops:
         return 0
-    for k in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
+    for k in range(min(len(text), max(map(len, sorted_stops)) - 1), 0, -1):
         tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
+        j = bisect.bisect_left(sorted_stops, tail)
+        if j < len(sorted_stops) and sorted_stops[j].startswith(tail):
             return k
     return 0
 
@@ -116,7 +121,7 @@ class StopStringStream:
     string is held back until later text decides, and the end is cut by `cut_at_stop`."""
 
     def __init__(self, stops: Sequence[str], include: bool):
-        self.stops, self.include = list(stops), include
+        self.stops, self.include = sorted(stops), include
         self.text, self.sent = "", 0
 
     def feed(self, new_text: str, finished: bool = False, stop_reason=None) -> str:
