@@ -111,6 +111,18 @@ def _script(tok, text_parts):
     return ids
 
 
+def test_text_completions_honour_response_format(client, server):
+    """/v1/completions accepted response_format and ignored it (free text came back)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    r = client.completions.create(model="tiny-random", prompt="Answer:", max_tokens=12, n=3, temperature=1.0, seed=5,
+                                  extra_body={"response_format": fmt})
+    assert all(json.loads(c.text) in ("yes", "no") and c.finish_reason == "stop" for c in r.choices), r.choices
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}
+    for stream in (False, True):
+        _assert_openai_error(_post(server, "/v1/completions", {"prompt": "x", "response_format": bad, "stream": stream}),
+                             400, "response_format")
+
+
 def test_scripted_tool_calls_streaming_and_not(client, tok):
     script = _script(tok, ["Let me check.", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                            "functions.get_weather:0", "<|tool_call_argument_begin|>", '{"city": "Paris"}',

@@ -172,17 +172,8 @@ class Plan:
                 fmt = grammar_for_tool_call(req.tools, self.forced_name)
             except ValueError as e:
                 raise bad_request(str(e), param="tools", code="invalid_tools")
-        if fmt and fmt.get("type") != "text":
-            try:
-                grammar = state.structured_compiler().compile(fmt)
-            except ImportError as e:
-                raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
-            except ValueError as e:
-                if self.forced_name:      # the schema is the named tool's parameters, not a response_format
-                    raise bad_request(str(e).replace("response_format", f"tools: parameters of {self.forced_name!r}", 1),
-                                      param="tools", code="invalid_tools")
-                raise bad_request(str(e), param="response_format", code="invalid_response_format")
-            self.matcher_factory = grammar.matcher if grammar is not None else None
+        if fmt is not None:     # (non-K3 named tool: the tool's arguments, not a response_format)
+            self.matcher_factory = state.response_format_matcher(fmt, self.forced_name)
         try:
             self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory
         except ValueError as e:

@@ -41,7 +41,8 @@ def _logprobs(state, out, k, start: int = 0, offset: int = 0):
 
 
 def prepare(state: ServerState, req: CompletionRequest):
-    """Validate a request: (SamplingParams, [prompt ids]); APIError for what a client must fix."""
+    """Validate a request: (SamplingParams, [prompt ids], matcher factory or None); APIError for what a
+    client must fix."""
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
@@ -55,17 +56,18 @@ def prepare(state: ServerState, req: CompletionRequest):
         if len(ids) >= state.max_model_len:
             raise bad_request(f"prompt has {len(ids)} tokens; the context is {state.max_model_len}", param="prompt",
                               code="context_length_exceeded")
-    return params, prompts
+    return params, prompts, state.response_format_matcher(req.response_format)
 
 
 async def _admit(state: ServerState, req: CompletionRequest, rid: str):
     """Validate (off the event loop: tokenizing is CPU work) and have the engine accept every prompt's
     choices, so refusals are a 4xx before any output, streaming or not. Returns (params, [(ids, streams)])."""
-    params, prompts = await asyncio.to_thread(prepare, state, req)
+    params, prompts, matcher_factory = await asyncio.to_thread(prepare, state, req)
     admitted = []
     try:
         for p_i, ids in enumerate(prompts):
-            admitted.append((ids, await admit_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority)))
+            admitted.append((ids, await admit_choices(state, ids, params, f"{rid}-{p_i}", matcher_factory,
+                                                      priority=req.priority)))
     except BaseException:
         _close(admitted)
         raise
