@@ -435,8 +435,9 @@ def test_malformed_tools_and_template_kwargs_get_400(server, body, param, needle
     # issue 17 item 4: with stream=true these were HTTP 200 plus an error event
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, 400, "max_tokens",
      "exceed the context", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, None, "out of range", "invalid_prompt"),
-    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, None, "out of range", "invalid_prompt"),
+    ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, "prompt", "out of range", "invalid_prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, "prompt", "out of range",
+     "invalid_prompt"),
     # 150 choices on a server with --max-waiting 100: the queue is full
     ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 150}, 429, None, "server busy", "queue_full"),
 ])
@@ -573,6 +574,13 @@ def test_body_parse_errors_use_the_openai_error_shape(server):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=h, timeout=60)
         assert 400 <= r.status_code < 500 and "detail" not in r.json(), r.text
         _assert_openai_error(r, r.status_code)
+    # the JSON error's character position was given as the field ("60: JSON decode error", param "60"), and a
+    # body sent without a JSON content type was "Input should be a valid dictionary or object ..."
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": []} xx', headers=h)
+    assert _assert_openai_error(r, 400, None, "not valid JSON: Extra data at character 17")["code"] == "invalid_json"
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": []}', headers={**AUTH, "content-type": "text/plain"})
+    assert _assert_openai_error(r, 400, None, "must be a JSON object")["code"] == "invalid_json"
+    assert httpx.head(server.url + "/health").status_code == 200          # was 405
     r = httpx.get(server.url + "/v1/nothing-here", headers=AUTH)
     assert _assert_openai_error(r, 404)["code"] == "not_found"
     r = httpx.get(server.url + "/v1/chat/completions", headers=AUTH)

@@ -42,7 +42,14 @@ def validation_error(errs: list) -> APIError:
     def rank(err):
         return len(path(err)), not str(err.get("type", "")).endswith("_type")
     first = max(errs, key=rank) if errs else {}
+    if first.get("type") == "json_invalid":          # loc holds the character position, not a field
+        pos = (first.get("loc") or (None, None))[-1]
+        why = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return bad_request(f"the request body is not valid JSON: {why} at character {pos}", code="invalid_json")
     loc = ".".join(path(first)) or None
+    if loc is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return bad_request("the request body must be a JSON object (with Content-Type: application/json)",
+                           code="invalid_json")
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     msg = re.sub(r" or instance of \w+", "", msg)
     return bad_request(f"{loc}: {msg}" if loc else msg, param=loc)
@@ -109,6 +116,7 @@ def build_app(state: ServerState) -> FastAPI:
     def _check_model(name):
         check_model(state, name)
 
+    @app.head("/health", include_in_schema=False)        # load balancers probe with HEAD too
     @app.get("/health")
     async def health():
         if not state.engine.alive:

@@ -80,7 +80,9 @@ def engine_error(e: BaseException) -> APIError:
         # The engine refuses what only the model can judge: ids outside its vocabulary, or prompt +
         # max_tokens over its context.
         head = str(e).split(":", 1)[0]
-        return from_value_error(e, "context_length_exceeded" if head in ("max_tokens", "prompt") else "invalid_prompt")
+        if head in ("max_tokens", "prompt"):
+            return from_value_error(e, "context_length_exceeded")
+        return APIError(400, str(e), param="prompt", code="invalid_prompt")   # ("token id 9 out of range": the prompt's)
     raise e
 
 
