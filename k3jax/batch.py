@@ -49,8 +49,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from serving.openai.batch import BatchJob
     try:
-        if args.window < 1:
-            raise ValueError("--window must be positive")
         job = BatchJob(args.input, args.output, window=args.window, overwrite=args.overwrite)
         if job.complete:
             print(f"{args.output} is complete ({job.done} lines); --overwrite runs it again", file=sys.stderr)
