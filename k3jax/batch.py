@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.cli_help import DefaultsHelpFormatter
+from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,13 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-i", "--input", required=True, help="requests, one JSON object a line")
     ap.add_argument("-o", "--output", required=True, help="results (resumed if OUTPUT.state.json is there)")
     ap.add_argument("--overwrite", action="store_true", help="start again even if the output exists")
-    ap.add_argument("--window", type=int, default=64, help="lines run together between two checkpoints")
+    ap.add_argument("--window", type=int_at_least(1), default=64, help="lines run together between two checkpoints")
     ap.add_argument("--served-model-name", default=None, help="the `model` requests may name (default: --model)")
     ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="sequences per engine step")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    ap.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 8192)")
-    ap.add_argument("--max-n", type=int, default=128, help="most choices one request may ask for")
+    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=16, help="sequences per engine step")
+    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per engine step")
+    ap.add_argument("--max-model-len", type=int_at_least(2), default=None, help="context length (default: model's, <= 8192)")
+    ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices one request may ask for")
     return ap
 
 
@@ -37,11 +37,11 @@ def build_runner(args):
     from k3jax.api import load_model
     from serving.engine_args import EngineArgs
     from serving.openai.batch import runner_for
+    eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
     model = load_model(args.model, dtype=args.dtype)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
-    eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
     return runner_for(model, name, eargs, args.max_n)
 
 
@@ -49,8 +49,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from serving.openai.batch import BatchJob
     try:
-        if args.window < 1:
-            raise ValueError("--window must be positive")
         job = BatchJob(args.input, args.output, window=args.window, overwrite=args.overwrite)
         if job.complete:
             print(f"{args.output} is complete ({job.done} lines); --overwrite runs it again", file=sys.stderr)

@@ -8,3 +8,17 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         return text if "default:" in text or "%(default)" in text else super()._get_help_string(action)
+
+
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high], so a bad flag is refused before a model loads."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+    return parse

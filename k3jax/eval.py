@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     try:
         if args.seq_len < 1 or args.batch_size < 1:
             raise ValueError("--seq-len and --batch-size must be positive")
+        from k3jax.text_data import text_files
+        text_files(args.data)        # a missing or empty --data is one line before the model loads
         from k3jax.api import load_model
         model = load_model(args.model, dtype=args.dtype)
         if model.tokenizer is None:

@@ -32,38 +32,50 @@ class LLM:
     def __init__(self, model="tiny", *, dtype=None, mesh=None, **engine_args):
         """mesh: a jax Mesh or a spec like "data=2,expert=4" (parameters, pools and MoE sharded on it)."""
         from k3jax.api import Model, load_model
+        engine_args = EngineArgs(**engine_args)       # checked before a model loads
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, mesh=mesh)
-        self.engine = LLMEngine(self.model, EngineArgs(**engine_args))
+        self.engine = LLMEngine(self.model, engine_args)
+        self._calls = 0
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params=None, *,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); n > 1 gives n completions per prompt."""
-        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Generate for every prompt (text or token ids); n > 1 gives n completions per prompt.
+        A prompt the engine refuses (ValueError), or an interrupt, leaves no request of the call queued."""
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not (isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params)):
+            raise TypeError(f"sampling_params: expected a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
-        groups = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            tokens, images = self._split(prompt)
-            ids = [self.engine.add_request(tokens, sp.for_child(j), request_id=f"offline-{id(self)}-{i}-{j}",
-                                           images=images)
-                   for j in range(sp.n)]
-            groups.append((prompt, ids))
+        self._calls += 1            # request ids unique per call
+        groups, added = [], []
         final: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=sum(len(g[1]) for g in groups), desc="generating", unit="seq")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+                tokens, images = self._split(prompt)
+                ids = []
+                for j in range(sp.n):
+                    ids.append(self.engine.add_request(tokens, sp.for_child(j), images=images,
+                                                       request_id=f"offline-{id(self)}-{self._calls}-{i}-{j}"))
+                    added.append(ids[-1])
+                groups.append((prompt, ids))
+            if use_tqdm:
+                from tqdm import tqdm
+                bar = tqdm(total=len(added), desc="generating", unit="seq")
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            for rid in added:
+                if rid not in final:
+                    self.engine.abort(rid)
+            if bar is not None:
+                bar.close()
         results = []
         for prompt, ids in groups:
             outs = [final[r] for r in ids]
@@ -75,6 +87,13 @@ class LLM:
         return results
 
     def chat(self, messages, sampling_params=None, **template_kwargs) -> RequestOutput:
+        """One chat completion; messages are checked as the server checks them (ValueError naming the
+        bad field)."""
+        from pydantic import TypeAdapter
+        from serving.openai.protocol import ChatMessage
+        messages = [m.model_dump(exclude_unset=True) for m in TypeAdapter(list[ChatMessage]).validate_python(messages)]
+        if not messages:
+            raise ValueError("messages: at least one message is needed")
         ids = self.model.tokenizer.apply_chat_template(messages, tokenize=True, **template_kwargs)
         from serving.openai.chat import image_sources
         images = [src for _, _, src in image_sources(messages)]
@@ -106,3 +125,14 @@ class LLM:
         from k3jax.vision.media import image_digest, to_rgb
         rgb = to_rgb(item)
         return loader.from_pil(rgb, image_digest(rgb))
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, or a prompt dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                             and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts: expected text, token ids, a prompt dict or a list of them, "
+                        f"got {type(prompts).__name__}")
+    return list(prompts)

@@ -121,6 +121,14 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     extra_slots: KDA checkpoint slots kept for prefix caching (on top of one per sequence).
     """
     from sharding.mesh import parse_mesh_spec, spec_items
+    for name, value, low in (("page_size", page_size, 1), ("context", context, 1), ("step_tokens", step_tokens, 1),
+                             ("batch", 1 if batch is None else batch, 1), ("extra_slots", extra_slots, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
+    if memory_gib is not None and not memory_gib > 0:
+        raise ValueError(f"memory_gib must be positive, got {memory_gib!r}")
     given = spec_items(mesh_spec or {})
     if any(v < 1 for v in given.values()):
         raise ValueError(f"mesh {mesh_spec!r}: the plan needs explicit sizes >= 1 (the product is the device count)")

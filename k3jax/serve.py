@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from k3jax.cli_help import DefaultsHelpFormatter
+from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
 
 log = logging.getLogger("k3jax.serve")
 
@@ -41,20 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients send and /v1/models lists (default: the --model name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    ap.add_argument("--port", type=int, default=8000, help="TCP port")
+    ap.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="TCP port")
     ap.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $K3JAX_API_KEY, else no key)")
     ap.add_argument("--dtype", default=None, help="weight and cache dtype, e.g. bfloat16 or float32 (default: the checkpoint's)")
     ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
     ap.add_argument("--seed", type=int, default=None, help="random weights from this seed, for a preset without weights (default: none)")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step (the batch)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one step (prefill chunks + decodes)")
-    ap.add_argument("--max-model-len", type=int, default=None,
+    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=16, help="most sequences in one step (the batch)")
+    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="most tokens in one step (prefill chunks + decodes)")
+    ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
                     help="context length, prompt + output (default: 8192, capped by the model's)")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per MLA cache page")
-    ap.add_argument("--prefix-match-unit", type=int, default=16, help="prefix-cache granularity in tokens (divides --page-size)")
-    ap.add_argument("--state-block-size", type=int, default=1024, help="KDA state checkpoint every this many prompt tokens")
+    ap.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per MLA cache page")
+    ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=16, help="prefix-cache granularity in tokens (divides --page-size)")
+    ap.add_argument("--state-block-size", type=int_at_least(0), default=1024, help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--prefix-wait-steps", type=int, default=64,
+    ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=64,
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
                          "up to this many steps instead of computing it again (0 = admit at once)")
     ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
     ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
                     help="largest log-probability difference a verified hit may show")
-    ap.add_argument("--host-cache-mb", type=int, default=0,
+    ap.add_argument("--host-cache-mb", type=int_at_least(0), default=0,
                     help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
                          "--role decode: at least 1024, entries from the prefill peer pass through it)")
     dg = ap.add_argument_group("prefill/decode disaggregation")
@@ -75,19 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--transfer-address", default=None,
                     help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
-    ap.add_argument("--cache-memory-mb", type=int, default=None, help="cache size in MiB (default: from --memory-fraction)")
-    ap.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
-    ap.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for; above: 400")
+    ap.add_argument("--cache-memory-mb", type=int_at_least(1), default=None, help="cache size in MiB (default: from --memory-fraction)")
+    ap.add_argument("--max-waiting", type=int_at_least(1), default=1024, help="queue bound; beyond it requests get 429")
+    ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices (n) one request may ask for; above: 400")
     ap.add_argument("--max-body-mb", type=float, default=32.0,
                     help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
                          "scheduled while one runs on the device)")
-    ap.add_argument("--compile-threads", type=int, default=None,
+    ap.add_argument("--compile-threads", type=int_at_least(1), default=None,
                     help="host threads compiling the warm-up's step shapes (default: half the cores, up to 8)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+    ap.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
     ap.add_argument("--unrolled-layers", action="store_true",
                     help="trace every layer instead of scanning the repeating block (debugging; more memory)")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")
     ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted, in MiB")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
-    ap.add_argument("--encoder-cache-mb", type=int, default=256, help="vision encoder output cache in MiB")
+    ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=256, help="vision encoder output cache in MiB")
     ap.add_argument("--no-vision", action="store_true",
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
@@ -150,14 +150,7 @@ def build_state(args):
         raise ValueError("--role decode needs --prefill-peer HOST:PORT")
     if args.role != "single" and args.no_prefix_caching:
         raise ValueError(f"--role {args.role}: cache entries travel through the prefix cache; drop --no-prefix-caching")
-    t0 = time.perf_counter()
-    set_stage("load")
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
-    if model.tokenizer is None:
-        raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
-    log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
-    set_stage("warmup")
-    eargs = EngineArgs(
+    eargs = EngineArgs(          # first: a bad setting is refused before a model loads for minutes
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
@@ -172,6 +165,13 @@ def build_state(args):
         encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
+    t0 = time.perf_counter()
+    set_stage("load")
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
+    log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
+    set_stage("warmup")
     engine = LLMEngine(model, eargs)
     disagg = {}
     if args.role != "single":

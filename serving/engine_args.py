@@ -52,6 +52,10 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name, low in (("max_model_len", 2), ("compile_threads", 1), ("cache_memory_bytes", 1)):
+            value = getattr(self, name)   # None: the default
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an int >= {low} (or unset), got {value!r}")
         if self.page_size % self.prefix_match_unit:
             raise ValueError(f"page_size ({self.page_size}) must be a multiple of prefix_match_unit ({self.prefix_match_unit})")
         if self.state_block_size < 0 or self.state_block_size % self.prefix_match_unit:

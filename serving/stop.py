@@ -11,6 +11,7 @@ When several stop strings match, the one starting earliest wins (then the longes
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -54,7 +55,7 @@ class StopChecker:
         self.params = params
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.stops = list(params.stop)
+        self.stops = sorted(params.stop)      # sorted for held_tail
         self.text = ""
         self.num_tokens = 0
         self.finished: Optional[StopResult] = None
@@ -84,12 +85,52 @@ class StopChecker:
     def stream_text(self) -> str:
         """Output that can be sent to a streaming client now: everything except a tail that
         could still become the start of a stop string (all of it once finished)."""
-        if self.finished is not None or not self.stops:
+        if self.finished is not None:
             return self.text
-        hold = 0
-        for k in range(min(len(self.text), max(len(s) for s in self.stops) - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = k
-                break
-        return self.text[:len(self.text) - hold]
+        return self.text[:len(self.text) - held_tail(self.text, self.stops)]
+
+
+def held_tail(text: str, sorted_stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that could still become the start of a stop string:
+    a stream must hold those characters back until the next token decides. The stops must be
+    sorted: the ones starting with a tail sit right after where the tail would be inserted, so a
+    request's thousands of long stop strings cost a bisection per tail, not a scan (this runs on
+    the engine's thread for every token)."""
+    if not sorted_stops:
+        return 0
+    for k in range(min(len(text), max(map(len, sorted_stops)) - 1), 0, -1):
+        tail = text[-k:]
+        j = bisect.bisect_left(sorted_stops, tail)
+        if j < len(sorted_stops) and sorted_stops[j].startswith(tail):
+            return k
+    return 0
+
+
+def cut_at_stop(text: str, stop_reason, include: bool) -> str:
+    """Text that was parsed out of a finished output (a chat answer without its reasoning) cut
+    before the stop string the engine matched, as the engine cuts its own text."""
+    if isinstance(stop_reason, str) and not include:
+        i = text.find(stop_reason)
+        if i >= 0:
+            return text[:i]
+    return text
+
+
+class StopStringStream:
+    """Streams such parsed text the way the engine streams its own: a tail that could begin a stop
+    string is held back until later text decides, and the end is cut by `cut_at_stop`."""
+
+    def __init__(self, stops: Sequence[str], include: bool):
+        self.stops, self.include = sorted(stops), include
+        self.text, self.sent = "", 0
+
+    def feed(self, new_text: str, finished: bool = False, stop_reason=None) -> str:
+        """Add parsed text; returns what may be sent now."""
+        self.text += new_text
+        if finished:
+            end = len(cut_at_stop(self.text, stop_reason, self.include))
+        else:
+            end = len(self.text) - held_tail(self.text, self.stops)
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out

@@ -97,6 +97,30 @@ def test_every_cli_flag_has_help_and_shows_its_default(module):
     assert "K3JAX_API_KEY" in parser.format_help() if module == "k3jax.serve" else True
 
 
+@pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "x"), ("--max-n", "0"), ("--max-model-len", "0"),
+                                        ("--max-num-seqs", "-1"), ("--compile-threads", "0"), ("--shutdown-timeout", "-1"),
+                                        ("--cache-memory-mb", "-5")])
+def test_serve_refuses_bad_numbers_in_one_line(flag, value, capsys):
+    """--port 99999 loaded and warmed the model, then served nowhere; --max-n 0, --max-model-len -3 and
+    --shutdown-timeout -1 started a server that refused or mishandled every request."""
+    from k3jax import serve
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args([flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and flag in err and "Traceback" not in err
+
+
+def test_engine_settings_are_refused_before_the_model_loads(monkeypatch):
+    from k3jax import api, serve
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model loaded before the settings were checked"))
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        serve.build_state(serve.parse_args(["--max-num-seqs", "600", "--max-num-batched-tokens", "512"]))
+    from serving.engine_args import EngineArgs
+    for bad in ({"max_model_len": 1}, {"compile_threads": 0}, {"cache_memory_bytes": -5 << 20}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineArgs(**bad)
+
+
 def test_default_tiny_is_the_trained_model_or_says_why_not(monkeypatch, caplog, tmp_path):
     """`tiny` loads the shipped weights (k3jax/assets/tiny-trained.safetensors) with its English
     tokenizer; without the file it warns that its weights are random, and still loads."""

@@ -31,6 +31,23 @@ def one_device_tokens():
     return _greedy(None)
 
 
+def test_a_refused_prompt_leaves_the_offline_engine_usable(one_device_tokens):
+    """generate([ok, too long]) queued the first prompt, then failed on the second; the leftover kept its
+    request id, and every later generate or chat failed with "request_id ... is already in use"."""
+    llm = _llm(None)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(ValueError, match="no room"):
+        llm.generate([PROMPTS[0], [1] * 300], sp)
+    assert not llm.engine.has_unfinished()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == one_device_tokens
+    with pytest.raises(TypeError, match="prompts"):
+        llm.generate(5, sp)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate(["a"], "greedy")                # was "sampling_params: 6 given for 1 prompts"
+    with pytest.raises(ValueError, match="content"):
+        llm.chat([{"role": "user", "content": 5}])   # was a TypeError from the template
+
+
 @pytest.mark.parametrize("mesh", ["data=2,expert=4", "tensor=2,expert=4"])
 def test_engine_on_mesh_matches_one_device(mesh, one_device_tokens):
     assert _greedy(mesh) == one_device_tokens

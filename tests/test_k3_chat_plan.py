@@ -72,6 +72,20 @@ def test_forced_named_call_is_grammar_constrained_and_numbered(k3):
                                                                       '{"city": "Paris"}')]
 
 
+@pytest.mark.parametrize("parameters", [{"properties": 5}, {"properties": ["city"]}, {"required": [["city"]]},
+                                        {"properties": {"city": {"type": {"a": 1}}}},
+                                        {"properties": {"city": {"type": "string", "enum": "abc"}}}])
+def test_malformed_tool_parameters_of_a_forced_k3_call_are_a_400(k3, parameters):
+    """tool_choice required / named on K3 builds a grammar from the parameters: these were a 500
+    (AttributeError / TypeError in the grammar builder)."""
+    from serving.openai.errors import APIError
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(APIError) as e:
+            _plan(k3, messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice)
+        assert e.value.status == 400 and e.value.param == "tools", e.value.message
+
+
 def test_kimi_format_unchanged():
     tok = KimiTokenizer.tiny()
     p = _plan(tok, messages=[{"role": "user", "content": [IMAGE, {"type": "text", "text": "what?"}]}])

@@ -99,3 +99,10 @@ def test_devices_and_errors():
         planmod.plan(c, "data", "h100")
     with pytest.raises(ValueError, match="explicit sizes"):
         planmod.plan(c, "data=-1", "h100")
+    # a page size of 0 was a ZeroDivisionError traceback; a negative context a nonsense plan
+    for kw, needle in (({"page_size": 0}, "page_size"), ({"context": -1}, "context"), ({"batch": 0}, "batch"),
+                       ({"step_tokens": 0}, "step_tokens"), ({"mem_fraction": 1.5}, "mem_fraction"),
+                       ({"memory_gib": 0}, "memory_gib"), ({"extra_slots": -1}, "extra_slots")):
+        with pytest.raises(ValueError, match=needle):
+            planmod.plan(c, "data=2", "h100", **kw)
+    assert planmod.main(["--model", "tiny-random", "--mesh", "data=1", "--page-size", "0"]) == 2

@@ -111,6 +111,18 @@ def _script(tok, text_parts):
     return ids
 
 
+def test_text_completions_honour_response_format(client, server):
+    """/v1/completions accepted response_format and ignored it (free text came back)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    r = client.completions.create(model="tiny-random", prompt="Answer:", max_tokens=12, n=3, temperature=1.0, seed=5,
+                                  extra_body={"response_format": fmt})
+    assert all(json.loads(c.text) in ("yes", "no") and c.finish_reason == "stop" for c in r.choices), r.choices
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}
+    for stream in (False, True):
+        _assert_openai_error(_post(server, "/v1/completions", {"prompt": "x", "response_format": bad, "stream": stream}),
+                             400, "response_format")
+
+
 def test_scripted_tool_calls_streaming_and_not(client, tok):
     script = _script(tok, ["Let me check.", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                            "functions.get_weather:0", "<|tool_call_argument_begin|>", '{"city": "Paris"}',
@@ -157,6 +169,36 @@ def test_scripted_reasoning(client, tok):
     r = _chat(client, max_tokens=50, extra_body={"k3jax_test_script": script})
     m = r.choices[0].message
     assert m.content == "The answer." and m.model_extra["reasoning_content"] == "Thinking hard"
+
+
+def test_stop_strings_cut_chat_streams_like_whole_answers(client, tok):
+    """A chat stream sent the stop string and the rest of the token holding it (the answer is parsed from
+    ids, past the engine's own stop cut): streamed content must equal the non-streamed content."""
+    script = _script(tok, ["The quick brown fox jumps over", "<|im_end|>"])
+    stops = ["wn fox", "qu!"]        # the first straddles tokens; the second's "qu" is held back, then sent
+    kw = dict(max_tokens=40, stop=stops, n=2, extra_body={**NO_THINK, "k3jax_test_script": script})
+    whole = _chat(client, **kw)
+    assert [c.message.content for c in whole.choices] == ["The quick bro"] * 2
+    streamed, finish = {0: "", 1: ""}, {}
+    for ch in _chat(client, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert streamed == {0: "The quick bro", 1: "The quick bro"} and finish == {0: "stop", 1: "stop"}
+
+
+def test_streamed_completion_logprobs_match_non_streamed(client):
+    kw = dict(model="tiny-random", prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, lps, offsets = [], [], []
+    for ch in client.completions.create(stream=True, **kw):     # they were null in every chunk
+        lp = ch.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            lps += lp.token_logprobs
+            offsets += lp.text_offset
+    assert (tokens, lps, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset) and len(tokens) == 5
 
 
 def test_many_concurrent_streams(server):
@@ -393,8 +435,9 @@ def test_malformed_tools_and_template_kwargs_get_400(server, body, param, needle
     # issue 17 item 4: with stream=true these were HTTP 200 plus an error event
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, 400, "max_tokens",
      "exceed the context", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, None, "out of range", "invalid_prompt"),
-    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, None, "out of range", "invalid_prompt"),
+    ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, "prompt", "out of range", "invalid_prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, "prompt", "out of range",
+     "invalid_prompt"),
     # 150 choices on a server with --max-waiting 100: the queue is full
     ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 150}, 429, None, "server busy", "queue_full"),
 ])
@@ -408,6 +451,23 @@ def test_engine_refusals_are_the_same_status_with_and_without_streaming(server, 
                                       + server.metric("k3jax:num_requests_waiting")) > 0:
         time.sleep(0.2)
     assert server.metric("k3jax:num_requests_running") + server.metric("k3jax:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("path,body,param,needle", [
+    # pydantic's union tags ("constrained-str") leaked into param, and "not a string" hid the real fault
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop.1", "at least 1 character"),
+    # a named tool's bad parameters schema was blamed on response_format
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {
+        "type": "function", "function": {"name": "f"}}, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools", "parameters of 'f'"),
+    # a test script that is not a list was a 500 (TypeError)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "k3jax_test_script": 5},
+     "k3jax_test_script", "list of token ids"),
+])
+def test_refusals_name_the_field_at_fault(server, path, body, param, needle):
+    _assert_openai_error(_post(server, path, {**body, "max_tokens": 2}), 400, param, needle)
 
 
 @pytest.mark.parametrize("n", [1000, 201, 100000])
@@ -514,6 +574,13 @@ def test_body_parse_errors_use_the_openai_error_shape(server):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=h, timeout=60)
         assert 400 <= r.status_code < 500 and "detail" not in r.json(), r.text
         _assert_openai_error(r, r.status_code)
+    # the JSON error's character position was given as the field ("60: JSON decode error", param "60"), and a
+    # body sent without a JSON content type was "Input should be a valid dictionary or object ..."
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": []} xx', headers=h)
+    assert _assert_openai_error(r, 400, None, "not valid JSON: Extra data at character 17")["code"] == "invalid_json"
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": []}', headers={**AUTH, "content-type": "text/plain"})
+    assert _assert_openai_error(r, 400, None, "must be a JSON object")["code"] == "invalid_json"
+    assert httpx.head(server.url + "/health").status_code == 200          # was 405
     r = httpx.get(server.url + "/v1/nothing-here", headers=AUTH)
     assert _assert_openai_error(r, 404)["code"] == "not_found"
     r = httpx.get(server.url + "/v1/chat/completions", headers=AUTH)

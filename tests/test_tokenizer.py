@@ -278,3 +278,12 @@ def test_real_kimi_tiktoken():
         assert tok.decode(tok.encode(text)) == text
         pieces, tail = _stream(tok, tok.encode(text))
         assert "".join(pieces) + tail == text
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"YQ== 0\nnot-base64! 1\n", b"YQ== zero\n"])
+def test_corrupt_tiktoken_file_names_the_file_and_line(tmp_path, content):
+    """A corrupt tiktoken.model in a checkpoint was "error: not enough values to unpack (expected 2, got 1)"."""
+    path = tmp_path / "tiktoken.model"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"tiktoken.model: not a tiktoken BPE file \(line \d is not"):
+        KimiTokenizer.from_file(path)

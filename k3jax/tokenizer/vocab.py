@@ -117,11 +117,14 @@ def parse_tiktoken_bpe(data: bytes) -> dict[bytes, int]:
     Ranks must be dense 0..n-1: the rank is the token id.
     """
     ranks: dict[bytes, int] = {}
-    for line in data.splitlines():
+    for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
-        tok, rank = line.split()
-        ranks[base64.b64decode(tok)] = int(rank)
+        try:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        except ValueError:          # (binascii.Error is one)
+            raise ValueError(f"line {number} is not 'base64-token rank': {line[:60]!r}") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError("tiktoken ranks are not dense from 0")
     return ranks
@@ -130,7 +133,11 @@ def parse_tiktoken_bpe(data: bytes) -> dict[bytes, int]:
 def load_tiktoken_bpe(path: str | os.PathLike) -> dict[bytes, int]:
     """Read a tiktoken BPE file from disk (no network, no cache side effects)."""
     with open(path, "rb") as f:
-        return parse_tiktoken_bpe(f.read())
+        data = f.read()
+    try:
+        return parse_tiktoken_bpe(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a tiktoken BPE file ({e})") from None
 
 
 def dump_tiktoken_bpe(ranks: Mapping[bytes, int]) -> bytes:

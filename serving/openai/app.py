@@ -26,17 +26,30 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def _is_union_tag(part) -> bool:
-    # pydantic names the union member that failed in `loc` ("str", "list[...]", "ContentPart"): not a field.
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool", "none"))
+    # pydantic names the union member that failed in `loc` ("str", "list[...]", "ContentPart",
+    # "constrained-str"): not a field. (No request field has a "-" in its name.)
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part
+                                      or part in ("str", "int", "float", "bool", "none"))
 
 
 def validation_error(errs: list) -> APIError:
     """pydantic / FastAPI validation errors -> one 400 naming a bad field, in JSON terms. Of a union's
-    failed alternatives the deepest is the one the client most likely meant."""
+    failed alternatives the deepest is the one the client most likely meant, and at equal depth one
+    that got the type right but not the value ([-1] as token ids: "must be >= 0", not "not a string")."""
     def path(err):
         return [str(x) for x in err.get("loc", ())[1:] if not _is_union_tag(x)]
-    first = max(errs, key=lambda err: len(path(err))) if errs else {}
+
+    def rank(err):
+        return len(path(err)), not str(err.get("type", "")).endswith("_type")
+    first = max(errs, key=rank) if errs else {}
+    if first.get("type") == "json_invalid":          # loc holds the character position, not a field
+        pos = (first.get("loc") or (None, None))[-1]
+        why = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return bad_request(f"the request body is not valid JSON: {why} at character {pos}", code="invalid_json")
     loc = ".".join(path(first)) or None
+    if loc is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return bad_request("the request body must be a JSON object (with Content-Type: application/json)",
+                           code="invalid_json")
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     msg = re.sub(r" or instance of \w+", "", msg)
     return bad_request(f"{loc}: {msg}" if loc else msg, param=loc)
@@ -103,6 +116,7 @@ def build_app(state: ServerState) -> FastAPI:
     def _check_model(name):
         check_model(state, name)
 
+    @app.head("/health", include_in_schema=False)        # load balancers probe with HEAD too
     @app.get("/health")
     async def health():
         if not state.engine.alive:

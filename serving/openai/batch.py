@@ -95,9 +95,10 @@ def parse_line(raw: bytes):
 class _Pending:
     """One admitted request: its engine request ids and how to build its response body."""
 
-    def __init__(self, index: int, cid: str, url: str, req, plan, params, prompts):
+    def __init__(self, index: int, cid: str, url: str, req, plan, params, prompts, matcher_factory=None, images=()):
         self.index, self.cid, self.url, self.req = index, cid, url, req
         self.plan, self.params, self.prompts = plan, params, prompts
+        self.matcher_factory, self.images = matcher_factory, images
         self.rids = [[f"{index}-{p}-{i}" for i in range(params.n)] for p in range(len(prompts))]
 
 
@@ -121,9 +122,10 @@ class BatchRunner:
                 raise bad_request("stream: not supported in batch files", param="stream")
             if url == "/v1/chat/completions":
                 plan = chat.Plan(self.state, req)
-                return _Pending(index, cid, url, req, plan, plan.params, [plan.prompt])
-            params, prompts = completions.prepare(self.state, req)
-            return _Pending(index, cid, url, req, None, params, prompts)
+                return _Pending(index, cid, url, req, plan, plan.params, [plan.prompt], plan.matcher_factory,
+                                plan.images)
+            params, prompts, matcher_factory = completions.prepare(self.state, req)
+            return _Pending(index, cid, url, req, None, params, prompts, matcher_factory)
         except APIError as e:
             e.custom_id = cid
             raise
@@ -134,12 +136,9 @@ class BatchRunner:
         try:
             for ids, rids in zip(p.prompts, p.rids):
                 for i, rid in enumerate(rids):
-                    extra = {}
-                    if p.plan is not None:
-                        extra = dict(matcher=p.plan.matcher_factory() if p.plan.matcher_factory else None,
-                                     images=p.plan.images)
                     self.engine.add_request(ids, p.params.for_child(i), request_id=rid, priority=p.req.priority,
-                                            **extra)
+                                            matcher=p.matcher_factory() if p.matcher_factory else None,
+                                            images=p.images)
                     added.append(rid)
         except (ValueError, QueueFullError) as e:
             for rid in added:

@@ -16,6 +16,7 @@ from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.reasoning_parser import OutputStreamParser, parse_output, thinking_started_from_prompt
 from serving.openai.sse import DONE, error_event, event
 from serving.openai.tool_parser import forced_tool_prefix, merge_deltas, tool_call_to_openai
+from serving.stop import StopStringStream, cut_at_stop
 
 
 def _image_part(part) -> bool:
@@ -171,14 +172,8 @@ class Plan:
                 fmt = grammar_for_tool_call(req.tools, self.forced_name)
             except ValueError as e:
                 raise bad_request(str(e), param="tools", code="invalid_tools")
-        if fmt and fmt.get("type") != "text":
-            try:
-                grammar = state.structured_compiler().compile(fmt)
-            except ImportError as e:
-                raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
-            except ValueError as e:
-                raise bad_request(str(e), param="response_format", code="invalid_response_format")
-            self.matcher_factory = grammar.matcher if grammar is not None else None
+        if fmt is not None:     # (non-K3 named tool: the tool's arguments, not a response_format)
+            self.matcher_factory = state.response_format_matcher(fmt, self.forced_name)
         try:
             self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory
         except ValueError as e:
@@ -208,14 +203,6 @@ def _logprobs(tok, comp) -> Optional[dict]:
     if comp.logprobs is None:
         return None
     return {"content": _logprob_entries(tok, comp.token_ids, comp.logprobs)}
-
-
-def _truncate_at_stop(text: str, comp, include: bool) -> str:
-    if isinstance(comp.stop_reason, str) and not include:
-        i = text.find(comp.stop_reason)
-        if i >= 0:
-            return text[:i]
-    return text
 
 
 def _finish_reason(comp, calls) -> Optional[str]:
@@ -253,7 +240,7 @@ def chat_body(state: ServerState, plan: Plan, finals: dict, rid: str, created: i
     for i in sorted(finals):
         comp = finals[i].outputs[0]
         parsed = plan.parse(tok, comp.token_ids)
-        content = _truncate_at_stop(parsed.content, comp, plan.params.include_stop_str_in_output)
+        content = cut_at_stop(parsed.content, comp.stop_reason, plan.params.include_stop_str_in_output)
         msg = {"role": "assistant", "content": content if content or not parsed.tool_calls else None}
         if parsed.reasoning:
             msg["reasoning_content"] = parsed.reasoning
@@ -281,11 +268,12 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                       "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     async def gen():
-        parsers, sent_lp = {}, {}
+        parsers, sent_lp, contents = {}, {}, {}
         completion, cached = 0, 0
         try:
             for i in range(plan.params.n):
                 parsers[i], first = plan.stream_parser(tok)
+                contents[i] = StopStringStream(plan.params.stop, plan.params.include_stop_str_in_output)
                 merged = merge_deltas(first) or {}
                 yield chunk(i, {"role": "assistant", "content": "", **merged})
             async for i, out in stream_choices(state, plan.prompt, plan.params, rid, images=plan.images,
@@ -295,7 +283,10 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
                 deltas = p.feed(out.metrics.get("new_token_ids", ()))
                 if out.finished:
                     deltas += p.finish()
-                delta = merge_deltas(deltas)
+                delta = merge_deltas(deltas) or {}
+                content = contents[i].feed(delta.pop("content", ""), out.finished, comp.stop_reason)
+                if content:          # held back while it could be the start of a stop string
+                    delta["content"] = content
                 lp = None
                 if comp.logprobs is not None:               # only the entries not sent yet
                     start = sent_lp.get(i, 0)

@@ -24,22 +24,25 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list:
     return [list(x) for x in p]
 
 
-def _logprobs(state, out, k):
+def _logprobs(state, out, k, start: int = 0, offset: int = 0):
+    """The legacy logprobs object of the choice's tokens from `start` on (a stream sends each token's
+    entry once); `offset`: where those tokens' text starts in the completion."""
     if k is None:
         return None
     c = out.outputs[0]
-    toks = [state.tokenizer.decode([t]) for t in c.token_ids]
-    offs, pos = [], 0
+    toks = [state.tokenizer.decode([t]) for t in c.token_ids[start:]]
+    offs, pos = [], offset
     for t in toks:
         offs.append(pos)
         pos += len(t)
-    return {"tokens": toks, "token_logprobs": [lp for lp, _ in c.logprobs],
-            "top_logprobs": [{state.tokenizer.decode([i]): v for i, v in top.items()} for _, top in c.logprobs],
+    return {"tokens": toks, "token_logprobs": [lp for lp, _ in c.logprobs[start:]],
+            "top_logprobs": [{state.tokenizer.decode([i]): v for i, v in top.items()} for _, top in c.logprobs[start:]],
             "text_offset": offs}
 
 
 def prepare(state: ServerState, req: CompletionRequest):
-    """Validate a request: (SamplingParams, [prompt ids]); APIError for what a client must fix."""
+    """Validate a request: (SamplingParams, [prompt ids], matcher factory or None); APIError for what a
+    client must fix."""
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
@@ -53,17 +56,18 @@ def prepare(state: ServerState, req: CompletionRequest):
         if len(ids) >= state.max_model_len:
             raise bad_request(f"prompt has {len(ids)} tokens; the context is {state.max_model_len}", param="prompt",
                               code="context_length_exceeded")
-    return params, prompts
+    return params, prompts, state.response_format_matcher(req.response_format)
 
 
 async def _admit(state: ServerState, req: CompletionRequest, rid: str):
     """Validate (off the event loop: tokenizing is CPU work) and have the engine accept every prompt's
     choices, so refusals are a 4xx before any output, streaming or not. Returns (params, [(ids, streams)])."""
-    params, prompts = await asyncio.to_thread(prepare, state, req)
+    params, prompts, matcher_factory = await asyncio.to_thread(prepare, state, req)
     admitted = []
     try:
         for p_i, ids in enumerate(prompts):
-            admitted.append((ids, await admit_choices(state, ids, params, f"{rid}-{p_i}", priority=req.priority)))
+            admitted.append((ids, await admit_choices(state, ids, params, f"{rid}-{p_i}", matcher_factory,
+                                                      priority=req.priority)))
     except BaseException:
         _close(admitted)
         raise
@@ -124,7 +128,7 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         try:
             for p_i, (ids, streams) in enumerate(admitted):
-                sent = {}
+                sent, sent_lp = {}, {}       # per choice: chars of text, tokens of logprobs sent
                 usage["prompt_tokens"] += len(ids)
                 async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", streams=streams):
                     c = out.outputs[0]
@@ -134,8 +138,12 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
                     if req.echo and not out.metrics.get("echoed") and len(c.token_ids) == 1:
                         text = state.tokenizer.decode(ids) + text
                     if text or out.finished:
+                        start, offset = sent_lp.get(i, (0, 0))
+                        lp = _logprobs(state, out, req.logprobs, start, offset)
+                        if lp is not None:
+                            sent_lp[i] = (len(c.token_ids), offset + sum(map(len, lp["tokens"])))
                         yield event({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                     "choices": [{"index": idx, "text": text, "logprobs": None,
+                                     "choices": [{"index": idx, "text": text, "logprobs": lp,
                                                   "finish_reason": c.finish_reason if out.finished else None}]})
                     if out.finished:
                         usage["completion_tokens"] += len(c.token_ids)

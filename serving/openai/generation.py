@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, Optional
 
-from serving.openai.errors import APIError, from_value_error
+from serving.openai.errors import APIError, bad_request, from_value_error
 from serving.sampling_params import SamplingParams
 from serving.scheduler import QueueFullError
 from serving.async_engine import EngineDeadError
@@ -36,10 +36,26 @@ class ServerState:
         if not self.test_hooks or script is None:
             return None
         from serving.test_hooks import ScriptedMatcher
-        ids = list(script)
+        ids = script if isinstance(script, list) else [None]
         if not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids):
             raise ValueError("k3jax_test_script: expected a list of token ids")
         return lambda: ScriptedMatcher(ids, self.tokenizer.vocab_size, self.tokenizer.stop_ids)
+
+    def response_format_matcher(self, fmt: Optional[dict], tool: Optional[str] = None) -> Optional[Callable]:
+        """The matcher factory constraining output to a response_format (None: unconstrained); APIError
+        400 for a format llguidance refuses, naming `tools` when `fmt` is the named tool's arguments."""
+        if not fmt or fmt.get("type") in (None, "text"):
+            return None
+        try:
+            grammar = self.structured_compiler().compile(fmt)
+        except ImportError as e:
+            raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
+        except ValueError as e:
+            if tool is not None:
+                raise bad_request(str(e).replace("response_format", f"tools: parameters of {tool!r}", 1),
+                                  param="tools", code="invalid_tools")
+            raise bad_request(str(e), param="response_format", code="invalid_response_format")
+        return grammar.matcher if grammar is not None else None
 
     def structured_compiler(self):
         if self.structured is None:
@@ -64,7 +80,9 @@ def engine_error(e: BaseException) -> APIError:
         # The engine refuses what only the model can judge: ids outside its vocabulary, or prompt +
         # max_tokens over its context.
         head = str(e).split(":", 1)[0]
-        return from_value_error(e, "context_length_exceeded" if head in ("max_tokens", "prompt") else "invalid_prompt")
+        if head in ("max_tokens", "prompt"):
+            return from_value_error(e, "context_length_exceeded")
+        return APIError(400, str(e), param="prompt", code="invalid_prompt")   # ("token id 9 out of range": the prompt's)
     raise e
 
 

@@ -48,12 +48,16 @@ def _value_alternatives(prop: dict, defs: dict) -> list[tuple[str, str]]:
         types = ["string", "number", "boolean", "null", "object", "array"]
     elif isinstance(types, str):
         types = [types]
+    elif not isinstance(types, list):
+        raise ValueError(f"a property's type must be a string or a list of them, got {json.dumps(types)[:100]}")
     out = []
     for t in types:
-        attr = _JSON_TYPES.get(t)
+        attr = _JSON_TYPES.get(t) if isinstance(t, str) else None
         if attr is None:
             continue
         if attr == "string":
+            if "enum" in prop and not isinstance(prop["enum"], list):
+                raise ValueError(f"a property's enum must be a list, got {json.dumps(prop['enum'])[:100]}")
             values = prop.get("enum") if "enum" in prop else ([prop["const"]] if "const" in prop else None)
             if values is not None:
                 strings = [v for v in values if isinstance(v, str)]
@@ -73,10 +77,15 @@ def _value_alternatives(prop: dict, defs: dict) -> list[tuple[str, str]]:
 
 def _arguments_rule(g: _Lark, fn: dict, tag: str) -> str:
     params = fn.get("parameters") or {}
+    properties = params.get("properties") or {} if isinstance(params, dict) else None
+    required = params.get("required") or [] if isinstance(params, dict) else None
+    # The shapes read here (a malformed one was a 500); llguidance checks the rest of the schema.
+    if not isinstance(properties, dict) or not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"tools: parameters of {fn.get('name')!r} must be a JSON schema object whose properties is an "
+                         "object and required a list of names")
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-    required = set(params.get("required") or [])
     parts = []
-    for i, (key, prop) in enumerate((params.get("properties") or {}).items()):
+    for i, (key, prop) in enumerate(properties.items()):
         alts = []
         for type_attr, value in _value_alternatives(prop if isinstance(prop, dict) else {}, defs):
             head = f'argument key="{fmt.escape_attr(key)}" type="{type_attr}"'
