@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from serving.sampler import (SamplingArrays, apply_penalties, build_sampling_arrays,
                              make_key_data, sample, sample_jit, token_bitmask, truncation_mask)
 from serving.sampling_params import SamplingParams
-from serving.stop import StopChecker, StopStringStream, find_stop_string, held_tail
+from serving.stop import StopChecker, StopStringStream, held_tail
 
 KEY = make_key_data(0)
 trunc = jax.jit(truncation_mask)
