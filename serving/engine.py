@@ -138,6 +138,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; expand n first")
+        vocab = self.model.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of range [0, {vocab})")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass token ids")

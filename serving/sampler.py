@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling_params import GREEDY_EPS, SamplingParams
+from serving.sampling_params import GREEDY_EPS, MAX_LOGIT_BIAS, SamplingParams
 
 NEG_INF = -jnp.inf
 
@@ -49,6 +49,10 @@ class SamplingArrays:
     prompt_mask: Optional[jax.Array] = None    # [S, ceil(V/32)] u32 bitmask of prompt tokens
     output_tokens: Optional[jax.Array] = None  # [S, L] i32 generated tokens, -1 = padding
     allowed_mask: Optional[jax.Array] = None   # [S, ceil(V/32)] u32, bit t%32 of word t//32
+    # logit bias (SamplingParams.logit_bias): present together with allowed_mask (one "logit processors"
+    # variant, not a fifth variant dimension to compile)
+    bias_ids: Optional[jax.Array] = None       # [S, MAX_LOGIT_BIAS] i32 token ids, -1 = padding
+    bias_values: Optional[jax.Array] = None    # [S, MAX_LOGIT_BIAS] f32
     # Static (compiled variants; build_sampling_arrays sets them from the rows): some row uses top-k or
     # top-p (the full sort runs), the top logprobs are computed. Static rather than lax.cond on device
     # values: XLA:GPU reads a conditional's predicate back to the host, which blocks the dispatching
@@ -150,6 +154,9 @@ def sample(logits, params: SamplingArrays, key_data, step_counters,
     x = logits
     if params.allowed_mask is not None:
         x = jnp.where(unpack_bitmask(params.allowed_mask, v), x, NEG_INF)
+    if params.bias_ids is not None:
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], params.bias_ids.shape)
+        x = x.at[rows, jnp.where(params.bias_ids >= 0, params.bias_ids, v)].add(params.bias_values, mode="drop")
     if params.prompt_mask is not None or params.output_tokens is not None:
         x = apply_penalties(x, params.prompt_mask, params.output_tokens,
                             params.repetition_penalty, params.presence_penalty,
@@ -204,7 +211,8 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
     greedy, no penalties). vocab_size: needed for penalties. prompt_token_ids /
     output_token_ids: per-row token sequences, used only if some row has penalties (prompt
     ids only for repetition). allowed_masks: per-row uint32 [ceil(V/32)] or None (no
-    constraint); the field stays None when every row is unconstrained.
+    constraint); the field stays None when every row is unconstrained and has no logit_bias (vocab_size
+    is then needed for the all-allowed mask).
     penalty_width: when set, penalties take one shape whatever the batch (output_tokens
     [rows, penalty_width], prompt_mask always present, zero where repetition is off), so a
     server compiles one penalties variant at warm-up instead of one per output length.
@@ -253,13 +261,22 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
                     pm[i] = token_bitmask(prompt_token_ids[i], vocab_size)
             out["prompt_mask"] = pm
 
-    if allowed_masks is not None and any(m is not None for m in allowed_masks):
-        w = next(np.asarray(m).shape[-1] for m in allowed_masks if m is not None)
+    masked = allowed_masks is not None and any(m is not None for m in allowed_masks)
+    if masked or any(p.logit_bias for p in params):
+        if vocab_size is None and not masked:
+            raise ValueError("vocab_size: required when a row uses logit_bias")
+        w = next(np.asarray(m).shape[-1] for m in allowed_masks if m is not None) if masked else (vocab_size + 31) // 32
         am = np.full((rows, w), 0xFFFFFFFF, np.uint32)
-        for i, m in enumerate(allowed_masks):
+        for i, m in enumerate(allowed_masks if masked else ()):
             if m is not None:
                 am[i] = np.asarray(m, np.uint32)
         out["allowed_mask"] = am
+        out["bias_ids"] = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
+        out["bias_values"] = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                out["bias_ids"][i, :len(p.logit_bias)] = list(p.logit_bias)
+                out["bias_values"][i, :len(p.logit_bias)] = list(p.logit_bias.values())
     out["truncate"] = bool((out["top_k"] > 0).any() or (out["top_p"] < 1.0).any())
     out["top_logprobs"] = any(p.logprobs for p in params) if top_logprobs is None else bool(top_logprobs)
     return SamplingArrays(**out)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 # Temperatures below this are treated as greedy (same threshold as vLLM).
 GREEDY_EPS = 1e-5
+# logit_bias entries per request (OpenAI's limit was 300): the sampler takes them as one fixed-width array
+MAX_LOGIT_BIAS = 300
 
 
 def _bad(field: str, msg: str) -> ValueError:
@@ -36,6 +38,8 @@ class SamplingParams:
     stop: strings that end generation (matched on detokenized text, see serving.stop);
     stop_token_ids: token ids that end generation; ignore_eos: keep going past EOS.
     include_stop_str_in_output: keep the matched stop string / stop token text in the output.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before penalties and sampling
+    (OpenAI's; at most MAX_LOGIT_BIAS entries); logprobs stay those of the raw distribution.
     """
 
     n: int = 1
@@ -53,6 +57,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    logit_bias: Optional[Mapping[int, float]] = None
 
     def __post_init__(self):
         # Normalise containers first so validation sees one form.
@@ -63,6 +68,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.logit_bias = {} if self.logit_bias is None else dict(self.logit_bias)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0  # vLLM / HF spell "off" as -1
         self.validate()
@@ -101,6 +107,13 @@ class SamplingParams:
                 raise _bad("stop_token_ids", f"must be ints >= 0, got {t!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise _bad("logprobs", f"must be an int >= 0 or None, got {self.logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise _bad("logit_bias", f"keys must be token ids (ints >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise _bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:

@@ -248,10 +248,13 @@ def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
     # top-p (the sort) and top logprobs are static sampler variants too, with penalties alongside
     eng.add_request([5, 6], SamplingParams(temperature=0.8, seed=2, top_p=0.9, presence_penalty=0.3, logprobs=2,
                                            max_tokens=4, ignore_eos=True))
+    # logit_bias rides on the masked variant
+    eng.add_request([5, 6], SamplingParams(temperature=0, logit_bias={17: 100}, max_tokens=3, ignore_eos=True))
     finished = {}
     while eng.has_unfinished():
         finished.update({o.request_id: o for o in eng.step() if o.finished})
-    assert [len(finished[r].outputs[0].token_ids) for r in sorted(finished)] == [40, 20, 3, 5, 4]
+    assert [len(finished[r].outputs[0].token_ids) for r in sorted(finished)] == [40, 20, 3, 5, 4, 3]
+    assert finished["req-5"].outputs[0].token_ids == [17, 17, 17]
     assert all(len(top) == 2 for _, top in finished["req-4"].outputs[0].logprobs)
     assert finished["req-2"].outputs[0].token_ids[:2] == [11, 12]
     assert eng.runner.num_compiles == compiled
@@ -265,6 +268,8 @@ def test_bad_requests_raise_value_error(model, tmp_path_factory):
         eng.add_request(list(range(64)), SamplingParams())
     with pytest.raises(ValueError, match="out of range"):
         eng.add_request([5000], SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias"):
+        eng.add_request([5], SamplingParams(logit_bias={model.config.vocab_size: 1.0}))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
     eng.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")

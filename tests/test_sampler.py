@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -172,6 +174,27 @@ def test_bitmask_forbids_tokens():
     assert tok2[1] == logits[1].argmax()
 
 
+def test_logit_bias_moves_the_choice_and_keeps_raw_logprobs():
+    rng = np.random.default_rng(6)
+    v = 64
+    logits = rng.normal(0, 2, (4, v)).astype(np.float32)
+    low, top = int(logits[0].argmin()), np.argsort(-logits[1])
+    keep = rng.choice(v, 4, replace=False)
+    params = [SamplingParams(temperature=0, logit_bias={low: 100}),               # a +100 bias wins
+              SamplingParams(temperature=0, logit_bias={int(top[0]): -100.0}),     # -100 on the argmax
+              SamplingParams(temperature=1.0, seed=3, logit_bias={t: -100 for t in range(v) if t not in keep}),
+              SamplingParams(temperature=0)]
+    arrays = build_sampling_arrays(params, vocab_size=v)
+    assert arrays.bias_ids.shape == (4, 300) and arrays.allowed_mask.shape == (4, 2)   # the masked variant
+    tok, lp, _ = sample_jit(jnp.asarray(logits), arrays, KEY, np.zeros(4, np.int32))
+    tok = np.asarray(tok)
+    assert tok[0] == low and tok[1] == top[1] and tok[2] in keep and tok[3] == logits[3].argmax()
+    raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp), raw[np.arange(4), tok], rtol=1e-5)
+    draws = [int(run(logits[2:3], [dataclasses.replace(params[2], seed=s)], vocab_size=v)[0][0]) for s in range(40)]
+    assert set(draws) <= set(keep.tolist()) and len(set(draws)) > 1
+
+
 def test_logprobs_raw_and_processed():
     rng = np.random.default_rng(5)
     logits = rng.normal(0, 2, (4, 64)).astype(np.float32)
@@ -210,6 +233,7 @@ def test_build_sampling_arrays_padding_and_seeds():
     ("min_p", 1.1), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("frequency_penalty", -3.0), ("seed", 1.5), ("max_tokens", 0), ("max_tokens", -1),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", float("nan")),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 100.5}), ("logit_bias", {i: 1.0 for i in range(301)}),
 ])
 def test_sampling_params_validation(field, value):
     with pytest.raises(ValueError, match=field):

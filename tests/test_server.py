@@ -123,6 +123,16 @@ def test_text_completions_honour_response_format(client, server):
                              400, "response_format")
 
 
+def test_logit_bias(client, server, tok):
+    """OpenAI's logit_bias was accepted and ignored."""
+    r = client.completions.create(model="tiny-random", prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                  logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode([77] * 4)
+    for bias in ({"abc": 1}, {"-3": 1}, {"5": 150}, {str(tok.vocab_size + 5): 1}):
+        err = _assert_openai_error(_post(server, "/v1/completions", {"prompt": "x", "logit_bias": bias}), 400)
+        assert (err["param"] or "").startswith("logit_bias"), err
+
+
 def test_scripted_tool_calls_streaming_and_not(client, tok):
     script = _script(tok, ["Let me check.", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                            "functions.get_weather:0", "<|tool_call_argument_begin|>", '{"city": "Paris"}',

@@ -82,6 +82,8 @@ def engine_error(e: BaseException) -> APIError:
         head = str(e).split(":", 1)[0]
         if head in ("max_tokens", "prompt"):
             return from_value_error(e, "context_length_exceeded")
+        if head == "logit_bias":                                   # a biased token id outside the vocabulary
+            return from_value_error(e)
         return APIError(400, str(e), param="prompt", code="invalid_prompt")   # ("token id 9 out of range": the prompt's)
     raise e
 

@@ -6,6 +6,7 @@ for 0) and ranges are declared here, so the OpenAPI schema states what the serve
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
@@ -68,6 +69,7 @@ class _Sampling(_Base):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     priority: Int(**_INT64) = 0
+    logit_bias: Optional[dict[str, Num(ge=-100, le=100)]] = None    # token id (as JSON keys are) -> bias
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError naming the bad field."""
@@ -78,7 +80,17 @@ class _Sampling(_Base):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=_token_keys(self.logit_bias))
+
+
+def _token_keys(bias: Optional[dict]) -> Optional[dict]:
+    """logit_bias's JSON keys ("1234") as token ids; ValueError naming the field for any other key."""
+    if not bias:
+        return None
+    for k in bias:
+        if not re.fullmatch(r"[0-9]{1,12}", k):
+            raise ValueError(f"logit_bias: keys must be token ids, got {k!r}")
+    return {int(k): v for k, v in bias.items()}
 
 
 # ---- chat messages: typed here so a malformed shape is a 400 naming its place, never a renderer crash.
