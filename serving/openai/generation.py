@@ -83,7 +83,7 @@ def engine_error(e: BaseException) -> APIError:
         if head in ("max_tokens", "prompt"):
             return from_value_error(e, "context_length_exceeded")
         if head == "logit_bias":                                   # a biased token id outside the vocabulary
-            return from_value_error(e)
+            return from_value_error(e, "invalid_logit_bias")
         return APIError(400, str(e), param="prompt", code="invalid_prompt")   # ("token id 9 out of range": the prompt's)
     raise e
 

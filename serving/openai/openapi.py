@@ -19,6 +19,7 @@ _ERROR_REF = {"$ref": "#/components/schemas/OpenAIError"}
 SEMANTIC_400_CODES = {
     "context_length_exceeded": "prompt (+ max_tokens) longer than the model's context",
     "invalid_prompt": "token ids the model cannot take",
+    "invalid_logit_bias": "logit_bias token ids outside the model's vocabulary",
     "invalid_conversation": "a conversation the chat template cannot render (e.g. a tool result answering no call)",
     "invalid_image": "an image part whose URL is not a usable image (or is not allowed)",
     "images_not_supported": "image parts sent to a text-only model",

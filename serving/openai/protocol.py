@@ -6,12 +6,11 @@ for 0) and ranges are declared here, so the OpenAPI schema states what the serve
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from serving.sampling_params import SamplingParams
+from serving.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 def _json_type(v) -> str:
@@ -44,6 +43,9 @@ def Num(**bounds):
 _INT64 = dict(ge=-(2**53), le=2**53)      # exact in JSON (a double), and in int64
 TokenId = Int(ge=0)          # the vocabulary's upper bound is set in the served schema
 StopString = Annotated[str, Field(min_length=1)]
+# {token id (a JSON key, so a string): bias}; ids past the vocabulary are the engine's to refuse
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,12}$")], Num(ge=-100, le=100)],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
 class StreamOptions(_Base):
@@ -69,7 +71,7 @@ class _Sampling(_Base):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     priority: Int(**_INT64) = 0
-    logit_bias: Optional[dict[str, Num(ge=-100, le=100)]] = None    # token id (as JSON keys are) -> bias
+    logit_bias: Optional[LogitBias] = None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError naming the bad field."""
@@ -84,13 +86,8 @@ class _Sampling(_Base):
 
 
 def _token_keys(bias: Optional[dict]) -> Optional[dict]:
-    """logit_bias's JSON keys ("1234") as token ids; ValueError naming the field for any other key."""
-    if not bias:
-        return None
-    for k in bias:
-        if not re.fullmatch(r"[0-9]{1,12}", k):
-            raise ValueError(f"logit_bias: keys must be token ids, got {k!r}")
-    return {int(k): v for k, v in bias.items()}
+    """logit_bias's JSON keys ("1234", checked by LogitBias) as token ids."""
+    return {int(k): v for k, v in bias.items()} if bias else None
 
 
 # ---- chat messages: typed here so a malformed shape is a 400 naming its place, never a renderer crash.
