@@ -281,7 +281,7 @@ def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory, se
     import signal
     import threading
     # its warm-up loads the step shapes `server` compiled (the same model and pools)
-    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "6", "--no-vision",
+    s = ServerProcess(str(tmp_path_factory.mktemp("srv2")), "--shutdown-timeout", "2", "--no-vision",
                       "--compilation-cache-dir", server.compilation_cache_dir)
     streams = {"short": [], "long": []}
 
@@ -290,9 +290,10 @@ def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory, se
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120, headers=AUTH) as r:
             streams[name].extend(x for x in r.iter_lines() if x)
 
-    # short: ~1 s of decode on 2 cores (long enough to be seen running, well inside the grace window);
-    # long: ~40 s
-    threads = [threading.Thread(target=consume, args=a) for a in (("short", 12), ("long", 500))]
+    # short: 12 tokens, ~0.1-0.5 s of decode on 2 cores (long enough to be seen running, inside the 2 s grace
+    # window); long: the context's 509, ~40x as long (a 500-token stream ended inside a 6 s window once the
+    # CPU decode step got faster)
+    threads = [threading.Thread(target=consume, args=a) for a in (("short", 12), ("long", 509))]
     for t in threads:
         t.start()
     deadline, running = time.time() + 60, 0
