@@ -11,15 +11,18 @@ One CTA = (sequence, 64 query heads, key split), three warpgroups:
   WG0 / WG1 (consumers): the scores S = Q K^T [64, bk] are split over the contraction (WG0 the
     first 5 of the 9 64-wide column chunks, WG1 the last 4); each writes its fp32 partial to shared
     memory and adds the other's (a 2-arrival barrier, double-buffered by block parity). Both then
-    run the same base-2 online softmax (fp32 m / l), write P (bf16) to shared memory and accumulate
-    O[:, half] += P V[:, half] on wgmma, WG0 output columns [0, L/2), WG1 [L/2, L): a [64, 256]
+    run the same base-2 online softmax (fp32 m / l) and accumulate O[:, half] += P V[:, half] on
+    wgmma (P bf16 from registers), WG0 output columns [0, L/2), WG1 [L/2, L): a [64, 256]
     fp32 accumulator a warpgroup (128 registers a thread), FlashMLA's split of the output.
 Heads are the wgmma M dimension: H=96 runs as two 64-row tiles, the second half padding (zero
 queries). Per split the normalised output (q dtype) and fp32 (m, l) are written in
 triton_kernel.combine_splits' format, which merges the splits.
 
-Shared memory at L+R = 576, bk = 32, 3 stages: Q 72 KiB + ring 108 KiB + score exchange 32 KiB +
-P 8 KiB = 220 KiB of the H200's 227.
+Shared memory at L+R = 576, bk = 32, 3 stages: Q 72 KiB + ring 108 KiB + score exchange 32 KiB
+= 212.5 KiB of the H200's 227 (P stays in registers: wgmma's register A operand). The query tile and
+the ring are swizzled 64 bytes wide (bk = 32): wgmma needs P V's K (= bk) to be a multiple of the
+swizzle's elements and both operands' swizzles equal; bk = 64 with its 128-byte swizzle does not fit
+next to the score exchange.
 Unused cache slots: pages past a sequence's end are never read (zeros are copied instead); the
 slots of its last copied unit past kv_len are read and masked out of the scores, so they must be
 finite (0 * NaN in P V): the engine's pools are zero-initialised and only ever hold written rows.
@@ -56,27 +59,27 @@ def _plgpu():
     return mosaic_gpu
 
 
-def interpret_params():
+def interpret_params(**kw):
     """Mosaic GPU interpret mode's parameters (private in jax 0.10-0.11: no public alias yet)."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:  # pragma: no cover - depends on the jax version
         raise NotImplementedError(f"this jax ({jax.__version__}) has no Mosaic GPU interpret mode") from e
-    return InterpretGPUParams()
+    return InterpretGPUParams(**kw)
 
 
-def _swizzled(plgpu, dtype, minor):
-    """Tiling + swizzle transforms for a [.., rows, minor] smem buffer (rows of minor * itemsize
-    bytes: 128-byte swizzle when a row is >= 128 bytes, else the row's width)."""
-    row_bytes = min(128, minor * jnp.dtype(dtype).itemsize)
+def _swizzled(plgpu, dtype, row_elems):
+    """Tiling + swizzle transforms for a smem buffer whose tiles are row_elems wide (swizzle =
+    the tile row's bytes, at most 128)."""
+    row_bytes = min(128, row_elems * jnp.dtype(dtype).itemsize)
     return (plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(row_bytes))
 
 
 def smem_bytes(width, bk, stages, itemsize=2):
-    """Shared memory of one CTA: Q tile, cache ring, fp32 score exchange (2 WGs x 2 parities), P
-    (one per consumer WG), m / l."""
-    return (ROWS * width + stages * bk * width + 2 * ROWS * bk) * itemsize + 4 * ROWS * bk * 4 + 2 * ROWS * 4
+    """Shared memory of one CTA on the GPU: Q tile, cache ring, fp32 score exchange (2 WGs x 2
+    parities), m / l (P stays in registers)."""
+    return (ROWS * width + stages * bk * width) * itemsize + 4 * ROWS * bk * 4 + 2 * ROWS * 4
 
 
 def check_shapes(lat, rope, bk, stages, page_size):
@@ -110,14 +113,17 @@ def _scores(plgpu, a_ref, b_ref, shape, interpret):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _accumulate(plgpu, acc, a_ref, b_ref, interpret):
-    """acc + a @ b, a [M, K], b [K, N] in shared memory, acc fp32 in the WGMMA layout."""
+def _accumulate(plgpu, acc, p, p_ref, v_ref, interpret):
+    """acc + p @ v: p [M, K] bf16 in registers (wgmma's register A operand; the interpreter takes only
+    shared-memory operands, so there it goes through p_ref), v [K, N] in shared memory."""
     if interpret:
+        p_ref[...] = p
+
         def fresh(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref)
+            plgpu.wgmma(acc_ref, p_ref, v_ref)
             return acc_ref[...]
         return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_ref, b_ref))(plgpu.ACC.init(acc))
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
 
 
 def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
@@ -164,6 +170,11 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
                 def _():
                     plgpu.copy_gmem_to_smem(zeros_ref, dst, full_bar.at[stage])
 
+        # wait for the consumers' last release of each stage: every phase of a barrier is observed
+        # (the interpreter checks it; on the GPU it keeps the CTA alive until the ring is drained)
+        for stage in range(stages):
+            pl.when(stage < n_blocks)(lambda stage=stage: plgpu.barrier_wait(used_bar.at[stage]))
+
     n_chunks = width // CHUNK
     split_col = (n_chunks + 1) // 2 * CHUNK   # WG0 contracts columns [0, split_col), WG1 the rest
     half = lat // 2
@@ -199,10 +210,9 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
-            p_smem.at[w][...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
             acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _accumulate(plgpu, acc, p_smem.at[w], kv_smem.at[stage, :, out_cols], interpret)
+            acc = _accumulate(plgpu, acc, p.astype(q_smem.dtype), None if p_smem is None else p_smem.at[w],
+                              kv_smem.at[stage, :, out_cols], interpret)
             plgpu.barrier_arrive(used_bar.at[stage])
             return acc, m_new, l
 
@@ -214,7 +224,9 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
             ml_smem.at[0][...] = m
             ml_smem.at[1][...] = l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[:, out_cols], o_ref.at[split, pl.ds(row0, ROWS), out_cols])
+        for r in range(0, ROWS, 8):  # one 8-row band of column tiles is contiguous in smem
+            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(r, 8), out_cols],
+                                    o_ref.at[split, pl.ds(row0 + r, 8), out_cols])
         if w == 0:
             plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[split, pl.ds(row0, ROWS)])
             plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, pl.ds(row0, ROWS)])
@@ -229,7 +241,8 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
     """Run the kernel. q_rows [N * heads_padded, L+R] (latent then rope; padded heads zero),
     kv_pages [P, page_size, L+R], block_tables [N, max_pages], kv_lens [N] (0: no keys).
     Returns per-split partials o [splits, N*heads_padded, L] (normalised, q dtype) and fp32 base-2
-    m, l [splits, N*heads_padded] (triton_kernel.combine_splits' format)."""
+    m, l [splits, N*heads_padded] (triton_kernel.combine_splits' format). interpret: True, or the
+    interpreter's parameters (interpret_params(detect_races=True), ...)."""
     plgpu = _plgpu()
     n_rows, width = q_rows.shape
     _, page_size, _ = kv_pages.shape
@@ -244,10 +257,12 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
         scale=float(scale), interpret=bool(interpret))
     f32 = jnp.float32
     scratch = [
-        plgpu.SMEM((ROWS, width), dt, transforms=_swizzled(plgpu, dt, width)),
-        plgpu.SMEM((stages, bk, width), dt, transforms=_swizzled(plgpu, dt, width)),
+        # wgmma wants both operands' swizzle equal and P V's K (= bk) a multiple of the swizzle's
+        # elements: the query tile and the ring are swizzled by bk (64 bytes at bk = 32)
+        plgpu.SMEM((ROWS, width), dt, transforms=_swizzled(plgpu, dt, bk)),
+        plgpu.SMEM((stages, bk, width), dt, transforms=_swizzled(plgpu, dt, bk)),
         plgpu.SMEM((2, 2, ROWS, bk), f32, transforms=_swizzled(plgpu, f32, bk)),
-        plgpu.SMEM((2, ROWS, bk), dt, transforms=_swizzled(plgpu, dt, bk)),
+        plgpu.SMEM((2, ROWS, bk), dt, transforms=_swizzled(plgpu, dt, bk)) if interpret else None,
         plgpu.SMEM((2, ROWS), f32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=bk // unit, num_barriers=stages),
@@ -262,7 +277,7 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
         grid=(n_seqs, heads_padded // ROWS, splits), grid_names=("seq", "grp", "split"),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params() if interpret else None)
+        interpret=(interpret_params() if interpret is True else interpret) or None)
     zeros = jnp.zeros((unit, width), kv_pages.dtype)
     return call(q_rows, kv_pages, zeros, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32))
 
