@@ -2,9 +2,9 @@
 
 jax's interpreter (jax._src.pallas.mosaic.interpret.thread_map, jax 0.10-0.11) traces, lowers and
 compiles each simulated warpgroup's program afresh for every thread of every grid point (~0.8 s a
-thread on a 2-core CPU). `reuse_compiled_threads()` memoises the compiled program per (jaxpr,
-argument shapes): the same executable, called the same way, so what runs is unchanged; a CTA then
-costs milliseconds after the first. Private API: where it is missing this does nothing.
+thread on a 2-core CPU). `reuse_compiled_threads()` memoises the compiled program per (jaxpr text,
+argument shapes), so retraces of the same kernel share it too: the same executable, called the same
+way, so what runs is unchanged; a CTA then costs milliseconds after the first. Private API: where it is missing this does nothing.
 """
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ import jax
 
 
 def _cached_runner(compiled):
+    texts = {}  # id(jaxpr) -> (jaxpr, its text): a retrace of the same kernel prints the same jaxpr
+
     def run(jaxpr, consts, *args):
-        key = (jaxpr, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((consts, args))))
+        if id(jaxpr) not in texts:
+            texts[id(jaxpr)] = (jaxpr, str(jaxpr))
+        key = (texts[id(jaxpr)][1], tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((consts, args))))
         exe = compiled.get(key)
         if exe is None:  # two threads may both compile the first time: harmless
             def body(jaxpr, consts, *args):

@@ -75,7 +75,7 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
         from pallas_kernels import mla
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
-                                    decode_only=bool(decode_only))
+                                    decode_only=bool(decode_only), decode_kernel=b.mla_decode)
     return mla_ref.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seqlens,
                                               kv_lens, scale=scale)
 

@@ -102,6 +102,17 @@ def check_shapes(lat, rope, bk, stages, page_size):
         raise ValueError("MLA Mosaic GPU decode: " + "; ".join(why))
 
 
+def supports(num_heads, lat, rope, page_size, dtype, bk=DEFAULTS["bk"], stages=DEFAULTS["stages"]):
+    """The kernel's tiling covers this decode step (the dispatch's test; the Triton kernel otherwise)."""
+    if num_heads < MIN_HEADS or jnp.dtype(dtype).itemsize != 2:
+        return False
+    try:
+        check_shapes(lat, rope, bk, stages, page_size)
+    except ValueError:
+        return False
+    return True
+
+
 def _scores(plgpu, a_ref, b_ref, shape, interpret):
     """a [M, K] @ b[N, K]^T in fp32 from shared memory (b transposed: wgmma's K-major B)."""
     if interpret:
