@@ -313,6 +313,11 @@ def mla_mosaic_check(run, page_sizes=(16, 64)):
                         target=f"rel err {e:.1e}")
 
 
+# Mosaic kernel variants timed at the first isolated shape (K3's 96 heads, 8k): mosaic_gpu.DEFAULTS is
+# bk 32, 3 stages (the most that fits next to the 64-row query tile); splits x2 tests the split-K plan
+MOSAIC_VARIANTS = [("mosaic bk16 st4", (("bk", 16), ("stages", 4))), ("mosaic st2", (("stages", 2),))]
+
+
 def mla_mosaic_rows(run, shapes, model_cases):
     """The same shapes timed on the Triton kernel (today's default) and the Mosaic kernel: isolated
     (page 64) and as MLA.step's decode-only steps call ops.mla_ragged_paged (backend mla_decode auto vs
@@ -328,8 +333,14 @@ def mla_mosaic_rows(run, shapes, model_cases):
         k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
         args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
                 jax.random.normal(k2, (n, heads, rope), jnp.bfloat16), kv, bt, lens)
-        for label, fn in (("triton (default)", mla_paged_decode), ("mosaic", mla_paged_decode_mosaic)):
-            f = functools.partial(fn, scale=192 ** -0.5, interpret=run.interpret)
+        kernels = [("triton (default)", mla_paged_decode, None), ("mosaic", mla_paged_decode_mosaic, None)]
+        if (n, ctx, heads, page_size) == shapes[0]:
+            from pallas_kernels.mla.mosaic_gpu import plan
+            splits = plan(heads, ctx, n, 32)[1]
+            kernels += [(label, mla_paged_decode_mosaic, cfg) for label, cfg in MOSAIC_VARIANTS]
+            kernels.append((f"mosaic splits {2 * splits} (x2)", mla_paged_decode_mosaic, (("splits", 2 * splits),)))
+        for label, fn, cfg in kernels:
+            f = functools.partial(fn, scale=192 ** -0.5, interpret=run.interpret, **({"config": cfg} if cfg else {}))
             t = run.timed("MLA decode", case, "isolated", label,
                           lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
             if t is not None:
