@@ -8,8 +8,8 @@ One CTA = (sequence, 64 query heads, key split), three warpgroups:
   WG2 (producer): TMA-copies the 64-head query tile [64, L+R] once, then the cache block by block
     (``bk`` keys, one TMA per page or part of a page, following the block table) into a ring of
     ``stages`` shared-memory buffers; a unit wholly past the sequence's end copies zeros instead.
-  WG0 / WG1 (consumers): the scores S = Q K^T [64, bk] are split over the contraction (WG0 the
-    first 5 of the 9 64-wide column chunks, WG1 the last 4); each writes its fp32 partial to shared
+  WG0 / WG1 (consumers): the scores S = Q K^T [64, bk] are split over the contraction (WG0 columns
+    [0, 288), WG1 [288, 576), whole swizzle tiles); each writes its fp32 partial to shared
     memory and adds the other's (a 2-arrival barrier, double-buffered by block parity). Both then
     run the same base-2 online softmax (fp32 m / l) and accumulate O[:, half] += P V[:, half] on
     wgmma (P bf16 from registers), WG0 output columns [0, L/2), WG1 [L/2, L): a [64, 256]
@@ -46,7 +46,6 @@ from jax.experimental import pallas as pl
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
 ROWS = 64            # query heads per CTA: the wgmma M dimension of one warpgroup
-CHUNK = 64           # 128-byte swizzle: bf16 columns per smem tile
 MIN_HEADS = 64       # below this the Triton keys-on-M kernel is the better fit (issue 20)
 DEFAULTS = {"bk": 32, "stages": 3}
 SMEM_LIMIT = 227 * 1024
@@ -82,16 +81,27 @@ def smem_bytes(width, bk, stages, itemsize=2):
     return (ROWS * width + stages * bk * width) * itemsize + 4 * ROWS * bk * 4 + 2 * ROWS * 4
 
 
+def tile_cols(bk, itemsize=2):
+    """Columns of one swizzle tile of the query tile and the ring (swizzled by bk: 32 at bk = 32): the
+    granularity of the contraction split, of wgmma's K and of the output columns."""
+    return min(128, bk * itemsize) // itemsize
+
+
+def contraction_split(width, bk):
+    """WG0 contracts the scores over columns [0, split), WG1 over [split, width): halves in whole tiles."""
+    tile = tile_cols(bk)
+    return (width // tile + 1) // 2 * tile
+
+
 def check_shapes(lat, rope, bk, stages, page_size):
     """ValueError unless the kernel's tiling covers these sizes."""
     width = lat + rope
     why = []
-    if width % CHUNK or lat % (2 * CHUNK) or lat // 2 > 256:
-        why.append(f"L={lat}, R={rope}: needs L+R % 64 == 0, L % 128 == 0, L <= 512")
-    if width // CHUNK < 2:
-        why.append("needs >= 2 column chunks (one per consumer warpgroup)")
     if bk % 16 or bk < 16 or bk * 4 > 128 or (page_size % bk and bk % page_size):
         why.append(f"bk={bk}: a multiple of 16, <= 32, dividing or divided by the page size {page_size}")
+    tile = tile_cols(bk)
+    if width % tile or lat % (2 * tile) or lat // 2 > 256 or width // tile < 2:
+        why.append(f"L={lat}, R={rope}: needs L+R and L/2 in whole {tile}-column tiles (>= 2) and L <= 512")
     if min(bk, page_size) % 8:
         why.append(f"page size {page_size}: copies of < 8 rows do not fit the 8-row smem tiles")
     if stages < 2:
@@ -186,8 +196,7 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
         for stage in range(stages):
             pl.when(stage < n_blocks)(lambda stage=stage: plgpu.barrier_wait(used_bar.at[stage]))
 
-    n_chunks = width // CHUNK
-    split_col = (n_chunks + 1) // 2 * CHUNK   # WG0 contracts columns [0, split_col), WG1 the rest
+    split_col = contraction_split(width, bk)
     half = lat // 2
     qk_scale = scale * _LOG2E
 
