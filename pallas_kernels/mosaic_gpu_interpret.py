@@ -4,13 +4,19 @@ jax's interpreter (jax._src.pallas.mosaic.interpret.thread_map, jax 0.10-0.11) t
 compiles each simulated warpgroup's program afresh for every thread of every grid point (~0.8 s a
 thread on a 2-core CPU). `reuse_compiled_threads()` memoises the compiled program per (jaxpr text,
 argument shapes), so retraces of the same kernel share it too: the same executable, called the same
-way, so what runs is unchanged; a CTA then costs milliseconds after the first. Private API: where it is missing this does nothing.
+way, so what runs is unchanged; a CTA then costs milliseconds after the first. Each thread's inputs
+are made host arrays first: with device-array inputs XLA:CPU may queue the execution on its thread
+pool (as many threads as cores), where the interpreter's outer program and a warpgroup blocked on a
+barrier can hold every thread while the warpgroup that would release them waits: a deadlock seen
+about once in five bench runs on 2 cores, none in 4 runs since. Private API: where it is missing
+this does nothing.
 """
 from __future__ import annotations
 
 import contextlib
 
 import jax
+import numpy as np
 
 
 def _cached_runner(compiled):
@@ -25,7 +31,10 @@ def _cached_runner(compiled):
             def body(jaxpr, consts, *args):
                 jax.core.eval_jaxpr(jaxpr, consts, *args)
             exe = compiled[key] = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-        exe(consts, *args)
+        # host (numpy) inputs: the execution can run at once on this thread instead of waiting for
+        # device arrays on XLA's CPU pool, whose few threads the other blocked warpgroups may hold
+        consts, args = jax.tree.map(np.asarray, (consts, args))
+        jax.block_until_ready(exe(consts, *args))
     return run
 
 

@@ -291,26 +291,62 @@ def _mosaic_dims(run):
     return (128, 64) if run.tiny else (run.lat, run.rope)
 
 
-def mla_mosaic_check(run, page_sizes=(16, 64)):
-    """Max |kernel - reference| / max |reference| at a small bf16 shape (K3's 96 heads, ragged lengths
-    incl. 1 and a padding sequence), the Mosaic kernel and the Triton kernel on the same inputs."""
+def mla_mosaic_errors(kernels, interpret, lat, rope, page_sizes=(16, 64)):
+    """{variant: max |kernel - reference| / max |reference|} at a small bf16 shape: K3's 96 heads, ragged
+    lengths incl. 1 and a padding sequence, up to 10 blocks a sequence. kernels: "mosaic" and / or "triton (default)"."""
     from pallas_kernels.mla import mla_decode_reference, mla_paged_decode
     from pallas_kernels.mla.mosaic_gpu import mla_paged_decode_mosaic
-    lat, rope = _mosaic_dims(run)
-    n_lens = [70, 1, 33, 0] if run.tiny else [300, 1, 77, 0, 129]
+    fns = {"mosaic": mla_paged_decode_mosaic, "triton (default)": mla_paged_decode}
+    n_lens = [70, 1, 33, 0] if interpret else [300, 1, 77, 0, 129]
+    errs = {}
     for ps in page_sizes:
         ql, qr, kv, bt, _ = bench_mla.make_cache(jax.random.PRNGKey(5), len(n_lens), max(n_lens), 96, lat, rope,
                                                  ps, jnp.bfloat16)
         lens = jnp.asarray(n_lens, jnp.int32)
         want = np.asarray(mla_decode_reference(ql, qr, kv, bt, lens, scale=192 ** -0.5), np.float32)
-        for name, fn in (("mosaic", mla_paged_decode_mosaic), ("triton (default)", mla_paged_decode)):
-            variant = f"{name}, bf16, page {ps}"
-            e = run.timed("MLA decode", "small shapes vs reference", "check", variant, lambda fn=fn: float(
-                np.max(np.abs(np.asarray(fn(ql, qr, kv, bt, lens, scale=192 ** -0.5, interpret=run.interpret),
-                                         np.float32) - want)) / np.max(np.abs(want))))
-            if e is not None:
-                run.add(kernel="MLA decode", case="small shapes vs reference", call="check", variant=variant,
-                        target=f"rel err {e:.1e}")
+        for name in kernels:
+            got = np.asarray(fns[name](ql, qr, kv, bt, lens, scale=192 ** -0.5, interpret=interpret), np.float32)
+            errs[f"{name}, bf16, page {ps}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return errs
+
+
+def _mosaic_probe(timeout=100):
+    """The Mosaic kernel's first run on this GPU, in a child process with a timeout: a kernel that does
+    not compile, faults or hangs (a barrier never completing) turns the section's Mosaic rows into
+    'not run' rows instead of killing the run. Returns (errors, None) or (None, why). The child allocates
+    on demand: this process already holds XLA's preallocated share of the GPU."""
+    import subprocess
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--mosaic-probe"], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"probe timed out after {timeout} s (hang?)"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        err = done.stderr.strip().splitlines() or ["no output"]
+        named = [x for x in err if "Error" in x.split(":")[0] or "Exception" in x.split(":")[0]]
+        return None, f"probe rc {done.returncode}: {(named or err)[-1][:160]}"
+    return json.loads(lines[-1]), None
+
+
+def mla_mosaic_check(run):
+    """Check rows: the Mosaic kernel (in a child process on a GPU, see _mosaic_probe) and the Triton kernel
+    against the reference on the same inputs. Sets run.mosaic_off when the Mosaic kernel failed."""
+    lat, rope = _mosaic_dims(run)
+    run.mosaic_off = None
+    if run.tiny:
+        errs = mla_mosaic_errors(["mosaic"], run.interpret, lat, rope)
+    else:
+        errs, run.mosaic_off = _mosaic_probe()
+        if run.mosaic_off:
+            run.skip("MLA decode", "small shapes vs reference", "check", "mosaic", run.mosaic_off)
+            errs = {}
+    t = run.timed("MLA decode", "small shapes vs reference", "check", "triton (default)",
+                  lambda: mla_mosaic_errors(["triton (default)"], run.interpret, lat, rope))
+    for variant, e in sorted({**errs, **(t or {})}.items()):
+        run.add(kernel="MLA decode", case="small shapes vs reference", call="check", variant=variant,
+                target=f"rel err {e:.1e}")
 
 
 # Mosaic kernel variants timed at the first isolated shape (K3's 96 heads, 8k): mosaic_gpu.DEFAULTS is
@@ -340,6 +376,9 @@ def mla_mosaic_rows(run, shapes, model_cases):
             kernels += [(label, mla_paged_decode_mosaic, cfg) for label, cfg in MOSAIC_VARIANTS]
             kernels.append((f"mosaic splits {2 * splits} (x2)", mla_paged_decode_mosaic, (("splits", 2 * splits),)))
         for label, fn, cfg in kernels:
+            if fn is mla_paged_decode_mosaic and run.mosaic_off:
+                run.skip("MLA decode", case, "isolated", label, run.mosaic_off)
+                continue
             f = functools.partial(fn, scale=192 ** -0.5, interpret=run.interpret, **({"config": cfg} if cfg else {}))
             t = run.timed("MLA decode", case, "isolated", label,
                           lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
@@ -359,6 +398,9 @@ def mla_mosaic_rows(run, shapes, model_cases):
         qr = jax.random.normal(k2, (n_bucket, heads, rope), jnp.bfloat16)
         for kernel in ("auto", "mosaic"):
             variant = f"decode_only=True, K3JAX_MLA_DECODE={kernel}"
+            if kernel == "mosaic" and run.mosaic_off:
+                run.skip("MLA decode", case, f"as model: {model}", variant, run.mosaic_off)
+                continue
             f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=True,
                                           backend=run.backend.replace(mla_decode=kernel)))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
@@ -532,8 +574,12 @@ def main(argv=None):
     ap.add_argument("--only", default=None, metavar="SECTION,...",
                     help=f"run only these sections (anchors always run): {','.join(SECTIONS)}")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and anchors as JSON")
+    ap.add_argument("--mosaic-probe", action="store_true", help=argparse.SUPPRESS)  # mla_mosaic's child
     add_csv_argument(ap)
     args = ap.parse_args(argv)
+    if args.mosaic_probe:
+        print(json.dumps(mla_mosaic_errors(["mosaic"], None, 512, 64)), flush=True)
+        return []
     only = SECTIONS if args.only is None else tuple(x.strip().replace("-", "_") for x in args.only.split(",") if x.strip())
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
