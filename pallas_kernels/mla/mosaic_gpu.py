@@ -31,8 +31,8 @@ Interpret mode (jax 0.10.2's Mosaic GPU interpreter) lacks wgmma on a transposed
 ``pl.run_state``: there the two products go through `_scores` / `_accumulate`'s interpret branch
 (the same contraction from the shared-memory refs: jnp.dot, and wgmma into a fresh accumulator
 added to the carried one), the other warpgroup's partial scores are read with ``ref[...]``
-(no ``plgpu.load``) and register layouts are left to the interpreter (no layout_cast). Everything else (TMA ring, barriers, warpgroups, softmax) is the
-kernel that lowers for the GPU.
+(no ``plgpu.load``) and register layouts are left to the interpreter (no layout_cast). Everything
+else (TMA ring, barriers, warpgroups, softmax, split-K) is the kernel that lowers for the GPU.
 """
 from __future__ import annotations
 
@@ -347,7 +347,8 @@ def ragged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, k
     cu_seqlens[N] are padding and get zeros) on the Mosaic kernel: tokens gathered to their
     sequences, the decode kernel, scattered back."""
     n_tok = q_latent.shape[0]
-    n_seqs = kv_lens.shape[0]
+    if n_tok == 0:
+        return jnp.zeros_like(q_latent)
     cu = cu_seqlens.astype(jnp.int32)
     has_tok = cu[1:] > cu[:-1]
     first = jnp.clip(cu[:-1], 0, n_tok - 1)
