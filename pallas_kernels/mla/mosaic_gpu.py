@@ -123,13 +123,21 @@ def supports(num_heads, lat, rope, page_size, dtype, bk=DEFAULTS["bk"], stages=D
     return True
 
 
+def _load(plgpu, ref, layout):
+    """ref's whole value in `layout` (jax 0.11 takes no index and deprecates one; 0.10 requires it)."""
+    try:
+        return plgpu.load(ref, layout=layout)
+    except TypeError:
+        return plgpu.load(ref, (), layout=layout)
+
+
 def _scores(plgpu, a_ref, b_ref, shape, interpret):
     """a [M, K] @ b[N, K]^T in fp32 from shared memory (b transposed: wgmma's K-major B)."""
     if interpret:
         return jnp.dot(a_ref[...], b_ref[...].T, preferred_element_type=jnp.float32)
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+        plgpu.wgmma(acc_ref, a_ref, b_ref.T)
         return acc_ref[...]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
@@ -223,7 +231,7 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
             plgpu.barrier_arrive(sx_bar.at[parity])
             plgpu.barrier_wait(sx_bar.at[parity])
             other = sx_smem.at[1 - w, parity]  # the interpreter has no plgpu.load (load_p)
-            s = s + (other[...] if interpret else plgpu.load(other, (), layout=wgmma))
+            s = s + (other[...] if interpret else _load(plgpu, other, wgmma))
             key = k_lo + i * bk + col
             s = jnp.where(key < k_hi, s * qk_scale, _MASK)
             m_new = jnp.maximum(m, s.max(axis=1))
