@@ -79,7 +79,7 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
         kv_pages = scatter.values(kv_pages, q_latent.dtype)   # a CPU bits pool (interpret mode): as floats
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
-                                    decode_only=bool(decode_only))
+                                    decode_only=bool(decode_only), decode_kernel=b.mla_decode)
     # CPU: work bounded by the real lengths (the reference reads every table entry: ~3x slower there at the
     # default 8192-token context); accelerators without a kernel keep the reference's parallel form
     ragged = mla_blocked.ragged_paged_mla_blocked if b.device == "cpu" else mla_ref.ragged_paged_mla_reference

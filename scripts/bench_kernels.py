@@ -15,6 +15,7 @@ bench_kda's and bench_mla's; this script only picks the shapes and variants and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -284,6 +285,145 @@ def mla_decode_model_rows(run, cases):
         del kv, bt, lens, ql, qr
 
 
+# ---- MLA decode on Mosaic GPU (opt-in kernel) next to the Triton kernel ---------------------------
+def _mosaic_dims(run):
+    """(L, R): the Mosaic kernel needs L % 128 == 0 and (L + R) % 64 == 0, so --tiny runs it at 128 / 64."""
+    return (128, 64) if run.tiny else (run.lat, run.rope)
+
+
+def mla_mosaic_errors(kernels, interpret, lat, rope, page_sizes=(16, 64)):
+    """{variant: max |kernel - reference| / max |reference|} at a small bf16 shape: K3's 96 heads, ragged
+    lengths incl. 1 and a padding sequence, up to 10 blocks a sequence. kernels: "mosaic" and / or "triton (default)"."""
+    from pallas_kernels.mla import mla_decode_reference, mla_paged_decode
+    from pallas_kernels.mla.mosaic_gpu import mla_paged_decode_mosaic
+    fns = {"mosaic": mla_paged_decode_mosaic, "triton (default)": mla_paged_decode}
+    n_lens = [70, 1, 33, 0] if interpret else [300, 1, 77, 0, 129]
+    errs = {}
+    for ps in page_sizes:
+        ql, qr, kv, bt, _ = bench_mla.make_cache(jax.random.PRNGKey(5), len(n_lens), max(n_lens), 96, lat, rope,
+                                                 ps, jnp.bfloat16)
+        lens = jnp.asarray(n_lens, jnp.int32)
+        want = np.asarray(mla_decode_reference(ql, qr, kv, bt, lens, scale=192 ** -0.5), np.float32)
+        for name in kernels:
+            got = np.asarray(fns[name](ql, qr, kv, bt, lens, scale=192 ** -0.5, interpret=interpret), np.float32)
+            errs[f"{name}, bf16, page {ps}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return errs
+
+
+def _mosaic_probe(timeout=100):
+    """The Mosaic kernel's first run on this GPU, in a child process with a timeout: a kernel that does
+    not compile, faults or hangs (a barrier never completing) turns the section's Mosaic rows into
+    'not run' rows instead of killing the run. Returns (errors, None) or (None, why). The child allocates
+    on demand: this process already holds XLA's preallocated share of the GPU."""
+    import subprocess
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--mosaic-probe"], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"probe timed out after {timeout} s (hang?)"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        err = done.stderr.strip().splitlines() or ["no output"]
+        named = [x for x in err if "Error" in x.split(":")[0] or "Exception" in x.split(":")[0]]
+        return None, f"probe rc {done.returncode}: {(named or err)[-1][:160]}"
+    return json.loads(lines[-1]), None
+
+
+def mla_mosaic_check(run):
+    """Check rows: the Mosaic kernel (in a child process on a GPU, see _mosaic_probe) and the Triton kernel
+    against the reference on the same inputs. Sets run.mosaic_off when the Mosaic kernel failed."""
+    lat, rope = _mosaic_dims(run)
+    run.mosaic_off = None
+    if run.tiny:
+        errs = mla_mosaic_errors(["mosaic"], run.interpret, lat, rope)
+    else:
+        errs, run.mosaic_off = _mosaic_probe()
+        if run.mosaic_off:
+            run.skip("MLA decode", "small shapes vs reference", "check", "mosaic", run.mosaic_off)
+            errs = {}
+    t = run.timed("MLA decode", "small shapes vs reference", "check", "triton (default)",
+                  lambda: mla_mosaic_errors(["triton (default)"], run.interpret, lat, rope))
+    for variant, e in sorted({**errs, **(t or {})}.items()):
+        run.add(kernel="MLA decode", case="small shapes vs reference", call="check", variant=variant,
+                target=f"rel err {e:.1e}")
+
+
+# Mosaic kernel variants timed at the first isolated shape (K3's 96 heads, 8k): mosaic_gpu.DEFAULTS is
+# bk 32, 3 stages (the most that fits next to the 64-row query tile); splits x2 tests the split-K plan
+MOSAIC_VARIANTS = [("mosaic bk16 st4", (("bk", 16), ("stages", 4))), ("mosaic st2", (("stages", 2),))]
+
+
+def mla_mosaic_rows(run, shapes, model_cases):
+    """The same shapes timed on the Triton kernel (today's default) and the Mosaic kernel: isolated
+    (page 64) and as MLA.step's decode-only steps call ops.mla_ragged_paged (backend mla_decode auto vs
+    mosaic, the engine's bucket padding)."""
+    from pallas_kernels import ops
+    from pallas_kernels.mla import mla_paged_decode
+    from pallas_kernels.mla.mosaic_gpu import mla_paged_decode_mosaic
+    lat, rope = _mosaic_dims(run)
+    flop = MLA_FLOP(lat, rope)
+    for n, ctx, heads, page_size in shapes:
+        case = f"N={n} ctx={ctx} H={heads} page {page_size}"
+        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size, jnp.bfloat16)[2:]
+        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
+        args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
+                jax.random.normal(k2, (n, heads, rope), jnp.bfloat16), kv, bt, lens)
+        kernels = [("triton (default)", mla_paged_decode, None), ("mosaic", mla_paged_decode_mosaic, None)]
+        if (n, ctx, heads, page_size) == shapes[0]:
+            from pallas_kernels.mla.mosaic_gpu import plan
+            splits = plan(heads, ctx, n, 32)[1]
+            kernels += [(label, mla_paged_decode_mosaic, cfg) for label, cfg in MOSAIC_VARIANTS]
+            kernels.append((f"mosaic splits {2 * splits} (x2)", mla_paged_decode_mosaic, (("splits", 2 * splits),)))
+        for label, fn, cfg in kernels:
+            if fn is mla_paged_decode_mosaic and run.mosaic_off:
+                run.skip("MLA decode", case, "isolated", label, run.mosaic_off)
+                continue
+            f = functools.partial(fn, scale=192 ** -0.5, interpret=run.interpret, **({"config": cfg} if cfg else {}))
+            t = run.timed("MLA decode", case, "isolated", label,
+                          lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
+            if t is not None:
+                _mla_row(run, case, "isolated", label, t, n * ctx * (lat + rope) * 2, float(n) * ctx * heads * flop,
+                         heads)
+        del kv, bt, lens, args
+    for model, n_real, n_bucket, ctx, heads, page_size in model_cases:
+        case = f"N={n_real} of bucket {n_bucket} ctx={ctx} H={heads} page {page_size}"
+        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
+                                            jnp.bfloat16)[2:]
+        pad = n_bucket - n_real
+        bt, lens = jnp.pad(bt, ((0, pad), (0, 0))), jnp.pad(lens, (0, pad))
+        cu = jnp.asarray(np.concatenate([np.arange(n_real + 1), np.full(pad, n_real)]), jnp.int32)
+        k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
+        ql = jax.random.normal(k1, (n_bucket, heads, lat), jnp.bfloat16)
+        qr = jax.random.normal(k2, (n_bucket, heads, rope), jnp.bfloat16)
+        for kernel in ("auto", "mosaic"):
+            variant = f"decode_only=True, K3JAX_MLA_DECODE={kernel}"
+            if kernel == "mosaic" and run.mosaic_off:
+                run.skip("MLA decode", case, f"as model: {model}", variant, run.mosaic_off)
+                continue
+            f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=True,
+                                          backend=run.backend.replace(mla_decode=kernel)))
+            t = run.timed("MLA decode", case, f"as model: {model}", variant,
+                          lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
+            if t is not None:
+                _mla_row(run, case, f"as model: {model}", variant, t, n_real * ctx * (lat + rope) * 2,
+                         float(n_real) * ctx * heads * flop, heads)
+        del kv, bt, lens, ql, qr
+
+
+def mla_mosaic_section(run, p):
+    from pallas_kernels.mla import mosaic_gpu
+    print(f"# MLA Mosaic GPU decode: {mosaic_gpu.DEFAULTS}, "
+          f"{mosaic_gpu.smem_bytes(sum(_mosaic_dims(run)), **mosaic_gpu.DEFAULTS)} bytes of smem a CTA", flush=True)
+    ctx = contextlib.nullcontext()
+    if run.tiny:  # interpret mode: compile each warpgroup's program once, not per CTA
+        from pallas_kernels.mosaic_gpu_interpret import reuse_compiled_threads
+        ctx = reuse_compiled_threads()
+    with ctx:
+        mla_mosaic_check(run)
+        mla_mosaic_rows(run, p["mla_mosaic"], p["mla_mosaic_model"])
+
+
 # ---- KDA chunked prefill --------------------------------------------------------------------------
 def _prefill_target(ratio, quoted):
     if ratio is None:
@@ -401,7 +541,8 @@ def plan(tiny):
             mla=[(2, 64, 4)], mla_variants={4: [("head groups 2+2", ((2, None), (2, None))),
                                                 ("R-w8-bk16", "R-w8-bk16")]},
             mla_model=[("K3", 2, 3, 48, 4, 16, (True, False, ("one group", "R-w8-r64")))],
-            prefill=[(1, 64, 2)], prefill_model=[("K3", [30, 20], 64, 3, 2, True)])
+            prefill=[(1, 64, 2)], prefill_model=[("K3", [30, 20], 64, 3, 2, True)],
+            mla_mosaic=[(2, 64, 96, 64), (2, 64, 32, 64)], mla_mosaic_model=[("K3", 2, 3, 48, 96, 16)])
     return dict(
         kda_decode=[(256, 32), (256, 96)], kda_decode_variants=[(256, 32), (256, 96)],
         kda_decode_model=[("Kimi-Linear-48B", 250, 256, 32, 312), ("K3 (DP attention)", 250, 256, 96, 312)],
@@ -414,12 +555,15 @@ def plan(tiny):
                    ("K3 (tensor=8: 12 heads)", 60, 64, 8192, 12, 16, (True,))],
         prefill=[(16, 4096, 32), (2, 32768, 32), (16, 4096, 96), (2, 32768, 96)],
         prefill_model=[("Kimi-Linear-48B", [2000, 2000], 4096, 4, 32, False),
-                       ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)])
+                       ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)],
+        mla_mosaic=[(64, 8192, 96, 64), (16, 131072, 96, 64), (64, 8192, 32, 64)],
+        mla_mosaic_model=[("K3 (DP attention)", 60, 64, 8192, 96, 16), ("K3 (DP attention)", 60, 64, 8192, 96, 64),
+                          ("K3 (DP attention)", 16, 16, 131072, 96, 16)])
 
 
 # run order: defaults first, the checks of every timed config, then the variants
 SECTIONS = ("kda_decode", "kda_decode_model", "mla_decode", "mla_model", "kda_prefill", "kda_prefill_model",
-            "checks", "kda_decode_variants", "mla_variants")
+            "checks", "kda_decode_variants", "mla_variants", "mla_mosaic")
 
 
 def main(argv=None):
@@ -430,9 +574,13 @@ def main(argv=None):
     ap.add_argument("--only", default=None, metavar="SECTION,...",
                     help=f"run only these sections (anchors always run): {','.join(SECTIONS)}")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and anchors as JSON")
+    ap.add_argument("--mosaic-probe", action="store_true", help=argparse.SUPPRESS)  # mla_mosaic's child
     add_csv_argument(ap)
     args = ap.parse_args(argv)
-    only = SECTIONS if args.only is None else tuple(x.strip() for x in args.only.split(",") if x.strip())
+    if args.mosaic_probe:
+        print(json.dumps(mla_mosaic_errors(["mosaic"], None, 512, 64)), flush=True)
+        return []
+    only = SECTIONS if args.only is None else tuple(x.strip().replace("-", "_") for x in args.only.split(",") if x.strip())
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         ap.error(f"--only: unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
@@ -457,7 +605,8 @@ def main(argv=None):
         kda_decode_variants=lambda: kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS),
         checks=lambda: checks(run),
         mla_variants=lambda: mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]],
-                                             p["mla_variants"], with_default=False))
+                                             p["mla_variants"], with_default=False),
+        mla_mosaic=lambda: mla_mosaic_section(run, p))
     for name in SECTIONS:
         if name in only:
             steps[name]()

@@ -252,10 +252,20 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
                         decode=True, interpret=interpret, config=cfg)
 
 
+def _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
+    """The opt-in Mosaic GPU decode kernel takes this step (backend.mla_decode == "mosaic", where its
+    tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports)."""
+    if decode_kernel != "mosaic":
+        return False
+    from pallas_kernels.mla import mosaic_gpu
+    return mosaic_gpu.supports(q_latent.shape[1], q_latent.shape[2], q_rope.shape[2], kv_pages.shape[1],
+                               kv_pages.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform",
-                                             "decode_only"))
+                                             "decode_only", "decode_kernel"))
 def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     interpret=None, config=None, platform=None, decode_only=False):
+                     interpret=None, config=None, platform=None, decode_only=False, decode_kernel=None):
     """Ragged paged MLA: prefill chunks (attending to their cached prefix) and decode rows.
 
     Same contract as `reference.ragged_paged_mla_reference`: q_latent [T, H, L],
@@ -264,6 +274,8 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     Returns o_latent [T, H, L]; tokens past cu_seqlens[N] get zeros.
     decode_only (static): every sequence has at most one token this step (the engine's decode
     steps), so the GPU kernel runs the decode schedule and tuning (one tile per sequence).
+    decode_kernel (static): "mosaic" runs decode-only steps on the Mosaic GPU kernel where it fits
+    (opt-in, backend.mla_decode); None / "auto": the Triton kernel.
     """
     if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
@@ -273,5 +285,9 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     if not _use_kernel(interpret):
         return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
                                                     cu_seqlens, kv_lens, scale=scale)
+    if decode_only and _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
+        from pallas_kernels.mla.mosaic_gpu import ragged_decode_mosaic
+        return ragged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
+                                    scale=scale, interpret=bool(interpret))
     return _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                         scale=scale, decode=bool(decode_only), interpret=interpret, config=cfg)
