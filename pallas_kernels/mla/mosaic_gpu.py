@@ -63,7 +63,7 @@ def interpret_params(**kw):
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise NotImplementedError(f"this jax ({jax.__version__}) has no Mosaic GPU interpret mode") from e
+        raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU interpret mode") from e
     return InterpretGPUParams(**kw)
 
 
