@@ -25,8 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int_at_least(1), default=64, help="lines run together between two checkpoints")
     ap.add_argument("--served-model-name", default=None, help="the `model` requests may name (default: --model)")
     ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
-    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=16, help="sequences per engine step")
-    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per engine step")
+    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=None,
+                    help="sequences per engine step (default: 16 on CPU, 64 on a GPU/TPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                    help="tokens per engine step (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None, help="context length (default: model's, <= 8192)")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices one request may ask for")
     return ap

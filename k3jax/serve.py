@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="weight and cache dtype, e.g. bfloat16 or float32 (default: the checkpoint's)")
     ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
     ap.add_argument("--seed", type=int, default=None, help="random weights from this seed, for a preset without weights (default: none)")
-    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=16, help="most sequences in one step (the batch)")
-    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="most tokens in one step (prefill chunks + decodes)")
+    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=None,
+                    help="most sequences in one step (the batch) (default: 16 on CPU, 64 on a GPU/TPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                    help="most tokens in one step (prefill chunks + decodes) (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
                     help="context length, prompt + output (default: 8192, capped by the model's)")
     ap.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per MLA cache page")

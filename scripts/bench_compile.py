@@ -28,16 +28,17 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     from k3jax.layer_stack import stack_layers
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
-    from serving.engine_args import EngineArgs
+    from serving.engine_args import EngineArgs, batch_defaults
     from serving.runner import make_step_fn, padding_step_args, step_buckets, step_compiler_options, warmup_shapes
 
     jax.config.update("jax_enable_compilation_cache", False)
     c = preset_config(model)
     dt = jnp.dtype(dtype)
-    args = EngineArgs()
+    on_cpu = (buckets or ("cpu" if jax.default_backend() == "cpu" else "accelerator")) == "cpu"
+    seqs, tokens = batch_defaults(on_cpu)
+    args = EngineArgs(max_num_seqs=seqs, max_num_batched_tokens=tokens)
     max_len = min(args.max_model_len or 8192, c.max_position_embeddings)
     max_pages = -(-max_len // args.page_size)
-    on_cpu = (buckets or ("cpu" if jax.default_backend() == "cpu" else "accelerator")) == "cpu"
     tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, on_cpu=on_cpu)
     shapes = warmup_shapes(tb, sb)[:max_shapes]
     params = param_shapes(c, dt)

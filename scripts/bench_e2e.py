@@ -84,6 +84,59 @@ def floor_bytes(c, concurrency: int, context: int) -> dict:
     return {"experts": experts, "other": other, "states": states, "cache": cache, "touched": touched}
 
 
+PARTS = ("KDA", "MLA", "routed experts", "shared experts", "MoE router/latent", "dense MLP", "other")
+
+
+def part_of(op_name: str) -> str:
+    """The decode-step part a JAX op belongs to, from the named scopes in k3jax/layers."""
+    for key, part in (("kda_", "KDA"), ("mla_", "MLA"), ("moe_experts", "routed experts"),
+                      ("moe_shared", "shared experts"), ("moe_route", "MoE router/latent"), ("dense_mlp", "dense MLP")):
+        if key in op_name:
+            return part
+    return "other"
+
+
+def floor_parts(model, concurrency: int, context: int) -> dict:
+    """floor_bytes split by part: each part's weights (routed experts: the expected touched share), the
+    KDA states (read + write) under KDA, the MLA cache under MLA; "other" holds the LM head, norms and
+    the rest."""
+    c = model.config
+    fb = floor_bytes(c, concurrency, context)
+    out = dict.fromkeys(PARTS, 0.0)
+
+    def nbytes(tree) -> float:
+        if isinstance(tree, dict):
+            return sum(nbytes(v) for v in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return sum(nbytes(v) for v in tree)
+        return float(tree.size * tree.dtype.itemsize)
+
+    def walk(tree):
+        if isinstance(tree, (list, tuple)):
+            for v in tree:
+                walk(v)
+            return
+        for key, v in tree.items():
+            if key == "attn":
+                out["KDA" if "A_log" in v else "MLA"] += nbytes(v)
+            elif key == "mlp" and "router" in v:
+                for k, w in v.items():
+                    part = {"experts": "routed experts", "shared": "shared experts"}.get(k, "MoE router/latent")
+                    out[part] += nbytes(w) * (fb["touched"] / c.num_experts if k == "experts" else 1)
+            elif key == "mlp":
+                out["dense MLP"] += nbytes(v)
+            elif isinstance(v, (dict, list, tuple)):
+                walk(v)
+            elif key == "embed" and "lm_head" in tree:
+                continue                  # untied: a lookup of `concurrency` rows (tied: it is the LM head)
+            else:
+                out["other"] += nbytes(v)
+    walk(model.params)
+    out["KDA"] += fb["states"]
+    out["MLA"] += fb["cache"]
+    return out
+
+
 def serve(args):
     import jax
     from k3jax.api import load_model

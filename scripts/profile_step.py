@@ -22,6 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_e2e import PARTS, floor_parts, part_of  # noqa: E402  (scripts/bench_e2e.py; imports no jax)
 
 STEP_MODULES = ("jit_step", "jit_run")      # the runner's step: unrolled / scanned (the async wrapper's name)
 _INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
@@ -89,7 +90,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     events = list(device_events(trace_dir))
     programs = collections.Counter(st.get("program_id") for _, _, st, _ in events if st.get("program_id") is not None)
     names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
-    by_scope, by_kernel = collections.defaultdict(float), collections.defaultdict(float)
+    by_scope, by_kernel, by_part = (collections.defaultdict(float) for _ in range(3))
     count = collections.Counter()
     total = 0.0
     scopes = []
@@ -100,6 +101,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         scope = scope_of(op, depth) if op else f"(no scope) {hlo[:30]}({names.get('?' + hlo, '')})"
         scopes.append(scope)
         by_scope[scope] += dur
+        by_part[part_of(op) if op else "other"] += dur
         by_kernel[name[:70]] += dur
         count[scope] += 1
         total += dur
@@ -107,7 +109,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         print("  (no op names: stats of one event:", {k: str(v)[:60] for k, v in events[0][2].items()}, ")")
     if not total:
         print("  (no device events of the step in the trace)")
-        return 0.0
+        return 0.0, {}
     ms = lambda ns: ns / steps / 1e6          # noqa: E731 - per traced step
     print(f"  device time per step: {ms(total):.2f} ms (sum of kernel durations)")
     print("  | scope | ms/step | share | kernels/step |")
@@ -118,8 +120,8 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         print(f"  | {s} | {ms(d):.3f} | {100 * d / total:.1f}% | {count[s] / steps:.0f} |")
     print("  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
                                           sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
-    idle_gaps(events, scopes, steps)
-    return ms(total)
+    busy = idle_gaps(events, scopes, steps)
+    return ms(total), {p: ms(d) for p, d in by_part.items()}, busy
 
 
 def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
@@ -142,10 +144,12 @@ def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
     print(f"  GPU timeline per step: span {per(span):.2f} ms, busy {per(busy):.2f} ms, idle {per(span - busy):.2f} ms "
           f"({len(gaps) / steps:.0f} gaps; {per(small):.2f} ms in gaps < {min_us:.0f} us); span covers {steps} steps "
           "and the host time between them")
+    busy_ms = per(busy)
     print("  | gap us | after kernel (scope) | before kernel (scope) |")
     print("  |---|---|---|")
     for g, a, b in sorted(gaps, key=lambda x: -x[0])[:top]:
         print(f"  | {g / 1e3:,.0f} | {events[a][0][:40]} ({scopes[a]}) | {events[b][0][:40]} ({scopes[b]}) |")
+    return busy_ms
 
 
 def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
@@ -171,7 +175,23 @@ def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
     summarize(trace_dir, dump_dir, steps=len(last))
 
 
-def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, out_tokens=24, traced=4):
+def print_decode_parts(parts_ms: dict, busy_ms: float, wall_ms: float, floors: dict, bw: float):
+    """Each part's kernel time next to its floor (its bytes at the copy bandwidth), and the host's share."""
+    floor_total = sum(floors.values()) / bw * 1e3
+    print(f"  decode step by part vs its floor (copy {bw / 1e12:.2f} TB/s; floor {floor_total:.2f} ms, "
+          f"wall {wall_ms:.2f} ms = {wall_ms / floor_total:.2f}x):")
+    print("  | part | kernel ms | share of kernels | floor ms | share of floor | kernel/floor |")
+    print("  |---|---|---|---|---|---|")
+    kernels = sum(parts_ms.values())
+    for part in PARTS:
+        k, f = parts_ms.get(part, 0.0), floors[part] / bw * 1e3
+        ratio = f"{k / f:.2f}" if f > 0.005 else "-"
+        print(f"  | {part} | {k:.3f} | {100 * k / kernels:.1f}% | {f:.3f} | {100 * f / floor_total:.1f}% | {ratio} |")
+    print(f"  | GPU idle in the traced steps (host, launches, syncs) | {wall_ms - busy_ms:.3f} (wall - busy) | | 0 | | |")
+
+
+def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, out_tokens=24, traced=4,
+               model=None, bw=None):
     from serving.sampling_params import SamplingParams
     import jax
     sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
@@ -192,8 +212,11 @@ def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, o
         if decoding and len(outs) == n:
             times.append(dt)
             seen += 1
-    print(f"  decode steps {len(times)}, median wall {statistics.median(times) * 1e3:.2f} ms")
-    summarize(trace_dir, dump_dir, steps=traced)
+    wall = statistics.median(times) * 1e3
+    print(f"  decode steps {len(times)}, median wall {wall:.2f} ms")
+    _, parts_ms, busy = summarize(trace_dir, dump_dir, steps=traced)
+    if parts_ms and model is not None and bw:
+        print_decode_parts(parts_ms, busy, wall, floor_parts(model, n, length + out_tokens // 2), bw)
 
 
 def kda_variants(model, T=4096, seqs=2, bucket=64):
@@ -313,7 +336,7 @@ def main():
     import numpy as np
     from k3jax.api import load_model
     from k3jax.offline import LLM
-    from bench_e2e import truncated_preset
+    from bench_e2e import copy_bandwidth, truncated_preset
     name = truncated_preset(args.model, args.layers) if args.layers else args.model
     t0 = time.perf_counter()
     model = load_model(name, dtype="bfloat16", seed=0)
@@ -328,6 +351,8 @@ def main():
     longest = max(int(sc.split(":")[1].split("x")[1]) for sc in scenarios)
     args.max_model_len = args.max_model_len or longest + 64
     kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
+    bw = copy_bandwidth(1.0 if jax.default_backend() == "cpu" else 4.0) if any(
+        sc.startswith("decode") for sc in scenarios) else None
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
               compilation_cache_dir=None, scan_layers=not args.unrolled, **kw)
@@ -351,7 +376,7 @@ def main():
             if kind == "prefill":
                 run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
             else:
-                run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+                run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, model=model, bw=bw)
         except Exception as e:  # noqa: BLE001 - report, name the op, go on with the next scenario
             from serving.runner import _fit
             chunks = last.get("chunks", [])

@@ -9,10 +9,24 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
+# (max_num_seqs, max_num_batched_tokens) when unset: an accelerator's step is weight-bandwidth bound
+# up to ~64 rows and a 4096-token prefill step runs near the matmul rate (docs/benchmarks.md, H200);
+# on CPU, step time grows with every row, so small steps keep latency and compile time down.
+CPU_BATCH_DEFAULTS = (16, 512)
+ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
+
+
+def batch_defaults(on_cpu: bool | None = None) -> tuple[int, int]:
+    if on_cpu is None:
+        import jax
+        on_cpu = jax.default_backend() == "cpu"
+    return CPU_BATCH_DEFAULTS if on_cpu else ACCELERATOR_BATCH_DEFAULTS
+
+
 @dataclasses.dataclass
 class EngineArgs:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    max_num_seqs: Optional[int] = None            # default: 16 on CPU, 64 on an accelerator (batch_defaults)
+    max_num_batched_tokens: Optional[int] = None  # default: 512 on CPU, 4096 on an accelerator
     max_model_len: Optional[int] = None           # default: min(model context, 8192)
     page_size: int = 16
     prefix_match_unit: int = 16
@@ -49,6 +63,13 @@ class EngineArgs:
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
 
     def __post_init__(self):
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            seqs, tokens = batch_defaults()
+            given_tokens, given_seqs = self.max_num_batched_tokens, self.max_num_seqs
+            if given_seqs is None:          # a smaller token budget given: as many sequences as tokens
+                self.max_num_seqs = min(seqs, given_tokens) if isinstance(given_tokens, int) else seqs
+            if given_tokens is None:        # more sequences given: a token for each
+                self.max_num_batched_tokens = max(tokens, given_seqs) if isinstance(given_seqs, int) else tokens
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

@@ -148,3 +148,20 @@ def test_default_tiny_is_the_trained_model_or_says_why_not(monkeypatch, caplog, 
 def jax_tree_map(fn, tree):
     import jax
     return jax.tree_util.tree_map(fn, tree)
+
+
+def test_batch_defaults_follow_the_platform(monkeypatch):
+    """Unset max_num_seqs / max_num_batched_tokens take the platform's defaults (CPU: 16 / 512; an
+    accelerator: 64 / 4096, the settings the H200 targets were measured at); one given value bounds the other."""
+    from k3jax import serve
+    from serving import engine_args
+    from serving.engine_args import EngineArgs
+    a = EngineArgs()
+    assert (a.max_num_seqs, a.max_num_batched_tokens) == engine_args.CPU_BATCH_DEFAULTS == (16, 512)
+    assert serve.parse_args([]).max_num_seqs is None              # the server leaves it to EngineArgs
+    monkeypatch.setattr(engine_args, "batch_defaults", lambda on_cpu=None: engine_args.ACCELERATOR_BATCH_DEFAULTS)
+    a = EngineArgs()
+    assert (a.max_num_seqs, a.max_num_batched_tokens) == (64, 4096)
+    assert (EngineArgs(max_num_batched_tokens=32).max_num_seqs, EngineArgs(max_num_seqs=8000).max_num_batched_tokens) \
+        == (32, 8000)
+    assert EngineArgs(max_num_seqs=8).max_num_batched_tokens == 4096
