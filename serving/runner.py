@@ -301,8 +301,10 @@ class ModelRunner:
         # request with presence_penalty must not compile while others run
         variants = [v for v in itertools.product((False, True), repeat=4)
                     if all_sampler_variants or not any(v[2:]) or not any(v[:2])]
+        lower_s = compile_s = 0.0
         if self._aot:
-            self._compile_steps(shapes, progress, threads, variants)
+            lower_s, compile_s = self._compile_steps(shapes, progress, threads, variants)
+        t_run = time.perf_counter()
         for T, N, decode, mm in tqdm_if(shapes, progress and not self._aot):
             self._run_padding(T, N, decode=decode, mm=mm)
         # each variant once, on the smallest step that holds its bucket (compiled above, or here)
@@ -311,13 +313,16 @@ class ModelRunner:
             for variant in variants:
                 self._run_padding(T, N, False, False, *variant)
         self.copy_pages([(0, 0)])
-        log.info("warm-up: %d step shapes compiled in %.1fs", len(shapes), time.perf_counter() - t0)
+        jax.block_until_ready(self.pools)
+        log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
+                 len(shapes), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
 
     def _compile_steps(self, shapes, progress: bool, threads: int | None, sampler_variants=()):
         """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes and of the sampler
         for each sequence bucket's variants (warmup's flags), kept by shape for _call; traced here in turn,
-        compiled concurrently."""
+        compiled concurrently. Returns (seconds lowering, seconds compiling)."""
         import concurrent.futures
+        t0 = time.perf_counter()
         lowered = {}
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
@@ -329,6 +334,7 @@ class ModelRunner:
                 _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
                 lowered[_sampler_key(sarr)] = self._sample.lower(logits, sarr, self.key_data, np.zeros(N, np.int32),
                                                                  self.last_tokens)
+        t1 = time.perf_counter()
         # default: half the cores (up to 8); XLA's own compile passes use threads too
         threads = max(1, min(len(lowered), threads or min(8, (os.cpu_count() or 2) // 2)))
         bar = None
@@ -344,6 +350,7 @@ class ModelRunner:
                     bar.update()
         if bar is not None:
             bar.close()
+        return t1 - t0, time.perf_counter() - t1
 
     def _padding_batch(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                        masked: bool = False, truncate: bool = False, top_logprobs: bool = False):
