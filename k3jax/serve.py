@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-memory-mb", type=int_at_least(1), default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int_at_least(1), default=1024, help="queue bound; beyond it requests get 429")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices (n) one request may ask for; above: 400")
+    ap.add_argument("--max-prompts-per-request", type=int_at_least(1), default=256,
+                    help="most prompts in one /v1/completions request; above: 400 (n x prompts must also fit "
+                         "--max-waiting)")
     ap.add_argument("--max-body-mb", type=float, default=32.0,
                     help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
@@ -188,6 +191,7 @@ def build_state(args):
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
+                       max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
                        max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
 
 

@@ -46,13 +46,15 @@ def validation_error(errs: list) -> APIError:
         pos = (first.get("loc") or (None, None))[-1]
         why = (first.get("ctx") or {}).get("error", "JSON decode error")
         return bad_request(f"the request body is not valid JSON: {why} at character {pos}", code="invalid_json")
-    loc = ".".join(path(first)) or None
+    # protocol.field_error: a check of the whole model that names the field below it, and its code
+    field = (first.get("ctx") or {}).get("field")
+    loc = ".".join(path(first) + ([field] if field else [])) or None
     if loc is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return bad_request("the request body must be a JSON object (with Content-Type: application/json)",
                            code="invalid_json")
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     msg = re.sub(r" or instance of \w+", "", msg)
-    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc)
+    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc, code=first.get("type") if field is not None else None)
 
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -66,10 +68,21 @@ def check_model(state: ServerState, name) -> None:
 
 
 def check_generation_request(state: ServerState, req) -> None:
-    """The checks a chat or text completion request gets before its handler: model, n, stop ids."""
+    """The checks a chat or text completion request gets before its handler: model, n, number of prompts,
+    stop ids."""
     check_model(state, req.model)
     if req.n > state.max_n:
         raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+    prompts = getattr(req, "num_prompts", 1)
+    if prompts > state.max_prompts:
+        raise bad_request(f"prompt: at most {state.max_prompts} prompts per request, got {prompts}", param="prompt",
+                          code="too_many_prompts")
+    if state.max_waiting is not None and req.n * prompts > state.max_waiting:
+        # more sequences than the waiting queue holds: a 429 would say "retry", and no retry can succeed
+        param = "n" if req.n > 1 else "prompt"
+        what = f"n x prompts: {req.n} x {prompts} = " if req.n > 1 and prompts > 1 else f"{param}: "
+        raise bad_request(f"{what}{req.n * prompts} sequences, more than the server queues ({state.max_waiting})",
+                          param=param, code="too_many_choices")
     vocab = state.tokenizer.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
         raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
@@ -80,7 +93,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="k3jax", version="0.1.0")
     app.state.k3 = state
     app.openapi = lambda: build_openapi(app, vocab_size=state.tokenizer.vocab_size, max_n=state.max_n,
-                                          model_name=state.model_name)
+                                          max_prompts=state.max_prompts, model_name=state.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):

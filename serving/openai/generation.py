@@ -26,6 +26,8 @@ class ServerState:
     structured: object = None       # StructuredOutputCompiler, built on first use
     vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
     max_n: int = 128                # most choices one request may ask for (OpenAI's own cap)
+    max_prompts: int = 256          # most prompts in one /v1/completions request
+    max_waiting: Optional[int] = None   # the engine's waiting queue: n x prompts of one request must fit
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
