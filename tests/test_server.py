@@ -245,6 +245,44 @@ def test_disconnect_frees_pages_and_slot(server):
     assert server.metric("k3jax:page_pool_usage") <= base_pages + 1e-9
 
 
+def _send_then_hang_up(server, path, body, wait_for_data):
+    """POST on a raw socket; once the first SSE event arrives (wait_for_data) or at once, close the connection."""
+    import socket
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: k3jax\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), API_KEY.encode(), len(data), data))
+        got = b""
+        while wait_for_data and b"data:" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+
+
+def test_client_hang_ups_abort_every_choice(server):
+    """A client that disconnects (chat and text completions, streamed or not, n = 2, two prompts) has every
+    choice aborted at once, not run to max_tokens (480 tokens: 4-5 s here). Non-streamed requests ran to the end
+    (the API-key middleware, a BaseHTTPMiddleware, hid the disconnect), and so did chat streams whose client left
+    before the first token (the events were never pulled that far, so nothing closed the choices)."""
+    import threading
+    long = {"max_tokens": 480, "ignore_eos": True, "n": 2, "temperature": 1.0}
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story"}], **long}
+    text = {"prompt": [[7, 8, 9], [10, 11, 12]], **long}
+    cases = [("/v1/chat/completions", {**chat, "stream": True}, True), ("/v1/chat/completions", {**chat, "stream": True}, False),
+             ("/v1/chat/completions", chat, False), ("/v1/completions", {**text, "stream": True}, True),
+             ("/v1/completions", {**text, "stream": True}, False), ("/v1/completions", text, False)]
+    threads = [threading.Thread(target=_send_then_hang_up, args=(server, *c)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    busy = lambda: server.metric("k3jax:num_requests_running") + server.metric("k3jax:num_requests_waiting")  # noqa: E731
+    deadline = time.time() + 2
+    while time.time() < deadline and busy() > 0:
+        time.sleep(0.2)
+    assert busy() == 0, (server.metric("k3jax:num_requests_running"), server.metric("k3jax:num_requests_waiting"))
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),

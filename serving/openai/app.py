@@ -2,21 +2,22 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.openai import chat, completions
+from serving.openai.auth import APIKeyMiddleware
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serving.openai.sse import EventStreamResponse
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
 
@@ -117,14 +118,11 @@ def build_app(state: ServerState) -> FastAPI:
             await (await _http_error(None, exc))(scope, receive, send)
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, refuse=refuse)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path not in _OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(APIError(401, "invalid or missing API key", type_="authentication_error",
-                                       code="invalid_api_key"))
-        return await call_next(request)
+    if state.api_key:
+        async def unauthorized(scope, receive, send):
+            await _error(APIError(401, "invalid or missing API key", type_="authentication_error",
+                                  code="invalid_api_key"))(scope, receive, send)
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=_OPEN_PATHS, refuse=unauthorized)
 
     def _check_model(name):
         check_model(state, name)
@@ -179,7 +177,8 @@ def build_app(state: ServerState) -> FastAPI:
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
         check_generation_request(state, req)
         if req.stream:
-            return StreamingResponse(await stream(state, req), media_type="text/event-stream")
+            events, streams = await stream(state, req)
+            return EventStreamResponse(events, streams, send_timeout=state.stream_send_timeout)
         return await _until_disconnect(raw, whole(state, req))
 
     @app.post("/v1/chat/completions")
@@ -217,13 +216,23 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _until_disconnect(raw: Request, coro):
-    """Await a non-streaming handler, aborting it (and freeing its cache) if the client goes away."""
-    import asyncio
+    """Await a non-streaming handler, aborting it (and freeing its cache) as soon as the client goes away."""
     task = asyncio.create_task(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await raw.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
+    left = asyncio.create_task(_disconnected(raw))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return Response(status_code=499)
+
+
+async def _disconnected(raw: Request):
+    # the body has been read: what the server sends next is http.disconnect
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -119,7 +119,8 @@ def _usage(u: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
-async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIterator[str]:
+async def complete_stream(state: ServerState, req: CompletionRequest) -> tuple[AsyncIterator[str], list]:
+    """(SSE events, the admitted engine streams: whoever sends the events closes them when done)."""
     rid = new_id("cmpl")
     params, admitted = await _admit(state, req, rid)   # errors here become a normal 4xx response
     created = int(time.time())
@@ -156,4 +157,4 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
         finally:
             _close(admitted)
         yield DONE
-    return gen()
+    return gen(), [s for _, streams in admitted for s in streams]

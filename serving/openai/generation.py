@@ -28,6 +28,7 @@ class ServerState:
     max_n: int = 128                # most choices one request may ask for (OpenAI's own cap)
     max_prompts: int = 256          # most prompts in one /v1/completions request
     max_waiting: Optional[int] = None   # the engine's waiting queue: n x prompts of one request must fit
+    stream_send_timeout: Optional[float] = None   # end a stream whose client read nothing this long
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
