@@ -211,6 +211,18 @@ def test_streamed_completion_logprobs_match_non_streamed(client):
     assert (tokens, lps, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset) and len(tokens) == 5
 
 
+def test_streamed_echo_matches_non_streamed(client, tok):
+    """echo prepends the prompt to each choice's first chunk, however many tokens that chunk holds."""
+    kw = dict(model="tiny-random", prompt=[5, 6, 7], max_tokens=5, temperature=0, echo=True, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    streamed = {0: "", 1: ""}
+    for ch in client.completions.create(stream=True, **kw):
+        streamed[ch.choices[0].index] += ch.choices[0].text
+    assert [c.text for c in whole.choices] == [streamed[0], streamed[1]]
+    assert all(c.text.startswith(tok.decode([5, 6, 7])) and len(c.text) > len(tok.decode([5, 6, 7])) for c in whole.choices)
+
+
 def test_many_concurrent_streams(server):
     async def one(ac, i):
         stream = await ac.completions.create(model="tiny-random", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,

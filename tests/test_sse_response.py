@@ -1,9 +1,12 @@
 """The server's stream plumbing in-process: the response that ends a request's engine work however
-its stream ends (serving/openai/sse.py)."""
+its stream ends (serving/openai/sse.py), and the per-choice output queue that stays bounded when the
+client reads slower than the engine writes (serving/openai/generation.py)."""
 import asyncio
 import time
 
+from serving.openai.generation import LatestOutputs
 from serving.openai.sse import EventStreamResponse
+from serving.request import CompletionOutput, RequestOutput
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "headers": []}
 
@@ -74,3 +77,26 @@ def test_a_stalled_reader_ends_after_the_send_timeout():
     elapsed = _run(_events(log, forever=True), streams, _never, stalled_send, timeout=0.3)
     assert 0.3 <= elapsed < 3, elapsed
     assert streams[0].closed == 1 and log == ["started", "closed"] and len(sends) == 4
+
+
+def _out(ids: list, new: list, finished=False):
+    comp = CompletionOutput(0, "x" * len(ids), list(ids), None, "length" if finished else None)
+    return RequestOutput("r", None, [1], [comp], finished, metrics={"new_token_ids": list(new)})
+
+
+def test_latest_outputs_keeps_one_output_per_choice_waiting():
+    q = LatestOutputs()
+    for t in range(1, 6):                      # choice 0 runs 5 tokens ahead of the reader
+        q.put_output(0, _out(range(t), [t - 1], finished=t == 5))
+    q.put_output(1, _out([7], [7]))
+    q.put(None)
+
+    async def drain():
+        return [await q.get() for _ in range(3)]
+    (i0, o0), (i1, o1), end = asyncio.run(drain())
+    assert (i0, i1, end) == (0, 1, None)
+    assert o0.finished and o0.outputs[0].token_ids == [0, 1, 2, 3, 4] and o0.metrics["new_token_ids"] == [0, 1, 2, 3, 4]
+    assert o1.metrics["new_token_ids"] == [7]
+    q.put_output(0, _out([0, 1, 2, 3, 4, 9], [9]))      # a slot already taken is not merged into
+    i, again = asyncio.run(q.get())
+    assert i == 0 and again.metrics["new_token_ids"] == [9]
