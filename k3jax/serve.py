@@ -35,7 +35,13 @@ def _seconds(text: str) -> float:
 
 
 def _seconds_or_off(text: str) -> float:
-    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+    """A positive number of seconds, or 0 (off)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return _seconds(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
