@@ -34,6 +34,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_off(text: str) -> float:
+    """A positive number of seconds, or 0 (off)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return _seconds(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
@@ -80,8 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-memory-mb", type=int_at_least(1), default=None, help="cache size in MiB (default: from --memory-fraction)")
     ap.add_argument("--max-waiting", type=int_at_least(1), default=1024, help="queue bound; beyond it requests get 429")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices (n) one request may ask for; above: 400")
+    ap.add_argument("--max-prompts-per-request", type=int_at_least(1), default=256,
+                    help="most prompts in one /v1/completions request; above: 400 (n x prompts must also fit "
+                         "--max-waiting)")
     ap.add_argument("--max-body-mb", type=float, default=32.0,
                     help="largest request body in MiB (413 above; keep it over 4/3 of --max-image-mb for data URLs)")
+    ap.add_argument("--stream-send-timeout", type=_seconds_or_off, default=60.0,
+                    help="seconds a streamed response may wait on a client that reads nothing (its connection "
+                         "accepts no more bytes) before the stream and its request are ended, like nginx's "
+                         "send_timeout; 0 = wait for ever (the request then runs to max_tokens)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
@@ -190,6 +207,8 @@ def build_state(args):
                        test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
+                       max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
+                       stream_send_timeout=args.stream_send_timeout if args.stream_send_timeout > 0 else None,
                        max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
 
 

@@ -99,7 +99,8 @@ def test_every_cli_flag_has_help_and_shows_its_default(module):
 
 @pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "x"), ("--max-n", "0"), ("--max-model-len", "0"),
                                         ("--max-num-seqs", "-1"), ("--compile-threads", "0"), ("--shutdown-timeout", "-1"),
-                                        ("--cache-memory-mb", "-5")])
+                                        ("--cache-memory-mb", "-5"), ("--max-prompts-per-request", "0"),
+                                        ("--stream-send-timeout", "-1"), ("--stream-send-timeout", "nan")])
 def test_serve_refuses_bad_numbers_in_one_line(flag, value, capsys):
     """--port 99999 loaded and warmed the model, then served nowhere; --max-n 0, --max-model-len -3 and
     --shutdown-timeout -1 started a server that refused or mishandled every request."""

@@ -211,6 +211,18 @@ def test_streamed_completion_logprobs_match_non_streamed(client):
     assert (tokens, lps, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset) and len(tokens) == 5
 
 
+def test_streamed_echo_matches_non_streamed(client, tok):
+    """echo prepends the prompt to each choice's first chunk, however many tokens that chunk holds."""
+    kw = dict(model="tiny-random", prompt=[5, 6, 7], max_tokens=5, temperature=0, echo=True, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    streamed = {0: "", 1: ""}
+    for ch in client.completions.create(stream=True, **kw):
+        streamed[ch.choices[0].index] += ch.choices[0].text
+    assert [c.text for c in whole.choices] == [streamed[0], streamed[1]]
+    assert all(c.text.startswith(tok.decode([5, 6, 7])) and len(c.text) > len(tok.decode([5, 6, 7])) for c in whole.choices)
+
+
 def test_many_concurrent_streams(server):
     async def one(ac, i):
         stream = await ac.completions.create(model="tiny-random", prompt=[1 + i, 2, 3], max_tokens=5, stream=True,
@@ -243,6 +255,44 @@ def test_disconnect_frees_pages_and_slot(server):
         time.sleep(0.2)
     assert server.metric("k3jax:num_requests_running") == 0
     assert server.metric("k3jax:page_pool_usage") <= base_pages + 1e-9
+
+
+def _send_then_hang_up(server, path, body, wait_for_data):
+    """POST on a raw socket; once the first SSE event arrives (wait_for_data) or at once, close the connection."""
+    import socket
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: k3jax\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), API_KEY.encode(), len(data), data))
+        got = b""
+        while wait_for_data and b"data:" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+
+
+def test_client_hang_ups_abort_every_choice(server):
+    """A client that disconnects (chat and text completions, streamed or not, n = 2, two prompts) has every
+    choice aborted at once, not run to max_tokens (480 tokens: 4-5 s here). Non-streamed requests ran to the end
+    (the API-key middleware, a BaseHTTPMiddleware, hid the disconnect), and so did chat streams whose client left
+    before the first token (the events were never pulled that far, so nothing closed the choices)."""
+    import threading
+    long = {"max_tokens": 480, "ignore_eos": True, "n": 2, "temperature": 1.0}
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story"}], **long}
+    text = {"prompt": [[7, 8, 9], [10, 11, 12]], **long}
+    cases = [("/v1/chat/completions", {**chat, "stream": True}, True), ("/v1/chat/completions", {**chat, "stream": True}, False),
+             ("/v1/chat/completions", chat, False), ("/v1/completions", {**text, "stream": True}, True),
+             ("/v1/completions", {**text, "stream": True}, False), ("/v1/completions", text, False)]
+    threads = [threading.Thread(target=_send_then_hang_up, args=(server, *c)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    busy = lambda: server.metric("k3jax:num_requests_running") + server.metric("k3jax:num_requests_waiting")  # noqa: E731
+    deadline = time.time() + 2
+    while time.time() < deadline and busy() > 0:
+        time.sleep(0.2)
+    assert busy() == 0, (server.metric("k3jax:num_requests_running"), server.metric("k3jax:num_requests_waiting"))
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -449,8 +499,17 @@ def test_malformed_tools_and_template_kwargs_get_400(server, body, param, needle
     ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, "prompt", "out of range", "invalid_prompt"),
     ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 2}, 400, "prompt", "out of range",
      "invalid_prompt"),
-    # 150 choices on a server with --max-waiting 100: the queue is full
-    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 150}, 429, None, "server busy", "queue_full"),
+    # 150 choices on a server with --max-waiting 100 never fit its queue: a 400, not a 429 (no retry can succeed)
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 150}, 400, "n",
+     "n: 150 sequences, more than the server queues (100)", "too_many_choices"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 8]], "max_tokens": 2, "n": 60}, 400, "n",
+     "n x prompts: 60 x 2 = 120 sequences, more than the server queues (100)", "too_many_choices"),
+    ("/v1/completions", {"prompt": ["x"] * 101, "max_tokens": 2}, 400, "prompt", "prompt: 101 sequences, more than",
+     "too_many_choices"),
+    # issue: 5000 prompts in one request ran for 112 s (--max-prompts-per-request, 256 by default)
+    ("/v1/completions", {"prompt": ["x"] * 5000, "max_tokens": 2}, 400, "prompt", "at most 256 prompts per request, got 5000",
+     "too_many_prompts"),
+    ("/v1/completions", {"prompt": [[5]] * 257, "max_tokens": 2}, 400, "prompt", "at most 256 prompts", "too_many_prompts"),
 ])
 def test_engine_refusals_are_the_same_status_with_and_without_streaming(server, path, body, status, param, needle,
                                                                         code):
@@ -473,12 +532,79 @@ def test_engine_refusals_are_the_same_status_with_and_without_streaming(server, 
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {
         "type": "function", "function": {"name": "f"}}, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools", "parameters of 'f'"),
+    # OpenAI refuses top_logprobs without logprobs: true; it was accepted (and no logprobs came back)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "logprobs must be set to true if top_logprobs is used"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0, "logprobs": False},
+     "top_logprobs", "logprobs must be set to true"),
     # a test script that is not a list was a 500 (TypeError)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "k3jax_test_script": 5},
      "k3jax_test_script", "list of token ids"),
 ])
 def test_refusals_name_the_field_at_fault(server, path, body, param, needle):
     _assert_openai_error(_post(server, path, {**body, "max_tokens": 2}), 400, param, needle)
+
+
+def test_full_queue_gets_429_with_and_without_streaming(server):
+    """100 choices fill the queue of --max-waiting 100 (16 run, 84 wait): 50 more do not fit now, a 429."""
+    body = {"prompt": [3, 4], "max_tokens": 480, "n": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()                 # (held: a dropped line iterator closes the connection)
+        assert next(lines).startswith("data:")
+        for stream in (False, True):
+            err = _assert_openai_error(_post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 50,
+                                                                         "stream": stream}), 429, None, "server busy")
+            assert err["code"] == "queue_full"
+    deadline = time.time() + 30
+    while time.time() < deadline and (server.metric("k3jax:num_requests_running")
+                                      + server.metric("k3jax:num_requests_waiting")) > 0:
+        time.sleep(0.2)
+
+
+def test_served_schema_states_the_prompt_cap_and_the_logprobs_rule(server):
+    schema = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    lists = [a for a in schema["CompletionRequest"]["properties"]["prompt"]["anyOf"] if a["type"] == "array"]
+    assert [a.get("maxItems") for a in lists] == [256, None, 256]        # prompts (strings, id lists); ids: no cap
+    chat = schema["ChatCompletionRequest"]
+    assert chat["if"]["required"] == ["top_logprobs"] and chat["then"]["properties"]["logprobs"] == {"const": True}
+
+
+# A lone UTF-16 surrogate in any string that reaches the tokenizer: a 400 naming it (the strings pydantic checked
+# with constraints got "unable to parse raw data as a unicode string", the others were silently replaced by U+FFFD).
+_MSG = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "a\udc00"]}, "prompt.1"),
+    ("/v1/completions", {"prompt": "ok", "stop": ["x", "\ud800"]}, "stop.1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", {"messages": [_MSG, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"q": "\ud800"}'}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    ("/v1/chat/completions", {"messages": [_MSG, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": {"k\ud800": 1}}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    ("/v1/chat/completions", {"messages": [_MSG], "tools": [{"type": "function", "function": {
+        "name": "f", "description": "\udfff"}}]}, "tools.0.function.description"),
+    ("/v1/chat/completions", {"messages": [_MSG], "stop": "\ud800"}, "stop"),
+    ("/v1/chat/completions", {"messages": [_MSG], "reasoning_effort": "\ud800"}, "reasoning_effort"),   # a vendor extra
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+])
+def test_lone_surrogates_get_400_naming_the_field(server, path, body, param):
+    raw = json.dumps({**body, "max_tokens": 2})          # a lone surrogate goes out as the escape \ud800
+    for stream in ((False, True) if path != "/tokenize" else (None,)):
+        content = raw if stream is None else raw[:-1] + f', "stream": {json.dumps(stream)}}}'
+        r = httpx.post(server.url + path, content=content.encode(), headers={**AUTH, "content-type": "application/json"})
+        err = _assert_openai_error(r, 400, param, "not valid Unicode: ")
+        assert err["code"] == "invalid_unicode" and "surrogate" in err["message"], err
+
+
+def test_paired_surrogates_are_one_character(server):
+    pair = httpx.post(server.url + "/tokenize", content=b'{"prompt": "a\\ud83d\\ude00"}',
+                      headers={**AUTH, "content-type": "application/json"})
+    assert pair.status_code == 200 and pair.json() == _post(server, "/tokenize", {"prompt": "a\U0001F600"}).json()
 
 
 @pytest.mark.parametrize("n", [1000, 201, 100000])

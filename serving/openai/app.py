@@ -2,21 +2,22 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.openai import chat, completions
+from serving.openai.auth import APIKeyMiddleware
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serving.openai.sse import EventStreamResponse
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
 
@@ -46,13 +47,15 @@ def validation_error(errs: list) -> APIError:
         pos = (first.get("loc") or (None, None))[-1]
         why = (first.get("ctx") or {}).get("error", "JSON decode error")
         return bad_request(f"the request body is not valid JSON: {why} at character {pos}", code="invalid_json")
-    loc = ".".join(path(first)) or None
+    # protocol.field_error: a check of the whole model that names the field below it, and its code
+    field = (first.get("ctx") or {}).get("field")
+    loc = ".".join(path(first) + ([field] if field else [])) or None
     if loc is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return bad_request("the request body must be a JSON object (with Content-Type: application/json)",
                            code="invalid_json")
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     msg = re.sub(r" or instance of \w+", "", msg)
-    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc)
+    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc, code=first.get("type") if field is not None else None)
 
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -66,10 +69,21 @@ def check_model(state: ServerState, name) -> None:
 
 
 def check_generation_request(state: ServerState, req) -> None:
-    """The checks a chat or text completion request gets before its handler: model, n, stop ids."""
+    """The checks a chat or text completion request gets before its handler: model, n, number of prompts,
+    stop ids."""
     check_model(state, req.model)
     if req.n > state.max_n:
         raise bad_request(f"n: at most {state.max_n} choices per request, got {req.n}", param="n")
+    prompts = getattr(req, "num_prompts", 1)
+    if prompts > state.max_prompts:
+        raise bad_request(f"prompt: at most {state.max_prompts} prompts per request, got {prompts}", param="prompt",
+                          code="too_many_prompts")
+    if state.max_waiting is not None and req.n * prompts > state.max_waiting:
+        # more sequences than the waiting queue holds: a 429 would say "retry", and no retry can succeed
+        param = "n" if req.n > 1 else "prompt"
+        what = f"n x prompts: {req.n} x {prompts} = " if req.n > 1 and prompts > 1 else f"{param}: "
+        raise bad_request(f"{what}{req.n * prompts} sequences, more than the server queues ({state.max_waiting})",
+                          param=param, code="too_many_choices")
     vocab = state.tokenizer.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
         raise bad_request(f"stop_token_ids: ids must be below the vocabulary size {vocab}", param="stop_token_ids")
@@ -80,7 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="k3jax", version="0.1.0")
     app.state.k3 = state
     app.openapi = lambda: build_openapi(app, vocab_size=state.tokenizer.vocab_size, max_n=state.max_n,
-                                          model_name=state.model_name)
+                                          max_prompts=state.max_prompts, model_name=state.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -104,14 +118,11 @@ def build_app(state: ServerState) -> FastAPI:
             await (await _http_error(None, exc))(scope, receive, send)
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, refuse=refuse)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path not in _OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(APIError(401, "invalid or missing API key", type_="authentication_error",
-                                       code="invalid_api_key"))
-        return await call_next(request)
+    if state.api_key:
+        async def unauthorized(scope, receive, send):
+            await _error(APIError(401, "invalid or missing API key", type_="authentication_error",
+                                  code="invalid_api_key"))(scope, receive, send)
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=_OPEN_PATHS, refuse=unauthorized)
 
     def _check_model(name):
         check_model(state, name)
@@ -166,7 +177,8 @@ def build_app(state: ServerState) -> FastAPI:
         """SSE for stream=true, else one JSON body (aborted if the client leaves first)."""
         check_generation_request(state, req)
         if req.stream:
-            return StreamingResponse(await stream(state, req), media_type="text/event-stream")
+            events, streams = await stream(state, req)
+            return EventStreamResponse(events, streams, send_timeout=state.stream_send_timeout)
         return await _until_disconnect(raw, whole(state, req))
 
     @app.post("/v1/chat/completions")
@@ -204,13 +216,23 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _until_disconnect(raw: Request, coro):
-    """Await a non-streaming handler, aborting it (and freeing its cache) if the client goes away."""
-    import asyncio
+    """Await a non-streaming handler, aborting it (and freeing its cache) as soon as the client goes away."""
     task = asyncio.create_task(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await raw.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
+    left = asyncio.create_task(_disconnected(raw))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return Response(status_code=499)
+
+
+async def _disconnected(raw: Request):
+    # the body has been read: what the server sends next is http.disconnect
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

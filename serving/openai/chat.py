@@ -254,7 +254,8 @@ def chat_body(state: ServerState, plan: Plan, finals: dict, rid: str, created: i
             "choices": choices, "usage": _usage(plan.num_prompt_tokens, completion, cached)}
 
 
-async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIterator[str]:
+async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> tuple[AsyncIterator[str], list]:
+    """(SSE events, the admitted engine streams: whoever sends the events closes them when done)."""
     plan = await _make_plan(state, req)   # request errors surface as a normal 4xx before the stream starts
     rid = new_id("chatcmpl")
     # ... and so do the engine's refusals (ids, context, queue full): admitted before the first byte.
@@ -304,4 +305,4 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest) -> AsyncIt
         except APIError as e:
             yield error_event(e)
         yield DONE
-    return gen()
+    return gen(), streams

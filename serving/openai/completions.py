@@ -119,7 +119,8 @@ def _usage(u: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
-async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIterator[str]:
+async def complete_stream(state: ServerState, req: CompletionRequest) -> tuple[AsyncIterator[str], list]:
+    """(SSE events, the admitted engine streams: whoever sends the events closes them when done)."""
     rid = new_id("cmpl")
     params, admitted = await _admit(state, req, rid)   # errors here become a normal 4xx response
     created = int(time.time())
@@ -128,14 +129,16 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         try:
             for p_i, (ids, streams) in enumerate(admitted):
-                sent, sent_lp = {}, {}       # per choice: chars of text, tokens of logprobs sent
+                sent, sent_lp = {}, {}       # per choice: chars of text, (tokens, chars) of logprobs sent
+                echoed = set()
                 usage["prompt_tokens"] += len(ids)
                 async for i, out in stream_choices(state, ids, params, f"{rid}-{p_i}", streams=streams):
                     c = out.outputs[0]
                     text = c.text[sent.get(i, 0):]
                     sent[i] = len(c.text)
                     idx = p_i * params.n + i
-                    if req.echo and not out.metrics.get("echoed") and len(c.token_ids) == 1:
+                    if req.echo and i not in echoed:     # (a choice's first output may hold several tokens)
+                        echoed.add(i)
                         text = state.tokenizer.decode(ids) + text
                     if text or out.finished:
                         start, offset = sent_lp.get(i, (0, 0))
@@ -156,4 +159,4 @@ async def complete_stream(state: ServerState, req: CompletionRequest) -> AsyncIt
         finally:
             _close(admitted)
         yield DONE
-    return gen()
+    return gen(), [s for _, streams in admitted for s in streams]

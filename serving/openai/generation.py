@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 import uuid
@@ -26,6 +27,9 @@ class ServerState:
     structured: object = None       # StructuredOutputCompiler, built on first use
     vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
     max_n: int = 128                # most choices one request may ask for (OpenAI's own cap)
+    max_prompts: int = 256          # most prompts in one /v1/completions request
+    max_waiting: Optional[int] = None   # the engine's waiting queue: n x prompts of one request must fit
+    stream_send_timeout: Optional[float] = None   # end a stream whose client read nothing this long
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
@@ -115,6 +119,42 @@ async def admit_choices(state: ServerState, prompt_ids: list, params: SamplingPa
     return streams
 
 
+class LatestOutputs:
+    """The queue between a request's choices and its response: (choice, RequestOutput), errors, and None
+    (a choice is done). A choice has at most one output waiting: a newer one replaces it (outputs are
+    cumulative, each carrying all ids, text and logprobs so far; their new_token_ids are joined), so a
+    response that falls behind its client (a stalled reader) holds O(tokens), not one output per token."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()   # [choice, output] slots, errors, None
+        self._waiting: dict = {}                                 # choice -> its slot in _items
+        self._ready = asyncio.Event()
+
+    def put_output(self, i: int, out):
+        slot = self._waiting.get(i)
+        if slot is None:
+            self._waiting[i] = slot = [i, out]
+            self.put(slot)
+            return
+        new_ids = slot[1].metrics.get("new_token_ids", []) + out.metrics.get("new_token_ids", [])
+        out.metrics["new_token_ids"] = new_ids
+        slot[1] = out
+
+    def put(self, item):
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self):
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, list):
+            del self._waiting[item[0]]
+            return tuple(item)
+        return item
+
+
 async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingParams, request_id: str,
                          matcher_factory: Optional[Callable] = None, priority: int = 0,
                          extra_keys=None, images=(), streams=None) -> AsyncIterator[tuple]:
@@ -124,7 +164,7 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
     if streams is None:
         streams = await admit_choices(state, prompt_ids, params, request_id, matcher_factory, priority,
                                       extra_keys, images)
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = LatestOutputs()
     model = state.metrics.model
     start = time.monotonic()
 
@@ -142,12 +182,12 @@ async def stream_choices(state: ServerState, prompt_ids: list, params: SamplingP
                 if out.finished:
                     state.metrics.e2e.labels(model).observe(now - start)
                     state.metrics.requests.labels(model, out.outputs[0].finish_reason or "unknown").inc()
-                await queue.put((i, out))
+                queue.put_output(i, out)
         except (ValueError, QueueFullError, EngineDeadError) as e:
-            await queue.put(engine_error(e))
+            queue.put(engine_error(e))
         finally:
             stream.close()
-            await queue.put(None)
+            queue.put(None)
 
     tasks = [asyncio.create_task(consume(i, s)) for i, s in enumerate(streams)]
     state.metrics.prompt_tokens.labels(model).inc(len(prompt_ids) + sum(img.num_tokens - 1 for img in images))

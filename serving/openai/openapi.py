@@ -27,6 +27,8 @@ SEMANTIC_400_CODES = {
     "invalid_tools": "a forced tool whose parameters schema cannot be compiled",
     "invalid_response_format": "a response_format schema that cannot be compiled to a grammar",
     "model_not_found": "a model name other than the served one",
+    "too_many_choices": "n x the number of prompts over the server's waiting queue (--max-waiting)",
+    "invalid_unicode": "a string holding a lone UTF-16 surrogate (JSON \\ud800-\\udfff unpaired)",
     "unsupported_template_kwargs": "chat_template_kwargs keys this model's chat template does not take",
 }
 
@@ -48,11 +50,11 @@ def _error_response(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ERROR_REF}}}
 
 
-def build_openapi(app, vocab_size: int, max_n: int, model_name: str = None) -> dict:
+def build_openapi(app, vocab_size: int, max_n: int, max_prompts: int = None, model_name: str = None) -> dict:
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    _served_limits(schema, vocab_size, max_n)
+    _served_limits(schema, vocab_size, max_n, max_prompts)
     schema.setdefault("components", {}).setdefault("schemas", {})["OpenAIError"] = _ERROR_SCHEMA
     for name in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(name, None)
@@ -88,8 +90,9 @@ def build_openapi(app, vocab_size: int, max_n: int, model_name: str = None) -> d
     return schema
 
 
-def _served_limits(schema: dict, vocab_size: int, max_n: int):
-    """Bounds that depend on the served model and flags: token ids below the vocabulary size, n <= --max-n."""
+def _served_limits(schema: dict, vocab_size: int, max_n: int, max_prompts: int = None):
+    """Bounds that depend on the served model and flags: token ids below the vocabulary size, n <= --max-n,
+    at most --max-prompts-per-request prompts."""
     def walk(node):
         if isinstance(node, dict):
             if node.get("type") == "integer" and node.get("minimum") == 0 and node.get("title") is None \
@@ -105,3 +108,7 @@ def _served_limits(schema: dict, vocab_size: int, max_n: int):
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         if name in comps:
             comps[name]["properties"]["n"]["maximum"] = max_n
+    if max_prompts and "CompletionRequest" in comps:
+        for alt in comps["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+            if alt.get("type") == "array" and alt["items"].get("type") != "integer":   # a list of prompts
+                alt["maxItems"] = max_prompts

@@ -3,12 +3,17 @@
 Unknown top-level fields are accepted and ignored (clients send vendor extras); wrong types and
 out-of-range values become 400 errors naming the field. Types are strict (no "1" for 1, no false
 for 0) and ranges are declared here, so the OpenAPI schema states what the server accepts.
+Every string of a request body (keys and vendor extras included) must be valid Unicode: a lone
+UTF-16 surrogate ("\\ud800" unpaired in the JSON) is a 400 naming where it is (code invalid_unicode),
+as OpenAI refuses it, rather than text the tokenizer would silently replace.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from serving.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
@@ -24,6 +29,49 @@ def _json_type(v) -> str:
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def field_error(kind: str, field: str, message: str) -> PydanticCustomError:
+    """A validation error about `field` (a dotted path below the model that raises it): the server's
+    400 names it as the param (serving.openai.app.validation_error), and `kind` is the error code."""
+    return PydanticCustomError(kind, message, {"field": field})
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
+def lone_surrogate(body) -> Optional[tuple[str, str]]:
+    """(dotted path, what) of the first string in a JSON value holding a lone UTF-16 surrogate, or None.
+    (json.loads keeps an unpaired "\\ud800" as such; a pair becomes one code point.) Iterative: the
+    body may nest as deep as the JSON parser allows."""
+    stack = [((), body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            m = None if v.isascii() else _SURROGATE.search(v)
+            if m:
+                return ".".join(map(str, path)), f"a lone UTF-16 surrogate \\u{ord(m.group()):04x} at character {m.start()}"
+        elif isinstance(v, dict):
+            for k, item in reversed(v.items()):
+                if isinstance(k, str) and not k.isascii() and _SURROGATE.search(k):
+                    return ".".join(map(str, path)), f"the key {ascii(k)} holds a lone UTF-16 surrogate"
+                stack.append(((*path, k), item))
+        elif isinstance(v, list) and not _SCALARS.issuperset(map(type, v)):   # (token id lists: at C speed)
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+class _Request(_Base):
+    """A whole request body: checked once for invalid Unicode before its fields are validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body):
+        bad = lone_surrogate(body)
+        if bad is not None:
+            raise field_error("invalid_unicode", bad[0], f"not valid Unicode: {bad[1]}")
+        return body
 
 
 def _whole_number(v):
@@ -52,7 +100,7 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
-class _Sampling(_Base):
+class _Sampling(_Request):
     model: Optional[str] = None
     max_tokens: Optional[Int(ge=1, le=2**53)] = None
     temperature: Optional[Num(ge=0)] = None
@@ -178,7 +226,14 @@ def _as_dicts(items):
     return [x.model_dump(exclude_unset=True) if isinstance(x, BaseModel) else x for x in items]
 
 
+# OpenAI's rule, in the schema too: top_logprobs (not null) needs logprobs: true.
+_TOP_LOGPROBS_NEEDS_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEEDS_LOGPROBS)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Int(ge=1, le=2**53)] = None
     logprobs: bool = False
@@ -200,6 +255,12 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(f"{', '.join(bad)} cannot be set here")
         return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise field_error("logprobs_required", "top_logprobs", "logprobs must be set to true if top_logprobs is used")
+        return self
+
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -213,8 +274,13 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = Field(None, max_length=0, description="not supported: null or empty")
     response_format: Optional[dict[str, Any]] = None
 
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or isinstance(p[0], int) else len(p)
 
-class TokenizeRequest(_Base):
+
+class TokenizeRequest(_Request):
     """Exactly one of prompt and messages."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: Optional[str] = None
@@ -225,6 +291,6 @@ class TokenizeRequest(_Base):
     _plain_messages = field_validator("messages", mode="after")(classmethod(lambda cls, v: _as_dicts(v)))
 
 
-class DetokenizeRequest(_Base):
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[TokenId]
