@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import random
 import time
 from typing import Optional
@@ -31,10 +30,6 @@ log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(path: Optional[str]):
-    """XLA's persistent compilation cache in `path`, and the Triton compiles Pallas runs while lowering
-    (which XLA's cache does not cover) in path/triton; no path: those in memory only."""
-    from pallas_kernels import triton_cache
-    triton_cache.install(os.path.join(path, "triton") if path else None)
     if not path:
         return
     try:
