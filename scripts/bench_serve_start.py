@@ -95,7 +95,9 @@ def one_start(args, cache_dir: str, log_path: str) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     log = open(log_path, errors="replace").read()
-    for key, pattern in (("warmup_s", r"warm-up: \d+ step shapes compiled in ([\d.]+)s"), ("pages", r"(\d+) pages of"),
+    for key, pattern in (("warmup_s", r"warm-up: \d+ step shapes compiled in ([\d.]+)s"),
+                         ("lowering_s", r"\(lowering ([\d.]+)s"), ("compiling_s", r"compiling ([\d.]+)s,"),
+                         ("first_runs_s", r"first runs ([\d.]+)s\)"), ("pages", r"(\d+) pages of"),
                          ("slots", r"(\d+) KDA state slots")):
         m = re.search(pattern, log)
         row[key] = float(m.group(1)) if m else float("nan")
@@ -117,6 +119,8 @@ def main(argv=None):
     cache_dir = tempfile.mkdtemp(prefix="k3jax-serve-cache-")
     logs = os.environ.get("OUT") or tempfile.gettempdir()
     table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("warmup_s", "warm-up s (log)", ".1f"),
+                  ("lowering_s", "lowering s", ".1f"), ("compiling_s", "compiling s", ".1f"),
+                  ("first_runs_s", "first runs s", ".1f"),
                   ("pages", "pages", ".0f"), ("slots", "slots", ".0f"), ("chat_status", "chat"),
                   ("mean_ttft_s", f"mean TTFT s (c{args.concurrency} x {args.input})", ".2f"),
                   ("max_ttft_s", "max TTFT s", ".2f"), ("output_tok_s", "output tok/s", ",.1f"),
