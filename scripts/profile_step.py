@@ -90,7 +90,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     events = list(device_events(trace_dir))
     programs = collections.Counter(st.get("program_id") for _, _, st, _ in events if st.get("program_id") is not None)
     names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
-    by_scope, by_kernel, by_part = (collections.defaultdict(float) for _ in range(3))
+    by_scope, by_kernel, by_part, other = (collections.defaultdict(float) for _ in range(4))
     count = collections.Counter()
     total = 0.0
     scopes = []
@@ -101,7 +101,10 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         scope = scope_of(op, depth) if op else f"(no scope) {hlo[:30]}({names.get('?' + hlo, '')})"
         scopes.append(scope)
         by_scope[scope] += dur
-        by_part[part_of(op) if op else "other"] += dur
+        part = part_of(op) if op else "other"
+        by_part[part] += dur
+        if part == "other":
+            other[f"{name[:40]} ({scope_of(op, 6) if op else hlo[:30]})"] += dur
         by_kernel[name[:70]] += dur
         count[scope] += 1
         total += dur
@@ -120,6 +123,8 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         print(f"  | {s} | {ms(d):.3f} | {100 * d / total:.1f}% | {count[s] / steps:.0f} |")
     print("  top kernels: " + "; ".join(f"{k} {ms(d):.2f} ms" for k, d in
                                           sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
+    print("  top kernels of part 'other' (outside the layers' named scopes): " + "; ".join(
+        f"{k} {ms(d):.3f} ms" for k, d in sorted(other.items(), key=lambda kv: -kv[1])[:top]))
     busy = idle_gaps(events, scopes, steps)
     return ms(total), {p: ms(d) for p, d in by_part.items()}, busy
 

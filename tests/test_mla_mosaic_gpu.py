@@ -104,7 +104,7 @@ def test_switch_routes_decode_only_steps(monkeypatch):
     monkeypatch.setenv("K3JAX_MLA_DECODE", "mosaic")
     mosaic = detect("pallas")
     monkeypatch.delenv("K3JAX_MLA_DECODE")
-    assert mosaic.mla_decode == "mosaic" and detect("pallas").mla_decode == "auto"
+    assert mosaic.mla_decode == "mosaic" and detect("pallas").mla_decode == "triton"      # auto, off Hopper
     ql, qr, pool, bt, lens = _case(96, 16, (37, 1, 0, 64), max_pages=8)
     cu = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
     call = functools.partial(ops.mla_ragged_paged, ql, qr, pool, bt, cu, lens, scale=SCALE)
@@ -122,6 +122,20 @@ def test_switch_routes_decode_only_steps(monkeypatch):
     monkeypatch.setenv("K3JAX_MLA_DECODE", "wgmma")
     with pytest.raises(ValueError, match="K3JAX_MLA_DECODE"):
         detect()
+
+
+@pytest.mark.parametrize("capability,chosen", [("9.0", "mosaic"), ("8.0", "triton"), ("10.0", "triton")])
+def test_auto_picks_mosaic_on_hopper_only(monkeypatch, capability, chosen):
+    """K3JAX_MLA_DECODE unset (auto): the Mosaic kernel (wgmma, TMA) on compute capability 9.x GPUs, the
+    Triton kernel elsewhere; an explicit choice wins."""
+    import types
+    from pallas_kernels import backend
+    monkeypatch.delenv("K3JAX_MLA_DECODE", raising=False)
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backend.jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=capability)])
+    assert backend.detect().mla_decode == chosen
+    assert backend.detect(mla_decode="triton").mla_decode == "triton"
+    assert backend.detect(mla_decode="mosaic").mla_decode == "mosaic"
 
 
 @pytest.mark.parametrize("heads,page_size", [(96, 16), (96, 64), (64, 64)])

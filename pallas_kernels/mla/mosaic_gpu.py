@@ -1,8 +1,9 @@
 """Paged absorbed-MLA decode on Mosaic GPU (Hopper wgmma + TMA), for 64+ query heads.
 
-Opt-in (``K3JAX_MLA_DECODE=mosaic``, pallas_kernels/backend.py); nothing here has run on a GPU yet:
-tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks that the
-GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
+The decode-only MLA kernel on Hopper (``K3JAX_MLA_DECODE=auto|mosaic|triton``, pallas_kernels/backend.py).
+Checked on an H200 by scripts/bench_kernels.py --only mla-mosaic (matches the reference as closely as the
+Triton kernel); tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
+that the GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
 
 One CTA = (sequence, 64 query heads, key split), three warpgroups:
   WG2 (producer): TMA-copies the 64-head query tile [64, L+R] once, then the cache block by block

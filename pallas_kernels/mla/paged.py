@@ -253,8 +253,8 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
 
 
 def _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
-    """The opt-in Mosaic GPU decode kernel takes this step (backend.mla_decode == "mosaic", where its
-    tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports)."""
+    """The Mosaic GPU decode kernel takes this step (backend.mla_decode == "mosaic", the default on
+    Hopper, where its tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports)."""
     if decode_kernel != "mosaic":
         return False
     from pallas_kernels.mla import mosaic_gpu
@@ -275,7 +275,7 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     decode_only (static): every sequence has at most one token this step (the engine's decode
     steps), so the GPU kernel runs the decode schedule and tuning (one tile per sequence).
     decode_kernel (static): "mosaic" runs decode-only steps on the Mosaic GPU kernel where it fits
-    (opt-in, backend.mla_decode); None / "auto": the Triton kernel.
+    (backend.mla_decode, detect()'s choice on Hopper); None / "triton": the Triton kernel.
     """
     if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
