@@ -241,6 +241,17 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
         treedef, [_init_leaf(l, _JaxRandom(k), dtype, std) for l, k in zip(leaves, keys)])
 
 
+def random_values(spec: dict, key, dtype=jnp.bfloat16, std: float = 0.02, lead: tuple = ()) -> dict:
+    """Random values of a spec subtree (one layer's MoE, say) with init_params' distributions, each
+    leaf made on the default device by its own jitted program (no weight is a host copy or a
+    program constant). lead: dims put before every leaf's shape (a stack over layers)."""
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
+    keys = jax.random.split(key, len(leaves))
+    make = lambda leaf: jax.jit(lambda k: _init_leaf(  # noqa: E731
+        dataclasses.replace(leaf, shape=tuple(lead) + tuple(leaf.shape)), _JaxRandom(k), dtype, std))
+    return jax.tree_util.tree_unflatten(treedef, [make(l)(k) for l, k in zip(leaves, keys)])
+
+
 def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02, stacked: bool = False,
                         shardings=None):
     """The values of `init_params` (same key per leaf), made by one small jitted program per distinct

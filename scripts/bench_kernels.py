@@ -1,4 +1,5 @@
-"""Issue 20's one kernel table: KDA decode, paged MLA decode and KDA chunked prefill, each timed
+"""Issue 20's one kernel table: KDA decode, paged MLA decode, KDA chunked prefill and the MoE's routed
+experts (section moe: bench_kernels_moe.py), each timed
 isolated AND as the model calls it (the ops entry point with the dtypes, padding and engine layout of
 a real step of Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors
 measured in the same run: copy bandwidth, bf16 matmul peak, FLA (chunk_kda / fused_recurrent_kda)
@@ -478,6 +479,12 @@ def kda_prefill_model_rows(run, cases):
                 us=t * 1e6, mtok_s=sum(lens) / t / 1e6)
 
 
+# ---- MoE routed experts -------------------------------------------------------------------------
+def moe_section(run):
+    import bench_kernels_moe   # imports the model (k3jax): only when the section runs
+    bench_kernels_moe.moe_section(run)
+
+
 # ---- the variants on this device vs the references (small shapes) ---------------------------------
 def checks(run):
     """Max |kernel - reference| / max |reference| of the variants that could become defaults."""
@@ -563,7 +570,7 @@ def plan(tiny):
 
 # run order: defaults first, the checks of every timed config, then the variants
 SECTIONS = ("kda_decode", "kda_decode_model", "mla_decode", "mla_model", "kda_prefill", "kda_prefill_model",
-            "checks", "kda_decode_variants", "mla_variants", "mla_mosaic")
+            "moe", "checks", "kda_decode_variants", "mla_variants", "mla_mosaic")
 
 
 def main(argv=None):
@@ -603,6 +610,7 @@ def main(argv=None):
         kda_prefill=lambda: kda_prefill_rows(run, p["prefill"]),
         kda_prefill_model=lambda: kda_prefill_model_rows(run, p["prefill_model"]),
         kda_decode_variants=lambda: kda_decode_rows(run, p["kda_decode_variants"], KDA_DECODE_VARIANTS),
+        moe=lambda: moe_section(run),
         checks=lambda: checks(run),
         mla_variants=lambda: mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]],
                                              p["mla_variants"], with_default=False),
@@ -612,7 +620,8 @@ def main(argv=None):
             steps[name]()
     print(f"\n# kernel table, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"copy {run.copy_bw / 1e12:.2f} TB/s, bf16 matmul {run.peak / 1e12:.0f} TFLOP/s; "
-          f"roof = copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA)")
+          f"roof = copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA); MoE: matmul peak "
+          f"(prefill) or copy BW of the weights touched (decode)")
     print(TABLE.markdown())
     print(f"# total {time.time() - T0:.0f} s")
     if args.csv:

@@ -77,11 +77,20 @@ def timed(fn, *args):
     return statistics.median(ts)
 
 
-def run_case(label, preset, num_experts, kind, tokens, kernels, shrink):
-    c = dataclasses.replace(preset_config(preset), num_experts=num_experts, hidden_act="situ")
+def case_config(preset, num_experts, shrink, **overrides):
+    """The preset with num_experts on this device (K3: one EP device's share, its tokens' top-k
+    all local: the rows such a device gets under balanced routing). shrink: 8 experts, top-2, width
+    128 (the latent width where the model has one), intermediate 64 (CPU interpret mode)."""
+    c = dataclasses.replace(preset_config(preset), num_experts=num_experts, **overrides)
     if shrink:
-        c = dataclasses.replace(c, num_experts=8, num_experts_per_token=2, routed_expert_hidden_size=128,
-                                moe_intermediate_size=64)
+        width = dict(hidden_size=256, routed_expert_hidden_size=128) if c.routed_expert_hidden_size else \
+            dict(hidden_size=128)
+        c = dataclasses.replace(c, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64, **width)
+    return c
+
+
+def run_case(label, preset, num_experts, kind, tokens, kernels, shrink):
+    c = case_config(preset, num_experts, shrink, hidden_act="situ")
     key = jax.random.key(0)
     pe = experts(c, key)
     z = jax.random.normal(jax.random.fold_in(key, 10), (tokens, c.expert_hidden), jnp.bfloat16)
