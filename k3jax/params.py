@@ -242,14 +242,13 @@ def init_params(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02):
 
 
 def random_values(spec: dict, key, dtype=jnp.bfloat16, std: float = 0.02, lead: tuple = ()) -> dict:
-    """Random values of a spec subtree (one layer's MoE, say) with init_params' distributions, each
-    leaf made on the default device by its own jitted program (no weight is a host copy or a
-    program constant). lead: dims put before every leaf's shape (a stack over layers)."""
+    """Random values of a spec subtree (one layer's MoE, say) with init_params' distributions, made on
+    the default device by one jitted program (no weight a host copy or a program constant). lead:
+    dims put before every leaf's shape (a stack over layers)."""
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_leaf)
-    keys = jax.random.split(key, len(leaves))
-    make = lambda leaf: jax.jit(lambda k: _init_leaf(  # noqa: E731
-        dataclasses.replace(leaf, shape=tuple(lead) + tuple(leaf.shape)), _JaxRandom(k), dtype, std))
-    return jax.tree_util.tree_unflatten(treedef, [make(l)(k) for l, k in zip(leaves, keys)])
+    leaves = [dataclasses.replace(leaf, shape=tuple(lead) + tuple(leaf.shape)) for leaf in leaves]
+    make = jax.jit(lambda keys: [_init_leaf(leaf, _JaxRandom(k), dtype, std) for leaf, k in zip(leaves, keys)])
+    return jax.tree_util.tree_unflatten(treedef, make(jax.random.split(key, len(leaves))))
 
 
 def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02, stacked: bool = False,
