@@ -22,7 +22,7 @@ import numpy as np
 
 import bench_kda
 import check_moe_layer_gpu as layer_check
-from bench_moe_prefill import CHECK_TOL, rel_err
+from bench_moe_prefill import CHECK_TOL, compile_all, rel_err
 from k3jax.layers.module import value
 from k3jax.layers.moe import MoE, RoutedExperts, routed_experts_reference
 from k3jax.params import moe_spec, random_values
@@ -92,68 +92,89 @@ def _touched(ids):
     return int(np.unique(np.asarray(ids)).size)
 
 
-def _measure(run, kernel, case, call, variant, fn, args, want):
-    """Time fn(*args) after checking its first REF_TOKENS rows against want() once: (seconds, rel err)."""
-    def go():
-        err = rel_err(fn(*args)[:REF_TOKENS], want())
-        return bench_kda.time_jax(fn, *args, reps=run.reps), err
-    return run.timed(kernel, case, call, variant, go)
+def _signature(fn, args):
+    return fn, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args))
 
 
-def _row(run, kind, kernel, case, call, variant, t, err, flop, nbytes, anchor_t=None):
-    tb_s, tflop_s = nbytes / t / 1e12, flop / t / 1e12
-    roof = flop / t / run.peak if kind == "prefill" else nbytes / t / run.copy_bw
-    verdict = f"rel err {err:.1e}" + (" WRONG" if not err <= CHECK_TOL else "")
-    run.add(kernel=kernel, case=case, call=call, variant=variant, us=t * 1e6, tb_s=tb_s, tflop_s=tflop_s,
-            roof=roof, anchor=None if anchor_t is None else f"isolated {anchor_t * 1e6:.0f} us",
-            vs_anchor=None if anchor_t is None else anchor_t / t, target=verdict)
+class Job:
+    """One row: fn(*args) timed, its first REF_TOKENS rows checked against ref(*ref_args)."""
+
+    def __init__(self, kind, case, call, variant, fn, args, ref, ref_args, flop, nbytes, isolated=None):
+        self.kind, self.case, self.call, self.variant = kind, case, call, variant
+        self.fn, self.args, self.ref, self.ref_args = fn, args, ref, ref_args
+        self.flop, self.nbytes, self.isolated = flop, nbytes, isolated    # isolated: that row's Job
 
 
-def moe_case(run, m, kind, tokens):
-    c, kernel, case = m.c, f"MoE {kind}", m.case(tokens)
+def case_jobs(m, kind, tokens):
+    """The three rows of one model at one step, inputs made."""
+    c, case = m.c, m.case(tokens)
     key = jax.random.fold_in(jax.random.key(1), tokens)
-    n_ref = min(tokens, REF_TOKENS)
     # isolated: random top-k routing, inputs already in the experts' width
     z = jax.random.normal(jax.random.fold_in(key, 0), (tokens, c.expert_hidden), jnp.bfloat16)
     w, ids = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(key, 1), (tokens, c.num_experts)),
                            c.num_experts_per_token)
-    res = _measure(run, kernel, case, "isolated", "ops.expert_mlp, random top-k", m.isolated,
-                   (m.experts, z, w, ids), lambda: m.dense_reference(m.experts, z, w, ids))
-    t_iso = None
-    if res is not None:
-        t_iso = res[0]
-        _row(run, kind, kernel, case, "isolated", "ops.expert_mlp, random top-k", *res,
-             m.routed_flop(tokens), _touched(ids) * m.expert_bytes)
-    del z, w, ids
+    iso = Job(kind, case, "isolated", "ops.expert_mlp, random top-k", m.isolated, (m.experts, z, w, ids),
+              m.dense_reference, (m.experts, z, w, ids), m.routed_flop(tokens), _touched(ids) * m.expert_bytes)
     # as the model calls it: the layer's own router on hidden states
     x = jax.random.normal(jax.random.fold_in(key, 2), (tokens, c.hidden_size), jnp.bfloat16)
     z, w, ids = m.routed_inputs(m.values, x)
     touched = _touched(ids) * m.expert_bytes
-    call, pe = f"as model: {m.label}", m.values["experts"]
-    res = _measure(run, kernel, case, call, "routed experts only (moe_experts)", m.routed,
-                   (pe, z, w, ids, m.layer),
-                   lambda: m.dense_reference(m.experts, z, w, ids))
-    if res is not None:
-        _row(run, kind, kernel, case, call, "routed experts only (moe_experts)", *res, m.routed_flop(tokens),
-             touched, t_iso)
-    res = _measure(run, kernel, case, call, "MoE layer (route + experts + shared)", m.moe, (m.values, x, m.layer),
-                   lambda: m.moe_reference(m.values, x[:n_ref], m.layer))
-    if res is not None:
-        _row(run, kind, kernel, case, call, "MoE layer (route + experts + shared)", *res,
-             m.routed_flop(tokens) + tokens * m.other_flop_per_token, touched + m.other_bytes, t_iso)
-    del x, z, w, ids
+    call = f"as model: {m.label}"
+    routed = Job(kind, case, call, "routed experts only (moe_experts)", m.routed,
+                 (m.values["experts"], z, w, ids, m.layer), m.dense_reference, (m.experts, z, w, ids),
+                 m.routed_flop(tokens), touched, iso)
+    layer = Job(kind, case, call, "MoE layer (route + experts + shared)", m.moe, (m.values, x, m.layer),
+                m.moe_reference, (m.values, x[:REF_TOKENS], m.layer),
+                m.routed_flop(tokens) + tokens * m.other_flop_per_token, touched + m.other_bytes, iso)
+    return [iso, routed, layer]
+
+
+def run_job(run, job, exe, ref_exe):
+    """Check, time and add one row; returns seconds or None (budget, failure)."""
+    kernel = f"MoE {job.kind}"
+
+    def go():
+        err = rel_err(exe(*job.args)[:REF_TOKENS], ref_exe(*job.ref_args))
+        return bench_kda.time_jax(exe, *job.args, reps=run.reps), err
+    res = run.timed(kernel, job.case, job.call, job.variant, go)
+    if res is None:
+        return None
+    t, err = res
+    t_iso = None if job.isolated is None else job.isolated.seconds
+    roof = job.flop / t / run.peak if job.kind == "prefill" else job.nbytes / t / run.copy_bw
+    run.add(kernel=kernel, case=job.case, call=job.call, variant=job.variant, us=t * 1e6,
+            tb_s=job.nbytes / t / 1e12, tflop_s=job.flop / t / 1e12, roof=roof,
+            anchor=None if t_iso is None else f"isolated {t_iso * 1e6:.0f} us",
+            vs_anchor=None if t_iso is None else t_iso / t,
+            target=f"rel err {err:.1e}" + ("" if err <= CHECK_TOL else " WRONG"))
+    return t
 
 
 def moe_section(run):
+    if run.over():     # its programs compile up front: past the budget, none starts
+        run.skip("MoE", "every case", "isolated and as model", "default", "budget")
+        return
     models = []
     for label, preset, num_experts in layer_check.CASES:
-        if run.over():
-            break
         models.append(MoEModel(label, preset, num_experts, run.tiny, run.backend))
         c = models[-1].c
         print(f"# MoE {label}, as run: {c.expert_format} experts {c.num_experts} x (D' {c.expert_hidden}, I "
               f"{c.moe_intermediate_size}), top-{c.num_experts_per_token}, {c.hidden_act}, hidden {c.hidden_size}, "
               f"shared {c.num_shared_experts}, experts stacked over {STACK} layers", flush=True)
-    for kind, tokens in steps(run.tiny):
-        for m in models:
-            moe_case(run, m, kind, tokens)
+    jobs = [j for kind, tokens in steps(run.tiny) for m in models for j in case_jobs(m, kind, tokens)]
+    # every program compiled side by side first (XLA and Triton compile outside the GIL), then each row
+    # checked and timed with nothing else running
+    programs = {}      # one compile per (function, argument shapes): the two expert rows share a reference
+    for fn, args in [(j.fn, j.args) for j in jobs] + [(j.ref, j.ref_args) for j in jobs]:
+        programs.setdefault(_signature(fn, args), (fn, args))
+    done = dict(zip(programs, compile_all(list(programs.values()))))
+    print(f"# MoE: {len(done)} programs compiled, {sum(e is not None for _, e in done.values())} failed", flush=True)
+    for j in jobs:
+        (exe, e), (ref_exe, ref_e) = done[_signature(j.fn, j.args)], done[_signature(j.ref, j.ref_args)]
+        j.seconds = None
+        if e is not None or ref_e is not None:
+            e = e if e is not None else ref_e
+            run.skip(f"MoE {j.kind}", j.case, j.call, j.variant,
+                     f"compile: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        j.seconds = run_job(run, j, exe, ref_exe)
