@@ -29,7 +29,10 @@ from k3jax.params import moe_spec, random_values
 from pallas_kernels import ops
 from pallas_kernels.backend import detect
 
-STACK = 2           # scanned repeats in the experts' leading axis; the rows run the last one
+# scanned repeats in the experts' leading axis; the rows run the last one. 4: every stack over 2**32 bytes,
+# as the models' are (K3's merged MXFP4 stack of 2 was 2.47e9 bytes: Pallas' 32-bit offsets overflowed,
+# grouped.overflows_i32_offsets; the kernels now copy the layer's slice there, which the models never do)
+STACK = 4
 REF_TOKENS = layer_check.REF_TOKENS
 
 

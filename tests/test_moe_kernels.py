@@ -659,3 +659,26 @@ def test_expert_mlp_gather_expert_parallel_matches_numpy(fmt, swap):
                                **kw)
   assert out.shape == x.shape and np.all(np.isfinite(np.asarray(out, np.float32)))
   _close(out, ref, rel=2e-2)
+
+
+def test_arrays_that_overflow_32_bit_kernel_offsets_are_read_safely():
+  """Pallas' Triton lowering uses signed 32-bit offsets for arrays of <= 2**32 bytes: 1-byte arrays of
+  2-4 GiB (MXFP4 packed experts, e.g. a 2-layer stack of K3's 112 local merged experts) faulted on the
+  H200. Such a stack is read through the layer's slice, and a lone array in the window is padded past
+  2**32 bytes (64-bit offsets); shapes only (nothing allocated)."""
+  from pallas_kernels.moe import grouped as gm
+  assert gm.overflows_i32_offsets((224, 6144, 1792), jnp.uint8)            # 2.47e9 bytes: faulted
+  assert not gm.overflows_i32_offsets((224, 3072, 1792), jnp.uint8)        # 1.23e9: fine
+  assert not gm.overflows_i32_offsets((1536, 2304, 1024), jnp.bfloat16)    # 7.2e9 bytes: 64-bit offsets
+  assert not gm.overflows_i32_offsets((22 * 112, 3072, 1792), jnp.uint8)   # K3's EP8 stack: 64-bit
+  sds = jax.ShapeDtypeStruct
+  stack = (sds((2, 112, 6144, 1792), jnp.uint8), sds((2, 112, 6144, 112), jnp.uint8))
+  flat, off = jax.eval_shape(lambda *ws: gm._layer_groups(ws, jnp.int32(1)), *stack)
+  assert off is None and [w.shape for w in flat] == [(112, 6144, 1792), (112, 6144, 112)]   # the layer's slice
+  fits = (sds((2, 112, 3072, 1792), jnp.uint8),)
+  flat, off = jax.eval_shape(lambda *ws: gm._layer_groups(ws, jnp.int32(1)), *fits)
+  assert flat[0].shape == (224, 3072, 1792) and off is not None                # read in place
+  lone = (sds((224, 6144, 1792), jnp.uint8),)
+  (padded,), off = jax.eval_shape(lambda *ws: gm._layer_groups(ws, None), *lone)
+  assert off is None and padded.shape[0] > 224 and padded.size > 2**32
+  assert not gm.overflows_i32_offsets(padded.shape, padded.dtype)

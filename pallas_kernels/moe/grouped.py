@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,8 @@ import jax.numpy as jnp
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import schedule as sch
+
+log = logging.getLogger(__name__)
 
 
 def gmm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -72,13 +76,43 @@ def _fused(act, merged):
   return "merged" if merged else act is not None
 
 
+def overflows_i32_offsets(shape, dtype) -> bool:
+  """Pallas' Triton lowering indexes an array with 32-bit offsets while it holds <= 2**32 bytes, but
+  the offsets are signed: an array of more than 2**31 - 1 elements in that range (1-byte MXFP4 packed
+  weights of 2-4 GiB) reads past its start at high offsets (CUDA_ERROR_ILLEGAL_ADDRESS on an H200,
+  jax 0.11.2: scripts/check_moe_inplace_gpu.py). Larger arrays get 64-bit offsets."""
+  size = math.prod(shape)
+  return size > 2**31 - 1 and size * jnp.dtype(dtype).itemsize <= 2**32
+
+
+def _wide_offsets(ws):
+  """ws with every array that would overflow 32-bit offsets padded (zero groups, never read) past
+  2**32 bytes, so the kernel indexes it with 64-bit offsets. A copy: rare shapes only."""
+  out = []
+  for w in ws:
+    if overflows_i32_offsets(w.shape, w.dtype):
+      per_group = math.prod(w.shape[1:]) * w.dtype.itemsize
+      extra = -(-(2**32 + 1 - w.size * w.dtype.itemsize) // per_group)
+      log.warning("expert weights %s %s: padded by %d groups for 64-bit kernel offsets (a copy per call)",
+                  w.shape, w.dtype, extra)
+      w = jnp.pad(w, ((0, extra),) + ((0, 0),) * (w.ndim - 1))
+    out.append(w)
+  return tuple(out)
+
+
 def _layer_groups(ws, layer):
   """Stacked weights ([L, G, ...] each) as one flat group axis [L * G, ...] (a free reshape) and the
-  layer's first group; layer None: ws unchanged ([G, ...]), offset None."""
+  layer's first group; layer None: ws unchanged ([G, ...]), offset None. A flat stack whose 32-bit
+  offsets would overflow (overflows_i32_offsets) is read through the layer's slice instead (a copy)."""
   if layer is None:
-    return ws, None
+    return _wide_offsets(ws), None
   g = ws[0].shape[1]
-  return tuple(w.reshape((-1,) + w.shape[2:]) for w in ws), layer * g
+  flat = tuple(w.reshape((-1,) + w.shape[2:]) for w in ws)
+  if any(overflows_i32_offsets(w.shape, w.dtype) for w in flat):
+    log.warning("stacked expert weights %s: the layer's slice is copied (in place, 32-bit kernel offsets "
+                "would overflow)", [w.shape for w in flat])
+    return _wide_offsets(tuple(w[layer] for w in ws)), None
+  return flat, layer * g
 
 
 def _rows(lhs, row_index):
