@@ -10,6 +10,23 @@ import time
 import httpx
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120, **kw)
+
+
+def assert_openai_error(r, status, param=None, needle=None):
+    """r is an OpenAI-shaped error with this status (and param / a needle in its message); returns it."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    if needle is not None:
+        assert needle in err["message"], err
+    return err
 
 
 def free_port() -> int:
