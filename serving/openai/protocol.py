@@ -10,7 +10,7 @@ as OpenAI refuses it, rather than text the tokenizer would silently replace.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -63,7 +63,12 @@ def lone_surrogate(body) -> Optional[tuple[str, str]]:
 
 
 class _Request(_Base):
-    """A whole request body: checked once for invalid Unicode before its fields are validated."""
+    """A whole request body: checked once for invalid Unicode before its fields are validated.
+
+    Fields named in `_null_means_default` are ones OpenAI documents as nullable: an explicit null
+    there is the field's default (their types admit null, so the served schema says so too)."""
+
+    _null_means_default: ClassVar[frozenset] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +76,8 @@ class _Request(_Base):
         bad = lone_surrogate(body)
         if bad is not None:
             raise field_error("invalid_unicode", bad[0], f"not valid Unicode: {bad[1]}")
+        if isinstance(body, dict) and cls._null_means_default:
+            body = {k: v for k, v in body.items() if not (v is None and k in cls._null_means_default)}
         return body
 
 
@@ -101,6 +108,7 @@ class StreamOptions(_Base):
 
 
 class _Sampling(_Request):
+    _null_means_default: ClassVar[frozenset] = frozenset({"n", "stream"})
     model: Optional[str] = None
     max_tokens: Optional[Int(ge=1, le=2**53)] = None
     temperature: Optional[Num(ge=0)] = None
@@ -114,8 +122,8 @@ class _Sampling(_Request):
     stop: Union[None, StopString, list[StopString]] = None
     stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
-    n: Int(ge=1) = 1                       # the server's --max-n is set in the served schema
-    stream: bool = False
+    n: Optional[Int(ge=1)] = 1             # the server's --max-n is set in the served schema
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     priority: Int(**_INT64) = 0
@@ -235,12 +243,13 @@ _TOP_LOGPROBS_NEEDS_LOGPROBS = {
 class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEEDS_LOGPROBS)
     messages: list[ChatMessage] = Field(min_length=1)
+    _null_means_default: ClassVar[frozenset] = frozenset({"n", "stream", "logprobs", "parallel_tool_calls"})
     max_completion_tokens: Optional[Int(ge=1, le=2**53)] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[Int(ge=0, le=20)] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Optional[bool] = True
     response_format: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
 
@@ -269,8 +278,9 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_Sampling):
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
+    _null_means_default: ClassVar[frozenset] = frozenset({"n", "stream", "echo"})
     logprobs: Optional[Int(ge=0, le=20)] = None
-    echo: bool = False
+    echo: Optional[bool] = False
     suffix: Optional[str] = Field(None, max_length=0, description="not supported: null or empty")
     response_format: Optional[dict[str, Any]] = None
 
