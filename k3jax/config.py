@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 # Fields of HF configs that carry no information the model needs.
 _IGNORED_FIELDS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map",
+    "architectures", "model_type", "k3jax_thinks_by_default", "torch_dtype", "dtype", "transformers_version", "auto_map",
     "initializer_range", "use_cache", "pretraining_tp", "attention_bias", "attention_dropout",
     "output_router_logits", "router_aux_loss_coef", "num_key_value_heads", "rope_theta",
     "rope_scaling", "rope_parameters", "use_grouped_topk", "moe_layer_freq", "_name_or_path",
@@ -86,6 +86,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     vision: Mapping[str, Any] | None = None
     model_type: str = ""                  # "kimi_k3" (a thinking model) | "kimi_linear" | ...
+    # Does a chat answer start inside reasoning? None: by model_type. Set by config.json's
+    # "k3jax_thinks_by_default" (the embedded `tiny` was trained on plain text, never on thinking).
+    thinks: bool | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -94,7 +97,7 @@ class ModelConfig:
     @property
     def thinks_by_default(self) -> bool:
         """K3 starts its answer with reasoning; Kimi Linear (Instruct) answers directly."""
-        return self.model_type == "kimi_k3"
+        return self.model_type == "kimi_k3" if self.thinks is None else self.thinks
 
     @property
     def kda_layers(self) -> tuple[int, ...]:
@@ -280,11 +283,19 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         pad_token_id=get("pad_token_id", top.get("pad_token_id")),
         vision=dict(vision) if vision else None,
         model_type=str(top.get("model_type", "")),
+        thinks=_optional_bool(top, "k3jax_thinks_by_default"),
     )
     unknown = sorted(set(text) - used - _IGNORED_FIELDS - {"text_config", "vision_config"})
     if unknown:
         log.warning("config.json: ignoring unknown fields %s", ", ".join(unknown))
     return cfg
+
+
+def _optional_bool(d: Mapping[str, Any], key: str) -> bool | None:
+    v = d.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"config.json: {key} must be true, false or absent, got {v!r}")
+    return v
 
 
 def _first_group_format(q: Mapping[str, Any]) -> str | None:

@@ -29,14 +29,14 @@ def _generate_with_progress(llm, ids, params):
     from tqdm import tqdm
     eng = llm.engine
     eng.add_request(ids, params, request_id="generate")
-    print("compiling the model step (first run only; later runs load it from the XLA cache) ...",
+    print("preparing the model step (compiled on a first run, loaded from the XLA cache after) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bar, last = None, None
     while eng.has_unfinished():
         for out in eng.step():
             if bar is None:
-                print(f"compiled and ran the first step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                print(f"first step done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
                 bar = tqdm(total=params.max_tokens, desc="generating", unit="tok", file=sys.stderr, leave=False)
             bar.update(len(out.metrics.get("new_token_ids", ())))
             last = out

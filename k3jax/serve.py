@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--unrolled-layers", action="store_true",
                     help="trace every layer instead of scanning the repeating block (debugging; more memory)")
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
-                    help="does the model start its answer with reasoning? auto: yes for K3, no for Kimi Linear")
+                    help="does the model start its answer with reasoning? auto: the model's own default (K3 yes; Kimi Linear and the embedded tiny no)")
     ap.add_argument("--allow-remote-images", action="store_true",
                     help="fetch http(s) image URLs (off: data URLs, and files under --image-dir, only)")
     ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")

@@ -69,7 +69,7 @@ def test_generate_cli():
     assert r.returncode == 0, r.stderr
     assert "4 generated" in r.stderr
     # issue 17 item 9: a first run says it is compiling instead of sitting silent
-    assert "compiling the model step" in r.stderr and "compiled and ran the first step in" in r.stderr
+    assert "preparing the model step" in r.stderr and "first step done in" in r.stderr
     r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens" in r.stderr
 

@@ -33,6 +33,15 @@ def test_kimi_linear_layout():
     assert not c.thinks_by_default           # Kimi-Linear Instruct answers directly
 
 
+def test_thinking_default_follows_model_type_unless_the_config_says():
+    assert preset_config("tiny-random").thinks_by_default           # K3-shaped: answers start in reasoning
+    assert not preset_config("tiny").thinks_by_default              # trained on plain text, never on thinking
+    d = preset_config_dict("kimi-linear-48b-a3b")
+    assert ModelConfig.from_dict({**d, "k3jax_thinks_by_default": True}).thinks_by_default
+    with pytest.raises(ValueError, match="k3jax_thinks_by_default"):
+        ModelConfig.from_dict({**d, "k3jax_thinks_by_default": "yes"})
+
+
 def test_unknown_field_warns(caplog):
     d = preset_config_dict("tiny-random")
     d["text_config"]["brand_new_field"] = 1

@@ -72,6 +72,8 @@ TINY_RANDOM = {
 _RANDOM_TEXT = TINY_RANDOM["text_config"]
 TINY = {
     "model_type": "kimi_k3",
+    # trained on plain documentation, never on the chat format or reasoning: its chat answers are content
+    "k3jax_thinks_by_default": False,
     "text_config": {
         **_RANDOM_TEXT,
         "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8, "q_lora_rank": 128, "kv_lora_rank": 128,
