@@ -14,6 +14,7 @@ from k3jax.config import ModelConfig
 from k3jax.expert_layout import merge_gate_up, split_gate_up
 from k3jax.layer_stack import stack_layers
 from k3jax.params import init_params_by_leaf, init_params_numpy
+from k3jax.checkpoint import hub
 from k3jax.presets import TINY_SEED, preset_config, preset_names
 from pallas_kernels.backend import Backend, detect
 
@@ -200,8 +201,10 @@ def _mesh(mesh):
     return make_mesh(mesh)
 
 
-def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None) -> Model:
-    """Load a preset name ("tiny"), a converted k3jax checkpoint or a Hugging Face checkpoint directory.
+def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None, revision: str | None = None,
+               download_dir: str | None = None) -> Model:
+    """Load a preset name ("tiny"), a converted k3jax checkpoint, a Hugging Face checkpoint directory, or a
+    Hugging Face model id ("ORG/NAME": the hub's local cache first, at `revision`, under `download_dir`).
 
     mesh: a jax Mesh or a spec like "data=2,expert=4": parameters are placed by the partition rules
     and the serving engine shards its pools and runs MoE expert-parallel on it.
@@ -213,16 +216,20 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     dt = _dtype(dtype)
     mesh = _mesh(mesh)
     src = os.fspath(path_or_preset)
+    name = os.path.basename(os.path.normpath(src))
+    if src not in preset_names() and hub.looks_like_repo_id(src):
+        name, src = src, hub.resolve(src, revision=revision, download_dir=download_dir)
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
         config, params = load_checkpoint_dir(src, dt, mesh=mesh)
         backend = _backend_for(params)
         tokenizer = _load_tokenizer(src)
-        return Model(config, _place(params, mesh, config, backend), tokenizer, name=os.path.basename(os.path.normpath(src)),
+        return Model(config, _place(params, mesh, config, backend), tokenizer, name=name,
                      mesh=mesh, vision=load_vision(src, config, tokenizer, dt), backend=backend)
     if src not in preset_names():
-        raise ValueError(f"{src!r} is neither a directory nor a preset ({', '.join(preset_names())})")
+        raise ValueError(f"{src!r} is neither a directory, a preset ({', '.join(preset_names())}) nor a "
+                         "Hugging Face model id (ORG/NAME)")
     config = preset_config(src)
     embedded = src in ("tiny", "tiny-random")
     if not embedded and seed is None:

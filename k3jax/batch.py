@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
+from k3jax.cli_help import DefaultsHelpFormatter, int_at_least, add_model_source_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.batch", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name checkpoint directory or Hugging Face model id (ORG/NAME)")
+    add_model_source_args(ap)
     ap.add_argument("-i", "--input", required=True, help="requests, one JSON object a line")
     ap.add_argument("-o", "--output", required=True, help="results (resumed if OUTPUT.state.json is there)")
     ap.add_argument("--overwrite", action="store_true", help="start again even if the output exists")
@@ -41,7 +42,7 @@ def build_runner(args):
     from serving.openai.batch import runner_for
     eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     return runner_for(model, name, eargs, args.max_n)

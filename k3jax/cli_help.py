@@ -22,3 +22,12 @@ def int_at_least(low: int, high: int | None = None):
             raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
         return value
     return parse
+
+
+def add_model_source_args(ap: argparse.ArgumentParser) -> None:
+    """--revision / --download-dir: where a Hugging Face model id (--model ORG/NAME) comes from."""
+    ap.add_argument("--revision", default=None,
+                    help="branch, tag or commit of a Hugging Face model id (default: main)")
+    ap.add_argument("--download-dir", default=None,
+                    help="Hugging Face cache directory for model ids (default: the hub's, $HF_HOME/hub); "
+                         "HF_HUB_OFFLINE=1 reads only what is there")

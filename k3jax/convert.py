@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+from k3jax.checkpoint import hub
+from k3jax.cli_help import add_model_source_args
+
 log = logging.getLogger("k3jax.convert")
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -158,7 +161,9 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", dequantize: bool = F
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m k3jax.convert", description=__doc__.split("\n")[0])
-    p.add_argument("--src", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
+    p.add_argument("--src", required=True, help="Hugging Face checkpoint directory (config.json + safetensors) "
+                                                "or model id (ORG/NAME)")
+    add_model_source_args(p)
     p.add_argument("--dst", required=True, help="output directory (written via a temporary sibling)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of float weights (default bfloat16)")
     p.add_argument("--dequantize", action="store_true", help="write MXFP4 experts as --dtype floats")
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - backends already initialised (in-process callers)
         pass
     try:
+        if hub.looks_like_repo_id(args.src):
+            args.src = hub.resolve(args.src, revision=args.revision, download_dir=args.download_dir)
         summary = convert(args.src, args.dst, dtype=args.dtype, dequantize=args.dequantize, overwrite=args.overwrite,
                           allow_unexpected=args.allow_unexpected, progress=not args.no_progress)
     except (ValueError, OSError) as e:

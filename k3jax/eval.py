@@ -14,7 +14,7 @@ import sys
 import time
 from functools import partial
 
-from k3jax.cli_help import DefaultsHelpFormatter
+from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args
 
 
 def _window_nll(params, tokens, length, *, config, backend=None):
@@ -80,7 +80,8 @@ def perplexity(params, config, tokenizer, path, *, seq_len: int = 512, batch_siz
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.eval", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name checkpoint directory or Hugging Face model id (ORG/NAME)")
+    add_model_source_args(ap)
     ap.add_argument("--data", required=True, help="a text file, or a folder of *.txt files")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens of context per window")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per step")
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         from k3jax.text_data import text_files
         text_files(args.data)        # a missing or empty --data is one line before the model loads
         from k3jax.api import load_model
-        model = load_model(args.model, dtype=args.dtype)
+        model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir)
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer")
         res = perplexity(model.params, model.config, model.tokenizer, args.data, seq_len=args.seq_len,

@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from k3jax.cli_help import DefaultsHelpFormatter
+from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args
 
 
 def generate_ids(model, prompt_ids, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
@@ -48,7 +48,8 @@ def _generate_with_progress(llm, ids, params):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) checkpoint directory or Hugging Face model id (ORG/NAME)")
+    add_model_source_args(ap)
     ap.add_argument("--prompt", default="Hello", help="prompt text")
     ap.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -70,7 +71,8 @@ def main(argv=None):
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
-        model = load_model(args.model, dtype=args.dtype, mesh=args.mesh)
+        model = load_model(args.model, dtype=args.dtype, mesh=args.mesh, revision=args.revision,
+                           download_dir=args.download_dir)
         if multihost.is_multiprocess() and not multihost.is_leader():
             return multihost.exit_follower(multihost.follow(model))
         tok = model.tokenizer

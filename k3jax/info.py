@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.cli_help import add_model_source_args
+
 from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
 from k3jax.params import param_shapes, parameter_count
 
@@ -73,12 +75,13 @@ def format_value(key: str, v) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m k3jax.info", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    ap.add_argument("--model", default="tiny", help="preset name checkpoint directory or Hugging Face model id (ORG/NAME) (default: tiny)")
+    add_model_source_args(ap)
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     from k3jax.presets import resolve_config
     try:
-        cfg = resolve_config(args.model)
+        cfg = resolve_config(args.model, revision=args.revision, download_dir=args.download_dir)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

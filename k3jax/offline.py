@@ -29,11 +29,14 @@ Prompt = Union[str, Sequence[int], dict]
 
 
 class LLM:
-    def __init__(self, model="tiny", *, dtype=None, mesh=None, **engine_args):
-        """mesh: a jax Mesh or a spec like "data=2,expert=4" (parameters, pools and MoE sharded on it)."""
+    def __init__(self, model="tiny", *, dtype=None, mesh=None, revision=None, download_dir=None, **engine_args):
+        """model: a Model, preset, checkpoint directory or Hugging Face model id (ORG/NAME, at `revision`,
+        cached under `download_dir`). mesh: a jax Mesh or a spec like "data=2,expert=4" (parameters,
+        pools and MoE sharded on it)."""
         from k3jax.api import Model, load_model
         engine_args = EngineArgs(**engine_args)       # checked before a model loads
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, mesh=mesh)
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, mesh=mesh, revision=revision,
+                                                                         download_dir=download_dir)
         self.engine = LLMEngine(self.model, engine_args)
         self._calls = 0
 

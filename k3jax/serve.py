@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
+from k3jax.cli_help import DefaultsHelpFormatter, int_at_least, add_model_source_args
 
 log = logging.getLogger("k3jax.serve")
 
@@ -47,7 +47,8 @@ def _seconds_or_off(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m k3jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=DefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) or checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, tiny-random, kimi-linear-48b-a3b, kimi-k3) checkpoint directory or Hugging Face model id (ORG/NAME)")
+    add_model_source_args(ap)
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients send and /v1/models lists (default: the --model name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -145,7 +146,8 @@ def follow(args) -> int:
     from serving.engine_args import EngineArgs
     try:
         multihost_watch.set_stage("load")
-        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, revision=args.revision,
+                           download_dir=args.download_dir)
         enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
         multihost_watch.set_stage("warmup")
     except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
@@ -186,7 +188,8 @@ def build_state(args):
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     t0 = time.perf_counter()
     set_stage("load")
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, revision=args.revision,
+                       download_dir=args.download_dir)
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)

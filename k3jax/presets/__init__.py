@@ -117,8 +117,11 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(preset_config_dict(name))
 
 
-def resolve_config(model: str) -> ModelConfig:
-    """A preset name or a checkpoint directory (its config.json) -> ModelConfig."""
+def resolve_config(model: str, *, revision: str | None = None, download_dir: str | None = None) -> ModelConfig:
+    """A preset name, a checkpoint directory (its config.json) or a Hugging Face model id -> ModelConfig."""
+    from k3jax.checkpoint import hub
+    if model not in _PRESETS and hub.looks_like_repo_id(model):
+        model = hub.resolve(model, revision=revision, download_dir=download_dir)
     if os.path.isdir(model):
         return ModelConfig.from_json_file(os.path.join(model, "config.json"))
     return preset_config(model)
