@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
     ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default: ~/.cache/k3jax/xla)")
+    ap.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep warm-up's compiled step programs in the compilation cache directory, keyed on the "
+                         "code, model, settings and devices, so a restart skips tracing and lowering them")
     ap.add_argument("--log-level", default="info", help="debug, info, warning or error")
     mh = ap.add_argument_group("multi-host (default: K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID)")
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
@@ -184,7 +187,7 @@ def build_state(args):
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
         async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
-        vision=not args.no_vision,
+        vision=not args.no_vision, executable_cache=args.executable_cache,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     t0 = time.perf_counter()
     set_stage("load")

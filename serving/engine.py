@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import time
 from typing import Optional
@@ -18,6 +19,7 @@ import jax
 
 from k3jax.cache import SeqChunk
 from serving.engine_args import EngineArgs, device_free_bytes, size_pools
+from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
@@ -68,7 +70,9 @@ class LLMEngine:
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
             cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
-            scan_layers=args.scan_layers, backend=getattr(model, "backend", None))
+            scan_layers=args.scan_layers, backend=getattr(model, "backend", None),
+            executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
+            if args.compilation_cache_dir and args.executable_cache else None)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]

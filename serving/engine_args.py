@@ -53,6 +53,8 @@ class EngineArgs:
     forbid_compile_after_warmup: bool = False
     async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
+    executable_cache: bool = False                # warm-up's compiled programs kept in compilation_cache_dir/executables:
+                                                  # a restart skips tracing and lowering (serve turns it on)
     token_buckets: Optional[tuple] = None
     scan_layers: bool = True                      # the repeating layers as one scanned block (False: every
                                                   # layer traced, a debug path holding a second weight copy)

@@ -175,7 +175,7 @@ class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, executable_cache=None):
         self.config = config
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
         # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
@@ -229,6 +229,8 @@ class ModelRunner:
         self.num_compiles = 0
         self._aot = mesh is None and jax.process_count() == 1   # on a mesh: jit places the host batch
         self._compiled = {}          # step shape -> executable compiled ahead of time by warmup
+        # warm-up's executables kept across restarts (serving/executable_cache.py); None: off
+        self.executable_cache = executable_cache if self._aot else None
 
     # ------------------------------------------------------------------ compile accounting
     def _note_shape(self, key):
@@ -323,19 +325,35 @@ class ModelRunner:
         compiled concurrently. Returns (seconds lowering, seconds compiling)."""
         import concurrent.futures
         t0 = time.perf_counter()
-        lowered = {}
+        lowered, stored = {}, {}       # stored: shape key -> (executable cache key, args) to save once compiled
+        cache = self.executable_cache
+
+        def lower(key, fn, kind, *args):
+            if cache is not None:
+                ckey = cache.key(kind, repr(self.config), repr(self.backend), key, step_compiler_options())
+                exe = cache.load(ckey, args)
+                if exe is not None:
+                    self._compiled[key] = exe
+                    return
+                stored[key] = (ckey, args)
+            lowered[key] = fn.lower(*args)
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
-            lowered[_step_key(batch)] = self._step.lower(self.params, self.pools, batch, self.last_tokens)
+            lower(_step_key(batch), self._step, "step", self.params, self.pools, batch, self.last_tokens)
         for N in self.seq_buckets:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
             for v in sampler_variants:
                 _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
-                lowered[_sampler_key(sarr)] = self._sample.lower(logits, sarr, self.key_data, np.zeros(N, np.int32),
-                                                                 self.last_tokens)
+                lower(_sampler_key(sarr), self._sample, "sample", logits, sarr, self.key_data,
+                      np.zeros(N, np.int32), self.last_tokens)
+        if cache is not None:
+            log.info("executable cache: %d of %d step programs loaded from %s", len(self._compiled),
+                     len(self._compiled) + len(lowered), cache.directory)
         t1 = time.perf_counter()
         # default: half the cores (up to 8); XLA's own compile passes use threads too
+        if not lowered:
+            return t1 - t0, 0.0
         threads = max(1, min(len(lowered), threads or min(8, (os.cpu_count() or 2) // 2)))
         bar = None
         if progress:
@@ -345,7 +363,10 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
             futures = {pool.submit(low.compile): key for key, low in lowered.items()}
             for done in concurrent.futures.as_completed(futures):
-                self._compiled[futures[done]] = done.result()
+                key = futures[done]
+                self._compiled[key] = done.result()
+                if key in stored:
+                    cache.save(*stored[key], self._compiled[key])
                 if bar is not None:
                     bar.update()
         if bar is not None:
