@@ -19,6 +19,7 @@ import sys
 import time
 
 from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
+from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
 
 log = logging.getLogger("k3jax.serve")
 
@@ -120,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=256, help="vision encoder output cache in MiB")
     ap.add_argument("--no-vision", action="store_true",
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
-    ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default: ~/.cache/k3jax/xla)")
     ap.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_advanced_args(ap)
     mh = ap.add_argument_group("multi-host (default: K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID)")
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
@@ -145,7 +146,8 @@ def follow(args) -> int:
     from serving.engine_args import EngineArgs
     try:
         multihost_watch.set_stage("load")
-        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+        model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh,
+                           **EngineArgs(**advanced_kwargs(args)).load_options())
         enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
         multihost_watch.set_stage("warmup")
     except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
@@ -182,11 +184,11 @@ def build_state(args):
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
         async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
-        vision=not args.no_vision,
+        vision=not args.no_vision, **advanced_kwargs(args),
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     t0 = time.perf_counter()
     set_stage("load")
-    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh)
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, **eargs.load_options())
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
@@ -204,7 +206,6 @@ def build_state(args):
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
-                       test_hooks=args.enable_test_hooks,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
                        max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
@@ -223,6 +224,7 @@ def _image_loader(model, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from serving import multihost, multihost_watch
     args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,

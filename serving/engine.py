@@ -49,7 +49,8 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
         args.max_model_len = self.max_model_len
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
-        cache_dtype = model.params["embed"].dtype
+        weight_dtype = model.params["embed"].dtype
+        cache_dtype = args.cache_dtype(weight_dtype)
         mesh = getattr(model, "mesh", None)
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
                                           self._activation_bytes(c, weight_bytes, cache_dtype, mesh))
@@ -68,7 +69,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
             cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
-            scan_layers=args.scan_layers, backend=getattr(model, "backend", None))
+            scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -92,7 +93,7 @@ class LLMEngine:
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
             self.encoder = VisionEncoder(model.vision, cache_bytes=args.encoder_cache_bytes,
-                                         out_dtype=cache_dtype, mesh=mesh)
+                                         out_dtype=weight_dtype, mesh=mesh)
             self.scheduler.is_encoded = self.encoder.cache.__contains__
         if args.warmup:
             self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads,
