@@ -1,7 +1,6 @@
 """Notebook-friendly entry point: `load_model` and the `Model` it returns."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from functools import cached_property
@@ -15,6 +14,7 @@ from k3jax.expert_layout import merge_gate_up, split_gate_up
 from k3jax.layer_stack import stack_layers
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config, preset_names
+from k3jax.vision.model import VisionModel, media_pad_id
 from pallas_kernels.backend import Backend, detect
 from serving.engine_args import claim_device_memory
 
@@ -32,21 +32,6 @@ def _dtype(dtype):
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     return jnp.dtype(dtype).type
-
-
-@dataclasses.dataclass
-class VisionModel:
-    """The image side of a multimodal model: tower + projector weights, image preprocessing,
-    and the placeholder id whose embeddings the tower's output replaces."""
-    config: object               # k3jax.vision.config.VisionConfig
-    params: dict
-    processor: object            # k3jax.vision.preprocess.ImageProcessorConfig
-    pad_id: int                  # <|media_pad|>
-
-    @property
-    def max_patches(self) -> int:
-        """Most patches one preprocessed image can have (the encoder's largest bucket)."""
-        return self.processor.max_patches
 
 
 class Model:
@@ -224,7 +209,11 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
-        config, params = load_checkpoint_dir(src, dt, mesh=mesh)
+        shardings_of = None
+        if mesh is not None:
+            from sharding.rules import param_shardings
+            shardings_of = lambda c: param_shardings(c, mesh)  # noqa: E731
+        config, params = load_checkpoint_dir(src, dt, mesh=mesh, shardings_of=shardings_of)
         backend = _backend_for(params, **choices)
         tokenizer = _load_tokenizer(src)
         return Model(config, _place(params, mesh, config, backend, merged_experts), tokenizer, name=os.path.basename(os.path.normpath(src)),
@@ -253,13 +242,6 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     return Model(config, _place(params, mesh, config, backend, merged_experts), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
 
 
-def _media_pad_id(config: ModelConfig, tokenizer) -> int:
-    if tokenizer is not None:
-        return tokenizer.id_of("<|media_pad|>")
-    from k3jax.tokenizer import vocab
-    return config.vocab_size - vocab.NUM_SPECIAL + vocab.SPECIAL_OFFSETS["<|media_pad|>"]
-
-
 def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) -> VisionModel | None:
     """Random (numpy-seeded) tower weights for presets that declare a full vision_config."""
     if not config.vision or name != "tiny-random":
@@ -272,4 +254,4 @@ def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) 
     # (the text weights come from `seed`; the tower's own stream keeps them unchanged)
     params = init_vision_params_numpy(vcfg, seed + 1, config.hidden_size, dtype)
     return VisionModel(vcfg, params, ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
-                       _media_pad_id(config, tokenizer))
+                       media_pad_id(config, tokenizer))

@@ -77,7 +77,8 @@ def main(argv=None):
         advanced = advanced_kwargs(args)
         model = load_model(args.model, dtype=args.dtype, mesh=args.mesh, **EngineArgs(**advanced).load_options())
         if multihost.is_multiprocess() and not multihost.is_leader():
-            return multihost.exit_follower(multihost.follow(model))
+            from serving import follower
+            return follower.exit_follower(follower.follow(model))
         tok = model.tokenizer
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer")

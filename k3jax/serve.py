@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def follow(args) -> int:
     """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
     from k3jax.api import load_model
-    from serving import multihost, multihost_watch
+    from serving import follower, multihost_watch
     from serving.engine import enable_compilation_cache
     from serving.engine_args import EngineArgs
     try:
@@ -152,10 +152,10 @@ def follow(args) -> int:
         multihost_watch.set_stage("warmup")
     except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
         multihost_watch.current().fail(e)
-    return multihost.exit_follower(multihost.follow(model))
+    return follower.exit_follower(follower.follow(model))
 
 
-def build_state(args):
+def build_state(args, request_matcher=None):
     from k3jax.api import load_model
     from serving import multihost
     from serving.async_engine import AsyncEngine
@@ -206,6 +206,7 @@ def build_state(args):
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
+                       request_matcher=request_matcher,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
                        max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
@@ -222,7 +223,11 @@ def _image_loader(model, args):
         timeout_s=args.image_fetch_timeout, local_dir=args.image_dir))
 
 
-def main(argv=None):
+def main(argv=None, *, fault_hook=None, request_matcher=None):
+    """Serve. fault_hook(stage, process_index): called at every fault point of a multi-host run
+    (serving.multihost_watch.WatchSettings); request_matcher(req, state): a matcher factory constraining a
+    chat request's output (serving.openai.generation.ServerState). Both are for tests
+    (tests/serve_with_hooks.py installs them); the CLI sets neither."""
     args = parse_args(argv)
     claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -230,14 +235,14 @@ def main(argv=None):
     args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,
                                 heartbeat_timeout_s=args.heartbeat_timeout)
     if not multihost.is_multiprocess():
-        return _serve(args)
+        return _serve(args, request_matcher)
     watch = multihost_watch.start(multihost_watch.WatchSettings(
         heartbeat_timeout_s=args.heartbeat_timeout, startup_timeout_s=args.startup_timeout,
-        step_timeout_s=args.step_timeout))
+        step_timeout_s=args.step_timeout, fault_hook=fault_hook))
     if not multihost.is_leader():
         return follow(args)
     try:
-        code = _serve(args)
+        code = _serve(args, request_matcher)
     except Exception as e:  # noqa: BLE001 - a failure on process 0 ends every process (never returns)
         watch.fail(e, code=2 if isinstance(e, ValueError) else 1)
     except SystemExit:     # SIGTERM: a clean exit
@@ -249,7 +254,7 @@ def main(argv=None):
     return code
 
 
-def _serve(args):
+def _serve(args, request_matcher=None):
     try:
         import uvicorn
         from serving.openai.app import build_app
@@ -258,7 +263,7 @@ def _serve(args):
         return 2
     from serving import multihost_watch
     try:
-        state = build_state(args)
+        state = build_state(args, request_matcher)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         if multihost_watch.current():
