@@ -20,6 +20,7 @@ import time
 
 from k3jax.cli_help import DefaultsHelpFormatter, int_at_least
 from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
+from serving.engine_args import field_default as D        # the engine's defaults are the flags' defaults
 
 log = logging.getLogger("k3jax.serve")
 
@@ -63,17 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most tokens in one step (prefill chunks + decodes) (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
                     help="context length, prompt + output (default: 8192, capped by the model's)")
-    ap.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per MLA cache page")
-    ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=16, help="prefix-cache granularity in tokens (divides --page-size)")
-    ap.add_argument("--state-block-size", type=int_at_least(0), default=1024, help="KDA state checkpoint every this many prompt tokens")
+    ap.add_argument("--page-size", type=int_at_least(1), default=D("page_size"), help="tokens per MLA cache page")
+    ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=D("prefix_match_unit"),
+                    help="prefix-cache granularity in tokens (divides --page-size)")
+    ap.add_argument("--state-block-size", type=int_at_least(0), default=D("state_block_size"),
+                    help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=64,
+    ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=D("prefix_wait_steps"),
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
                          "up to this many steps instead of computing it again (0 = admit at once)")
-    ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
+    ap.add_argument("--verify-prefix-cache", type=float, default=D("verify_prefix_cache"), metavar="FRACTION",
                     help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
-    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
+    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=D("verify_prefix_cache_tolerance"),
                     help="largest log-probability difference a verified hit may show")
     ap.add_argument("--host-cache-mb", type=int_at_least(0), default=0,
                     help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
@@ -87,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds for the peer's prefill and for the transfer; past them the request prefills locally")
     dg.add_argument("--transfer-address", default=None,
                     help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
-    ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
+    ap.add_argument("--memory-fraction", type=float, default=D("memory_fraction"),
+                    help="the cache's share of the device memory left after the weights and the largest step's "
+                         "activations")
     ap.add_argument("--cache-memory-mb", type=int_at_least(1), default=None, help="cache size in MiB (default: from --memory-fraction)")
-    ap.add_argument("--max-waiting", type=int_at_least(1), default=1024, help="queue bound; beyond it requests get 429")
+    ap.add_argument("--max-waiting", type=int_at_least(1), default=D("max_waiting"), help="queue bound; beyond it requests get 429")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices (n) one request may ask for; above: 400")
     ap.add_argument("--max-prompts-per-request", type=int_at_least(1), default=256,
                     help="most prompts in one /v1/completions request; above: 400 (n x prompts must also fit "
@@ -118,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")
     ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted, in MiB")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
-    ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=256, help="vision encoder output cache in MiB")
+    ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=D("encoder_cache_bytes") >> 20,
+                    help="vision encoder output cache in MiB")
     ap.add_argument("--no-vision", action="store_true",
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default: ~/.cache/k3jax/xla)")

@@ -48,6 +48,10 @@ class LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
         self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
         args.max_model_len = self.max_model_len
+        # the step's shape buckets, computed once here: the activation measurement and the runner use them
+        self.token_buckets, self.seq_buckets = step_buckets(
+            args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+            token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         weight_dtype = model.params["embed"].dtype
         cache_dtype = args.cache_dtype(weight_dtype)
@@ -68,7 +72,7 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
+            cache_dtype=cache_dtype, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets, mesh=mesh,
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
@@ -115,8 +119,7 @@ class LLMEngine:
             log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
                         "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
             return 0
-        tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
-                              token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+        tb, sb = self.token_buckets, self.seq_buckets
         t0 = time.perf_counter()
         from k3jax.layer_stack import stack_layers, unstack_layers
         layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them

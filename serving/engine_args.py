@@ -94,7 +94,8 @@ class EngineArgs:
                                                   # no tower warm-up or encoder cache)
     encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
-    kv_cache_dtype: str = "auto"                  # element type of the cache pools (KV_CACHE_DTYPES; auto: the weights')
+    kv_cache_dtype: str = "auto"                  # element type of the cache pools (KV_CACHE_DTYPES; auto: the
+                                                  # weights'; for now a named one must equal the weights')
     # ---- advanced: kernel and layout choices (pallas_kernels/backend.py); the defaults pick per device
     kernels: str = "auto"                         # auto: Pallas kernels on GPU/TPU, jnp references on CPU;
                                                   # reference | pallas (interpret mode on CPU)
@@ -160,12 +161,19 @@ class EngineArgs:
         return {name: getattr(self, name) for name in LOAD_FIELDS}
 
     def cache_dtype(self, weight_dtype):
-        """The cache pools' dtype: kv_cache_dtype, or the weights' dtype for "auto"."""
+        """The cache pools' dtype: kv_cache_dtype, or the weights' dtype for "auto". The model's cache reads
+        and writes take the pools in the activations' dtype (pallas_kernels/scatter.py: a CPU pool of
+        16-bit floats is stored as bits whose value dtype is the activations'), so another dtype is refused
+        until the layers convert at the pool."""
         name = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if name is None:
             return weight_dtype
         import jax.numpy as jnp
-        return jnp.dtype(name).type
+        dtype = jnp.dtype(name)
+        if dtype != jnp.dtype(weight_dtype):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} with {jnp.dtype(weight_dtype).name} weights: "
+                             f"the cache takes the weights' dtype (use 'auto', or load the model in {dtype.name})")
+        return dtype.type
 
 
 def field_default(name: str):
