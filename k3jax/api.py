@@ -17,6 +17,8 @@ from k3jax.presets import TINY_SEED, preset_config, preset_names
 from k3jax.vision.model import VisionModel, media_pad_id
 from pallas_kernels.backend import Backend, detect
 from serving.engine_args import claim_device_memory
+from sharding import rules
+from sharding.mesh import make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +150,7 @@ def _place(params, mesh, config, backend: Backend, merged_experts: bool = False)
     repeating layers for the scanned decoder (k3jax/layer_stack.py); merged_experts, on one GPU running
     the fused MoE kernels: merge the routed experts' gate and up weights (k3jax/expert_layout.py)."""
     if mesh is not None:
-        from sharding.rules import shard_params
-        params = shard_params(params, mesh, config)
+        params = rules.shard_params(params, mesh, config)
     params = stack_layers(params, config, donate=True)
     if merged_experts and mesh is None and backend.kernels and backend.platform != "tpu":
         # opt-in until the merged kernels are measured end to end on the GPU
@@ -181,7 +182,6 @@ def _mesh(mesh):
     """A jax Mesh, a spec string like "data=2,expert=4", or None."""
     if mesh is None or not isinstance(mesh, str):
         return mesh
-    from sharding.mesh import make_mesh
     return make_mesh(mesh)
 
 
@@ -209,10 +209,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
-        shardings_of = None
-        if mesh is not None:
-            from sharding.rules import param_shardings
-            shardings_of = lambda c: param_shardings(c, mesh)  # noqa: E731
+        shardings_of = None if mesh is None else lambda c: rules.param_shardings(c, mesh)
         config, params = load_checkpoint_dir(src, dt, mesh=mesh, shardings_of=shardings_of)
         backend = _backend_for(params, **choices)
         tokenizer = _load_tokenizer(src)
@@ -231,10 +228,7 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
         # made in the scan layout on the rules' shardings: placed once, never restacked
-        shardings = None
-        if mesh is not None:
-            from sharding.rules import param_shardings
-            shardings = param_shardings(config, mesh, stacked=True)
+        shardings = None if mesh is None else rules.param_shardings(config, mesh, stacked=True)
         params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=True, shardings=shardings)
     backend = _backend_for(params, **choices)
     tokenizer = _load_tokenizer(None, src) if embedded else None

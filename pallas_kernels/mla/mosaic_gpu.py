@@ -1,6 +1,6 @@
 """Paged absorbed-MLA decode on Mosaic GPU (Hopper wgmma + TMA), for 64+ query heads.
 
-The decode-only MLA kernel on Hopper (``K3JAX_MLA_DECODE=auto|mosaic|triton``, pallas_kernels/backend.py).
+The decode-only MLA kernel on Hopper (the backend's ``mla_decode``: auto|mosaic|triton, pallas_kernels/backend.py).
 Checked on an H200 by scripts/bench_kernels.py --only mla-mosaic (matches the reference as closely as the
 Triton kernel); tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
 that the GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
