@@ -1,12 +1,8 @@
-"""k3jax: a JAX/XLA serving stack for Kimi K3 and the Kimi Linear family."""
-import os as _os
+"""k3jax: a JAX/XLA serving stack for Kimi K3 and the Kimi Linear family.
 
-# JAX preallocates 75% of an accelerator by default. The engine sizes its cache from what the allocator
-# may hold, after the weights and the largest step's activations: let it hold 90% (vLLM's default
-# utilization) unless the user chose otherwise. Takes effect if no JAX backend has started yet.
-_os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
-
-from k3jax.config import ModelConfig  # noqa: E402
+Importing it has no side effects: the process-wide setting a server needs (JAX's allocator share of the
+device) is made where a model is loaded (serving.engine_args.claim_device_memory)."""
+from k3jax.config import ModelConfig
 
 __all__ = ["ModelConfig", "load_model", "Model", "LLM", "SamplingParams"]
 

@@ -1,7 +1,6 @@
 """Notebook-friendly entry point: `load_model` and the `Model` it returns."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from functools import cached_property
@@ -16,7 +15,11 @@ from k3jax.layer_stack import stack_layers
 from k3jax.params import init_params_by_leaf, init_params_numpy
 from k3jax.checkpoint import hub
 from k3jax.presets import TINY_SEED, preset_config, preset_names
+from k3jax.vision.model import VisionModel, media_pad_id
 from pallas_kernels.backend import Backend, detect
+from serving.engine_args import claim_device_memory
+from sharding import rules
+from sharding.mesh import make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +35,6 @@ def _dtype(dtype):
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     return jnp.dtype(dtype).type
-
-
-@dataclasses.dataclass
-class VisionModel:
-    """The image side of a multimodal model: tower + projector weights, image preprocessing,
-    and the placeholder id whose embeddings the tower's output replaces."""
-    config: object               # k3jax.vision.config.VisionConfig
-    params: dict
-    processor: object            # k3jax.vision.preprocess.ImageProcessorConfig
-    pad_id: int                  # <|media_pad|>
-
-    @property
-    def max_patches(self) -> int:
-        """Most patches one preprocessed image can have (the encoder's largest bucket)."""
-        return self.processor.max_patches
 
 
 class Model:
@@ -158,27 +146,25 @@ def _tiny_params(config: ModelConfig, seed: int | None, dtype):
     return init_params_numpy(config, TINY_SEED if seed is None else seed, dtype)
 
 
-def _place(params, mesh, config, backend: Backend):
+def _place(params, mesh, config, backend: Backend, merged_experts: bool = False):
     """Put every parameter on the mesh by the partition rules (sharding/rules.py), then stack the
-    repeating layers for the scanned decoder (k3jax/layer_stack.py); on one device running the
-    fused MoE kernels, merge the routed experts' gate and up weights (k3jax/expert_layout.py)."""
+    repeating layers for the scanned decoder (k3jax/layer_stack.py); merged_experts, on one GPU running
+    the fused MoE kernels: merge the routed experts' gate and up weights (k3jax/expert_layout.py)."""
     if mesh is not None:
-        from sharding.rules import shard_params
-        params = shard_params(params, mesh, config)
+        params = rules.shard_params(params, mesh, config)
     params = stack_layers(params, config, donate=True)
-    if mesh is None and backend.kernels and backend.platform != "tpu" and os.environ.get("K3JAX_MERGED_EXPERTS") == "1":
-        # opt-in until measured end to end on the GPU (the merged bf16 decode kernel has no H200 row yet;
-        # docs/bench_moe.md run 7)
+    if merged_experts and mesh is None and backend.kernels and backend.platform != "tpu":
+        # opt-in until the merged kernels are measured end to end on the GPU
         params = merge_gate_up(params)
     return params
 
 
-def _backend_for(params) -> Backend:
-    """The detected backend with the MXFP4 decoder these weights allow: the fast decoder is exact only
-    for a window of E8M0 scales (real checkpoints sit well inside it); weights with a scale outside
-    it get the exact ptx4 decoder."""
+def _backend_for(params, kernels: str = "auto", mla_prefill: str = "auto", mla_decode: str = "auto") -> Backend:
+    """The backend of these choices on this device (pallas_kernels/backend.py), with the MXFP4 decoder
+    these weights allow: the fast decoder is exact only for a window of E8M0 scales (real checkpoints
+    sit well inside it); weights with a scale outside it get the exact ptx4 decoder."""
     from pallas_kernels.moe import mxfp4 as mx
-    backend = detect()
+    backend = detect(kernels, mla_prefill=mla_prefill, mla_decode=mla_decode)
     # (every container kind: the checkpoint layout keeps its layers in a list)
     found = [val for path, val in jax.tree_util.tree_leaves_with_path(params)
              if str(getattr(path[-1], "key", "")).endswith("_scale") and getattr(val, "dtype", None) == jnp.uint8]
@@ -197,23 +183,30 @@ def _mesh(mesh):
     """A jax Mesh, a spec string like "data=2,expert=4", or None."""
     if mesh is None or not isinstance(mesh, str):
         return mesh
-    from sharding.mesh import make_mesh
     return make_mesh(mesh)
 
 
-def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None, revision: str | None = None,
-               download_dir: str | None = None) -> Model:
+def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None = None, kernels: str = "auto",
+               mla_prefill: str = "auto", mla_decode: str = "auto", merged_experts: bool = False,
+               revision: str | None = None, download_dir: str | None = None) -> Model:
     """Load a preset name ("tiny"), a converted k3jax checkpoint, a Hugging Face checkpoint directory, or a
     Hugging Face model id ("ORG/NAME": the hub's local cache first, at `revision`, under `download_dir`).
 
     mesh: a jax Mesh or a spec like "data=2,expert=4": parameters are placed by the partition rules
     and the serving engine shards its pools and runs MoE expert-parallel on it.
 
+    kernels / mla_prefill / mla_decode: the model's backend (pallas_kernels/backend.py; EngineArgs
+    documents the values); merged_experts: the routed experts' gate and up weights merged (one GPU
+    running the kernels).
+
     "tiny" is the trained embedded model (k3jax/assets/tiny-trained.safetensors); "tiny-random" the
     seeded random model the tests use. Other presets have no weights: `seed=` gives them random
     weights (benchmarks); for "tiny", `seed=` asks for random weights of its shape.
     """
+    claim_device_memory()          # before JAX starts its backend (the engine sizes its cache from it)
     dt = _dtype(dtype)
+    choices = dict(kernels=kernels, mla_prefill=mla_prefill, mla_decode=mla_decode)
+    detect(kernels, mla_prefill=mla_prefill, mla_decode=mla_decode)      # a bad choice fails before loading
     mesh = _mesh(mesh)
     src = os.fspath(path_or_preset)
     name = os.path.basename(os.path.normpath(src))
@@ -222,10 +215,11 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
     if os.path.isdir(src):
         from k3jax.checkpoint.load import load_checkpoint_dir
         from k3jax.checkpoint.vision_ckpt import load_vision
-        config, params = load_checkpoint_dir(src, dt, mesh=mesh)
-        backend = _backend_for(params)
+        shardings_of = None if mesh is None else lambda c: rules.param_shardings(c, mesh)
+        config, params = load_checkpoint_dir(src, dt, mesh=mesh, shardings_of=shardings_of)
+        backend = _backend_for(params, **choices)
         tokenizer = _load_tokenizer(src)
-        return Model(config, _place(params, mesh, config, backend), tokenizer, name=name,
+        return Model(config, _place(params, mesh, config, backend, merged_experts), tokenizer, name=name,
                      mesh=mesh, vision=load_vision(src, config, tokenizer, dt), backend=backend)
     if src not in preset_names():
         raise ValueError(f"{src!r} is neither a directory, a preset ({', '.join(preset_names())}) nor a "
@@ -241,22 +235,12 @@ def load_model(path_or_preset: str, *, dtype=None, mesh=None, seed: int | None =
         params = init_params_numpy(config, TINY_SEED if seed is None else seed, dt)
     else:
         # made in the scan layout on the rules' shardings: placed once, never restacked
-        shardings = None
-        if mesh is not None:
-            from sharding.rules import param_shardings
-            shardings = param_shardings(config, mesh, stacked=True)
+        shardings = None if mesh is None else rules.param_shardings(config, mesh, stacked=True)
         params = init_params_by_leaf(config, jax.random.key(seed), dtype=dt, stacked=True, shardings=shardings)
-    backend = _backend_for(params)
+    backend = _backend_for(params, **choices)
     tokenizer = _load_tokenizer(None, src) if embedded else None
     vision = _preset_vision(config, tokenizer, src, TINY_SEED if seed is None else seed, dt)
-    return Model(config, _place(params, mesh, config, backend), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
-
-
-def _media_pad_id(config: ModelConfig, tokenizer) -> int:
-    if tokenizer is not None:
-        return tokenizer.id_of("<|media_pad|>")
-    from k3jax.tokenizer import vocab
-    return config.vocab_size - vocab.NUM_SPECIAL + vocab.SPECIAL_OFFSETS["<|media_pad|>"]
+    return Model(config, _place(params, mesh, config, backend, merged_experts), tokenizer, name=src, mesh=mesh, vision=vision, backend=backend)
 
 
 def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) -> VisionModel | None:
@@ -271,4 +255,4 @@ def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) 
     # (the text weights come from `seed`; the tower's own stream keeps them unchanged)
     params = init_vision_params_numpy(vcfg, seed + 1, config.hidden_size, dtype)
     return VisionModel(vcfg, params, ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
-                       _media_pad_id(config, tokenizer))
+                       media_pad_id(config, tokenizer))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.cli_help import DefaultsHelpFormatter, int_at_least, add_model_source_args
+from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args, int_at_least
+from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,17 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per engine step (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None, help="context length (default: model's, <= 8192)")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices one request may ask for")
+    add_advanced_args(ap)
     return ap
 
 
 def build_runner(args):
     import os
     from k3jax.api import load_model
-    from serving.engine_args import EngineArgs
+    from serving.engine_args import EngineArgs, field_default
     from serving.openai.batch import runner_for
     eargs = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, max_waiting=max(4096, args.window * args.max_n), warmup=False)
-    model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir)
+                       max_model_len=args.max_model_len, max_waiting=max(field_default("max_waiting"), args.window * args.max_n),
+                       warmup=False, **advanced_kwargs(args))
+    model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir,
+                       **eargs.load_options())
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     return runner_for(model, name, eargs, args.max_n)
@@ -50,6 +54,7 @@ def build_runner(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    claim_device_memory()
     from serving.openai.batch import BatchJob
     try:
         job = BatchJob(args.input, args.output, window=args.window, overwrite=args.overwrite)

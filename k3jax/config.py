@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any, Mapping
 
+from k3jax.quantization import is_quantized, scheme_of
+
 log = logging.getLogger(__name__)
 
 # Fields of HF configs that carry no information the model needs.
@@ -225,7 +227,6 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         if q.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
             _fail("quantization_config", {k: q.get(k) for k in ("quant_method", "format")},
                   "only compressed-tensors 'mxfp4-pack-quantized' is supported")
-        from k3jax.checkpoint.quant_scheme import is_quantized, scheme_of
         quant_targets, quant_ignore = scheme_of(q)
         # the routed experts stay MXFP4 when the scheme packs them (the names of a K3 release)
         moe_layer = int(get("first_k_dense_replace", 1))

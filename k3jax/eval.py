@@ -15,6 +15,7 @@ import time
 from functools import partial
 
 from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args
+from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
 
 
 def _window_nll(params, tokens, length, *, config, backend=None):
@@ -87,18 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=8, help="windows per step")
     ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_advanced_args(ap, engine=False)
     return ap
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    claim_device_memory()
     try:
         if args.seq_len < 1 or args.batch_size < 1:
             raise ValueError("--seq-len and --batch-size must be positive")
         from k3jax.text_data import text_files
         text_files(args.data)        # a missing or empty --data is one line before the model loads
         from k3jax.api import load_model
-        model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir)
+        model = load_model(args.model, dtype=args.dtype, revision=args.revision, download_dir=args.download_dir,
+                           **advanced_kwargs(args))
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer")
         res = perplexity(model.params, model.config, model.tokenizer, args.data, seq_len=args.seq_len,

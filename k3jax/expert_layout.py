@@ -6,7 +6,7 @@ MXFP4 with h handed to the down kernel in its operand order). Checkpoints keep w
 is applied on the way out (k3jax.api.Model.checkpoint_params). Works on either layer layout (a list
 of layers, or k3jax.layer_stack's stacked one: stacked expert leaves [L, E, ...]).
 
-load_model merges only when K3JAX_MERGED_EXPERTS=1 (opt-in until the merged kernels are measured end to
+load_model merges only when asked (merged_experts=True, `--merged-experts`) (opt-in until the merged kernels are measured end to
 end on the GPU). Only for single-device models running the GPU kernels: the MXFP4 merged rows hold the features in
 halves order over the whole intermediate width, which a tensor-parallel split of that width would cut
 into the wrong features; expert parallelism (sharding/moe_ep.py) keeps the checkpoint layout.

@@ -9,6 +9,7 @@ import sys
 import time
 
 from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args
+from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
 
 
 def generate_ids(model, prompt_ids, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
@@ -58,23 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     ap.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16)")
     ap.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" (default: one device)')
+    add_advanced_args(ap)
     return ap
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     from k3jax.api import load_model
     from k3jax.offline import LLM, SamplingParams
     from serving import multihost
+    from serving.engine_args import EngineArgs
     # Multi-host (K3JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID): process 0 generates, the others follow.
     args.mesh = multihost.start(mesh=args.mesh)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
+        advanced = advanced_kwargs(args)
         model = load_model(args.model, dtype=args.dtype, mesh=args.mesh, revision=args.revision,
-                           download_dir=args.download_dir)
+                           download_dir=args.download_dir, **EngineArgs(**advanced).load_options())
         if multihost.is_multiprocess() and not multihost.is_leader():
-            return multihost.exit_follower(multihost.follow(model))
+            from serving import follower
+            return follower.exit_follower(follower.follow(model))
         tok = model.tokenizer
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer")
@@ -82,8 +88,8 @@ def main(argv=None):
             ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
         else:
             ids = tok.encode(args.prompt)
-        llm = LLM(model, max_num_seqs=1, max_num_batched_tokens=128,
-                  max_model_len=max(256, len(ids) + args.max_tokens), warmup=False)
+        llm = LLM(model, max_num_seqs=1, max_num_batched_tokens=128, max_model_len=max(256, len(ids) + args.max_tokens),
+                  warmup=False, kv_cache_dtype=args.kv_cache_dtype, dense_in_place=args.dense_in_place)
         t0 = time.perf_counter()
         out = _generate_with_progress(llm, ids, params)
     except ValueError as e:

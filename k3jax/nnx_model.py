@@ -32,27 +32,18 @@ from k3jax.layers.moe import MoE, RoutedExperts
 from k3jax.model import K3Model, LayerStack
 from k3jax.params import is_leaf, param_spec, tree_parameter_count
 
-__all__ = ["AttnRes", "COUNTS", "DecoderLayer", "DenseMLP", "Graph", "Group", "K3Model", "KDA", "LayerStack",
+__all__ = ["AttnRes", "DecoderLayer", "DenseMLP", "Graph", "Group", "K3Model", "KDA", "LayerStack",
            "List", "MLA", "MoE", "ModelGraph", "OutputAttnRes", "RoutedExperts", "graph_for", "logical_axes",
            "model_graph", "named_params", "split_model", "split_module", "summary"]
 
-# split_model / ModelGraph.merge calls in this process (tests check the runner splits once and only
-# merges while tracing).
-COUNTS = {"split": 0, "merge": 0}
-
 
 class ModelGraph(Graph):
-    """A whole model's graph (merges counted)."""
-
-    def merge(self, params) -> K3Model:
-        COUNTS["merge"] += 1
-        return super().merge(params)
+    """A whole model's graph: merge(params) rebuilds the K3Model."""
 
 
 def split_model(model: K3Model) -> tuple[ModelGraph, dict]:
     """(graph, params): once per model / runner, on the host. params is the dict of the model's own
     arrays, in the order of the nnx state's leaves (checked), so `graph.merge(params)` rebuilds it."""
-    COUNTS["split"] += 1
     graph, params = split_module(model)
     return ModelGraph(graph.graphdef, graph.treedef), params
 

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Sequence, Union
 
 from serving.engine import LLMEngine
-from serving.engine_args import EngineArgs
+from serving.engine_args import EngineArgs, field_default
 from serving.request import RequestOutput
 from serving.sampling_params import SamplingParams
 
@@ -30,13 +30,22 @@ Prompt = Union[str, Sequence[int], dict]
 
 class LLM:
     def __init__(self, model="tiny", *, dtype=None, mesh=None, revision=None, download_dir=None, **engine_args):
-        """model: a Model, preset, checkpoint directory or Hugging Face model id (ORG/NAME, at `revision`,
-        cached under `download_dir`). mesh: a jax Mesh or a spec like "data=2,expert=4" (parameters,
-        pools and MoE sharded on it)."""
+        """model: a preset name, a checkpoint directory, a Hugging Face model id (ORG/NAME, at `revision`,
+        cached under `download_dir`) or a loaded k3jax Model. mesh: a jax Mesh or a spec like
+        "data=2,expert=4" (parameters, pools and MoE sharded on it). engine_args: EngineArgs' fields,
+        the advanced kernel and layout choices included (kernels, mla_prefill, mla_decode, merged_experts:
+        applied when the model loads, so a loaded Model keeps its own)."""
         from k3jax.api import Model, load_model
         engine_args = EngineArgs(**engine_args)       # checked before a model loads
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, mesh=mesh, revision=revision,
-                                                                         download_dir=download_dir)
+        if isinstance(model, Model):
+            chosen = {k: v for k, v in engine_args.load_options().items() if v != field_default(k)}
+            if chosen:
+                raise ValueError(f"{', '.join(chosen)}: chosen when a model loads; pass them to load_model, "
+                                 "or a model name to LLM")
+            self.model = model
+        else:
+            self.model = load_model(model, dtype=dtype, mesh=mesh, revision=revision, download_dir=download_dir,
+                                    **engine_args.load_options())
         self.engine = LLMEngine(self.model, engine_args)
         self._calls = 0
 

@@ -2,6 +2,11 @@
 
   python -m k3jax.plan --model kimi-k3 --mesh data=8,expert=64 --device h200 [--page-size 64] [--context 131072]
 
+The memory model is the engine's (serving/engine_args.py): JAX's allocator holds ALLOCATOR_MEMORY_FRACTION of
+each device; after the weights and the largest step's activations, `memory_fraction` of the rest is the
+cache. Defaults (page size, memory fraction, step tokens) are the engine's, so a plan describes what
+`k3jax.serve` with the same settings allocates.
+
 Per-device bytes are computed from shapes only (jax.eval_shape: `param_shapes`, `pool_shapes`)
 and the partition rules of `sharding.rules` (per-device shard shapes from the same specs that
 place the real arrays), so the plan and the allocation cannot drift. Activations are an
@@ -18,12 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.cli_help import DefaultsHelpFormatter
 from k3jax.cache import pool_shapes
 from k3jax.config import ModelConfig
 from k3jax.params import param_shapes
+from serving.engine_args import ACCELERATOR_BATCH_DEFAULTS, ALLOCATOR_MEMORY_FRACTION, field_default
 
 GiB = 1 << 30
-# Nominal HBM per device (GiB). Usable memory is a little lower: --mem-fraction covers it.
+# Nominal HBM per device (GiB); the engine's allocator holds ALLOCATOR_MEMORY_FRACTION of it.
 DEVICES = {"h100": 80, "h200": 141, "b200": 192, "tpu-v5p": 95, "tpu-v6e": 32}
 
 
@@ -111,13 +118,16 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_size: int = 64,
-         context: int = 131072, batch: int | None = None, dtype=jnp.bfloat16, mem_fraction: float = 0.9,
-         memory_gib: float | None = None, step_tokens: int = 8192, extra_slots: int = 0) -> dict:
+def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_size: int = field_default("page_size"),
+         context: int = 131072, batch: int | None = None, dtype=jnp.bfloat16,
+         memory_fraction: float = field_default("memory_fraction"), memory_gib: float | None = None,
+         step_tokens: int = ACCELERATOR_BATCH_DEFAULTS[1], extra_slots: int = 0) -> dict:
     """Per-device memory plan. Returns a dict of bytes and the largest batch/context that fit.
 
     mesh_spec: "data=8,expert=64" / dict (sizes must be explicit; the product is the device count).
     batch None: find the largest batch at `context`; else also report pools for that batch.
+    memory_fraction: EngineArgs.memory_fraction, the cache's share of the memory the allocator holds
+    after the weights and activations. step_tokens: the largest step (EngineArgs.max_num_batched_tokens).
     extra_slots: KDA checkpoint slots kept for prefix caching (on top of one per sequence).
     """
     from sharding.mesh import parse_mesh_spec, spec_items
@@ -125,8 +135,8 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
                              ("batch", 1 if batch is None else batch, 1), ("extra_slots", extra_slots, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not 0 < mem_fraction <= 1:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     if memory_gib is not None and not memory_gib > 0:
         raise ValueError(f"memory_gib must be positive, got {memory_gib!r}")
     given = spec_items(mesh_spec or {})
@@ -137,17 +147,19 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
         if device not in DEVICES:
             raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)} (or memory_gib=)")
         memory_gib = DEVICES[device]
-    budget = int(memory_gib * GiB * mem_fraction)
+    budget = int(memory_gib * GiB * ALLOCATOR_MEMORY_FRACTION)       # what the engine's allocator holds
     split = sizes["data"] * sizes["expert"]                    # pages and slots split over these
     w = weight_bytes(config, sizes, dtype)
     vis = vision_bytes(config, sizes, dtype)
 
-    def seqs_fit(B: int, L: int) -> tuple[int, dict, int, int]:
+    def seqs_fit(B: int, L: int) -> tuple[int, dict, int, int, bool]:
         pages = _round_up(B * -(-L // page_size) + 1, split)
         slots = _round_up(B + extra_slots + 1, split)
         pb = pool_bytes(config, sizes, pages, page_size, slots, dtype)
         act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
-        return w + vis + act + pb["mla"] + pb["kda"], pb, pages, slots
+        fixed = w + vis + act
+        fits = pb["mla"] + pb["kda"] <= (budget - fixed) * memory_fraction     # the engine's cache budget
+        return fixed + pb["mla"] + pb["kda"], pb, pages, slots, fits
 
     def largest(fn, hi: int) -> int:
         """Largest x in [0, hi] with fn(x) true (fn monotone decreasing)."""
@@ -159,12 +171,12 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
 
     act1 = activation_bytes(config, sizes, step_tokens, 1, dtype)
     fixed_fits = w + vis + act1 <= budget
-    max_batch = largest(lambda B: seqs_fit(B, context)[0] <= budget, 1 << 20) if fixed_fits else 0
+    max_batch = largest(lambda B: seqs_fit(B, context)[4], 1 << 20) if fixed_fits else 0
     b_ctx = batch or 1
-    max_ctx_pages = largest(lambda p: seqs_fit(b_ctx, p * page_size)[0] <= budget,
+    max_ctx_pages = largest(lambda p: seqs_fit(b_ctx, p * page_size)[4],
                             -(-config.max_position_embeddings // page_size)) if fixed_fits else 0
     B = batch if batch is not None else max_batch
-    total, pb, pages, slots = seqs_fit(B, context)
+    total, pb, pages, slots, fits = seqs_fit(B, context)
     act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
     per_seq = pool_bytes(config, sizes, -(-context // page_size) * split, page_size, split, dtype)
     return {
@@ -173,7 +185,8 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
         "page_size": page_size, "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
         "weights_bytes": w, "vision_bytes": vis, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
         "activations_bytes": act, "total_bytes": total, "headroom_bytes": budget - total,
-        "fits": bool(total <= budget), "fixed_fits": bool(fixed_fits),
+        "memory_fraction": memory_fraction, "cache_budget_bytes": int(max(budget - w - vis - act, 0) * memory_fraction),
+        "fits": bool(fits and fixed_fits), "fixed_fits": bool(fixed_fits),
         "per_sequence_bytes": {"mla": per_seq["mla"] // split, "kda": per_seq["kda"] // split},
         "max_batch_at_context": max_batch, "max_context_at_batch": max_ctx_pages * page_size,
         "context_batch": b_ctx,
@@ -188,13 +201,15 @@ def format_plan(r: dict) -> str:
     m = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
         f"mesh {m} ({r['devices']} devices of {r['device']}, {r['device_bytes'] / GiB:.0f} GiB; "
-        f"budget {r['budget_bytes'] / GiB:.1f} GiB per device)",
+        f"allocator {r['budget_bytes'] / GiB:.1f} GiB per device)",
         f"  weights            {_gib(r['weights_bytes'])}",
         f"  vision tower       {_gib(r['vision_bytes'])}   (replicated)",
         f"  MLA pages          {_gib(r['mla_pages_bytes'])}   ({r['num_pages']} pages of {r['page_size']} tokens)",
         f"  KDA states         {_gib(r['kda_states_bytes'])}   ({r['num_slots']} slots)",
         f"  activations (est.) {_gib(r['activations_bytes'])}",
         f"  total              {_gib(r['total_bytes'])}   headroom {_gib(r['headroom_bytes'])}",
+        f"  cache budget       {_gib(r['cache_budget_bytes'])}   (memory fraction {r['memory_fraction']:.2f} of what "
+        f"the weights and activations leave)",
         f"  per sequence of {r['context']} tokens: MLA {_gib(r['per_sequence_bytes']['mla'])}, "
         f"KDA {_gib(r['per_sequence_bytes']['kda'])} (per device, spread over data*expert)",
     ]
@@ -212,16 +227,21 @@ def format_plan(r: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m k3jax.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m k3jax.plan", description=__doc__.splitlines()[0],
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", default="kimi-k3", help="preset name or checkpoint directory")
     ap.add_argument("--mesh", required=True, help="axis sizes, e.g. data=8,expert=64 (product = devices)")
     ap.add_argument("--device", default="h200", help=f"one of {', '.join(DEVICES)}")
     ap.add_argument("--memory-gib", type=float, default=None, help="override the device's memory")
-    ap.add_argument("--mem-fraction", type=float, default=0.9, help="usable fraction of device memory")
-    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--memory-fraction", type=float, default=field_default("memory_fraction"),
+                    help="the cache's share of the memory left after the weights and activations (as k3jax.serve's)")
+    ap.add_argument("--mem-fraction", dest="memory_fraction", type=float, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS)      # the old spelling, deprecated
+    ap.add_argument("--page-size", type=int, default=field_default("page_size"), help="tokens per MLA cache page")
     ap.add_argument("--context", type=int, default=131072, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=None, help="sequences (default: the largest that fits)")
-    ap.add_argument("--step-tokens", type=int, default=8192, help="tokens per engine step (activations)")
+    ap.add_argument("--step-tokens", type=int, default=ACCELERATOR_BATCH_DEFAULTS[1],
+                    help="tokens of the largest engine step (activations; k3jax.serve's --max-num-batched-tokens)")
     ap.add_argument("--extra-slots", type=int, default=0, help="KDA checkpoint slots for prefix caching")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -229,7 +249,7 @@ def main(argv=None):
     try:
         cfg = resolve_config(args.model)
         r = plan(cfg, args.mesh, args.device, page_size=args.page_size, context=args.context, batch=args.batch,
-                 mem_fraction=args.mem_fraction, memory_gib=args.memory_gib, step_tokens=args.step_tokens,
+                 memory_fraction=args.memory_fraction, memory_gib=args.memory_gib, step_tokens=args.step_tokens,
                  extra_slots=args.extra_slots)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

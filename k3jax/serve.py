@@ -18,7 +18,9 @@ import signal
 import sys
 import time
 
-from k3jax.cli_help import DefaultsHelpFormatter, int_at_least, add_model_source_args
+from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args, int_at_least
+from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
+from serving.engine_args import field_default as D        # the engine's defaults are the flags' defaults
 
 log = logging.getLogger("k3jax.serve")
 
@@ -63,17 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most tokens in one step (prefill chunks + decodes) (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
                     help="context length, prompt + output (default: 8192, capped by the model's)")
-    ap.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per MLA cache page")
-    ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=16, help="prefix-cache granularity in tokens (divides --page-size)")
-    ap.add_argument("--state-block-size", type=int_at_least(0), default=1024, help="KDA state checkpoint every this many prompt tokens")
+    ap.add_argument("--page-size", type=int_at_least(1), default=D("page_size"), help="tokens per MLA cache page")
+    ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=D("prefix_match_unit"),
+                    help="prefix-cache granularity in tokens (divides --page-size)")
+    ap.add_argument("--state-block-size", type=int_at_least(0), default=D("state_block_size"),
+                    help="KDA state checkpoint every this many prompt tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=64,
+    ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=D("prefix_wait_steps"),
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
                          "up to this many steps instead of computing it again (0 = admit at once)")
-    ap.add_argument("--verify-prefix-cache", type=float, default=0.0, metavar="FRACTION",
+    ap.add_argument("--verify-prefix-cache", type=float, default=D("verify_prefix_cache"), metavar="FRACTION",
                     help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
-    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=0.25,
+    ap.add_argument("--verify-prefix-cache-tolerance", type=float, default=D("verify_prefix_cache_tolerance"),
                     help="largest log-probability difference a verified hit may show")
     ap.add_argument("--host-cache-mb", type=int_at_least(0), default=0,
                     help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
@@ -87,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds for the peer's prefill and for the transfer; past them the request prefills locally")
     dg.add_argument("--transfer-address", default=None,
                     help="HOST:PORT of this process's jax.experimental.transfer server (default: --host, any port)")
-    ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of device memory for weights + cache")
+    ap.add_argument("--memory-fraction", type=float, default=D("memory_fraction"),
+                    help="the cache's share of the device memory left after the weights and the largest step's "
+                         "activations")
     ap.add_argument("--cache-memory-mb", type=int_at_least(1), default=None, help="cache size in MiB (default: from --memory-fraction)")
-    ap.add_argument("--max-waiting", type=int_at_least(1), default=1024, help="queue bound; beyond it requests get 429")
+    ap.add_argument("--max-waiting", type=int_at_least(1), default=D("max_waiting"), help="queue bound; beyond it requests get 429")
     ap.add_argument("--max-n", type=int_at_least(1), default=128, help="most choices (n) one request may ask for; above: 400")
     ap.add_argument("--max-prompts-per-request", type=int_at_least(1), default=256,
                     help="most prompts in one /v1/completions request; above: 400 (n x prompts must also fit "
@@ -118,15 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-dir", default=None, help="accept local image paths under this directory (default: none)")
     ap.add_argument("--max-image-mb", type=float, default=20.0, help="largest encoded image accepted, in MiB")
     ap.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds for a remote image")
-    ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=256, help="vision encoder output cache in MiB")
+    ap.add_argument("--encoder-cache-mb", type=int_at_least(0), default=D("encoder_cache_bytes") >> 20,
+                    help="vision encoder output cache in MiB")
     ap.add_argument("--no-vision", action="store_true",
                     help="serve a multimodal model as text only (no tower warm-up; image parts get a 400)")
-    ap.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache (default: ~/.cache/k3jax/xla)")
     ap.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="keep warm-up's compiled step programs in the compilation cache directory, keyed on the "
                          "code, model, settings and devices, so a restart skips tracing and lowering them")
     ap.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_advanced_args(ap)
     mh = ap.add_argument_group("multi-host (default: K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID)")
     mh.add_argument("--coordinator", default=None, help="host:port of process 0 (jax.distributed)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run")
@@ -144,21 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
 def follow(args) -> int:
     """Processes 1..N-1: load the same model, then make process 0's jitted calls until it shuts down."""
     from k3jax.api import load_model
-    from serving import multihost, multihost_watch
+    from serving import follower, multihost_watch
     from serving.engine import enable_compilation_cache
     from serving.engine_args import EngineArgs
     try:
         multihost_watch.set_stage("load")
         model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, revision=args.revision,
-                           download_dir=args.download_dir)
+                           download_dir=args.download_dir, **EngineArgs(**advanced_kwargs(args)).load_options())
         enable_compilation_cache(args.compilation_cache_dir or EngineArgs().compilation_cache_dir)
         multihost_watch.set_stage("warmup")
     except Exception as e:  # noqa: BLE001 - every failure ends the run, named on process 0
         multihost_watch.current().fail(e)
-    return multihost.exit_follower(multihost.follow(model))
+    return follower.exit_follower(follower.follow(model))
 
 
-def build_state(args):
+def build_state(args, request_matcher=None):
     from k3jax.api import load_model
     from serving import multihost
     from serving.async_engine import AsyncEngine
@@ -187,12 +194,12 @@ def build_state(args):
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
         async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
-        vision=not args.no_vision, executable_cache=args.executable_cache,
+        vision=not args.no_vision, executable_cache=args.executable_cache, **advanced_kwargs(args),
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     t0 = time.perf_counter()
     set_stage("load")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, revision=args.revision,
-                       download_dir=args.download_dir)
+                       download_dir=args.download_dir, **eargs.load_options())
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
@@ -210,7 +217,7 @@ def build_state(args):
                                       else args.model)
     return ServerState(engine=AsyncEngine(engine), tokenizer=model.tokenizer, model_name=name,
                        max_model_len=engine.max_model_len, metrics=Metrics(name), api_key=args.api_key,
-                       test_hooks=args.enable_test_hooks,
+                       request_matcher=request_matcher,
                        thinks_by_default={"on": True, "off": False}.get(args.reasoning, model.config.thinks_by_default),
                        vision=_image_loader(model, args), max_n=args.max_n,
                        max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
@@ -227,21 +234,26 @@ def _image_loader(model, args):
         timeout_s=args.image_fetch_timeout, local_dir=args.image_dir))
 
 
-def main(argv=None):
+def main(argv=None, *, fault_hook=None, request_matcher=None):
+    """Serve. fault_hook(stage, process_index): called at every fault point of a multi-host run
+    (serving.multihost_watch.WatchSettings); request_matcher(req, state): a matcher factory constraining a
+    chat request's output (serving.openai.generation.ServerState). Both are for tests
+    (tests/serve_with_hooks.py installs them); the CLI sets neither."""
     args = parse_args(argv)
+    claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from serving import multihost, multihost_watch
     args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,
                                 heartbeat_timeout_s=args.heartbeat_timeout)
     if not multihost.is_multiprocess():
-        return _serve(args)
+        return _serve(args, request_matcher)
     watch = multihost_watch.start(multihost_watch.WatchSettings(
         heartbeat_timeout_s=args.heartbeat_timeout, startup_timeout_s=args.startup_timeout,
-        step_timeout_s=args.step_timeout))
+        step_timeout_s=args.step_timeout, fault_hook=fault_hook))
     if not multihost.is_leader():
         return follow(args)
     try:
-        code = _serve(args)
+        code = _serve(args, request_matcher)
     except Exception as e:  # noqa: BLE001 - a failure on process 0 ends every process (never returns)
         watch.fail(e, code=2 if isinstance(e, ValueError) else 1)
     except SystemExit:     # SIGTERM: a clean exit
@@ -253,7 +265,7 @@ def main(argv=None):
     return code
 
 
-def _serve(args):
+def _serve(args, request_matcher=None):
     try:
         import uvicorn
         from serving.openai.app import build_app
@@ -262,7 +274,7 @@ def _serve(args):
         return 2
     from serving import multihost_watch
     try:
-        state = build_state(args)
+        state = build_state(args, request_matcher)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         if multihost_watch.current():

@@ -1,12 +1,13 @@
 """How a model step runs its heavy ops, as one value: built once per model / runner and closed over by
 the jitted step, so nothing is read from globals or the environment while a step is traced.
 
-`detect()` builds the default from `K3JAX_KERNELS` and the JAX backend:
-  "auto" (default): Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
+`detect()` builds it from the choices below (the engine's `kernels` / `mla_prefill` / `mla_decode`
+fields, serving/engine_args.py; every one "auto" by default) and the JAX backend. `kernels`:
+  "auto": Pallas kernels on GPU/TPU, the pure-jnp references on CPU;
   "reference": always the references; "pallas": always the kernels (interpret mode on CPU).
-`mla_prefill` is the MLA prefill form (`K3JAX_MLA_PREFILL`, k3jax/layers/mla.py): "auto" (expanded for
+`mla_prefill` is the MLA prefill form (k3jax/layers/mla.py): "auto" (expanded for
 large prefill steps when the GPU kernel is there), "absorbed" or "expanded".
-`mla_decode` is the GPU kernel of decode-only MLA steps (`K3JAX_MLA_DECODE`): "mosaic"
+`mla_decode` is the GPU kernel of decode-only MLA steps: "mosaic"
 (pallas_kernels/mla/mosaic_gpu.py, Hopper's wgmma and TMA, at >= 64 heads and 16-bit caches where its tiling
 fits; the Triton kernel elsewhere), "triton", or "auto" (default): "mosaic" on compute capability 9.x,
 else "triton". H200, K3's 96 heads as MLA.step calls it: 1.5-1.9x the Triton kernel (docs/benchmarks.md).
@@ -17,11 +18,9 @@ parallelism (`routed_experts`), so the model's layers never import sharding (no 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Optional
 
-import jax
-
+# (no module-level jax import: the CLIs read these choices to build their --help without starting JAX)
 MODES = ("auto", "reference", "pallas")
 MLA_PREFILL_FORMS = ("auto", "absorbed", "expanded")
 MLA_DECODE_KERNELS = ("auto", "mosaic", "triton")
@@ -40,30 +39,29 @@ class Backend:
     mla_decode: str = "triton"        # decode-only MLA kernel: "triton" | "mosaic" (Hopper; detect() picks)
     experts_in_place: bool = True     # scanned layers: the MoE kernels read a layer's experts in the stack
     dense_in_place: bool = False      # scanned layers: few-row steps' dense matmuls read the layer's weight
-                                      # in the stack (GPU kernels, unsharded weights: serving.runner sets it)
+                                      # in the stack (GPU kernels, unsharded weights: serving.runner sets it
+                                      # unless EngineArgs.dense_in_place is False)
     routed_experts: Optional[Callable] = None   # (pe, z, weights, ids, c, backend) -> y: expert parallel
 
     def replace(self, **kw) -> "Backend":
         return dataclasses.replace(self, **kw)
 
 
-def _choice(value: str | None, env: str, what: str, choices: tuple) -> str:
-    """value, else the environment variable env (default "auto"), checked against choices."""
-    from_env = value is None
-    value = os.environ.get(env, "auto") if from_env else value
+def check_choice(value: str, what: str, choices: tuple) -> str:
+    """value if it is one of choices, else a ValueError naming `what`."""
     if value not in choices:
-        raise ValueError(f"{env + '=' if from_env else what + ' '}{value!r}: expected one of {choices}")
+        raise ValueError(f"{what} {value!r}: expected one of {choices}")
     return value
 
 
-def detect(mode: str | None = None, platform: str | None = None, mla_prefill: str | None = None,
-           mla_decode: str | None = None) -> Backend:
-    """The backend for this process's default JAX device. mode: None reads K3JAX_KERNELS (default auto);
-    mla_prefill: None reads K3JAX_MLA_PREFILL (default auto); mla_decode: None reads K3JAX_MLA_DECODE
-    (default auto)."""
-    mode = _choice(mode, "K3JAX_KERNELS", "kernel mode", MODES)
-    mla_prefill = _choice(mla_prefill, "K3JAX_MLA_PREFILL", "MLA prefill form", MLA_PREFILL_FORMS)
-    mla_decode = _choice(mla_decode, "K3JAX_MLA_DECODE", "MLA decode kernel", MLA_DECODE_KERNELS)
+def detect(mode: str = "auto", platform: str | None = None, mla_prefill: str = "auto",
+           mla_decode: str = "auto") -> Backend:
+    """The backend for this process's default JAX device. mode: the kernels choice (MODES);
+    mla_prefill: MLA_PREFILL_FORMS; mla_decode: MLA_DECODE_KERNELS ("auto": Mosaic on Hopper)."""
+    import jax
+    check_choice(mode, "kernels", MODES)
+    check_choice(mla_prefill, "mla_prefill", MLA_PREFILL_FORMS)
+    check_choice(mla_decode, "mla_decode", MLA_DECODE_KERNELS)
     device = jax.default_backend()
     if mla_decode == "auto":
         mla_decode = "mosaic" if device == "gpu" and _hopper() else "triton"
@@ -74,6 +72,7 @@ def detect(mode: str | None = None, platform: str | None = None, mla_prefill: st
 
 def _hopper() -> bool:
     """Compute capability 9.x (H100 / H200): what the Mosaic GPU MLA decode kernel is written for."""
+    import jax
     cc = str(getattr(jax.devices()[0], "compute_capability", ""))
     return cc.split(".")[0] == "9"
 

@@ -1,7 +1,7 @@
 """The one dispatch point between the model and its heavy ops.
 
 Each op picks an implementation from its `backend` (pallas_kernels/backend.py: built once per model or
-runner; None = detected from K3JAX_KERNELS and the device, for direct calls):
+runner; None = detected for the device with the default choices, for direct calls):
 Pallas kernels or the pure-jnp references, interpret mode, and the kernel family by platform.
 GPU runs our Triton-backend kernels. TPU: the MoE grouped matmuls run jax's Mosaic-TPU megablox
 kernel (pallas_kernels/moe/tpu.py); KDA prefill, KDA decode and paged MLA run their Mosaic kernels

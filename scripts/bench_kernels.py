@@ -398,7 +398,7 @@ def mla_mosaic_rows(run, shapes, model_cases):
         ql = jax.random.normal(k1, (n_bucket, heads, lat), jnp.bfloat16)
         qr = jax.random.normal(k2, (n_bucket, heads, rope), jnp.bfloat16)
         for kernel in ("auto", "mosaic"):
-            variant = f"decode_only=True, K3JAX_MLA_DECODE={kernel}"
+            variant = f"decode_only=True, mla_decode={kernel}"
             if kernel == "mosaic" and run.mosaic_off:
                 run.skip("MLA decode", case, f"as model: {model}", variant, run.mosaic_off)
                 continue

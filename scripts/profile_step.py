@@ -319,7 +319,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: longest scenario prompt + 64")
     ap.add_argument("--scenario", action="append", default=None, help="prefill:KxL or decode:NxL")
-    ap.add_argument("--kernels", default=None, help="K3JAX_KERNELS for this run (auto | reference | pallas)")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "reference", "pallas"),
+                    help="the model's kernels choice (EngineArgs.kernels)")
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
@@ -335,8 +336,6 @@ def main():
         args.command_buffers, f" --xla_gpu_enable_command_buffer={args.command_buffers}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
                                "--xla_dump_hlo_module_re=" + "|".join(STEP_MODULES) + buffers).strip()
-    if args.kernels:
-        os.environ["K3JAX_KERNELS"] = args.kernels
     import jax
     import numpy as np
     from k3jax.api import load_model
@@ -344,10 +343,10 @@ def main():
     from bench_e2e import copy_bandwidth, truncated_preset
     name = truncated_preset(args.model, args.layers) if args.layers else args.model
     t0 = time.perf_counter()
-    model = load_model(name, dtype="bfloat16", seed=0)
+    model = load_model(name, dtype="bfloat16", seed=0, kernels=args.kernels)
     jax.block_until_ready(model.params)
     print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
-          f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}; layers {'unrolled' if args.unrolled else 'scanned'}; "
+          f"kernels {args.kernels}; layers {'unrolled' if args.unrolled else 'scanned'}; "
           f"command buffers {args.command_buffers}", flush=True)
     if args.kda_variants:
         print("\n## ops.kda_chunk, T=4096", flush=True)

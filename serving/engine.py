@@ -50,8 +50,13 @@ class LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
         self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
         args.max_model_len = self.max_model_len
+        # the step's shape buckets, computed once here: the activation measurement and the runner use them
+        self.token_buckets, self.seq_buckets = step_buckets(
+            args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+            token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
-        cache_dtype = model.params["embed"].dtype
+        weight_dtype = model.params["embed"].dtype
+        cache_dtype = args.cache_dtype(weight_dtype)
         mesh = getattr(model, "mesh", None)
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
                                           self._activation_bytes(c, weight_bytes, cache_dtype, mesh))
@@ -69,8 +74,8 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
-            scan_layers=args.scan_layers, backend=getattr(model, "backend", None),
+            cache_dtype=cache_dtype, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets, mesh=mesh,
+            scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None)
         self.tokenizer = model.tokenizer
@@ -96,7 +101,7 @@ class LLMEngine:
         if args.vision and getattr(model, "vision", None) is not None:
             from serving.vision_encoder import VisionEncoder
             self.encoder = VisionEncoder(model.vision, cache_bytes=args.encoder_cache_bytes,
-                                         out_dtype=cache_dtype, mesh=mesh)
+                                         out_dtype=weight_dtype, mesh=mesh)
             self.scheduler.is_encoded = self.encoder.cache.__contains__
         if args.warmup:
             self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads,
@@ -118,8 +123,7 @@ class LLMEngine:
             log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
                         "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
             return 0
-        tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
-                              token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+        tb, sb = self.token_buckets, self.seq_buckets
         t0 = time.perf_counter()
         from k3jax.layer_stack import stack_layers, unstack_layers
         layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them

@@ -6,7 +6,40 @@ import logging
 import os
 from typing import Optional
 
+from pallas_kernels.backend import MLA_DECODE_KERNELS, MLA_PREFILL_FORMS, MODES
+
 log = logging.getLogger(__name__)
+
+# The KV cache's element type, by name ("auto": the weights' dtype). A new cache type is one entry here;
+# the CLIs' --kv-cache-dtype choices and EngineArgs' check read this table.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16"}
+
+# The values of EngineArgs' choice fields: what __post_init__ accepts and what the CLIs offer.
+CHOICES = {
+    "kernels": MODES,                        # pallas_kernels/backend.py
+    "mla_prefill": MLA_PREFILL_FORMS,
+    "mla_decode": MLA_DECODE_KERNELS,
+    "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
+}
+
+# Fields chosen when the model loads (they decide its backend value and its expert layout): LLM and the
+# CLIs pass them to k3jax.load_model.
+LOAD_FIELDS = ("kernels", "mla_prefill", "mla_decode", "merged_experts")
+
+
+# JAX's allocator holds 75% of an accelerator by default. The engine sizes its cache from what the allocator
+# may hold, after the weights and the largest step's activations (size_pools): a process that serves lets it
+# hold 90% (vLLM's default utilization). This is the XLA client's own setting, read once when JAX starts its
+# backend, so it is set where a process starts a model on an accelerator (load_model, LLM and the CLIs call
+# claim_device_memory first), never on `import k3jax`: a program that only imports the library, or set up
+# JAX before loading a model, keeps JAX's default. A value the user set wins. k3jax.plan models the same.
+ALLOCATOR_MEMORY_FRACTION = 0.90
+
+
+def claim_device_memory(fraction: float = ALLOCATOR_MEMORY_FRACTION) -> None:
+    """Let JAX's allocator hold `fraction` of each accelerator, unless XLA_PYTHON_CLIENT_MEM_FRACTION is
+    set; takes effect only if no JAX backend has started yet (XLA reads it once)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:.2f}")
 
 
 # (max_num_seqs, max_num_batched_tokens) when unset: an accelerator's step is weight-bandwidth bound
@@ -63,8 +96,27 @@ class EngineArgs:
                                                   # no tower warm-up or encoder cache)
     encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
+    kv_cache_dtype: str = "auto"                  # element type of the cache pools (KV_CACHE_DTYPES; auto: the
+                                                  # weights'; for now a named one must equal the weights')
+    # ---- advanced: kernel and layout choices (pallas_kernels/backend.py); the defaults pick per device
+    kernels: str = "auto"                         # auto: Pallas kernels on GPU/TPU, jnp references on CPU;
+                                                  # reference | pallas (interpret mode on CPU)
+    mla_prefill: str = "auto"                     # MLA prefill form: auto (expanded for large GPU prefill steps)
+                                                  # | absorbed | expanded
+    mla_decode: str = "auto"                      # decode-only MLA kernel: auto (mosaic on Hopper) | mosaic | triton
+    dense_in_place: bool = True                   # one GPU running the kernels: few-row steps read the scanned
+                                                  # layers' dense weights in place (False: sliced copies)
+    merged_experts: bool = False                  # one GPU running the kernels: routed experts' gate and up
+                                                  # weights merged at load (opt-in until measured end to end)
 
     def __post_init__(self):
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} {value!r}: expected one of {choices}")
+        for name in ("dense_in_place", "merged_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
             seqs, tokens = batch_defaults()
             given_tokens, given_seqs = self.max_num_batched_tokens, self.max_num_seqs
@@ -104,6 +156,60 @@ class EngineArgs:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
+
+
+    def load_options(self) -> dict:
+        """The keyword arguments of k3jax.load_model these settings choose."""
+        return {name: getattr(self, name) for name in LOAD_FIELDS}
+
+    def cache_dtype(self, weight_dtype):
+        """The cache pools' dtype: kv_cache_dtype, or the weights' dtype for "auto". The model's cache reads
+        and writes take the pools in the activations' dtype (pallas_kernels/scatter.py: a CPU pool of
+        16-bit floats is stored as bits whose value dtype is the activations'), so another dtype is refused
+        until the layers convert at the pool."""
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if name is None:
+            return weight_dtype
+        import jax.numpy as jnp
+        dtype = jnp.dtype(name)
+        if dtype != jnp.dtype(weight_dtype):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} with {jnp.dtype(weight_dtype).name} weights: "
+                             f"the cache takes the weights' dtype (use 'auto', or load the model in {dtype.name})")
+        return dtype.type
+
+
+def field_default(name: str):
+    """EngineArgs' default of a field: the one source the CLIs and k3jax.plan read theirs from."""
+    f = EngineArgs.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def add_advanced_args(parser, *, engine: bool = True):
+    """The CLIs' "advanced" group: kernel and layout choices (EngineArgs' fields of the same names).
+    engine=False: only those chosen when the model loads (a CLI without an engine, e.g. k3jax.eval)."""
+    g = parser.add_argument_group("advanced (kernel and layout choices; the defaults pick per device)")
+    g.add_argument("--kernels", choices=CHOICES["kernels"], default=field_default("kernels"),
+                   help="auto: Pallas kernels on GPU/TPU, the jnp references on CPU; reference; pallas "
+                        "(interpret mode on CPU)")
+    g.add_argument("--mla-prefill", choices=CHOICES["mla_prefill"], default=field_default("mla_prefill"),
+                   help="MLA prefill form: auto (expanded for large prefill steps on GPU), absorbed, expanded")
+    g.add_argument("--mla-decode", choices=CHOICES["mla_decode"], default=field_default("mla_decode"),
+                   help="decode-only MLA kernel on GPU: auto (mosaic on Hopper, else triton), mosaic, triton")
+    g.add_argument("--merged-experts", action="store_true",
+                   help="one GPU running the kernels: load the routed experts with gate and up merged (default: off)")
+    if engine:
+        g.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=field_default("kv_cache_dtype"),
+                       help="element type of the KV cache pools (auto: the weights' dtype)")
+        g.add_argument("--no-dense-in-place", dest="dense_in_place", action="store_false",
+                       help="one GPU running the kernels: slice the scanned layers' dense weights for few-row "
+                            "steps (default: read in place)")
+    return g
+
+
+def advanced_kwargs(args) -> dict:
+    """EngineArgs keyword arguments from add_advanced_args' flags."""
+    return {name: getattr(args, name) for name in LOAD_FIELDS + ("kv_cache_dtype", "dense_in_place")
+            if hasattr(args, name)}
 
 
 def device_free_bytes(weight_bytes: int) -> Optional[int]:

@@ -6,7 +6,7 @@ its ModelRunner makes every jitted call through one dispatch point (`ModelRunner
 runs inside `leading(control, args)`: in a multi-process run that first broadcasts the control
 word and the host-side inputs to the other processes. Those run `follow(model)`: receive a
 message, make the same call on their own ModelRunner (same params, same pools, same jit), repeat
-until process 0 says "shutdown".
+until process 0 says "shutdown" (serving/follower.py).
 
 Control words: "init" (the runner's constructor settings: followers build the same runner),
 "step" (StepBatch, SamplingArrays, counters), "copy" (page-copy lists), "shutdown". Warm-up is
@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import pickle
 import threading
 
@@ -120,7 +119,7 @@ def _bucket(n: int) -> int:
 
 # ---------------------------------------------------------------------- transport
 
-class _Channel:
+class Channel:
     """Process 0 -> all broadcast of (control, pytree) messages over JAX collectives."""
 
     def __init__(self):
@@ -165,16 +164,16 @@ class _Channel:
 # ---------------------------------------------------------------------- process 0
 
 _LOCK = threading.RLock()       # one message + its jitted call at a time (collectives must stay in order)
-_channel: _Channel | None = None
+_channel: Channel | None = None
 _closed = False
 
 
-def _lead_channel() -> _Channel:
+def _lead_channel() -> Channel:
     global _channel
     if _closed:
         raise RuntimeError("multi-host run already shut down: the follower processes have exited")
     if _channel is None:
-        _channel = _Channel()
+        _channel = Channel()
         atexit.register(shutdown_followers)    # runs before jax.distributed's own atexit shutdown
     return _channel
 
@@ -237,7 +236,7 @@ def shutdown_followers(timeout: float = 30.0) -> bool:
         if _closed:
             return False
         try:
-            (_channel or _Channel()).send("shutdown")
+            (_channel or Channel()).send("shutdown")
             log.info("multi-host: told %d follower processes to exit", _num_processes() - 1)
         except Exception as e:  # noqa: BLE001 - a dead follower must not keep process 0 from exiting
             log.warning("multi-host: could not tell the followers to exit: %s", e)
@@ -252,61 +251,3 @@ def shutdown_followers(timeout: float = 30.0) -> bool:
 def _num_processes() -> int:
     import jax
     return jax.process_count()
-
-
-# ---------------------------------------------------------------------- processes 1..N-1
-
-def follow(model) -> int:
-    """Run process 0's jitted calls on this process until it says "shutdown". Returns an exit status.
-
-    model: this process's Model, loaded with the same arguments (mesh included) as process 0's.
-    On a lost coordinator (the collective fails) logs it and returns 1. Reports each finished
-    message to the fault watch (multihost_watch), and a failure before returning non-zero.
-    """
-    import jax
-    from serving import multihost_watch
-    from serving.runner import ModelRunner
-    from serving.test_hooks import fault_point
-    me, watch = jax.process_index(), multihost_watch.current()
-    chan, runner, steps = _Channel(), None, 0
-    log.info("process %d/%d: following process 0", me, jax.process_count())
-    while True:
-        try:
-            control, tree = chan.receive()
-            if watch:
-                fault_point(watch.stage, me)
-            if control == "shutdown":
-                log.info("process %d: shutdown from process 0 after %d steps", me, steps)
-                if watch:
-                    watch.stop()
-                return 0
-            if control == "init":
-                if tree["config"] != model.config:
-                    log.error("process %d: process 0 serves a different model config than this process loaded; "
-                              "start every process with the same --model/--dtype/--mesh", me)
-                    if watch:
-                        watch.report_failed(ValueError("process 0 serves a different model config"))
-                    return 2
-                runner = ModelRunner(model.config, model.params, mesh=model.mesh, backend=model.backend,
-                                     **tree["kwargs"])
-            elif runner is None:
-                raise RuntimeError(f"multi-host: {control!r} before the runner was set up")
-            else:
-                jax.block_until_ready((runner._call(control, *tree), runner.pools))   # finished, not queued
-                steps += control == "step"
-            if watch:
-                watch.seq = chan.seq
-        except Exception as e:  # noqa: BLE001 - report and leave; never hang on a dead coordinator
-            log.error("process %d: lost process 0 (coordinator), or the call failed, after %d steps: %s",
-                      me, steps, e)
-            if watch:
-                watch.report_failed(e)
-            return 1
-
-
-def exit_follower(status: int):
-    """End a follower process: on failure skip jax.distributed's shutdown barrier (process 0 is gone)."""
-    if status == 0:
-        return status
-    logging.shutdown()
-    os._exit(status)

@@ -48,6 +48,9 @@ class WatchSettings:
     startup_timeout_s: float = 7200.0     # load + warm-up of the whole run (large checkpoints take minutes)
     step_timeout_s: float = 900.0         # one multi-host message unfinished this long (covers a compile)
     flush_s: float = 3.0                  # most time responses and acks get once the run is ending
+    # fault_hook(stage, process_index), if set, runs at every fault point: entering a stage, and every
+    # message a follower receives from process 0 (the fault tests inject failures through it)
+    fault_hook: Optional[Callable[[str, int], None]] = None
 
     @property
     def beat_s(self) -> float:
@@ -104,6 +107,11 @@ class Watch:
                      self._clock() - self.started_at, stage)
         self.stage = stage
         self._beat()
+
+    def fault_point(self):
+        """Run the settings' fault hook, if any, for this process's current stage."""
+        if self.settings.fault_hook is not None:
+            self.settings.fault_hook(self.stage, self.me)
 
     def on_abort(self, callback: Callable[[str], None]):
         """callback(reason) runs on process 0 when the run ends for a fault (from the judge thread)."""
@@ -304,5 +312,4 @@ def current() -> Optional[Watch]:
 def set_stage(stage: str):
     if _watch is not None:
         _watch.set_stage(stage)
-        from serving.test_hooks import fault_point
-        fault_point(stage, _watch.me)
+        _watch.fault_point()

@@ -175,7 +175,7 @@ class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
-                 backend: Backend | None = None, executable_cache=None):
+                 backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None):
         self.config = config
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
         # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
@@ -207,10 +207,10 @@ class ModelRunner:
             sample_kw = dict(out_shardings=rep)
             copy_kw = dict(out_shardings=ps)
             self.backend = expert_parallel(self.backend, mesh)
-        elif self.backend.kernels and self.backend.platform == "gpu" and os.environ.get("K3JAX_DENSE_IN_PLACE") != "0":
+        elif self.backend.kernels and self.backend.platform == "gpu" and dense_in_place:
             # unsharded weights: few-row steps read the scanned layers' dense weights in place
             # (pallas_kernels/stacked.py; the step's slices were 1.8 ms of copies per c64 decode step on the
-            # H200; K3JAX_DENSE_IN_PLACE=0 slices them, for comparison)
+            # H200; EngineArgs.dense_in_place=False slices them, for comparison)
             self.backend = self.backend.replace(dense_in_place=True)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),

@@ -39,7 +39,7 @@ XLA_FAST = "--xla_backend_optimization_level=0"      # halves CPU compile time; 
 
 
 def serve_env(devices: int, **extra) -> dict:
-    """Environment of one server process: CPU with `devices` fake devices, no inherited K3JAX_* settings."""
+    """Environment of one server process: CPU with `devices` fake devices, no inherited K3JAX_* variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3JAX_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}", **extra)
@@ -50,12 +50,14 @@ def group_args(coordinator: str, num_processes: int, process_id: int) -> list:
     return ["--coordinator", coordinator, "--num-processes", str(num_processes), "--process-id", str(process_id)]
 
 
-def start_server(tmp_path, name, args, env):
-    """(Popen, log path) of `python -m k3jax.serve ARGS`, output to tmp_path/NAME.log."""
+def start_server(tmp_path, name, args, env, fault: str | None = None):
+    """(Popen, log path) of `python -m k3jax.serve ARGS`, output to tmp_path/NAME.log; fault: a
+    PROCESS:STAGE:ACTION[:SKIP] fault injected through the test hooks (tests/serve_with_hooks.py)."""
     path = tmp_path / f"{name}.log"
+    cmd = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_with_hooks.py"),
+            "--fault", fault] if fault else [sys.executable, "-m", "k3jax.serve"])
     with open(path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "k3jax.serve", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, path
 
 

@@ -1,5 +1,5 @@
 """k3jax.expert_layout: the routed experts' merged gate/up serving layout (what load_model holds on one
-device running the MoE kernels with K3JAX_MERGED_EXPERTS=1): the model's graph takes it, the MoE layer gives the checkpoint
+device running the MoE kernels with merged_experts=True): the model's graph takes it, the MoE layer gives the checkpoint
 layout's output with the kernels (interpret mode) and the reference ops, checkpoints get w1 / w3 back."""
 import numpy as np
 import pytest

@@ -19,18 +19,17 @@ def test_step_with_pallas_kernels_matches_reference():
         assert np.abs(ref - ker).max() / np.abs(ref).max() < 5e-4
 
 
-def test_bad_kernel_mode_is_rejected(monkeypatch):
-    with pytest.raises(ValueError, match="kernel mode"):
+def test_bad_kernel_mode_is_rejected():
+    with pytest.raises(ValueError, match="kernels 'fast'"):
         detect("fast")
-    monkeypatch.setenv("K3JAX_KERNELS", "turbo")
-    with pytest.raises(ValueError, match="K3JAX_KERNELS"):
-        detect()
+    from serving.engine_args import EngineArgs
+    with pytest.raises(ValueError, match="kernels 'turbo'"):
+        EngineArgs(kernels="turbo")
 
 
-def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
-    """The runner's step traces with the backend it was built with: K3JAX_KERNELS or K3JAX_MLA_PREFILL
-    read later change nothing (no trace-time global), a kernels backend does put Pallas calls in the
-    step, and the backend's MLA prefill form does change the traced step."""
+def test_step_closes_over_its_backend():
+    """The runner's step traces with the backend it was built with: a references backend has no Pallas
+    call, a kernels backend does, and the backend's MLA prefill form changes the traced step."""
     import jax
     import jax.numpy as jnp
     from k3jax.cache import SeqChunk, pool_shapes, make_step_batch
@@ -45,13 +44,9 @@ def test_step_closes_over_its_backend_not_the_environment(monkeypatch):
     batch = make_step_batch([SeqChunk([1, 2, 3], 0, [1], -1, 1)], 16, num_tokens=16, num_seqs=2, max_pages=2)
     reference = make_step_fn(c, detect("reference"))
     kernels = make_step_fn(c, detect("pallas"))
-    monkeypatch.setenv("K3JAX_KERNELS", "pallas")
     assert "pallas_call" not in str(jax.make_jaxpr(reference)(params, pools, batch))
-    monkeypatch.setenv("K3JAX_KERNELS", "reference")
     assert "pallas_call" in str(jax.make_jaxpr(kernels)(params, pools, batch))
     absorbed = make_step_fn(c, detect("reference", mla_prefill="absorbed"))
     expanded = make_step_fn(c, detect("reference", mla_prefill="expanded"))
-    monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
     traced_absorbed, traced_expanded = (str(jax.make_jaxpr(f)(params, pools, batch)) for f in (absorbed, expanded))
-    monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
     assert traced_absorbed != traced_expanded == str(jax.make_jaxpr(expanded)(params, pools, batch))

@@ -113,17 +113,15 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_form_setting_rejects_unknown(monkeypatch):
+def test_prefill_form_setting_rejects_unknown():
     from k3jax.layers import mla
-    with pytest.raises(ValueError, match="MLA prefill form"):
+    from serving.engine_args import EngineArgs
+    with pytest.raises(ValueError, match="mla_prefill 'dense'"):
         detect(mla_prefill="dense")
-    monkeypatch.setenv("K3JAX_MLA_PREFILL", "dense")
-    with pytest.raises(ValueError, match="K3JAX_MLA_PREFILL"):
-        detect()
-    monkeypatch.setenv("K3JAX_MLA_PREFILL", "absorbed")
-    absorbed = detect()
-    monkeypatch.setenv("K3JAX_MLA_PREFILL", "expanded")
-    expanded = detect()
+    with pytest.raises(ValueError, match="mla_prefill 'dense'"):
+        EngineArgs(mla_prefill="dense")
+    absorbed = detect(mla_prefill="absorbed")
+    expanded = detect(mla_prefill="expanded")
     assert mla.expanded_key_budget(4096, (16, 512), 16, False, absorbed) == 0   # read when the backend was built
     assert mla.expanded_key_budget(4096, (16, 512), 16, False, expanded) == mla.EXPANDED_KEYS_PER_TOKEN * 4096
     assert mla.expanded_key_budget(64, (2, 8), 4, False, expanded) == 2 * 8 * 4  # capped by the block tables

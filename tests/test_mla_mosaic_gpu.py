@@ -1,6 +1,6 @@
 """The Mosaic GPU paged MLA decode kernel (pallas_kernels/mla/mosaic_gpu.py) on CPU: Mosaic GPU's interpret
 mode (warpgroups as threads, TMA copies, barriers) against mla_decode_reference, the GPU lowering
-(Pallas -> Mosaic GPU MLIR, no GPU needed), and the opt-in switch K3JAX_MLA_DECODE=mosaic routing
+(Pallas -> Mosaic GPU MLIR, no GPU needed), and the backend choice mla_decode="mosaic" routing
 decode-only steps there.
 
 Pools are NaN wherever the kernel must not read (page 0, slots of pages past a sequence's end) and
@@ -92,7 +92,7 @@ def test_ragged_decode_only_scatters_tokens_back():
 
 
 def test_switch_routes_decode_only_steps(monkeypatch):
-    """K3JAX_MLA_DECODE=mosaic (read by detect, not at trace time) sends ops.mla_ragged_paged's
+    """mla_decode="mosaic" (chosen when the backend is built, not at trace time) sends ops.mla_ragged_paged's
     decode-only steps with >= 64 heads to the Mosaic kernel; the default, prefill steps and 32-head
     steps stay on the Triton path."""
     from pallas_kernels import ops
@@ -101,9 +101,7 @@ def test_switch_routes_decode_only_steps(monkeypatch):
     real = mosaic_gpu.ragged_decode_mosaic
     monkeypatch.setattr(mosaic_gpu, "ragged_decode_mosaic",  # (2 splits: the compiled kernel of the tests above)
                         lambda *a, **k: calls.append(a[0].shape) or real(*a, **k, config=SPLIT2))
-    monkeypatch.setenv("K3JAX_MLA_DECODE", "mosaic")
-    mosaic = detect("pallas")
-    monkeypatch.delenv("K3JAX_MLA_DECODE")
+    mosaic = detect("pallas", mla_decode="mosaic")
     assert mosaic.mla_decode == "mosaic" and detect("pallas").mla_decode == "triton"      # auto, off Hopper
     ql, qr, pool, bt, lens = _case(96, 16, (37, 1, 0, 64), max_pages=8)
     cu = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
@@ -119,20 +117,18 @@ def test_switch_routes_decode_only_steps(monkeypatch):
     assert marked(ops.mla_ragged_paged(ql[:, :32], qr[:, :32], pool, bt, cu, lens, scale=SCALE,
                                        decode_only=True, backend=mosaic))
     assert calls == [ql.shape]
-    monkeypatch.setenv("K3JAX_MLA_DECODE", "wgmma")
-    with pytest.raises(ValueError, match="K3JAX_MLA_DECODE"):
-        detect()
+    with pytest.raises(ValueError, match="mla_decode 'wgmma'"):
+        detect(mla_decode="wgmma")
 
 
 @pytest.mark.parametrize("capability,chosen", [("9.0", "mosaic"), ("8.0", "triton"), ("10.0", "triton")])
 def test_auto_picks_mosaic_on_hopper_only(monkeypatch, capability, chosen):
-    """K3JAX_MLA_DECODE unset (auto): the Mosaic kernel (wgmma, TMA) on compute capability 9.x GPUs, the
+    """mla_decode "auto" (the default): the Mosaic kernel (wgmma, TMA) on compute capability 9.x GPUs, the
     Triton kernel elsewhere; an explicit choice wins."""
     import types
     from pallas_kernels import backend
-    monkeypatch.delenv("K3JAX_MLA_DECODE", raising=False)
-    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(backend.jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=capability)])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=capability)])
     assert backend.detect().mla_decode == chosen
     assert backend.detect(mla_decode="triton").mla_decode == "triton"
     assert backend.detect(mla_decode="mosaic").mla_decode == "mosaic"

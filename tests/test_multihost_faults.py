@@ -32,11 +32,11 @@ def xla_cache(tmp_path_factory):
 
 def _start_group(tmp_path, xla_cache, fault: str, *extra):
     coord, port = f"127.0.0.1:{free_port()}", free_port()
-    env = serve_env(4, K3JAX_TEST_FAULT=fault) if fault else serve_env(4)
     group = [start_server(tmp_path, f"proc{i}", ["--port", str(port), "--mesh", "data=2,expert=4",
                                                  *group_args(coord, 2, i), *SERVE_ARGS,
                                                  "--heartbeat-timeout", str(HEARTBEAT_S),
-                                                 "--compilation-cache-dir", xla_cache, *extra], env)
+                                                 "--compilation-cache-dir", xla_cache, *extra], serve_env(4),
+                          fault=fault)
              for i in range(2)]
     return group, f"http://127.0.0.1:{port}"
 

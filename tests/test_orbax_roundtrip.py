@@ -116,19 +116,18 @@ def test_restore_into_target_shardings(saved):
     assert n_split > 10
 
 
-def test_restore_with_mesh_default_shardings(saved, monkeypatch):
-    """mesh, no shardings: sharding.rules.param_shardings when it exists, else replicated."""
+def test_restore_with_mesh_default_shardings(saved):
+    """The partition rules' shardings when given (k3jax.load_model gives them); a mesh alone: replicated."""
     cfg, params, path, _ = saved
     from sharding.mesh import make_mesh
     from sharding.rules import param_shardings
     mesh = make_mesh({"expert": 2, "tensor": 2}, jax.devices()[:4])
-    got = orbax_io.restore_params(path, cfg, jnp.float32, mesh=mesh)
+    got = orbax_io.restore_params(path, cfg, jnp.float32, shardings=param_shardings(cfg, mesh))
     want_sh = jax.tree_util.tree_leaves(param_shardings(cfg, mesh))
     assert any(not s.is_fully_replicated for s in want_sh)
     for (k, g, want), sh in zip(_pairs(got, params), want_sh):
         assert g.sharding == sh, k
         np.testing.assert_array_equal(np.asarray(g), want, err_msg=k)
-    monkeypatch.setitem(__import__("sys").modules, "sharding.rules", None)     # rules unavailable
     flat = Mesh(np.array(jax.devices()[:4]), ("x",))
     got = orbax_io.restore_params(path, cfg, jnp.float32, mesh=flat)
     for k, g, want in _pairs(got, params):

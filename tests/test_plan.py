@@ -101,8 +101,29 @@ def test_devices_and_errors():
         planmod.plan(c, "data=-1", "h100")
     # a page size of 0 was a ZeroDivisionError traceback; a negative context a nonsense plan
     for kw, needle in (({"page_size": 0}, "page_size"), ({"context": -1}, "context"), ({"batch": 0}, "batch"),
-                       ({"step_tokens": 0}, "step_tokens"), ({"mem_fraction": 1.5}, "mem_fraction"),
+                       ({"step_tokens": 0}, "step_tokens"), ({"memory_fraction": 1.5}, "memory_fraction"),
                        ({"memory_gib": 0}, "memory_gib"), ({"extra_slots": -1}, "extra_slots")):
         with pytest.raises(ValueError, match=needle):
             planmod.plan(c, "data=2", "h100", **kw)
     assert planmod.main(["--model", "tiny-random", "--mesh", "data=1", "--page-size", "0"]) == 2
+    assert planmod.main(["--model", "tiny-random", "--mesh", "data=1", "--mem-fraction", "1.5"]) == 2   # old spelling
+
+
+def test_defaults_are_the_engines():
+    """plan's page size, memory fraction and largest step are the engine's defaults (EngineArgs on an
+    accelerator), and its budget is the engine's: the allocator's share, then memory_fraction of what the
+    weights and activations leave for the cache."""
+    import inspect
+    from serving.engine_args import ACCELERATOR_BATCH_DEFAULTS, ALLOCATOR_MEMORY_FRACTION, EngineArgs
+    kw = inspect.signature(planmod.plan).parameters
+    a = EngineArgs()
+    assert (kw["page_size"].default, kw["memory_fraction"].default) == (a.page_size, a.memory_fraction)
+    assert kw["step_tokens"].default == ACCELERATOR_BATCH_DEFAULTS[1]
+    c = preset_config("tiny-random")
+    r = planmod.plan(c, "data=1", memory_gib=0.25, context=64)
+    assert r["budget_bytes"] == int(0.25 * 2**30 * ALLOCATOR_MEMORY_FRACTION)
+    left = r["budget_bytes"] - r["weights_bytes"] - r["vision_bytes"] - r["activations_bytes"]
+    assert r["cache_budget_bytes"] == int(left * a.memory_fraction)
+    assert r["fits"] and r["mla_pages_bytes"] + r["kda_states_bytes"] <= r["cache_budget_bytes"]
+    more = planmod.plan(c, "data=1", memory_gib=0.25, context=64, batch=r["max_batch_at_context"] + 1)
+    assert more["mla_pages_bytes"] + more["kda_states_bytes"] > more["cache_budget_bytes"] and not more["fits"]

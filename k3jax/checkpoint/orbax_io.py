@@ -154,19 +154,13 @@ def read_index(path: str | os.PathLike) -> dict:
 
 
 def default_shardings(config: ModelConfig, mesh, spec=None):
-    """The parameters' shardings: the partition rules' on a mesh (replicated where sharding/ is not
-    installed), the first device without one."""
+    """The parameters' shardings when the caller gives none: replicated over a mesh, the first device
+    without one (the partition rules' shardings come from the caller: the model library does not import
+    sharding/)."""
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
     spec = param_spec(config) if spec is None else spec
-    if mesh is None:
-        one = SingleDeviceSharding(jax.devices()[0])
-        return jax.tree_util.tree_map(lambda _: one, spec, is_leaf=is_leaf)
-    try:
-        from sharding.rules import param_shardings
-    except ImportError:   # partition rules not available: replicate over the mesh
-        rep = NamedSharding(mesh, PartitionSpec())
-        return jax.tree_util.tree_map(lambda _: rep, spec, is_leaf=is_leaf)
-    return param_shardings(config, mesh)
+    one = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map(lambda _: one, spec, is_leaf=is_leaf)
 
 
 def _check_against_spec(index: dict, flat_spec, dtype, root: str):
@@ -194,9 +188,9 @@ def restore_params(path: str | os.PathLike, config: ModelConfig, dtype, mesh=Non
     """Restore a converted checkpoint into the k3jax parameter tree of `config`.
 
     Float leaves are cast to `dtype` on read (fp32-kind leaves stay fp32, MXFP4 stays uint8).
-    Placement: `shardings` (a tree like the params of jax.sharding.Sharding) if given; else with a
-    mesh `sharding.rules.param_shardings(config, mesh)` when that module exists, else replicated
-    over the mesh; else the first device. Orbax reads each array straight into its target
+    Placement: `shardings` (a tree like the params of jax.sharding.Sharding, e.g.
+    sharding.rules.param_shardings(config, mesh)) if given; else replicated over `mesh`; else the first
+    device. Orbax reads each array straight into its target
     sharding: every process reads only the chunks its addressable shards cover.
     """
     import orbax.checkpoint as ocp

@@ -18,6 +18,7 @@ import numpy as np
 from k3jax.checkpoint.hf_names import Source, path_str
 from k3jax.config import ModelConfig
 from k3jax.params import is_leaf
+from k3jax.vision.model import VisionModel, media_pad_id
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,5 @@ def load_vision(path: str, config: ModelConfig, tokenizer, dtype):
             log.warning("%s: config has a vision_config but no vision tower weights: images are disabled", path)
             return None
         params = _tree(vcfg, config, {key: _build(src, leaf, ckpt.get, key, dtype) for key, src, leaf in plan}, dtype)
-    from k3jax.api import VisionModel, _media_pad_id
     from k3jax.vision.preprocess import ImageProcessorConfig
-    return VisionModel(vcfg, params, ImageProcessorConfig.from_checkpoint_dir(path), _media_pad_id(config, tokenizer))
+    return VisionModel(vcfg, params, ImageProcessorConfig.from_checkpoint_dir(path), media_pad_id(config, tokenizer))

@@ -39,7 +39,7 @@ def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, dec
                         backend: Backend | None = None) -> int:
     """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only. At most
     the keys the block tables can hold (a buffer that large needs no runtime fallback). The form
-    is the backend's mla_prefill (K3JAX_MLA_PREFILL when the backend was built)."""
+    is the backend's mla_prefill (EngineArgs.mla_prefill when the backend was built)."""
     b = resolve(backend)
     if decode_only or b.mla_prefill == "absorbed":
         return 0

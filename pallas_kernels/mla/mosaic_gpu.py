@@ -1,6 +1,6 @@
 """Paged absorbed-MLA decode on Mosaic GPU (Hopper wgmma + TMA), for 64+ query heads.
 
-The decode-only MLA kernel on Hopper (``K3JAX_MLA_DECODE=auto|mosaic|triton``, pallas_kernels/backend.py).
+The decode-only MLA kernel on Hopper (the backend's ``mla_decode``: auto|mosaic|triton, pallas_kernels/backend.py).
 Checked on an H200 by scripts/bench_kernels.py --only mla-mosaic (matches the reference as closely as the
 Triton kernel); tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
 that the GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
@@ -43,6 +43,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels.mla.splits import pick_splits
 
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
@@ -313,13 +315,12 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
 
 def plan(num_heads, max_keys, n_seqs, bk, splits=None, slots=None):
     """(heads_padded, splits, keys_per_split): split-K over key blocks so that sequences x head tiles x
-    splits fill the SMs (one 220 KiB CTA an SM), paged._pick_splits' wave-quantised cost."""
+    splits fill the SMs (one 220 KiB CTA an SM), splits.pick_splits' wave-quantised cost."""
     from pallas_kernels.device_info import num_sms
-    from pallas_kernels.mla.paged import _pick_splits
     heads_padded = -(-num_heads // ROWS) * ROWS
     n_blocks = max(1, -(-max_keys // bk))
     if splits is None:
-        splits = _pick_splits(n_seqs * (heads_padded // ROWS), n_blocks, slots or num_sms())
+        splits = pick_splits(n_seqs * (heads_padded // ROWS), n_blocks, slots or num_sms())
     kps = -(-n_blocks // max(1, splits)) * bk
     return heads_padded, -(-max_keys // kps), kps
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.device_info import num_sms, smem_per_block
 from pallas_kernels.mla import reference
+from pallas_kernels.mla.splits import pick_splits
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
 # mla_tiles_call's defaults for knobs a tuning may leave out
@@ -27,18 +28,6 @@ def _pow2_ceil(x):
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def _pick_splits(n_tiles, max_blocks, slots):
-    """Split-K factor: minimise wave-quantised time per tile, with a small per-split cost
-    (the partial outputs and the combine pass)."""
-    best, best_cost = 1, None
-    for s in range(1, min(max_blocks, 64) + 1):
-        waves = -(-n_tiles * s // slots)
-        cost = waves / s * (1.0 + 0.03 * s)
-        if best_cost is None or cost < best_cost - 1e-9:
-            best, best_cost = s, cost
-    return best
-
-
 def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64,
                 splits=None, min_rows=16, slots=None, decode=False):
     """Static tiling: rows per tile, heads per tile (bh), tokens per tile (bq), bk, splits."""
@@ -52,7 +41,7 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     n_tiles = n_chunks * (num_heads // bh)
     slots = slots or _num_sms()
     if splits is None:
-        splits = _pick_splits(n_tiles, -(-max_keys // bk), slots)
+        splits = pick_splits(n_tiles, -(-max_keys // bk), slots)
     kps = -(-max_keys // splits)
     kps = -(-kps // bk) * bk
     splits = -(-max_keys // kps)

@@ -175,7 +175,7 @@ class Plan:
         if fmt is not None:     # (non-K3 named tool: the tool's arguments, not a response_format)
             self.matcher_factory = state.response_format_matcher(fmt, self.forced_name)
         try:
-            self.matcher_factory = state.scripted_matcher_factory(req) or self.matcher_factory
+            self.matcher_factory = state.request_matcher_factory(req) or self.matcher_factory
         except ValueError as e:
             raise from_value_error(e)
 

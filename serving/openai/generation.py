@@ -22,7 +22,9 @@ class ServerState:
     max_model_len: int
     metrics: object
     api_key: Optional[str] = None
-    test_hooks: bool = False        # honour "k3jax_test_script" (see serving.test_hooks)
+    # request_matcher(req, state) -> matcher factory | None: constrains a chat request's output beyond its
+    # response_format (None: no such hook; the tests script outputs through it). ValueError: a 400.
+    request_matcher: Optional[Callable] = None
     thinks_by_default: bool = True  # output starts inside reasoning unless the prompt says otherwise
     structured: object = None       # StructuredOutputCompiler, built on first use
     vision: object = None           # serving.image_inputs.ImageLoader, when the model has a tower
@@ -34,16 +36,9 @@ class ServerState:
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
 
-    def scripted_matcher_factory(self, req):
-        """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
-        script = (req.model_extra or {}).get("k3jax_test_script")
-        if not self.test_hooks or script is None:
-            return None
-        from serving.test_hooks import ScriptedMatcher
-        ids = script if isinstance(script, list) else [None]
-        if not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise ValueError("k3jax_test_script: expected a list of token ids")
-        return lambda: ScriptedMatcher(ids, self.tokenizer.vocab_size, self.tokenizer.stop_ids)
+    def request_matcher_factory(self, req):
+        """The request_matcher hook's matcher factory for this request (None: none, or no hook)."""
+        return None if self.request_matcher is None else self.request_matcher(req, self)
 
     def response_format_matcher(self, fmt: Optional[dict], tool: Optional[str] = None) -> Optional[Callable]:
         """The matcher factory constraining output to a response_format (None: unconstrained); APIError

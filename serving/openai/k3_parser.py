@@ -42,7 +42,7 @@ from typing import Iterable, Optional
 
 from k3jax.tokenizer import IncrementalDetokenizer
 from k3jax.tokenizer import k3_format as fmt
-from serving.openai.tool_parser import Delta, DeltaList, TokenStreamParser, ToolCall, is_json_object
+from serving.openai.deltas import Delta, DeltaList, TokenStreamParser, ToolCall, is_json_object
 
 _ATTR = re.compile(r'([\w-]+)="([^"]*)"')
 _CHANNELS = ("think", "response", "tools")

@@ -25,23 +25,11 @@ reach the content. Rules (the same in `parse_tool_calls` and `ToolCallStreamPars
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Iterable, Optional
 
 from k3jax.tokenizer import IncrementalDetokenizer
-
-Delta = dict  # one OpenAI `choices[0].delta` fragment
-
-
-@dataclasses.dataclass
-class ToolCall:
-    id: str             # e.g. "functions.get_weather:0", returned as the OpenAI tool_call id
-    name: str           # e.g. "get_weather"
-    arguments: str      # JSON text as generated (final once the call is closed)
-    index: int          # position among this output's calls, from 0
-    complete: bool = True    # closed by <|tool_call_end|>
-    json_valid: bool = True  # arguments parse as a JSON object
-
+from serving.openai import k3_parser
+from serving.openai.deltas import Delta, DeltaList, TokenStreamParser, ToolCall, is_json_object  # noqa: F401 (re-exported)
 
 class Markers:
     """The five tool-call marker ids of a KimiTokenizer."""
@@ -63,13 +51,6 @@ def split_call_id(header_text: str) -> tuple[str, str]:
     return cid, name
 
 
-def is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def tool_call_to_openai(call: ToolCall) -> dict:
     """ToolCall -> an OpenAI `message.tool_calls[i]` dict."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -85,7 +66,6 @@ def forced_tool_prefix(tok, name: Optional[str] = None, prompt_ids=()) -> list[i
     A K3-format tokenizer: k3_parser.forced_tool_prefix (it needs the prompt's open channel).
     """
     if getattr(tok, "message_format", "kimi") == "k3":
-        from serving.openai import k3_parser
         return k3_parser.forced_tool_prefix(tok, name, prompt_ids)
     m = Markers(tok)
     ids = [m.section_begin, m.call_begin]
@@ -148,46 +128,6 @@ def parse_tool_calls(tok, token_ids: Iterable[int]) -> tuple[str, list[ToolCall]
 
 
 # ---- streaming --------------------------------------------------------------------------
-
-
-class DeltaList(list):
-    """Deltas of one feed; joins a text piece onto the previous delta of the same kind."""
-
-    def text(self, key: str, s: str) -> None:
-        if not s:
-            return
-        if self and list(self[-1]) == [key]:
-            self[-1][key] += s
-        else:
-            self.append({key: s})
-
-    def header(self, call: ToolCall) -> None:
-        self.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
-                                     "function": {"name": call.name, "arguments": ""}}]})
-
-    def arguments(self, index: int, s: str) -> None:
-        if not s:
-            return
-        last = self[-1]["tool_calls"][0] if self and "tool_calls" in self[-1] else None
-        if last is not None and last["index"] == index and "id" not in last:
-            last["function"]["arguments"] += s
-        else:
-            self.append({"tool_calls": [{"index": index, "function": {"arguments": s}}]})
-
-
-class TokenStreamParser:
-    """Base of the streaming output parsers: feed(ids) runs the subclass's `_step(id, deltas)` per token and returns
-    this feed's deltas; a parser that has finished refuses more."""
-    _done = False
-
-    def feed(self, token_ids: Iterable[int]) -> list[Delta]:
-        """New ids of this step [n] -> deltas (possibly empty)."""
-        if self._done:
-            raise RuntimeError("feed() after finish()")
-        out = DeltaList()
-        for t in token_ids:
-            self._step(int(t), out)
-        return list(out)
 
 
 class ToolCallStreamParser(TokenStreamParser):
