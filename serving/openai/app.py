@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai import chat, completions
 from serving.openai.auth import APIKeyMiddleware
 from serving.openai.body_limit import BodyLimitMiddleware
-from serving.openai.errors import APIError, bad_request
+from serving.openai.errors import APIError, InternalErrorMiddleware, bad_request
 from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -123,6 +123,8 @@ def build_app(state: ServerState) -> FastAPI:
             await _error(APIError(401, "invalid or missing API key", type_="authentication_error",
                                   code="invalid_api_key"))(scope, receive, send)
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=_OPEN_PATHS, refuse=unauthorized)
+
+    app.add_middleware(InternalErrorMiddleware)     # last: outermost, so it sees every other layer's errors
 
     def _check_model(name):
         check_model(state, name)
