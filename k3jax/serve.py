@@ -282,7 +282,7 @@ def uvicorn_config(app, args, metrics):
 
 def _serve(args):
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - (uvicorn_config uses it)
         from serving.openai.app import build_app
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); pip install -e .", file=sys.stderr)

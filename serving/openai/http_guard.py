@@ -215,7 +215,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _expired(self) -> None:
         self._deadline = None
-        self.close_guarded(f"{self.phase}_timeout" if self.phase == "headers" else "body_timeout")
+        self.close_guarded("header_timeout" if self.phase == "headers" else "body_timeout")
 
     # -- uvicorn's protocol hooks
     def connection_made(self, transport) -> None:
