@@ -139,6 +139,21 @@ def test_a_trickled_body_is_closed_with_408(live):
     _wait_for(lambda: live.metric("body_timeout") >= before + 1, "the body_timeout metric")
 
 
+def test_a_body_that_ends_after_its_answer_leaves_an_idle_connection(live):
+    """A request answered before its body arrived (405 here): once the body has come, the connection is an
+    idle kept-alive one (closed by uvicorn's keep-alive timer), not a body that timed out."""
+    before = live.metric("body_timeout")
+    sock = _connect(live)
+    sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 405"), head
+    sock.sendall(b"12345")
+    assert _read_all(sock).count(b"HTTP/1.1") <= 1        # the keep-alive timer closes it, silently
+    assert live.metric("body_timeout") == before
+
+
 def test_a_silent_connection_is_closed_without_an_answer(live):
     sock = _connect(live)
     assert _read_all(sock) == b""

@@ -184,12 +184,18 @@ class GuardedH11Protocol(H11Protocol):
             self._deadline = self.loop.call_later(timeout, self._expired)
 
     def _follow_h11(self) -> None:
-        """Set the phase from h11's view of the client: IDLE (no complete request headers yet, keeping an
-        armed header deadline), SEND_BODY, or done with its request."""
+        """Set the phase from h11's view of the client: SEND_BODY, IDLE while a header deadline runs (no
+        complete request headers yet), else done with its request (or idle after one whose body came in
+        after its answer)."""
         state = self.conn.their_state
         if state is h11.SEND_BODY:
             self._enter("body")
-        elif state is not h11.IDLE:
+        elif not (state is h11.IDLE and self.phase == "headers"):
+            if self.phase == "body" and state is h11.IDLE and self.timeout_keep_alive_task is None:
+                # the rest of a body that came after its answer: uvicorn disarmed its keep-alive timer on
+                # these bytes and re-arms it only after a response; idle from here, so arm it again
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
             self._enter(None)
 
     def close_guarded(self, reason: str) -> None:
