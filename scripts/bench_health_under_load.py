@@ -139,6 +139,8 @@ def main():
     ap.add_argument("--slow-connections", type=int, default=1000)
     ap.add_argument("--slow-seconds", type=float, default=40.0,
                     help="how long the slow clients trickle (past the server's --header-timeout, 20 s by default)")
+    ap.add_argument("--server-pythonpath", default=None,
+                    help="PYTHONPATH of the server process (another checkout, e.g. to measure a baseline)")
     add_csv_argument(ap)
     ap.add_argument("serve_flags", nargs="*", help="after --: more `k3jax.serve` flags")
     args = ap.parse_args()
@@ -147,8 +149,10 @@ def main():
     log_path = f"/tmp/bench_health_under_load_{port}.log"
     cmd = [sys.executable, "-m", "k3jax.serve", "--model", args.model, "--port", str(port), "--no-warmup",
            "--log-level", "warning", *args.serve_flags]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.server_pythonpath:
+        env["PYTHONPATH"] = args.server_pythonpath
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(port, proc, log_path, timeout=900)
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -162,7 +166,9 @@ def main():
                                 cwd=HERE).stdout.strip()
         print(f"command: {' '.join(sys.argv)}\ndate: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
               f"\nmachine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}"
-              f"\ncommit: {commit}\nserver: {' '.join(cmd[1:])} (max_model_len {max_model_len})\n")
+              f"\ncommit: {commit}\nserver: {' '.join(cmd[1:])} (max_model_len {max_model_len}"
+              f"{', PYTHONPATH ' + args.server_pythonpath if args.server_pythonpath else ''})"
+              f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
         table = Table(("scenario", "scenario"), ("status", "status"), ("seconds", "request s", ".2f"),
                       ("probes", "/health probes"), ("failed", "failed"), ("p50_ms", "p50 ms", ".1f"),
                       ("p99_ms", "p99 ms", ".1f"), ("max_ms", "max ms", ".1f"))
