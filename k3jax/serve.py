@@ -12,6 +12,7 @@ its stage (serving/multihost_watch.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -309,6 +310,10 @@ def _serve(args):
         watch.on_abort(state.engine.fail)
         state.engine.on_error = watch.fail
     multihost_watch.set_stage("serve")
+    # The model, JAX and the app are loaded and live as long as the process: out of the garbage collector's
+    # sight, a full collection (triggered by a large request's many objects) no longer walks them all while
+    # holding the GIL, a pause every other request, /health included, would wait out.
+    gc.freeze()
     try:
         server.run()
     finally:

@@ -17,6 +17,7 @@ import argparse
 import datetime
 import http.client
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -184,9 +185,10 @@ def main():
             print(table.add(scenario=f"{name} ({len(body) / 2**20:.1f} MiB)", status=status, seconds=seconds,
                             **probe.stats()), flush=True)
         if args.slow_connections:
-            with HealthProbe(port) as probe:
+            # the clients in a process of their own: their loop would otherwise hold this one's GIL from the probe
+            with HealthProbe(port) as probe, multiprocessing.get_context("spawn").Pool(1) as pool:
                 t0 = time.perf_counter()
-                closed = slow_clients(port, args.slow_connections, args.slow_seconds)["closed"]
+                closed = pool.apply(slow_clients, (port, args.slow_connections, args.slow_seconds))["closed"]
                 seconds = time.perf_counter() - t0
             print(table.add(scenario=f"{args.slow_connections} slow-header connections ({closed} closed by the "
                             "server)", status=None, seconds=seconds, **probe.stats()), flush=True)
