@@ -176,7 +176,7 @@ def parse_body(body: bytes, content_type: Optional[str], model, limits=None):
     if check is not None and isinstance(data, dict):
         check(data)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, from_attributes=True)     # (as FastAPI validates a body)
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
                                       for err in e.errors(include_url=False)]) from None
