@@ -153,7 +153,9 @@ def main():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.server_pythonpath:
         env["PYTHONPATH"] = args.server_pythonpath
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    # (-m puts the working directory first on the path: run in the server's checkout)
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=args.server_pythonpath or None)
     try:
         wait_ready(port, proc, log_path, timeout=900)
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
