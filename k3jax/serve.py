@@ -12,6 +12,7 @@ its stage (serving/multihost_watch.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -21,6 +22,9 @@ import time
 from k3jax.cli_help import DefaultsHelpFormatter, add_model_source_args, int_at_least
 from serving.engine_args import add_advanced_args, advanced_kwargs, claim_device_memory
 from serving.engine_args import field_default as D        # the engine's defaults are the flags' defaults
+
+# (the same numbers as serving.openai.http_guard, which the --help text must not import: no uvicorn needed)
+FD_HEADROOM, HEALTH_RESERVE = 512, 16
 
 log = logging.getLogger("k3jax.serve")
 
@@ -106,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a streamed response may wait on a client that reads nothing (its connection "
                          "accepts no more bytes) before the stream and its request are ended, like nginx's "
                          "send_timeout; 0 = wait for ever (the request then runs to max_tokens)")
+    hg = ap.add_argument_group("slow and surplus clients")
+    hg.add_argument("--header-timeout", type=_seconds_or_off, default=20.0,
+                    help="seconds a client has to send a request's whole header block, from connecting (or, on a "
+                         "kept-alive connection, from the request's first byte); past it: 408 and the connection "
+                         "is closed. A deadline, so sending a byte at a time does not extend it; 0 = no limit")
+    hg.add_argument("--body-timeout", type=_seconds_or_off, default=60.0,
+                    help="seconds a client has to send a request's whole body, from the end of its headers; past "
+                         "it: 408 and the connection is closed (32 MiB in 60 s needs ~0.55 MiB/s); 0 = no limit")
+    hg.add_argument("--max-connections", type=int_at_least(0), default=None,
+                    help="open connections past which a request gets a 503 and its connection is closed; "
+                         f"{HEALTH_RESERVE} more are kept for /health and /metrics, and past those an idle or "
+                         "slow-header connection is closed to make room (default: the process's soft "
+                         f"file-descriptor limit less {FD_HEADROOM + HEALTH_RESERVE}; 0 = no cap)")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
@@ -265,9 +282,26 @@ def main(argv=None, *, fault_hook=None, request_matcher=None):
     return code
 
 
+def guard_settings(args):
+    """The slow-client limits of the command line (serving/openai/http_guard.py)."""
+    from serving.openai.http_guard import GuardSettings, default_max_connections
+    cap = default_max_connections() if args.max_connections is None else args.max_connections or None
+    return GuardSettings(header_timeout=args.header_timeout or None, body_timeout=args.body_timeout or None,
+                         max_connections=cap)
+
+
+def uvicorn_config(app, args, metrics):
+    """uvicorn's settings: its h11 protocol with the slow-client guard (the one protocol the guard is for)."""
+    import uvicorn
+    from serving.openai.http_guard import Guard
+    guard = Guard(guard_settings(args), count=metrics.count_closed)
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          http=guard.protocol_class())
+
+
 def _serve(args, request_matcher=None):
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - (uvicorn_config uses it)
         from serving.openai.app import build_app
     except ImportError as e:
         print(f"error: the server needs fastapi and uvicorn ({e}); pip install -e .", file=sys.stderr)
@@ -282,8 +316,8 @@ def _serve(args, request_matcher=None):
         return 2
     app = build_app(state)
     from serving.openai.shutdown import GracefulServer
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    server = GracefulServer(config, state.engine, args.shutdown_timeout)
+    server = GracefulServer(uvicorn_config(app, args, state.metrics), state.engine, args.shutdown_timeout)
+    state.metrics.connections = server.server_state.connections
     log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible)%s", state.model_name, args.host, args.port,
              " with API key" if args.api_key else "")
     # uvicorn re-raises SIGTERM after its graceful shutdown, which would kill the process before the
@@ -294,6 +328,10 @@ def _serve(args, request_matcher=None):
         watch.on_abort(state.engine.fail)
         state.engine.on_error = watch.fail
     multihost_watch.set_stage("serve")
+    # The model, JAX and the app are loaded and live as long as the process: out of the garbage collector's
+    # sight, a full collection (triggered by a large request's many objects) no longer walks them all while
+    # holding the GIL, a pause every other request, /health included, would wait out.
+    gc.freeze()
     try:
         server.run()
     finally:

@@ -145,9 +145,14 @@ def _data_url_bytes(url: str, max_bytes: int) -> bytes:
 def _file_bytes(path: str, max_bytes: int, local_dir: str | None) -> bytes:
     if not path:
         raise ImageInputError("empty image path")
+    if "\x00" in path:      # (os functions raise ValueError on it; no file name can hold one)
+        raise ImageInputError("image path contains a NUL character")
     if local_dir is not None and not os.path.isabs(path):
         path = os.path.join(local_dir, path)    # relative paths name files in local_dir
-    real = os.path.realpath(path)
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, OSError) as e:       # e.g. a lone surrogate the file system cannot encode
+        raise ImageInputError(f"image path is not a valid file name: {e}") from None
     if local_dir is not None:
         root = os.path.realpath(local_dir)
         if os.path.commonpath([root, real]) != root:

@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai import chat, completions
 from serving.openai.auth import APIKeyMiddleware
 from serving.openai.body_limit import BodyLimitMiddleware
-from serving.openai.errors import APIError, bad_request
+from serving.openai.errors import APIError, InternalErrorMiddleware, bad_request
 from serving.openai.generation import ServerState, engine_error
 from serving.openai.openapi import build_openapi
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serving.openai.request_body import BodyLimits, max_token_chars, offloaded_route_class
 from serving.openai.sse import EventStreamResponse
 
 _OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
@@ -93,6 +94,9 @@ def build_app(state: ServerState) -> FastAPI:
     max_body_bytes = state.max_body_bytes
     app = FastAPI(title="k3jax", version="0.1.0")
     app.state.k3 = state
+    # routes with a JSON body: parsed, limited and validated off the event loop (serving/openai/request_body.py)
+    limits = BodyLimits(state.max_model_len, state.max_prompts, max_token_chars(state.tokenizer))
+    app.router.route_class = offloaded_route_class(state.offload, limits)
     app.openapi = lambda: build_openapi(app, vocab_size=state.tokenizer.vocab_size, max_n=state.max_n,
                                           max_prompts=state.max_prompts, model_name=state.model_name)
 
@@ -123,6 +127,8 @@ def build_app(state: ServerState) -> FastAPI:
             await _error(APIError(401, "invalid or missing API key", type_="authentication_error",
                                   code="invalid_api_key"))(scope, receive, send)
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=_OPEN_PATHS, refuse=unauthorized)
+
+    app.add_middleware(InternalErrorMiddleware)     # last: outermost, so it sees every other layer's errors
 
     def _check_model(name):
         check_model(state, name)
@@ -194,23 +200,29 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
+        return await state.offload(_tokenize, req)
+
+    def _tokenize(req: TokenizeRequest) -> dict:
         if req.messages is not None:
-            ids, images = await asyncio.to_thread(chat.render_with_images, state, req.messages, None, {})
+            ids, images = chat.render_with_images(state, req.messages, None, {})
             if images:                   # each image's placeholder widened to its token count
                 from serving.multimodal import expand_image_placeholders
                 ids, _ = expand_image_placeholders(ids, images, state.vision.pad_id)
         else:
-            ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt)
+            ids = state.tokenizer.encode(req.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         _check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} out of range [0, {state.tokenizer.vocab_size})", param="tokens",
-                              code="invalid_token_id")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return await state.offload(_detokenize, req.tokens)
+
+    def _detokenize(ids: list) -> dict:
+        vocab = state.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} out of range [0, {vocab})", param="tokens", code="invalid_token_id")
+        return {"prompt": state.tokenizer.decode(ids)}
 
     return app
 

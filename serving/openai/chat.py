@@ -5,7 +5,6 @@ offered, the Kimi tool-call parser; both work on ids, so markers never split acr
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import AsyncIterator, Optional
 
@@ -219,7 +218,7 @@ def _usage(prompt_len: int, completion: int, cached: int) -> dict:
 async def _make_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
     # Rendering, tokenizing and image decoding are CPU work (seconds for a large body): keep them off the
     # event loop that serves /health and streams other requests.
-    return await asyncio.to_thread(Plan, state, req)
+    return await state.offload(Plan, state, req)
 
 
 async def chat(state: ServerState, req: ChatCompletionRequest) -> dict:

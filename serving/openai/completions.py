@@ -1,7 +1,6 @@
 """POST /v1/completions (legacy text completions), streaming and not."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import AsyncIterator
 
@@ -62,7 +61,7 @@ def prepare(state: ServerState, req: CompletionRequest):
 async def _admit(state: ServerState, req: CompletionRequest, rid: str):
     """Validate (off the event loop: tokenizing is CPU work) and have the engine accept every prompt's
     choices, so refusals are a 4xx before any output, streaming or not. Returns (params, [(ids, streams)])."""
-    params, prompts, matcher_factory = await asyncio.to_thread(prepare, state, req)
+    params, prompts, matcher_factory = await state.offload(prepare, state, req)
     admitted = []
     try:
         for p_i, ids in enumerate(prompts):

@@ -4,8 +4,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Optional
 
 from serving.openai.errors import APIError, bad_request, from_value_error
@@ -35,6 +38,16 @@ class ServerState:
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
+    # threads for a request's CPU work (parsing, validation, rendering, tokenizing, image decoding), so
+    # none of it runs on the event loop; bounded, as Python's default executor is
+    workers: int = min(32, (os.cpu_count() or 1) + 4)
+    _pool: object = dataclasses.field(default=None, repr=False)
+
+    async def offload(self, fn, *args):
+        """fn(*args) in the request worker pool."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="k3jax-request")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def request_matcher_factory(self, req):
         """The request_matcher hook's matcher factory for this request (None: none, or no hook)."""

@@ -34,6 +34,14 @@ class Metrics:
                                      "and compared (--verify-prefix-cache)", lab, registry=r)
         self.verify_mismatches = Counter("k3jax:prefix_cache_verify_mismatches", "Verified hits whose first token's "
                                          "log-probabilities differ from the recompute", lab, registry=r)
+        self.http_closed = Counter("k3jax:http_connections_closed", "Connections the server closed to protect itself, "
+                                   "by reason: header_timeout, body_timeout (the request did not arrive in time), "
+                                   "over_limit (503 past --max-connections), evicted (an idle or slow connection "
+                                   "closed to make room), refused (no room)", lab + ["reason"], registry=r)
+        for reason in ("header_timeout", "body_timeout", "over_limit", "evicted", "refused"):
+            self.http_closed.labels(model_name, reason)          # listed (at 0) before the first close
+        self.http_open = Gauge("k3jax:http_connections_open", "Open HTTP connections", lab, registry=r)
+        self.connections = None         # the server's set of open connections, once it runs
         self._counted = {}
         self.disagg = {k: Gauge(f"k3jax:{k}", h, lab, registry=r) for k, h in (
             ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
@@ -44,8 +52,13 @@ class Metrics:
             ("disagg_remote_prefill_ms", "Milliseconds the prefill peer took to answer, as the decode server saw it"))}
         self.model = model_name
 
+    def count_closed(self, reason: str) -> None:
+        self.http_closed.labels(self.model, reason).inc()
+
     def render(self, stats: dict) -> bytes:
         m = self.model
+        if self.connections is not None:
+            self.http_open.labels(m).set(len(self.connections))
         self.running.labels(m).set(stats.get("num_running", 0))
         self.waiting.labels(m).set(stats.get("num_waiting", 0))
         self.page_usage.labels(m).set(stats.get("page_usage", 0.0))

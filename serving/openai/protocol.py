@@ -41,6 +41,16 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SCALARS = frozenset((int, float, bool, type(None)))
 
 
+def _find_surrogate(text: str, window: int = 1 << 20):
+    # a window at a time: one regex call holds the GIL (a 15M-character search: ~0.2 s), and validation
+    # runs in a worker thread beside the event loop
+    for start in range(0, len(text), window):
+        m = _SURROGATE.search(text, start, start + window)
+        if m:
+            return m
+    return None
+
+
 def lone_surrogate(body) -> Optional[tuple[str, str]]:
     """(dotted path, what) of the first string in a JSON value holding a lone UTF-16 surrogate, or None.
     (json.loads keeps an unpaired "\\ud800" as such; a pair becomes one code point.) Iterative: the
@@ -49,7 +59,7 @@ def lone_surrogate(body) -> Optional[tuple[str, str]]:
     while stack:
         path, v = stack.pop()
         if isinstance(v, str):
-            m = None if v.isascii() else _SURROGATE.search(v)
+            m = None if v.isascii() else _find_surrogate(v)
             if m:
                 return ".".join(map(str, path)), f"a lone UTF-16 surrogate \\u{ord(m.group()):04x} at character {m.start()}"
         elif isinstance(v, dict):
