@@ -318,3 +318,27 @@ def test_a_request_with_many_distinct_specials_is_fine_or_a_400(toks):
         assert e.status == 400
         return
     assert _specials(tok, ids) == _specials(tok, _chat_prompt(_state(tok), {"messages": [{"role": "user", "content": "x"}]}))
+
+
+def test_shield_protects_exactly_the_special_tokens_and_their_open_ends(jinja_tok):
+    """Against the definition, on random strings: every special-token string, then the longest start that
+    ends one and the longest end (of the rest) that starts one are replaced; restore() gives it back."""
+    tok = jinja_tok
+    names = sorted(tok.special_ids)
+    starts = {s[:i] for s in names for i in range(1, len(s))}
+    ends = {s[i:] for s in names for i in range(1, len(s))}
+    rng = random.Random(5)
+    alphabet = list("ab<|>[]_ e")
+    for _ in range(1500):
+        s = "".join(rng.choice(names)[rng.randrange(0, 5):rng.choice([99, -1, -3, 5])] if rng.random() < 0.5 else
+                    "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6))) for _ in range(rng.randrange(1, 4)))
+        session = tok.shield.session(s)
+        out = session.protect_string(s)
+        assert session.restore(out) == s and not tok.shield.pattern.search(out)
+        stand_in = session._char
+        t = tok.shield.pattern.sub(lambda m: stand_in[m.group()], s)
+        head = max((k for k in range(1, len(t) + 1) if t[:k] in ends), default=0)
+        rest = t[head:]
+        tail = max((k for k in range(1, len(rest) + 1) if rest[-k:] in starts), default=0)
+        expected = (stand_in[t[:head]] if head else "") + rest[:len(rest) - tail] + (stand_in[rest[-tail:]] if tail else "")
+        assert out == expected, (s, out, expected)

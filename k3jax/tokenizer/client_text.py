@@ -42,13 +42,12 @@ class Shield:
     """The special-token strings of one tokenizer, and the protect / restore rules above."""
 
     def __init__(self, specials: Iterable[str]):
-        names = sorted(set(specials), key=lambda s: (-len(s), s))   # longest first where two overlap
-        self.pattern = re.compile("|".join(map(re.escape, names)))
-        self.heads = {s[:i] for s in names for i in range(1, len(s))}   # proper starts of a special token
-        self.tails = {s[i:] for s in names for i in range(1, len(s))}   # proper ends of one
+        names = sorted(set(specials))
+        self.pattern = _trie_pattern(names)     # leftmost match, the longest where names overlap
         self.max_len = max(map(len, names))
-        self.first_chars = "".join({s[0] for s in names})   # a start of a special token begins with one
-        self.last_chars = "".join({s[-1] for s in names})   # an end of one ends with one
+        # a proper start of a special token that ends the text, a proper end of one that starts it
+        self.open_end = _trie_pattern(sorted({s[:i] for s in names for i in range(1, len(s))}), r"\Z")
+        self.open_start = _trie_pattern(sorted({s[i:] for s in names for i in range(1, len(s))}))
 
     def session(self, *trees: Any) -> "Session":
         """A Session whose stand-in characters occur nowhere in `trees` (the caller's data and the template)."""
@@ -64,6 +63,24 @@ class Shield:
             pos = m.end()
         if pos < len(text):
             yield False, text[pos:]
+
+
+def _trie_pattern(words: list[str], suffix: str = "") -> re.Pattern:
+    """A regex matching any of `words` (the longest at a position), as a trie: a 256-way alternation
+    tries every branch at every character; this one only the branches of the character it meets."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        body = "" if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node and body else body
+
+    return re.compile(build(trie) + suffix)
 
 
 def _strings(tree: Any) -> Iterator[str]:
@@ -111,16 +128,13 @@ class Session:
     def protect_string(self, s: str) -> str:
         sh = self.shield
         s = sh.pattern.sub(lambda m: self._stand_in(m.group()), s)
-        # the longest start of s that is a proper end of a special token, then the longest end that is a
-        # proper start of one (the quick tests first: most strings have neither)
-        n = sh.max_len - 1
-        head = 0
-        if any(c in s[:n] for c in sh.last_chars):
-            head = next((k for k in range(min(len(s), n), 0, -1) if s[:k] in sh.tails), 0)
+        # the longest start of s that is a proper end of a special token, then the longest end of the rest
+        # that is a proper start of one (the leftmost match of open_end)
+        m = sh.open_start.match(s)
+        head = m.end() if m else 0
         rest = s[head:]
-        tail = 0
-        if any(c in rest[-n:] for c in sh.first_chars):
-            tail = next((k for k in range(min(len(rest), n), 0, -1) if rest[-k:] in sh.heads), 0)
+        m = sh.open_end.search(rest, max(0, len(rest) - sh.max_len))
+        tail = len(rest) - m.start() if m else 0
         if not head and not tail:
             return s
         out = self._stand_in(s[:head]) if head else ""
@@ -135,6 +149,11 @@ class Session:
         if isinstance(tree, (list, tuple)):
             return [self.protect(v) for v in tree]
         return tree
+
+    @property
+    def protected(self) -> bool:
+        """Whether protect() replaced anything (else the render holds the caller's text as it is)."""
+        return bool(self._char)
 
     def restore(self, text: str) -> str:
         if not self._back:
