@@ -315,7 +315,8 @@ def allowed_masks(matchers) -> list:
 
 # ------------------------------------------------------------------ tools
 
-def _tool_functions(tools) -> list[dict]:
+def tool_functions(tools) -> list[dict]:
+    """The `function` objects of OpenAI tools; ValueError naming a malformed tool."""
     if not isinstance(tools, (list, tuple)) or not tools:
         raise ValueError("tools: expected a non-empty list of tools")
     out = []
@@ -346,7 +347,7 @@ def grammar_for_tool_call(tools, name: Optional[str] = None) -> dict:
     arguments of any listed tool (anyOf their parameter schemas). A tool without
     `parameters` takes none: arguments must be `{}`. strict is true only if every chosen
     tool says so. Raises ValueError for malformed tools or an unknown name."""
-    fns = _tool_functions(tools)
+    fns = tool_functions(tools)
     if name is not None:
         fns = [f for f in fns if f["name"] == name]
         if not fns:

@@ -1,6 +1,7 @@
 """Test helper: run `python -m k3jax.serve` in a subprocess on a free loopback port."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -82,3 +83,41 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+# Tools whose every argument is bounded (an enum, a short string, a small integer, a boolean): a model
+# that writes noise (tiny-random) still ends a grammar-constrained call within a few dozen tokens.
+BOUNDED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                       "metric": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "required": ["tz"], "additionalProperties": False,
+        "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}}}}}]
+
+
+def chat_tool_calls(client, stream: bool, **kw) -> tuple[list, str]:
+    """([(name, arguments text)], finish_reason) of a one-choice chat completion, streamed or not."""
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        return [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], c.finish_reason
+    calls, finish = {}, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            finish = c.finish_reason or finish
+            for tc in c.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, ["", ""])
+                slot[0] += (tc.function.name or "") if tc.function else ""
+                slot[1] += (tc.function.arguments or "") if tc.function else ""
+    return [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+def assert_declared_calls(calls: list, tools: list) -> None:
+    """At least one call; each names a declared tool and has JSON arguments valid for its schema."""
+    import jsonschema
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls, "no tool call"
+    for name, arguments in calls:
+        assert name in schemas, (name, calls)
+        jsonschema.validate(json.loads(arguments), schemas[name])

@@ -20,6 +20,7 @@ def tok():
 
 def _args(case):
     kw = json.loads(json.dumps(case["kwargs"]))
+    kw["images_in_text"] = True      # the public renderer's way with a placeholder typed in text
     return kw.pop("messages"), kw.pop("tools", None), kw
 
 

@@ -150,6 +150,17 @@ def test_required_tool_choice_and_prompt_messages(client, tok):
     assert r.usage.prompt_tokens == len(base) + len(tok.encode(prefix, allow_special=True))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_calls_a_declared_tool(client, stream):
+    """tool_choice "required" on random weights at temperature 0: every call names a declared tool with
+    arguments valid for its schema, streamed or not (one call without parallel_tool_calls)."""
+    from server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
+    calls, finish = chat_tool_calls(client, stream, model="k3", messages=USER, tools=BOUNDED_TOOLS,
+                                    tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=stream)
+    assert_declared_calls(calls, BOUNDED_TOOLS)
+    assert finish == "tool_calls" and (stream or len(calls) == 1)
+
+
 def test_response_format_json_schema(client, tok):
     schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}},
               "additionalProperties": False}

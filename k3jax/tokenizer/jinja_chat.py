@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from k3jax.tokenizer.chat import deep_sort
 
@@ -60,13 +60,19 @@ def _alias_reasoning(message: dict) -> dict:
 
 
 def render_jinja(template: str, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
-                 **kwargs: Any) -> str:
-    """Render `template` with transformers' variables: messages, tools, add_generation_prompt, **kwargs."""
+                 *, protect: Callable[[Any], Any] | None = None, trusted: dict | None = None, **kwargs: Any) -> str:
+    """Render `template` with transformers' variables: messages, tools, add_generation_prompt, **kwargs.
+
+    protect: applied to the caller's data (messages, tools, kwargs) once it is prepared (copied,
+    reasoning aliased, tools key-sorted), before rendering: client_text.Session.protect.
+    trusted: variables passed as they are (the tokenizer's bos_token, eos_token, ...).
+    """
     compiled = _compile(template)
-    msgs = [_alias_reasoning(m) for m in _plain(list(messages))]
-    tools = deep_sort(_plain(tools)) if tools is not None else None
+    protect = protect or (lambda data: data)
+    msgs = protect([_alias_reasoning(m) for m in _plain(list(messages))])
+    tools = protect(deep_sort(_plain(tools))) if tools is not None else None
     return compiled.render(messages=msgs, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                           **_plain(kwargs))
+                           **protect(_plain(kwargs)), **(trusted or {}))
 
 
 def template_from_config(config: dict) -> str | None:

@@ -98,11 +98,16 @@ def parse_value(text: str, type_: str) -> Any:
 
 
 class Writer(list):
-    """Segments being built, plus the images' prompts to substitute in order."""
+    """Segments being built, plus the images' prompts to substitute in order.
 
-    def __init__(self, image_prompts: Optional[list]):
+    images_in_text: a `<|kimi_image_placeholder|>` typed in message text takes the next image
+    prompt, as in K3's public renderer (for trusted text only: a client could open image slots).
+    Off, images come from image parts only and the typed placeholder stays text."""
+
+    def __init__(self, image_prompts: Optional[list], images_in_text: bool = False):
         super().__init__()
         self.image_prompts = image_prompts
+        self.images_in_text = images_in_text
         self.images_used = 0
 
     def control(self, s: str) -> None:
@@ -124,9 +129,9 @@ class Writer(list):
         self.images_used += 1
 
     def text_with_images(self, s: Any) -> None:
-        # a placeholder typed in text becomes an image only when the caller supplies prompts
+        # a placeholder typed in text becomes an image only when asked and the caller supplies prompts
         s = str(s)
-        if self.image_prompts is None or IMAGE_PLACEHOLDER not in s:
+        if not self.images_in_text or self.image_prompts is None or IMAGE_PLACEHOLDER not in s:
             self.text(s)
             return
         pieces = s.split(IMAGE_PLACEHOLDER)
@@ -274,17 +279,17 @@ def thinking_options(thinking: Optional[bool] = None, enable_thinking: Optional[
 def render(messages: list, tools: Optional[list] = None, *, add_generation_prompt: bool = True,
            thinking: Optional[bool] = None, enable_thinking: Optional[bool] = None,
            reasoning_effort: Optional[str] = None, thinking_effort: Optional[str] = None,
-           tool_choice: Any = None, response_format: Any = None, image_prompts: Optional[list] = None
-           ) -> list[Segment]:
+           tool_choice: Any = None, response_format: Any = None, image_prompts: Optional[list] = None,
+           images_in_text: bool = False) -> list[Segment]:
     """OpenAI-style conversation -> K3 segments (see the module docstring).
 
     image_prompts: one string per image in order (image_prompt(size)); None leaves K3's
-    `<|kimi_image_placeholder|>` text in their place. tool_choice: "required" / "none" add
-    K3's tool-choice message (a named choice is enforced by decoding, not by the prompt).
+    `<|kimi_image_placeholder|>` text in their place. images_in_text: see Writer. tool_choice:
+    "required" / "none" add K3's tool-choice message (a named choice is enforced by decoding, not by the prompt).
     """
     thinking, effort = thinking_options(thinking, enable_thinking, reasoning_effort, thinking_effort)
     messages = order_tool_results(list(messages))
-    out = Writer(image_prompts)
+    out = Writer(image_prompts, images_in_text)
     if tools:
         _tool_declaration(out, deep_sort(tools))
     if thinking:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -164,10 +165,21 @@ class KimiTokenizer:
         their ids; otherwise they are encoded as ordinary text."""
         out: list[int] = []
         for piece in _vocab.encode_pieces(text):
-            if allow_special:
+            if not allow_special:
+                out.extend(self._enc.encode_ordinary(piece))
+            elif len(piece) > 512:
                 out.extend(self._enc.encode(piece, allowed_special="all"))
+            else:   # (the same cuts: tiktoken's costs ~0.2 ms a call, its set of 256 names crossing into Rust)
+                out.extend(self._encode_with_specials(piece))
+        return out
+
+    def _encode_with_specials(self, text: str) -> list[int]:
+        out: list[int] = []
+        for special, run in self.shield.split(text):
+            if special:
+                out.append(self.special_ids[run])
             else:
-                out.extend(self._enc.encode(piece, disallowed_special=()))
+                out.extend(self._enc.encode_ordinary(run))
         return out
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -184,14 +196,19 @@ class KimiTokenizer:
                             thinking: bool | None = None, tokenize: bool = False, **template_kwargs: Any):
         """Render a conversation (OpenAI-style dicts) into a prompt string, or ids if tokenize.
 
+        Only the format's own markup becomes special tokens; every string the caller passes
+        (messages, tools, template_kwargs) is text, even where it spells a special token
+        (k3jax.tokenizer.client_text says why and how). The string form shows the prompt; its ids
+        come from tokenize=True, never from encoding that string with special tokens parsed.
+
         A K3-format tokenizer renders K3's tagged format (k3jax.tokenizer.k3_format; template_kwargs
         are its options: thinking_effort, reasoning_effort, tool_choice, response_format,
         image_prompts).
 
-        With a checkpoint jinja template, it is rendered like transformers does
-        (template_kwargs are passed to it) and ids come from encode(..., allow_special=True).
-        Otherwise the built-in Kimi renderer is used (see k3jax.tokenizer.chat) and content
-        is tokenized with special-token parsing off.
+        With a checkpoint jinja template, it is rendered like transformers does (template_kwargs
+        are passed to it, beside the tokenizer's bos_token / eos_token / unk_token / pad_token);
+        the ids are those of encoding the result with special tokens parsed, for input that spells
+        none. Otherwise the built-in Kimi renderer is used (see k3jax.tokenizer.chat).
         """
         if self.message_format == "k3":
             from k3jax.tokenizer import k3_format
@@ -204,14 +221,47 @@ class KimiTokenizer:
             from k3jax.tokenizer.jinja_chat import render_jinja
 
             specials = {key: name for key, name in self.role_tokens.items() if self.has_special(name)}
-            text = render_jinja(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                thinking=thinking, **{**specials, **template_kwargs})
-            return self.encode(text, allow_special=True) if tokenize else text
+            session = self.shield.session(messages, tools, template_kwargs, self.chat_template)
+            rendered = render_jinja(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    protect=session.protect, trusted=specials, thinking=thinking, **template_kwargs)
+            if not session.protected:      # all special tokens in the text are the template's
+                return self.encode(rendered, allow_special=True) if tokenize else rendered
+            text, spans = session.marked(rendered)
+            return self.encode_marked(text, spans) if tokenize else text
         if template_kwargs:
             raise TypeError(f"unexpected arguments for the built-in template: {sorted(template_kwargs)}")
         parts = _chat.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   thinking=thinking)
         return self.encode_parts(parts) if tokenize else self.join_parts(parts)
+
+    @functools.cached_property
+    def shield(self):
+        """client_text.Shield of this tokenizer's special-token strings."""
+        from k3jax.tokenizer.client_text import Shield
+
+        return Shield(self.special_ids)
+
+    def encode_marked(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Text -> ids with special tokens exactly at `spans` ((start, end), ordered; a renderer's
+        own markup) and everything else plain text. Cut into pieces as encode() is, so that with
+        `spans` = every special-token string of `text` this is encode(text, allow_special=True)."""
+        out: list[int] = []
+        start, i = 0, 0
+        for piece in _vocab.encode_pieces(text):
+            end = start + len(piece)
+            pos = start
+            while i < len(spans) and spans[i][0] < end:
+                a, b = spans[i]
+                if a >= pos and b <= end:      # (one cut by a piece boundary is text, as in encode)
+                    out.extend(self.encode(text[pos:a]))
+                    out.append(self.special_ids[text[a:b]])
+                    pos = b
+                if b > end:
+                    break
+                i += 1
+            out.extend(self.encode(text[pos:end]))
+            start = end
+        return out
 
     def join_parts(self, parts: list[tuple[str, str]]) -> str:
         """Parts from the built-in renderer -> prompt string."""

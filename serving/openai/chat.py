@@ -10,6 +10,8 @@ from typing import AsyncIterator, Optional
 
 from serving.openai.errors import APIError, bad_request, from_value_error
 from serving.openai.generation import ServerState, admit_choices, new_id, stream_choices
+from serving.openai.k2_grammar import required_call_grammar as k2_required_call_grammar
+from serving.openai.k3_grammar import tool_call_grammar as k3_tool_call_grammar
 from serving.openai.k3_parser import count_tool_calls
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.reasoning_parser import OutputStreamParser, parse_output, thinking_started_from_prompt
@@ -151,17 +153,20 @@ class Plan:
             raise from_value_error(e)
         self.matcher_factory = None
         fmt = req.response_format
-        if self.forced and k3:
-            # K3: the forced prefix ends inside the tools channel; a grammar of K3's typed argument
-            # elements (of the named tool, or of any tool for "required") takes it from there.
-            from serving.openai.k3_grammar import tool_call_grammar
+        if self.forced and (k3 or self.forced_name is None):
+            # The forced prefix ends inside the tools channel (K3) or the call section (Kimi); a grammar of
+            # the calls takes it from there: of the named tool (K3), or of any offered tool ("required"),
+            # each call's arguments valid for its tool's schema.
             try:
-                self.matcher_factory = state.structured_compiler().compile_lark(
-                    tool_call_grammar(tok, req.tools, self.forced_name)).matcher
+                if k3:
+                    source = k3_tool_call_grammar(tok, req.tools, self.forced_name, req.parallel_tool_calls)
+                else:
+                    source = k2_required_call_grammar(tok, req.tools, req.parallel_tool_calls)
+                self.matcher_factory = state.structured_compiler().compile_lark(source).matcher
             except ImportError as e:
                 raise APIError(500, f"structured output unavailable: {e}", type_="server_error")
             except ValueError as e:
-                raise bad_request(str(e), param="tools")
+                raise bad_request(str(e), param="tools", code="invalid_tools")
             fmt = None
         elif self.forced_name:
             # Named tool choice: the forced prefix ends at <|tool_call_argument_begin|>, so the grammar of

@@ -11,6 +11,8 @@ from serving.openai.sse import DONE, error_event, event
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list:
+    """Each prompt's ids. Text is plain text: a special-token string in it stays text, as in chat messages
+    (k3jax/tokenizer/client_text.py); a client that wants control tokens sends token ids."""
     p = req.prompt
     if isinstance(p, str):
         return [state.tokenizer.encode(p)]

@@ -7,8 +7,9 @@ attribute that matches its value:
 
     <|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>
 
-VALUE is raw text for a string (its enum / const when the schema has one), and JSON checked
-against the property's schema for the other types. Structural tokens are matched by id
+VALUE is raw text for a string (its enum / const when the schema has one, as many characters
+as its minLength / maxLength allow), and JSON in json.dumps' layout checked against the
+property's schema for the other types. Structural tokens are matched by id
 (`<[id]>`), so argument text can never produce one. Properties come in schema order; the
 required ones must be there. After the calls: `<|close|>tools<|sep|>`, optionally
 `<|close|>message<|sep|>`, then a stop token.
@@ -19,6 +20,10 @@ import json
 from typing import Optional
 
 from k3jax.tokenizer import k3_format as fmt
+
+# Non-string values in json.dumps' layout (`[1, 2]`, `{"a": 1}`), as K3 writes them: free whitespace
+# would let a model that does not know the tool pad a value forever.
+_VALUE_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _JSON_TYPES = {"number": "number", "integer": "number", "boolean": "boolean", "null": "null",
                "object": "object", "array": "array", "string": "string"}
@@ -64,15 +69,29 @@ def _value_alternatives(prop: dict, defs: dict) -> list[tuple[str, str]]:
                 if strings:
                     out.append(("string", "(" + " | ".join(_lit(v) for v in strings) + ")"))
                 continue
-            out.append(("string", "STRING_VALUE"))
+            out.append(("string", _string_value(prop)))
         else:
             schema = {k: v for k, v in prop.items() if k not in ("description", "title", "type")}
             schema["type"] = t
             schema.update(defs)
+            schema["x-guidance"] = _VALUE_LAYOUT
             out.append((attr, f"%json {json.dumps(schema, ensure_ascii=False)}"))
     if not out:
         raise ValueError(f"no K3 argument type fits the schema {json.dumps(prop)[:200]}")
     return out
+
+
+_MAX_COUNTED_LENGTH = 4096   # longer bounds are left to the client (a counted repetition this long is costly)
+
+
+def _string_value(prop: dict) -> str:
+    """A raw string value: any text, or as many characters as minLength / maxLength allow."""
+    lo, hi = prop.get("minLength"), prop.get("maxLength")
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in (lo, hi)):
+        raise ValueError(f"minLength / maxLength must be non-negative integers, got {json.dumps(prop)[:200]}")
+    if (lo is None and hi is None) or max(lo or 0, hi or 0) > _MAX_COUNTED_LENGTH:
+        return "STRING_VALUE"
+    return f"/(.|\\n){{{lo or 0},{'' if hi is None else hi}}}/"
 
 
 def _arguments_rule(g: _Lark, fn: dict, tag: str) -> str:
@@ -95,9 +114,10 @@ def _arguments_rule(g: _Lark, fn: dict, tag: str) -> str:
     return g.rule(f"{tag}_args", " ".join(parts) if parts else '""')
 
 
-def tool_call_grammar(tok, tools: list, name: Optional[str] = None) -> str:
+def tool_call_grammar(tok, tools: list, name: Optional[str] = None, parallel: bool = True) -> str:
     """Lark grammar for what follows k3_parser.forced_tool_prefix(tok, name, ...): the arguments
-    and the close of the named call, or (name None) one or more calls of any offered tool."""
+    and the close of the named call, or (name None) one call of any offered tool, or several when
+    `parallel` (parallel_tool_calls)."""
     fns = [t.get("function") for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
     if name is not None:
         fns = [f for f in fns if f.get("name") == name][:1]
@@ -117,7 +137,7 @@ def tool_call_grammar(tok, tools: list, name: Optional[str] = None) -> str:
             head = f'call tool="{fmt.escape_attr(fn["name"])}" index="'
             calls.append(f'{g.o} {_lit(head)} INDEX "\\"" {g.s} {args} {g.close("call")}')
         g.rule("call", " | ".join(calls))
-        g.rule("start", f"call+ {end}")
-        g.rules.append("INDEX: /[1-9][0-9]*/")
+        g.rule("start", f"call{'+' if parallel else ''} {end}")
+        g.rules.append("INDEX: /[1-9][0-9]{0,5}/")
     g.rules.append("STRING_VALUE: /(.|\\n)*/")
     return "\n".join(g.rules) + "\n"

@@ -234,8 +234,10 @@ class ChatTemplateKwargs(_Base):
     thinking: Optional[bool] = None
 
 
-# Arguments the server itself passes to the chat template: a client may not set them.
-_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize")
+# Arguments the server or the tokenizer passes to the chat template: a client may not set them (K3's
+# image_prompts and a jinja template's bos_token are markup: rendered as special tokens).
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize", "image_prompts",
+                             "images_in_text", "bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def _as_dicts(items):
