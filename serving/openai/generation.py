@@ -33,6 +33,8 @@ class ServerState:
     max_body_bytes: Optional[int] = 32 << 20   # larger request bodies get 413 (None: no limit)
     prefill_service: object = None  # serving.openai.disagg.PrefillService (--role prefill)
     prefill_peer: object = None     # serving.openai.disagg.PrefillPeer (--role decode)
+    response_store_size: int = 1024     # Responses API: most stored responses (0: none stored)
+    response_store_ttl_s: float = 3600.0   # ... each dropped this long after its last use
 
     def scripted_matcher_factory(self, req):
         """A factory forcing the request's scripted ids, when test hooks are on and it asks for one."""
