@@ -271,3 +271,33 @@ def test_messages_auth_and_error_shapes(server):
     _anthropic_error(httpx.get(url + "/nope", headers=AUTH), 404)
     # the OpenAI routes keep their own shape
     _assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json={}, headers={"x-api-key": API_KEY}), 400)
+
+
+def test_images_in_both_apis(client, claude, server):
+    """An input_image part and an Anthropic image block (base64 source) reach the model as chat's image part:
+    the prompt counts as /tokenize counts the chat message (each image widened to its placeholder tokens)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (60, 90, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    url = "data:image/png;base64," + data
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    counted = httpx.post(server.url + "/tokenize", headers=AUTH, json={"messages": chat}).json()["count"]
+    text_only = httpx.post(server.url + "/tokenize", headers=AUTH, json={"messages": [
+        {"role": "user", "content": "What is this?"}]}).json()["count"]
+    assert counted > text_only + 1
+    r = client.responses.create(model=MODEL, max_output_tokens=1, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is this?"}]}])
+    assert r.usage.input_tokens == counted
+    m = claude.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": "What is this?"}]}])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!!"}}
+    _anthropic_error(httpx.post(server.url + "/v1/messages", headers=AUTH, json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [bad]}]}), 400)
