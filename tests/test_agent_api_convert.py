@@ -206,3 +206,22 @@ def test_response_store_bounds_and_chains():
     off = ResponseStore(0, 10.0)
     off.put("a", {}, [], None)
     assert len(off) == 0
+
+
+def test_reasoning_tokens_of_a_model_that_opens_its_own_think():
+    """A model whose answer starts as content (thinks_by_default off) and writes <think> itself: the reasoning
+    count takes both markers and the text between them, nothing after."""
+    tok = KimiTokenizer.tiny()
+    state = ServerState(engine=None, tokenizer=tok, model_name="m", max_model_len=8192, metrics=None,
+                        thinks_by_default=False)
+    req = rs.ResponsesRequest.model_validate({"input": "hi"})
+    ids = [tok.id_of("<think>")] + tok.encode("Hm, let me see.") + [tok.id_of("</think>")] + tok.encode("Ok.")
+    events, reasoning = _turn(state, rs.to_chat(state, req, [])[0], ids + [tok.id_of("<|im_end|>")])
+    assert reasoning == len(tok.encode("Hm, let me see.")) + 2
+    runs = []
+    for kind, text in events:            # (fed one id at a time: one event per id)
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += text
+        else:
+            runs.append([kind, text])
+    assert runs == [["reasoning", "Hm, let me see."], ["text", "Ok."]]
