@@ -12,7 +12,7 @@ The output is thinking, text and tool_use blocks in the order the model wrote th
 arguments are not a JSON object cannot be a tool_use block (its input is an object): it is returned
 as a text block holding the call as written, so nothing the model wrote is lost. Errors on these
 routes use Anthropic's shape ({"type": "error", "error": {"type", "message"}}), whoever raises them
-(the key check, the body limit, validation), through AnthropicErrorShape.
+(the key check, the body limit, validation), through serving/openai/anthropic_errors.py.
 
 Not served: prefill (a conversation ending with an assistant message), document / search-result
 blocks, server tools (web search, code execution, ...), citations, signatures of thinking blocks
@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 from fastapi import Request
 from pydantic import Field
 
+from serving.openai.anthropic_errors import PREFIX, AnthropicErrorShape, error_body
 from serving.openai.chat import Plan
 from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState
@@ -35,11 +36,6 @@ from serving.openai.protocol import Int, Num, StopString, _json_type, _Request
 from serving.openai.sse import EventStreamResponse
 from serving.openai.turn import Turn, chat_request, reasoning_effort_kwargs
 
-PREFIX = "/v1/messages"
-# HTTP status -> Anthropic's error type
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _CHAT_EXTRAS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "priority",
                 "k3jax_test_script")
 
@@ -66,10 +62,6 @@ class MessagesRequest(_MessagesBase):
 
 class CountTokensRequest(_MessagesBase):
     pass
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 def _bad(where: str, message: str) -> APIError:
@@ -375,48 +367,6 @@ class _Run:
                     yield s
         except APIError as e:
             yield _sse(error_body(e.status, e.message))
-
-
-class AnthropicErrorShape:
-    """ASGI middleware: an error answered on the Messages API's routes, in whatever shape the server made it
-    (OpenAI's), is sent in Anthropic's. Outermost, so the key check's 401 and the body limit's 413 pass
-    through it too."""
-
-    def __init__(self, app, prefix: str = PREFIX):
-        self.app, self.prefix = app, prefix
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
-            return await self.app(scope, receive, send)
-        start, body = None, []
-
-        async def reshape(message):
-            nonlocal start
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message                     # held until the body is complete
-                return
-            if message["type"] == "http.response.body" and start is not None:
-                body.append(message.get("body", b""))
-                if message.get("more_body"):
-                    return
-                new = _reshape(b"".join(body), start["status"])
-                headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() not in
-                           (b"content-length", b"content-type")]
-                headers += [(b"content-length", str(len(new)).encode()), (b"content-type", b"application/json")]
-                await send({**start, "headers": headers})
-                await send({"type": "http.response.body", "body": new})
-                return
-            await send(message)
-        await self.app(scope, receive, reshape)
-
-
-def _reshape(raw: bytes, status: int) -> bytes:
-    try:
-        err = json.loads(raw)
-        message = err["error"]["message"] if isinstance(err.get("error"), dict) else str(err.get("detail"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message = raw.decode("utf-8", "replace") or f"HTTP {status}"
-    return json.dumps(error_body(status, message), ensure_ascii=False).encode()
 
 
 def add_routes(app, state: ServerState, *, until_disconnect, check) -> None:
