@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{HEALTH_RESERVE} more are kept for /health and /metrics, and past those an idle or "
                          "slow-header connection is closed to make room (default: the process's soft "
                          f"file-descriptor limit less {FD_HEADROOM + HEALTH_RESERVE}; 0 = no cap)")
+    ap.add_argument("--responses-store-size", type=int_at_least(0), default=1024,
+                    help="Responses API: most responses kept for previous_response_id and GET /v1/responses/{id}, "
+                         "least recently used dropped first (0 = none kept)")
+    ap.add_argument("--responses-store-ttl", type=_seconds, default=3600.0,
+                    help="Responses API: seconds a stored response is kept after its last use")
     ap.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start (first requests compile)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
@@ -239,7 +244,9 @@ def build_state(args, request_matcher=None):
                        vision=_image_loader(model, args), max_n=args.max_n,
                        max_prompts=args.max_prompts_per_request, max_waiting=args.max_waiting,
                        stream_send_timeout=args.stream_send_timeout if args.stream_send_timeout > 0 else None,
-                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None, **disagg)
+                       max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb > 0 else None,
+                       response_store_size=args.responses_store_size, response_store_ttl_s=args.responses_store_ttl,
+                       **disagg)
 
 
 def _image_loader(model, args):

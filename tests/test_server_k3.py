@@ -172,3 +172,50 @@ def test_response_format_json_schema(client, tok):
     assert r.usage.prompt_tokens == len(expected)
     if c.finish_reason == "stop":
         assert isinstance(json.loads(c.message.content)["n"], int)
+
+
+# ---- the Responses and Messages APIs in K3's format (forced calls end at once: K3 decodes slowly on CPU) ----
+
+def _k3_call_round_trip_expected(tok):
+    expected = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "get_time:0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "get_time:0", "content": "12:00"}]
+    local = tok.apply_chat_template(expected, tools=TOOLS, tokenize=True)
+    assert 'role="tool" tool="get_time" index="1"<|sep|>12:00<|close|>message<|sep|>' in tok.decode(local)
+    return local
+
+
+def test_responses_api_forced_call_and_previous_response_id(client, tok):
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    script = tok.encode("<|close|>call<|sep|>", allow_special=True)   # after the forced <|open|>call ...<|sep|>
+    with client.responses.stream(model="k3", input=USER[0]["content"], tools=tools, max_output_tokens=20,
+                                 tool_choice={"type": "function", "name": "get_time"},
+                                 extra_body={"k3jax_test_script": script}) as stream:
+        types = [e.type for e in stream]
+        first = stream.get_final_response()
+    (call,) = first.output
+    assert (call.type, call.call_id, call.name, json.loads(call.arguments)) == ("function_call", "get_time:0", "get_time", {})
+    assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    again = client.responses.create(model="k3", previous_response_id=first.id, tools=tools, max_output_tokens=1,
+                                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert again.usage.input_tokens == len(_k3_call_round_trip_expected(tok))
+
+
+def test_messages_api_forced_tool_use_round_trip(server, tok):
+    import anthropic
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    script = tok.encode("<|close|>call<|sep|>", allow_special=True)
+    with claude.messages.stream(model="k3", max_tokens=20, messages=USER, tools=tools,
+                                tool_choice={"type": "tool", "name": "get_time"},
+                                extra_body={"k3jax_test_script": script}) as stream:
+        final = stream.get_final_message()
+    (use,) = final.content
+    assert (use.type, use.id, use.name, use.input, final.stop_reason) == ("tool_use", "get_time:0", "get_time", {}, "tool_use")
+    history = USER + [{"role": "assistant", "content": [use.to_dict()]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12:00"}]}]
+    want = len(_k3_call_round_trip_expected(tok))
+    assert claude.messages.count_tokens(model="k3", tools=tools, messages=history).input_tokens == want
+    m = claude.messages.create(model="k3", max_tokens=1, tools=tools, messages=history)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want and m.usage.output_tokens == 1

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.openai import chat, completions
+from serving.openai import anthropic_messages, chat, completions, responses
 from serving.openai.auth import APIKeyMiddleware
 from serving.openai.body_limit import BodyLimitMiddleware
 from serving.openai.errors import APIError, InternalErrorMiddleware, bad_request
@@ -224,6 +224,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token id {bad} out of range [0, {vocab})", param="tokens", code="invalid_token_id")
         return {"prompt": state.tokenizer.decode(ids)}
 
+    # (last: the Messages API's error-shape middleware must wrap the key check and the body limit)
+    responses.add_routes(app, state, until_disconnect=_until_disconnect, check=check_generation_request)
+    anthropic_messages.add_routes(app, state, until_disconnect=_until_disconnect, check=check_generation_request)
     return app
 
 

@@ -42,6 +42,8 @@ class ServerState:
     # none of it runs on the event loop; bounded, as Python's default executor is
     workers: int = min(32, (os.cpu_count() or 1) + 4)
     _pool: object = dataclasses.field(default=None, repr=False)
+    response_store_size: int = 1024     # Responses API: most stored responses (0: none stored)
+    response_store_ttl_s: float = 3600.0   # ... each dropped this long after its last use
 
     async def offload(self, fn, *args):
         """fn(*args) in the request worker pool."""

@@ -113,6 +113,11 @@ class K3OutputParser(TokenStreamParser):
 
     # ---- public -------------------------------------------------------------------------
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The think channel is open: the next text id would be reasoning."""
+        return "think" in self._stack
+
     def finish(self) -> list[Delta]:
         """End of output: an unfinished tag is dropped, open elements close implicitly."""
         if self._done:

@@ -115,6 +115,10 @@ class ReasoningStreamParser:
         self._content = IncrementalDetokenizer(tok, skip_special=True)
         self._done = False
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self._router.state == _REASONING
+
     def feed_ids(self, token_ids: Iterable[int]) -> tuple[list[Delta], list[int]]:
         """New ids [n] -> (reasoning deltas, content ids [n'])."""
         if self._done:
@@ -192,6 +196,13 @@ class OutputStreamParser:
             return
         self._reasoning = ReasoningStreamParser(tok, thinking_started=thinking_started)
         self._tools = ToolCallStreamParser(tok) if tools else None
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The next ordinary id would be reasoning (counts reasoning tokens, one id fed at a time)."""
+        if self._k3 is not None:
+            return self._k3.in_reasoning
+        return self._reasoning.in_reasoning
 
     @property
     def tool_calls(self) -> list[ToolCall]:
