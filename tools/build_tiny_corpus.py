@@ -13,7 +13,7 @@ is the same on every machine that reaches PyPI.
 Every document goes to train/ or, for 1 in 50 by a stable hash of its path, to heldout/
 (held-out perplexity). About 14 MiB in all.
 
-    python scripts/build_tiny_corpus.py [--out data/tiny_corpus] [--sdists DIR]
+    python -m tools.build_tiny_corpus [--out data/tiny_corpus] [--sdists DIR]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Every K3 feature of the preset is trained (KDA, MLA, Attention Residuals, latent
 shared expert) through the jnp reference ops (differentiable; the Pallas kernels are not), with
 bf16 routed experts; the export quantizes them to MXFP4 as the preset keeps them.
 
-  data:   data/tiny_corpus (scripts/build_tiny_corpus.py), tokenized with k3jax/assets/tiny-en.tiktoken,
+  data:   data/tiny_corpus (tools/build_tiny_corpus.py), tokenized with k3jax/assets/tiny-en.tiktoken,
           cut into [T+1] windows by a grain pipeline: shuffled every epoch, sharded by process,
           its iterator state checkpointed with the weights.
   optim:  optax AdamW (fp32 master weights, bf16 compute), clipped, warmup then cosine decay over
@@ -17,8 +17,8 @@ bf16 routed experts; the export quantizes them to MXFP4 as the preset keeps them
           exported weights (MXFP4 experts) and, time permitting, of the bf16 experts, printed and
           in FILE.json with the loss history.
 
-    python scripts/train_tiny.py --export $OUT/tiny-trained.safetensors        # one H200, < 5 min
-    python scripts/train_tiny.py --smoke                                       # CPU, a few steps
+    python -m tools.train_tiny --export $OUT/tiny-trained.safetensors        # one H200, < 5 min
+    python -m tools.train_tiny --smoke                                       # CPU, a few steps
 """
 from __future__ import annotations
 
@@ -26,29 +26,26 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
 
-from k3jax.checkpoint.flat_file import quantize_experts, save_flat  # noqa: E402
-from k3jax.config import ModelConfig  # noqa: E402
-from k3jax.eval import perplexity  # noqa: E402
-from k3jax.model import forward_full  # noqa: E402
-from k3jax.params import FP32_KINDS, init_params_numpy, is_leaf, param_spec  # noqa: E402
-from k3jax.presets import preset_config_dict  # noqa: E402
-from k3jax.text_data import text_files, token_stream, train_windows  # noqa: E402
-from k3jax.tokenizer import KimiTokenizer  # noqa: E402
-from pallas_kernels.backend import detect  # noqa: E402
+from k3jax.checkpoint.flat_file import quantize_experts, save_flat
+from k3jax.config import ModelConfig
+from k3jax.eval import perplexity
+from k3jax.model import forward_full
+from k3jax.params import FP32_KINDS, init_params_numpy, is_leaf, param_spec
+from k3jax.presets import preset_config_dict
+from k3jax.text_data import text_files, token_stream, train_windows
+from k3jax.tokenizer import KimiTokenizer
+from pallas_kernels.backend import detect
 
 REFERENCE = detect("reference")   # the jnp ops: differentiable (the Pallas kernels are not)
 

@@ -1,6 +1,6 @@
 """Cold-start cost of the engine step: trace and compile every warm-up shape with abstract weights.
 
-  python scripts/bench_compile.py --model kimi-k3 [--json] [--buckets cpu|accelerator] [--max-shapes N]
+  python -m benchmarks.bench_compile --model kimi-k3 [--json] [--buckets cpu|accelerator] [--max-shapes N]
 
 Nothing is allocated: parameters and cache pools are ShapeDtypeStructs, each shape is
 `jit(step).trace(...)` (seconds to trace) then `.lower().compile()` (seconds to compile). The
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.harness import header
 
 
 def measure(model: str, buckets: str | None = None, max_shapes: int | None = None, dtype: str = "bfloat16",
@@ -77,6 +75,8 @@ def main(argv=None):
     ap.add_argument("--unrolled", action="store_true", help="the checkpoint layout: every layer traced (debug path)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
+    if not a.json:
+        print(header(f"bench_compile: {a.model}, every warm-up shape traced and compiled (abstract weights)"), flush=True)
     show = None if a.json else (lambda r: print(f"T={r['tokens']:5d} N={r['seqs']:3d} decode={int(r['decode_only'])}"
                                                 f"  trace {r['trace_s']:7.2f}s  compile {r['compile_s']:7.2f}s",
                                                 flush=True))

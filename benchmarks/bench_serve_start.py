@@ -1,6 +1,6 @@
 """`k3jax.serve` with every default, cold and restarted: time to ready, then a few real requests (one table).
 
-  python scripts/bench_serve_start.py --model kimi-linear-48b-a3b --seed 0 [--json PATH] [--csv PATH]
+  python -m benchmarks.bench_serve_start --model kimi-linear-48b-a3b --seed 0 [--json PATH] [--csv PATH]
 
 Starts the server twice with only --model / --seed / --port / --compilation-cache-dir given (every engine
 and memory setting at its default): first with an empty compilation cache (cold), then again over the
@@ -26,11 +26,8 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from bench_disagg import free_port, wait_ready  # noqa: E402  (scripts/bench_disagg.py)
-from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
+from benchmarks.bench_disagg import free_port, wait_ready
+from benchmarks.harness import ROOT, Table, add_csv_argument, header
 
 
 def post(port: int, path: str, body: dict, timeout: float = 600) -> tuple[int, bytes]:
@@ -61,13 +58,13 @@ def stream_completion(port: int, prompt: list, max_tokens: int) -> tuple[float, 
 
 def one_start(args, cache_dir: str, log_path: str) -> dict:
     port = free_port()
-    cmd = [sys.executable, os.path.join(HERE, "bench_disagg.py"), "_serve", "--layers", "0", "--",
+    cmd = [sys.executable, "-m", "benchmarks.bench_disagg", "_serve", "--layers", "0", "--",
            "--model", args.model, "--port", str(port), "--compilation-cache-dir", cache_dir]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
     row = {}
     try:
         wait_ready(port, proc, log_path, args.start_timeout)
@@ -134,7 +131,7 @@ def main(argv=None):
             print(f"{start}: {row}", flush=True)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    print(f"\n# bench_serve_start  {time.strftime('%Y-%m-%d')}  model={args.model} seed={args.seed}, every serve default")
+    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}, every serve default", devices=False))
     print(table.header())
     for row in rows:
         print(table.add(**row))

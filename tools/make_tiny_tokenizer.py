@@ -6,12 +6,12 @@ plain byte-level BPE trainer on the small multilingual text below (English, Chin
 JSON), pre-split with Kimi's own pattern. Deterministic: ties go to the pair whose merged
 bytes sort first. The 256 special ids (768..1023) are added by KimiTokenizer, not stored.
 
-    python scripts/make_tiny_tokenizer.py            # (re)write the asset
-    python scripts/make_tiny_tokenizer.py --check    # exit 1 if the asset is stale
+    python -m tools.make_tiny_tokenizer            # (re)write the asset
+    python -m tools.make_tiny_tokenizer --check    # exit 1 if the asset is stale
 
 `--english` builds k3jax/assets/tiny-en.tiktoken instead, the trained tiny model's vocabulary:
 3584 merges (4096 ids with the 256 specials) learned on the English corpus that
-scripts/build_tiny_corpus.py writes to data/tiny_corpus/train.
+tools/build_tiny_corpus.py writes to data/tiny_corpus/train.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
-import sys
 from pathlib import Path
 
 import regex
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from k3jax.tokenizer.vocab import PAT_STR, dump_tiktoken_bpe  # noqa: E402
+from k3jax.tokenizer.vocab import PAT_STR, dump_tiktoken_bpe
 
 ASSET = ROOT / "k3jax" / "assets" / "tiny.tiktoken"
 NUM_MERGES = 512
@@ -189,7 +187,7 @@ def build(english: bool = False) -> bytes:
         return dump_tiktoken_bpe(train_bpe(CORPUS, NUM_MERGES))
     files = sorted(ENGLISH_CORPUS.glob("*.txt"))
     if not files:
-        raise SystemExit(f"no corpus in {ENGLISH_CORPUS}: run scripts/build_tiny_corpus.py first")
+        raise SystemExit(f"no corpus in {ENGLISH_CORPUS}: run tools/build_tiny_corpus.py first")
     counts: collections.Counter = collections.Counter()
     for f in files:
         counts.update(pretokenize(f.read_text(encoding="utf-8")))

@@ -1,17 +1,15 @@
-"""Issue 20's one kernel table: KDA decode, paged MLA decode, KDA chunked prefill and the MoE's routed
-experts (section moe: bench_kernels_moe.py), each timed
-isolated AND as the model calls it (the ops entry point with the dtypes, padding and engine layout of
-a real step of Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors
-measured in the same run: copy bandwidth, bf16 matmul peak, FLA (chunk_kda / fused_recurrent_kda)
-when it imports.
+"""The kernel table: KDA decode, paged MLA decode (Triton and the Mosaic GPU kernel), KDA chunked prefill
+and the MoE's routed experts (section moe: benchmarks/kernels_moe.py), each timed isolated AND as the model
+calls it (the ops entry point with the dtypes, padding and engine layout of a real step of
+Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors measured in the same
+run: copy bandwidth, bf16 matmul peak, FLA (chunk_kda / fused_recurrent_kda) when it imports.
 
-  python3 scripts/bench_kernels.py [--budget 120] [--json PATH] [--csv PATH] [--no-fla] [--tiny]
-                                   [--only SECTION,...]
+  python -m benchmarks.bench_kernels [--budget 120] [--json PATH] [--csv PATH] [--no-fla] [--tiny]
+                                     [--only SECTION,...]
 
 Rows run in priority order and no case starts after --budget seconds (a skipped row says so), so the
 whole run stays under ~150 s on one H200. `--tiny` runs every row at toy sizes on CPU with the Pallas
-kernels in interpret mode (checks the script, not the speed). The measuring functions are
-bench_kda's and bench_mla's; this script only picks the shapes and variants and builds the table.
+kernels in interpret mode (checks the script, not the speed).
 """
 from __future__ import annotations
 
@@ -20,32 +18,29 @@ import contextlib
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import bench_kda  # noqa: E402
-import bench_mla  # noqa: E402
-from tables import Table, add_csv_argument  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-T0 = time.time()
+from benchmarks.harness import (ROOT, Table, add_csv_argument, copy_bandwidth, header, rel_err, time_jax,
+                                time_torch, torch_and_fla, write_json)
+from benchmarks.kernel_inputs import kda_inputs, kda_torch_inputs, mla_cache, parse_mla_spec, resolve_mla_config
 
 # MLA useful FLOPs per (key, head): scores over L+R, then P @ ckv over L
 MLA_FLOP = lambda lat, rope: 2 * (lat + rope) + 2 * lat  # noqa: E731
 
-# FLA chunk_kda on the same shapes, H200, 2026-11-29 (docs/benchmarks.md, issue 6's table): quoted
-# where FLA does not import, never as a same-run anchor
+# FLA chunk_kda on the same shapes on an H200 (M tok/s, docs/performance.md's anchors): quoted where FLA
+# does not import, never as a same-run anchor
 FLA_PREFILL_QUOTED = {(16, 4096, 32): 9.30, (2, 32768, 32): 8.69, (16, 4096, 96): 3.10, (2, 32768, 96): 2.99}
 
-TABLE = Table(("kernel", "kernel"), ("case", "case"), ("call", "called as"), ("variant", "variant"),
-              ("us", "us", ".0f"), ("tb_s", "TB/s", ".2f"), ("tflop_s", "TFLOP/s", ".0f"),
-              ("mtok_s", "M tok/s", ".2f"), ("roof", "of roof", ".0%"), ("anchor", "anchor"),
-              ("vs_anchor", "vs anchor", ".2f"), ("target", "target"))
+COLUMNS = (("kernel", "kernel"), ("case", "case"), ("call", "called as"), ("variant", "variant"),
+           ("us", "us", ".0f"), ("tb_s", "TB/s", ".2f"), ("tflop_s", "TFLOP/s", ".0f"),
+           ("mtok_s", "M tok/s", ".2f"), ("roof", "of roof", ".0%"), ("anchor", "anchor"),
+           ("vs_anchor", "vs anchor", ".2f"), ("target", "target"))
 
 
 class Run:
@@ -57,16 +52,18 @@ class Run:
         self.kv = 32 if tiny else 128                      # KDA K = V
         self.lat, self.rope = (64, 16) if tiny else (512, 64)
         self.reps = 1 if tiny else 10
-        self.torch, self.fla, why = bench_kda._torch_fla() if fla and not tiny else (None, None, "off")
+        self.torch, self.fla, why = torch_and_fla() if fla and not tiny else (None, None, "off")
         self.fla_note = why
         self.copy_bw = self.peak = None
+        self.t0 = time.time()
+        self.table = Table(*COLUMNS)
 
     def over(self):
-        return time.time() - T0 > self.budget
+        return time.time() - self.t0 > self.budget
 
     def add(self, **row):
-        line = TABLE.add(**row)
-        print(f"[{time.time() - T0:6.1f}s] {line}", flush=True)
+        line = self.table.add(**row)
+        print(f"[{time.time() - self.t0:6.1f}s] {line}", flush=True)
 
     def skip(self, kernel, case, call, variant, why):
         self.add(kernel=kernel, case=case, call=call, variant=variant, target=f"not run ({why})")
@@ -86,11 +83,11 @@ class Run:
 
 def anchors(run):
     """Copy bandwidth (read + write) and the bf16 matmul peak, measured here."""
-    bw_jax, bw_torch = bench_kda.copy_bandwidth(run.torch, gib=1 / 64 if run.tiny else 4.0)
+    bw_jax, bw_torch = copy_bandwidth(gib=1 / 64 if run.tiny else 4.0, torch=run.torch)
     run.copy_bw = bw_torch or bw_jax
     n = 256 if run.tiny else 8192
     a = jnp.ones((n, n), jnp.bfloat16)
-    t = bench_kda.time_jax(jax.jit(lambda x: x @ x), a, reps=run.reps)
+    t = time_jax(jax.jit(lambda x: x @ x), a, reps=run.reps)
     run.peak = 2 * n ** 3 / t
     print(f"# copy bandwidth: jax x+1 {bw_jax / 1e12:.2f} TB/s, torch copy_ "
           f"{'n/a' if bw_torch is None else f'{bw_torch / 1e12:.2f}'} TB/s (roof uses "
@@ -121,7 +118,7 @@ def _time_pool_step(step, args, pool, reps):
     def call():
         state["p"] = step(*args, state["p"])[1]
         return state["p"]
-    return bench_kda.time_jax(call, reps=reps)
+    return time_jax(call, reps=reps)
 
 
 def _decode_target(frac):
@@ -134,14 +131,14 @@ def kda_decode_rows(run, shapes, variants):
     K = V = run.kv
     for N, H in shapes:
         case = f"N={N} H={H}"
-        q, k, v, g, beta = (x[0] for x in bench_kda.make_inputs(jax.random.PRNGKey(1), 1, N, H, K, V))
+        q, k, v, g, beta = (x[0] for x in kda_inputs(jax.random.PRNGKey(1), 1, N, H, K, V))
         idx = jnp.arange(N, dtype=jnp.int32)
         nbytes = 2 * N * H * K * V * 4
         anchor, t_fla = None, None
         if run.fla is not None:
-            tq = bench_kda.torch_inputs(run.torch, N, 1, H)
+            tq = kda_torch_inputs(run.torch, N, 1, H)
             h0 = run.torch.zeros(N, H, K, V, dtype=run.torch.float32, device="cuda")
-            t_fla = bench_kda.time_torch(run.torch, lambda: run.fla[1](*tq, initial_state=h0,
+            t_fla = time_torch(run.torch, lambda: run.fla[1](*tq, initial_state=h0,
                                                                          output_final_state=True), reps=20)
             anchor = f"FLA fused_recurrent {t_fla * 1e6:.0f} us"
             del tq, h0
@@ -171,7 +168,7 @@ def kda_decode_model_rows(run, cases):
     K = V = run.kv
     for model, n_real, n_bucket, H, n_slots in cases:
         case = f"N={n_real} of bucket {n_bucket} H={H}, {n_slots} slots"
-        q, k, v, g, beta = (x[0] for x in bench_kda.make_inputs(jax.random.PRNGKey(2), 1, n_bucket, H, K, V))
+        q, k, v, g, beta = (x[0] for x in kda_inputs(jax.random.PRNGKey(2), 1, n_bucket, H, K, V))
         beta = beta.astype(jnp.float32)
         slots = np.full(n_bucket, -1, np.int32)
         slots[:n_real] = np.random.default_rng(0).permutation(np.arange(1, n_slots))[:n_real]
@@ -190,7 +187,7 @@ def kda_decode_model_rows(run, cases):
 
 
 # ---- MLA decode ---------------------------------------------------------------------------------
-# H=96 variants: bench_mla spec strings, or head groups ((heads, spec or None = default), ...). Left out
+# H=96 variants: tuning spec strings (kernel_inputs.parse_mla_spec), or head groups ((heads, spec or None = default), ...). Left out
 # after the 2026-12-01 runs: R-w16-r64 (73-75 TFLOP/s), R-w8-r64-bk32-st3 (122-130), the 64 heads in
 # keys-on-M form (163 / 179 vs 189 / 207 row form); at the engine's 16-token pages 16-key blocks (one
 # page a block, 2 or 4 stages, either form: 21-45% slower than gathering 64-key blocks).
@@ -206,7 +203,7 @@ def _mla_config(spec, heads, page_size, max_pages, n_seqs):
     if spec is None:
         return None
     if isinstance(spec, str):
-        return bench_mla.resolve(bench_mla.parse_spec(spec)[0], heads, page_size, max_pages, n_seqs)
+        return resolve_mla_config(parse_mla_spec(spec)[0], heads, page_size, max_pages, n_seqs)
     return (("head_groups", tuple((h, _mla_config(s, h, page_size, max_pages, n_seqs)) for h, s in spec)),)
 
 
@@ -228,7 +225,7 @@ def mla_decode_rows(run, shapes, variants_by_heads, page_size=64, with_default=T
     lat, rope = run.lat, run.rope
     for n, ctx, heads in shapes:
         case = f"N={n} ctx={ctx} H={heads} page {page_size}"
-        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size,
+        kv, bt, lens = mla_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size,
                                             jnp.bfloat16)[2:]
         k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
         args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
@@ -239,7 +236,7 @@ def mla_decode_rows(run, shapes, variants_by_heads, page_size=64, with_default=T
             cfg = _mla_config(spec, heads, page_size, bt.shape[1], n)
             f = functools.partial(mla_paged_decode, scale=192 ** -0.5, interpret=run.interpret, config=cfg)
             t = run.timed("MLA decode", case, "isolated", label,
-                          lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
+                          lambda f=f: time_jax(f, *args, reps=run.reps, samples=3))
             if t is None:
                 continue
             _mla_row(run, case, "isolated", label, t, n_bytes, flops, heads)
@@ -257,7 +254,7 @@ def mla_decode_model_rows(run, cases):
     lat, rope = run.lat, run.rope
     for model, n_real, n_bucket, ctx, heads, page_size, modes in cases:
         case = f"N={n_real} of bucket {n_bucket} ctx={ctx} H={heads} page {page_size}"
-        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
+        kv, bt, lens = mla_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
                                             jnp.bfloat16)[2:]
         pad = n_bucket - n_real
         bt = jnp.pad(bt, ((0, pad), (0, 0)))                       # padding rows: garbage page 0
@@ -279,7 +276,7 @@ def mla_decode_model_rows(run, cases):
                 f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=mode,
                                               backend=run.backend))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
-                          lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
+                          lambda f=f: time_jax(f, ql, qr, kv, bt, cu, lens, reps=run.reps, samples=3))
             if t is None:
                 continue
             _mla_row(run, case, f"as model: {model}", variant, t, n_bytes, flops, heads)
@@ -301,7 +298,7 @@ def mla_mosaic_errors(kernels, interpret, lat, rope, page_sizes=(16, 64)):
     n_lens = [70, 1, 33, 0] if interpret else [300, 1, 77, 0, 129]
     errs = {}
     for ps in page_sizes:
-        ql, qr, kv, bt, _ = bench_mla.make_cache(jax.random.PRNGKey(5), len(n_lens), max(n_lens), 96, lat, rope,
+        ql, qr, kv, bt, _ = mla_cache(jax.random.PRNGKey(5), len(n_lens), max(n_lens), 96, lat, rope,
                                                  ps, jnp.bfloat16)
         lens = jnp.asarray(n_lens, jnp.int32)
         want = np.asarray(mla_decode_reference(ql, qr, kv, bt, lens, scale=192 ** -0.5), np.float32)
@@ -316,10 +313,9 @@ def _mosaic_probe(timeout=100):
     not compile, faults or hangs (a barrier never completing) turns the section's Mosaic rows into
     'not run' rows instead of killing the run. Returns (errors, None) or (None, why). The child allocates
     on demand: this process already holds XLA's preallocated share of the GPU."""
-    import subprocess
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--mosaic-probe"], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_kernels", "--mosaic-probe"], cwd=ROOT, capture_output=True,
                               text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return None, f"probe timed out after {timeout} s (hang?)"
@@ -366,7 +362,7 @@ def mla_mosaic_rows(run, shapes, model_cases):
     flop = MLA_FLOP(lat, rope)
     for n, ctx, heads, page_size in shapes:
         case = f"N={n} ctx={ctx} H={heads} page {page_size}"
-        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size, jnp.bfloat16)[2:]
+        kv, bt, lens = mla_cache(jax.random.PRNGKey(0), n, ctx, 1, lat, rope, page_size, jnp.bfloat16)[2:]
         k1, k2 = jax.random.split(jax.random.PRNGKey(heads))
         args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
                 jax.random.normal(k2, (n, heads, rope), jnp.bfloat16), kv, bt, lens)
@@ -382,14 +378,14 @@ def mla_mosaic_rows(run, shapes, model_cases):
                 continue
             f = functools.partial(fn, scale=192 ** -0.5, interpret=run.interpret, **({"config": cfg} if cfg else {}))
             t = run.timed("MLA decode", case, "isolated", label,
-                          lambda f=f: bench_mla.timeit(f, *args, iters=run.reps, reps=3))
+                          lambda f=f: time_jax(f, *args, reps=run.reps, samples=3))
             if t is not None:
                 _mla_row(run, case, "isolated", label, t, n * ctx * (lat + rope) * 2, float(n) * ctx * heads * flop,
                          heads)
         del kv, bt, lens, args
     for model, n_real, n_bucket, ctx, heads, page_size in model_cases:
         case = f"N={n_real} of bucket {n_bucket} ctx={ctx} H={heads} page {page_size}"
-        kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
+        kv, bt, lens = mla_cache(jax.random.PRNGKey(0), n_real, ctx, 1, lat, rope, page_size,
                                             jnp.bfloat16)[2:]
         pad = n_bucket - n_real
         bt, lens = jnp.pad(bt, ((0, pad), (0, 0))), jnp.pad(lens, (0, pad))
@@ -405,7 +401,7 @@ def mla_mosaic_rows(run, shapes, model_cases):
             f = jax.jit(functools.partial(ops.mla_ragged_paged, scale=192 ** -0.5, decode_only=True,
                                           backend=run.backend.replace(mla_decode=kernel)))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
-                          lambda f=f: bench_mla.timeit(f, ql, qr, kv, bt, cu, lens, iters=run.reps, reps=3))
+                          lambda f=f: time_jax(f, ql, qr, kv, bt, cu, lens, reps=run.reps, samples=3))
             if t is not None:
                 _mla_row(run, case, f"as model: {model}", variant, t, n_real * ctx * (lat + rope) * 2,
                          float(n_real) * ctx * heads * flop, heads)
@@ -437,16 +433,16 @@ def kda_prefill_rows(run, shapes):
     from pallas_kernels.kda import chunk_kda
     for B, T, H in shapes:
         case = f"B={B} T={T} H={H}"
-        t = run.timed("KDA prefill", case, "isolated", "default", lambda: bench_kda.time_jax(
+        t = run.timed("KDA prefill", case, "isolated", "default", lambda: time_jax(
             jax.jit(lambda *a: chunk_kda(*a, interpret=run.interpret)),
-            *bench_kda.make_inputs(jax.random.PRNGKey(1), B, T, H, run.kv, run.kv), reps=1 if run.tiny else 3))
+            *kda_inputs(jax.random.PRNGKey(1), B, T, H, run.kv, run.kv), reps=1 if run.tiny else 3))
         if t is None:
             continue
         mtok = B * T / t / 1e6
         anchor, ratio, quoted = None, None, False
         if run.fla is not None:
-            tq = bench_kda.torch_inputs(run.torch, B, T, H)
-            ta = bench_kda.time_torch(run.torch, lambda: run.fla[0](*tq, output_final_state=True), reps=3)
+            tq = kda_torch_inputs(run.torch, B, T, H)
+            ta = time_torch(run.torch, lambda: run.fla[0](*tq, output_final_state=True), reps=3)
             anchor, ratio = f"FLA chunk_kda {B * T / ta / 1e6:.2f} M tok/s", ta / t
             del tq
         elif (B, T, H) in FLA_PREFILL_QUOTED and not run.tiny:
@@ -464,13 +460,13 @@ def kda_prefill_model_rows(run, cases):
     K = V = run.kv
     for model, lens, t_bucket, n_bucket, H, safe in cases:
         case = f"T={t_bucket} ({len(lens)}x{lens[0]} + pad) H={H}"
-        q, k, v, g, beta = bench_kda.make_inputs(jax.random.PRNGKey(3), 1, t_bucket, H, K, V)
+        q, k, v, g, beta = kda_inputs(jax.random.PRNGKey(3), 1, t_bucket, H, K, V)
         beta = beta.astype(jnp.float32)
         cu = np.concatenate([[0], np.cumsum(lens), np.full(n_bucket - len(lens), sum(lens))]).astype(np.int32)
         s0 = jnp.zeros((n_bucket, H, K, V), jnp.float32)
         f = jax.jit(lambda q, k, v, g, b, s, c: ops.kda_chunk(q, k, v, g, b, scale=K ** -0.5, initial_state=s,
                                                               cu_seqlens=c, safe_gate=safe, backend=run.backend))
-        t = run.timed("KDA prefill", case, f"as model: {model}", f"safe_gate={safe}", lambda: bench_kda.time_jax(
+        t = run.timed("KDA prefill", case, f"as model: {model}", f"safe_gate={safe}", lambda: time_jax(
             f, q, k, v, g, beta, s0, jnp.asarray(cu), reps=1 if run.tiny else 3))
         del q, k, v, g, beta, s0
         if t is None:
@@ -481,8 +477,8 @@ def kda_prefill_model_rows(run, cases):
 
 # ---- MoE routed experts -------------------------------------------------------------------------
 def moe_section(run):
-    import bench_kernels_moe   # imports the model (k3jax): only when the section runs
-    bench_kernels_moe.moe_section(run)
+    from benchmarks import kernels_moe   # imports the model (k3jax): only when the section runs
+    kernels_moe.moe_section(run)
 
 
 # ---- the variants on this device vs the references (small shapes) ---------------------------------
@@ -493,10 +489,6 @@ def checks(run):
     from pallas_kernels.mla import (mla_decode_reference, mla_paged_decode, ragged_paged_mla,
                                     ragged_paged_mla_reference)
 
-    def err(got, want):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-
     def row(kernel, variant, fn):
         e = run.timed(kernel, "small shapes vs reference", "check", variant, fn)
         if e is not None:
@@ -504,7 +496,7 @@ def checks(run):
                     target=f"rel err {e:.1e}")
     lat, rope, scale = run.lat, run.rope, 192 ** -0.5
     big, small = (4, 2) if run.tiny else (64, 32)    # K3's heads: big + small
-    ql, qr, kv, bt, lens = bench_mla.make_cache(jax.random.PRNGKey(5), 5, 300, big + small, lat, rope, 16,
+    ql, qr, kv, bt, lens = mla_cache(jax.random.PRNGKey(5), 5, 300, big + small, lat, rope, 16,
                                                 jnp.float32)
     lens = jnp.array([300, 1, 77, 64, 129], jnp.int32)
     # the configs the table times (fp32 tiles shrink to fit shared memory: paged.fit_shared_memory)
@@ -512,7 +504,7 @@ def checks(run):
             ("head groups R r64 w8 + T w4, fp32, page 16", big + small, ((big, "R-w8-r64"), (small, "T-w4"))),
             ("R r32 w4, fp32, page 16", big + small, "R-w4-r32")]:
         cfg = _mla_config(spec, heads, 16, bt.shape[1], 5)
-        row("MLA decode", label, lambda cfg=cfg, h=heads: err(
+        row("MLA decode", label, lambda cfg=cfg, h=heads: rel_err(
             mla_paged_decode(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale, interpret=run.interpret, config=cfg),
             mla_decode_reference(ql[:, :h], qr[:, :h], kv, bt, lens, scale=scale)))
     pad_bt, pad_lens = jnp.pad(bt, ((0, 2), (0, 0))), jnp.pad(lens, (0, 2))
@@ -521,18 +513,18 @@ def checks(run):
     for dtype in (jnp.float32, jnp.bfloat16):  # bf16: the tiles the model gets (fp32's are smaller)
         a = [x.astype(dtype) for x in (qlp, qrp, kv)]
         row("MLA decode", f"decode_only ragged default, {jnp.dtype(dtype).name}, padding rows and tokens",
-            lambda a=a: err(ragged_paged_mla(a[0], a[1], a[2], pad_bt, cu, pad_lens, scale=scale,
+            lambda a=a: rel_err(ragged_paged_mla(a[0], a[1], a[2], pad_bt, cu, pad_lens, scale=scale,
                                              interpret=run.interpret, decode_only=True),
                             ragged_paged_mla_reference(*(x.astype(jnp.float32) for x in a), pad_bt, cu,
                                                        pad_lens, scale=scale)))
     K = run.kv
-    q, k, v, g, beta = (x[0].astype(jnp.float32) for x in bench_kda.make_inputs(jax.random.PRNGKey(6), 1, 6, 4, K, K))
+    q, k, v, g, beta = (x[0].astype(jnp.float32) for x in kda_inputs(jax.random.PRNGKey(6), 1, 6, 4, K, K))
     pool = jax.random.normal(jax.random.PRNGKey(7), (9, 4, K, K))
     idx = jnp.array([4, -1, 0, 8, 2, 5], jnp.int32)
     want = decode_reference(q, k, v, g, beta, pool, idx)
     for bv, nw, bh in KDA_DECODE_VARIANTS:
         row("KDA decode", _kda_label(bv, nw, bh) + ", fp32 (o and pool)", lambda bv=bv, nw=nw, bh=bh: max(
-            err(a, b) for a, b in zip(rp.fused_recurrent_kda_pallas(
+            rel_err(a, b) for a, b in zip(rp.fused_recurrent_kda_pallas(
                 q, k, v, g, beta, pool, idx, jnp.zeros((4,)), jnp.zeros((4, K)), scale=K ** -0.5, block_v=bv,
                 num_warps=nw, block_h=bh, interpret=bool(run.interpret),
                 backend="interpret" if run.interpret else "triton"), want)))
@@ -596,7 +588,7 @@ def main(argv=None):
     run.backend = detect("pallas")     # the model-path rows run the kernels (interpreted on CPU) as the step does
     from pallas_kernels.kda import chunk_pallas, recurrent_pallas
     from pallas_kernels.mla import paged
-    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(header("kernel table (anchors and tuning below)"))
     print(f"# KDA chunk CONFIG {chunk_pallas.CONFIG}\n# KDA decode CONFIG {recurrent_pallas.CONFIG}\n# MLA decode tuning H=32 {paged.default_tuning(32, True)}, H=96 "
           + ", ".join(f"page {ps} {'<' if k < 65536 else '>='} 64k keys {paged.default_tuning(96, True, k, ps)}"
                       for ps in (64, 16) for k in (8192, 131072)), flush=True)
@@ -618,19 +610,16 @@ def main(argv=None):
     for name in SECTIONS:
         if name in only:
             steps[name]()
-    print(f"\n# kernel table, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"copy {run.copy_bw / 1e12:.2f} TB/s, bf16 matmul {run.peak / 1e12:.0f} TFLOP/s; "
-          f"roof = copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA); MoE: matmul peak "
-          f"(prefill) or copy BW of the weights touched (decode)")
-    print(TABLE.markdown())
-    print(f"# total {time.time() - T0:.0f} s")
+    print("\n" + header("kernel table", anchors=f"copy {run.copy_bw / 1e12:.2f} TB/s, bf16 matmul {run.peak / 1e12:.0f} TFLOP/s",
+                        roof="copy BW (TB/s rows) or the larger of copy BW and matmul peak (MLA); MoE: matmul peak "
+                             "(prefill) or copy BW of the weights touched (decode)"))
+    print(run.table.markdown())
+    print(f"# total {time.time() - run.t0:.0f} s")
     if args.csv:
-        TABLE.write_csv(args.csv)
+        run.table.write_csv(args.csv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bw=run.copy_bw,
-                           bf16_peak=run.peak, fla=run.fla is not None, rows=TABLE.rows), f, indent=1)
-    return TABLE.rows
+        write_json(args.json, dict(copy_bw=run.copy_bw, bf16_peak=run.peak, fla=run.fla is not None, rows=run.table.rows))
+    return run.table.rows
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on one device: TTFT and cache-transfer rate (prints one table).
 
-  python scripts/bench_disagg.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 8 --input 2048 [--csv PATH]
+  python -m benchmarks.bench_disagg --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 8 --input 2048 [--csv PATH]
 
 Starts `k3jax.serve --role prefill` and `--role decode --prefill-peer` as two processes sharing the
 device (each gets --mem-fraction of its memory; warm-up is skipped, two untimed requests per path
@@ -25,11 +25,7 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
+from benchmarks.harness import ROOT, Table, add_csv_argument, header
 
 
 def print_ttft_table(ttfts: dict) -> Table:
@@ -50,13 +46,13 @@ def free_port() -> int:
 
 def start(args, port: int, role_args: list, log_path: str):
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "_serve", "--layers", str(args.layers), "--",
+    cmd = [sys.executable, "-m", "benchmarks.bench_disagg", "_serve", "--layers", str(args.layers), "--",
            "--model", args.model, "--port", str(port), "--no-warmup", "--log-level", "warning",
            "--max-model-len", str(args.input + args.max_tokens + 64), "--max-num-seqs", "8",
            "--max-num-batched-tokens", str(args.budget), "--no-vision", *role_args]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
-    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
 def wait_ready(port: int, proc, log_path: str, timeout: float):
@@ -115,7 +111,7 @@ def serve_role(argv):
     layers, serve_args = int(argv[argv.index("--layers") + 1]), argv[i + 1:]
     m = serve_args.index("--model") + 1
     if layers:
-        from bench_e2e import truncated_preset
+        from benchmarks.bench_e2e import truncated_preset
         serve_args[m] = truncated_preset(serve_args[m], layers)
     if serve_args[m] != "tiny" and serve_args[m] in presets._PRESETS:
         d = presets.preset_config_dict(serve_args[m])
@@ -178,9 +174,7 @@ def main():
     d = {k: after.get(f"k3jax:{k}", 0) - before.get(f"k3jax:{k}", 0)
          for k in ("disagg_remote_prefills", "disagg_local_prefills", "disagg_peer_failures", "disagg_transfer_bytes",
                    "disagg_transfer_ms", "disagg_remote_prefill_ms")}
-    import jax
-    dev = jax.devices()[0]
-    print(f"\n# bench_disagg  {time.strftime('%Y-%m-%d')}  {dev.platform}:{dev.device_kind}")
+    print("\n" + header("bench_disagg: TTFT through a decode server with a prefill peer vs one server"))
     print(f"model={args.model} layers={args.layers or 'all'} requests={args.requests} input={args.input} "
           f"out={args.max_tokens} budget={args.budget} mem_fraction={args.mem_fraction} (each process)")
     table = print_ttft_table({"decode server, prefill peer (disaggregated)": disagg, "one server": single})

@@ -1,6 +1,6 @@
 """Where an engine step's device time goes, op by op, as the product runs it (prints tables).
 
-  python scripts/profile_step.py --model kimi-linear-48b-a3b --layers 4 --budget 4096 --max-num-seqs 64 \
+  python -m benchmarks.profile_step --model kimi-linear-48b-a3b --layers 4 --budget 4096 --max-num-seqs 64 \
       --scenario prefill:2x2048 --scenario prefill:64x64 --scenario decode:16x1024
 
 Each scenario drives `k3jax.LLM`'s engine with random prompts (prefix caching off): `prefill:KxL` runs K
@@ -21,8 +21,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_e2e import PARTS, floor_parts, part_of  # noqa: E402  (scripts/bench_e2e.py; imports no jax)
+from benchmarks.bench_e2e import PARTS, floor_parts, part_of, truncated_preset
+from benchmarks.harness import copy_bandwidth, header
 
 STEP_MODULES = ("jit_step", "jit_run")      # the runner's step: unrolled / scanned (the async wrapper's name)
 _INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
@@ -341,12 +341,12 @@ def main():
     import numpy as np
     from k3jax.api import load_model
     from k3jax.offline import LLM
-    from bench_e2e import copy_bandwidth, truncated_preset
     name = truncated_preset(args.model, args.layers) if args.layers else args.model
     t0 = time.perf_counter()
     model = load_model(name, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
-    print(f"# profile_step {name} on {jax.devices()[0].device_kind}; load {time.perf_counter() - t0:.1f}s; "
+    print(header(f"profile_step {name}"), flush=True)
+    print(f"# load {time.perf_counter() - t0:.1f}s; "
           f"kernels {os.environ.get('K3JAX_KERNELS', 'auto')}; layers {'unrolled' if args.unrolled else 'scanned'}; "
           f"command buffers {args.command_buffers}", flush=True)
     if args.kda_variants:
@@ -356,7 +356,7 @@ def main():
     longest = max(int(sc.split(":")[1].split("x")[1]) for sc in scenarios)
     args.max_model_len = args.max_model_len or longest + 64
     kw = {} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}
-    bw = copy_bandwidth(1.0 if jax.default_backend() == "cpu" else 4.0) if any(
+    bw = copy_bandwidth(1.0 if jax.default_backend() == "cpu" else 4.0)[0] if any(
         sc.startswith("decode") for sc in scenarios) else None
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,

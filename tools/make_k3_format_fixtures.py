@@ -6,7 +6,7 @@ K3's renderer is the checkpoint's own `encoding_k3.py` (vLLM carries a copy as
 generated once from it and committed. Pass the path of that file; it is imported at run
 time, never copied. Its one vLLM import (`vllm.exceptions.VLLMValidationError`) is stubbed.
 
-    python scripts/make_k3_format_fixtures.py /path/to/encoding_k3.py
+    python -m tools.make_k3_format_fixtures /path/to/encoding_k3.py
 
 Each case records the renderer's arguments, its segments (text, allow_special) and the ids
 the checkpoint tokenizer gives them: `tokenization_kimi.py` encodes segment by segment with
@@ -27,8 +27,7 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from k3jax.tokenizer.vocab import K3_SPECIAL_OFFSETS, NUM_SPECIAL, PAT_STR  # noqa: E402
+from k3jax.tokenizer.vocab import K3_SPECIAL_OFFSETS, NUM_SPECIAL, PAT_STR
 
 OUT = ROOT / "tests" / "fixtures" / "k3_format_golden.json"
 TINY = ROOT / "k3jax" / "assets" / "tiny.tiktoken"

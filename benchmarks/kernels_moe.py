@@ -12,28 +12,70 @@ All through the Backend the runner builds (detect("pallas")), random weights of 
 merged layout load_model holds. Prefill rows are judged in TFLOP/s against the bf16 matmul peak, decode
 rows in TB/s of the weights touched (the experts routed to, plus the layer's other weights) against the
 copy bandwidth. Each timed output is checked once on its first REF_TOKENS tokens: the experts against
-check_moe_layer_gpu's dense reference, the layer against its own jnp path (the "reference" backend).
+dense_reference, the layer against its own jnp path (the "reference" backend).
 """
 from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import bench_kda
-import check_moe_layer_gpu as layer_check
-from bench_moe_prefill import CHECK_TOL, compile_all, rel_err
+from benchmarks.harness import rel_err, time_jax
+from k3jax.layers.common import glu_act
 from k3jax.layers.module import value
-from k3jax.layers.moe import MoE, RoutedExperts, routed_experts_reference
+from k3jax.layers.moe import MoE, RoutedExperts, expert_weights, routed_experts_reference
 from k3jax.params import moe_spec, random_values
+from k3jax.presets import preset_config
 from pallas_kernels import ops
 from pallas_kernels.backend import detect
 
+# (label, preset, experts on this device): K3 as on one of 8 expert-parallel devices, Kimi-Linear whole
+CASES = [("K3 (112 local experts of 896, top-16)", "kimi-k3", 112),
+         ("Kimi-Linear (256 experts, top-8)", "kimi-linear-48b-a3b", 256)]
+REF_TOKENS = 256    # tokens of each output checked against the dense reference
+CHECK_TOL = 3e-2    # rel err from which a row is wrong (a bf16 output's rounding: ~4e-3)
+COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the programs side by side
 # scanned repeats in the experts' leading axis; the rows run the last one. 4: every stack over 2**32 bytes,
-# as the models' are (K3's merged MXFP4 stack of 2 was 2.47e9 bytes: Pallas' 32-bit offsets overflowed,
-# grouped.overflows_i32_offsets; the kernels now copy the layer's slice there, which the models never do)
+# as the models' are (Pallas' 32-bit offsets would overflow: grouped.overflows_i32_offsets; the kernels
+# copy the layer's slice there, which the models never do)
 STACK = 4
-REF_TOKENS = layer_check.REF_TOKENS
+
+
+def case_config(preset, num_experts, shrink, **overrides):
+    """The preset with num_experts on this device (K3: one EP device's share, its tokens' top-k
+    all local: the rows such a device gets under balanced routing). shrink: 8 experts, top-2, width
+    128 (the latent width where the model has one), intermediate 64 (CPU interpret mode)."""
+    c = dataclasses.replace(preset_config(preset), num_experts=num_experts, **overrides)
+    if shrink:
+        width = dict(hidden_size=256, routed_expert_hidden_size=128) if c.routed_expert_hidden_size else \
+            dict(hidden_size=128)
+        c = dataclasses.replace(c, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64, **width)
+    return c
+
+
+def dense_reference(pe, z, w, ids, c):
+    """sum_j w[t, j] * expert_{ids[t, j]}(z[t]) for the first REF_TOKENS tokens, all experts dense."""
+    f32 = jnp.float32
+    w1, w3, w2 = expert_weights(pe, jnp.bfloat16, c.expert_format == "mxfp4")     # [E, in, out]
+    zs = z[:REF_TOKENS]
+    g = jnp.einsum("sd,edi->esi", zs, w1, preferred_element_type=f32)
+    u = jnp.einsum("sd,edi->esi", zs, w3, preferred_element_type=f32)
+    h = glu_act(g, u, c).astype(z.dtype)                     # the kernels round h to bf16 too
+    y = jnp.einsum("esi,eid->esd", h, w2, preferred_element_type=f32)         # [E, s, D]
+    s = jnp.arange(zs.shape[0])[:, None]
+    return (y[ids[:REF_TOKENS], s] * w[:REF_TOKENS, :, None]).sum(1)
+
+
+def compile_all(jobs):
+    """[(fn, args)] -> [(compiled or None, exception or None)], ahead of time on a thread pool; every
+    array is an argument (a closed-over weight would be captured as a constant of the program: GBs, and
+    minutes of compile)."""
+    with ThreadPoolExecutor(COMPILE_THREADS) as pool:
+        futs = [pool.submit(lambda fn, args: jax.jit(fn).lower(*args).compile(), fn, args) for fn, args in jobs]
+    return [(None, f.exception()) if f.exception() else (f.result(), None) for f in futs]
 
 
 def steps(tiny):
@@ -48,7 +90,7 @@ class MoEModel:
 
     def __init__(self, label, preset, num_experts, tiny, backend):
         self.label = label.split(" (")[0]     # the model; the case names the experts
-        self.c = c = layer_check.case_config(preset, num_experts, tiny)
+        self.c = c = case_config(preset, num_experts, tiny)
         self.spec = spec = moe_spec(c, merged_experts=True)
         key = jax.random.key(0)
         self.values = random_values({k: v for k, v in spec.items() if k != "experts"}, key)
@@ -79,7 +121,7 @@ class MoEModel:
             z, w, ids, c, layer, backend))
         self.moe = jax.jit(lambda v, x, layer: MoE(spec, v, c)(x, c, layer, backend))
         self.moe_reference = jax.jit(lambda v, x, layer: MoE(spec, v, c)(x, c, layer, reference))
-        self.dense_reference = jax.jit(lambda pe, z, w, ids: layer_check.dense_reference(pe, z, w, ids, c))
+        self.dense_reference = jax.jit(lambda pe, z, w, ids: dense_reference(pe, z, w, ids, c))
 
     def routed_flop(self, tokens):
         c = self.c
@@ -138,7 +180,7 @@ def run_job(run, job, exe, ref_exe):
 
     def go():
         err = rel_err(exe(*job.args)[:REF_TOKENS], ref_exe(*job.ref_args))
-        return bench_kda.time_jax(exe, *job.args, reps=run.reps), err
+        return time_jax(exe, *job.args, reps=run.reps), err
     res = run.timed(kernel, job.case, job.call, job.variant, go)
     if res is None:
         return None
@@ -158,7 +200,7 @@ def moe_section(run):
         run.skip("MoE", "every case", "isolated and as model", "default", "budget")
         return
     models = []
-    for label, preset, num_experts in layer_check.CASES:
+    for label, preset, num_experts in CASES:
         models.append(MoEModel(label, preset, num_experts, run.tiny, run.backend))
         c = models[-1].c
         print(f"# MoE {label}, as run: {c.expert_format} experts {c.num_experts} x (D' {c.expert_hidden}, I "

@@ -1,9 +1,9 @@
 """End-to-end engine benchmark on one device (prints tables).
 
-  python scripts/bench_e2e.py                           # full-depth Kimi-Linear-48B, default memory settings:
+  python -m benchmarks.bench_e2e                           # full-depth Kimi-Linear-48B, default memory settings:
                                                         # prefill, TTFT, decode vs floor, output tok/s (one table)
-  python scripts/bench_e2e.py check                     # tiny model: Pallas kernels vs reference, through the engine
-  python scripts/bench_e2e.py serve --model kimi-linear-48b-a3b --layers 8 --concurrency 16 --input 1024 --output 128
+  python -m benchmarks.bench_e2e check                     # tiny model: Pallas kernels vs reference, through the engine
+  python -m benchmarks.bench_e2e serve --model kimi-linear-48b-a3b --layers 8 --concurrency 16 --input 1024 --output 128
 
 The default (`full`) run: one engine (max_num_seqs 64, max_num_batched_tokens 4096, every other engine
 setting at its default, prefix caching off), compiled for its buckets before anything is timed, then
@@ -21,30 +21,12 @@ the MLA cache, at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    import jax
-    import jax.numpy as jnp
-    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * x.size * 4 / statistics.median(ts)
+from benchmarks.harness import Table, add_csv_argument, copy_bandwidth, header, matmul_peak
 
 
 def check(args):
@@ -143,7 +125,7 @@ def serve(args):
     from k3jax.offline import LLM, SamplingParams
     if args.layers:
         args.model = truncated_preset(args.model, args.layers)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()[0]      # JAX x + 1: what XLA's loops reach
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     model = load_model(args.model, dtype="bfloat16", seed=0)
@@ -178,9 +160,8 @@ def serve(args):
     fb = floor_bytes(c, args.concurrency, args.input + args.output // 2)
     floor_s = sum(v for k, v in fb.items() if k != "touched") / bw
     med = statistics.median(decode) if decode else float("nan")
-    dev = jax.devices()[0]
-    print(f"\n# bench_e2e serve  {datetime.date.today()}  {dev.device_kind}  model={args.model} (random bf16)")
-    print(f"load {t_load:.1f}s, warm-up {t_warm:.1f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("\n" + header(f"bench_e2e serve: {args.model} (random bf16)",
+                        setup=f"load {t_load:.1f}s, warm-up {t_warm:.1f}s, copy bandwidth {bw / 1e12:.2f} TB/s"))
     table = Table(("concurrency", "concurrency"), ("input", "in"), ("output", "out"),
                   ("output_tok_s", "output tok/s", ".1f"), ("mean_ttft_s", "mean TTFT s", ".2f"),
                   ("decode_step_ms", "median decode step ms", ".2f"), ("floor_ms", "floor ms", ".2f"),
@@ -192,22 +173,6 @@ def serve(args):
     if args.csv:
         table.write_csv(args.csv)
     print(f"decode-only output tok/s: {args.concurrency / med:.1f}")
-
-
-def matmul_rate(n: int = 8192) -> float:
-    """bf16 FLOP/s of one n^3 jnp matmul (the roofline's rate, measured in the same run)."""
-    import jax
-    import jax.numpy as jnp
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(ts)
 
 
 def prefill_flops_per_token(model) -> float:
@@ -240,8 +205,8 @@ def full(args):
     name = args.model
     if args.layers:
         name = truncated_preset(args.model, args.layers)
-    bw = copy_bandwidth()
-    rate = matmul_rate()
+    bw = copy_bandwidth()[0]      # JAX x + 1: what XLA's loops reach
+    rate = matmul_peak()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     t0 = time.perf_counter()
     model = load_model(name, dtype="bfloat16", seed=0)
@@ -281,10 +246,10 @@ def full(args):
         print(table.add(workload=f"c{conc}, 1024 in / {out} out{'' if overlap else ', synchronous steps'}",
                         output_tok_s=conc * out / secs, mean_ttft_s=statistics.mean(first.values()),
                         decode_step_ms=med * 1e3, floor_ms=floor_s * 1e3, step_over_floor=med / floor_s), flush=True)
-    print(f"\n# bench_e2e  {datetime.date.today()}  {jax.devices()[0].device_kind}  {name} (random bf16), "
-          f"default memory settings")
-    print(f"load {t_load:.0f}s, engine ready (pool sizing + warm-up) {t_warm:.0f}s, copy {bw / 1e12:.2f} TB/s, "
-          f"matmul {rate / 1e12:.0f} TFLOP/s, prefill roofline {roof:,.0f} tok/s")
+    print("\n" + header(f"bench_e2e full: {name} (random bf16), default memory settings",
+                        setup=f"load {t_load:.0f}s, engine ready (pool sizing + warm-up) {t_warm:.0f}s",
+                        anchors=f"copy {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s, "
+                                f"prefill roofline {roof:,.0f} tok/s"))
     print(table.markdown())
     if args.csv:
         table.write_csv(args.csv)

@@ -1,6 +1,6 @@
 """Host time of a decode step: what the Python side spends before the device can run it.
 
-  python scripts/bench_host_step.py [--model tiny-random] [--seqs 4] [--steps 40] [--cache-mib M] [--json]
+  python -m benchmarks.bench_host_step [--model tiny-random] [--seqs 4] [--steps 40] [--cache-mib M] [--json]
 
 Builds a ModelRunner on the model, prefills `--seqs` sequences, then runs `--steps` decode steps
 and reports, per step (median and min over the steps, milliseconds):
@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.harness import header
 
 
 def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: str = "float32",
@@ -99,6 +97,7 @@ def main(argv=None):
     if a.json:
         print(json.dumps(r))
         return
+    print(header("bench_host_step: host time of one engine decode step"))
     print(f"{r['model']} ({r['dtype']}) on {r['platform']}: {r['seqs']} sequences, {r['steps']} decode steps, "
           f"{r['param_arrays']} parameter arrays; pools {r['num_pages']} pages, {r['num_slots']} slots "
           f"({', '.join(r['pool_dtypes'])})")

@@ -1,6 +1,6 @@
 """Offline throughput and prefix-hit rate on a shared-prefix workload (prints one table).
 
-  python scripts/bench_offline.py [--model tiny-random] [--requests 64] [--prefix 512] [--suffix 64] [--max-tokens 32]
+  python -m benchmarks.bench_offline [--model tiny-random] [--requests 64] [--prefix 512] [--suffix 64] [--max-tokens 32]
 
 Each request = one of a few long shared prefixes (a system prompt / document) + a unique suffix.
 Runs the same workload with prefix caching off and on; reports output tok/s, total tok/s and the
@@ -18,25 +18,19 @@ background (--verify-prefix-cache) and reports checks, mismatches and the larges
 `host` (only with --host-cache-mb M): `on` with an M MiB host-memory tier for evicted checkpoints (with
 --cache-mb small enough that the device cache evicts, e.g. multi-turn chats whose history outgrows it).
 
-The issue-21 workload (8 groups x 8 requests, 3072 shared + 64 own tokens, arriving group by group):
-  python scripts/bench_offline.py --model kimi-linear-48b-a3b --seed 0 --dtype bfloat16 --requests 64 --groups 8 \
+The shared-prefix workload of docs/performance.md (8 groups x 8 requests, 3072 shared + 64 own tokens, arriving group by group):
+  python -m benchmarks.bench_offline --model kimi-linear-48b-a3b --seed 0 --dtype bfloat16 --requests 64 --groups 8 \
       --grouped --prefix 3072 --suffix 64 --max-tokens 16 --max-num-seqs 64 --max-num-batched-tokens 4096 --rows at-once,on
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import platform
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tables import Table, add_csv_argument  # noqa: E402  (scripts/tables.py)
+from benchmarks.harness import Table, add_csv_argument, header, write_json
 
 
 def workload(n: int, prefix: int, suffix: int, vocab: int, n_prefixes: int = 4, seed: int = 0, grouped: bool = False):
@@ -107,13 +101,11 @@ def main():
                                                     and (r != "host" or args.host_cache_mb)]
     if not set(names) <= set(ROWS):
         ap.error(f"--rows: unknown {sorted(set(names) - set(ROWS))}; choose from {list(ROWS)}")
-    import jax
     from k3jax.api import load_model
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
     prompts = workload(args.requests, args.prefix, args.suffix, model.config.vocab_size, args.groups,
                        grouped=args.grouped)
-    dev = jax.devices()[0]
-    print(f"\n# bench_offline  {datetime.date.today()}  {dev.platform}:{dev.device_kind}  host={platform.node()}")
+    print("\n" + header("bench_offline: the offline engine, prefix caching off and on"))
     print(f"model={args.model} requests={args.requests} groups={args.groups}{' grouped' if args.grouped else ''} "
           f"turns={args.turns} prompt={args.prefix}+{args.suffix} out={args.max_tokens} "
           f"max_num_seqs={args.max_num_seqs} budget={args.max_num_batched_tokens}")
@@ -143,8 +135,7 @@ def main():
     if args.csv:
         table.write_csv(args.csv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": f"{dev.platform}:{dev.device_kind}", "rows": dict(rows)}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": dict(rows)})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation between two engine processes, without the HTTP server (prints one table).
 
-  python scripts/bench_disagg_engines.py --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 4 --input 2048 [--csv PATH]
+  python -m benchmarks.bench_disagg_engines --model kimi-linear-48b-a3b --seed 0 --layers 8 --requests 4 --input 2048 [--csv PATH]
 
-For machines without fastapi / uvicorn (scripts/bench_disagg.py measures the served path). A child
+For machines without fastapi / uvicorn (benchmarks/bench_disagg.py measures the served path). A child
 process holds the prefill engine; this process holds the decode engine. Per prompt, the decode side
 sends the token ids over a multiprocessing pipe (control only), the child computes the prompt, offers
 its cache entry on its jax.experimental.transfer server and answers with the entry's description; the
@@ -16,15 +16,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-from bench_disagg import print_ttft_table  # noqa: E402
-from tables import add_csv_argument  # noqa: E402  (scripts/tables.py)
+from benchmarks.bench_disagg import print_ttft_table
+from benchmarks.harness import add_csv_argument, header
 
 
 def make_engine(args, host_cache_bytes: int = 0):
@@ -130,9 +125,7 @@ def main():
     finally:
         parent.send(None)
         proc.join(30)
-    import jax
-    dev = jax.devices()[0]
-    print(f"\n# bench_disagg_engines  {time.strftime('%Y-%m-%d')}  {dev.platform}:{dev.device_kind}")
+    print("\n" + header("bench_disagg_engines: TTFT with the prompt prefilled by another engine process vs locally"))
     print(f"model={args.model} layers={args.layers or 'all'} requests={args.requests} input={args.input} "
           f"out={args.max_tokens} budget={args.budget} mem_fraction={args.mem_fraction} (each process)")
     table = print_ttft_table(rows)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a synthetic K3-format checkpoint (random weights, Moonshot names, MXFP4 experts) of a chosen size.
 
-    python scripts/make_synthetic_checkpoint.py --out /tmp/k3-wide --size-gb 3
+    python -m tools.make_synthetic_checkpoint --out /tmp/k3-wide --size-gb 3
 
 A wide variant of the `tiny` preset: hidden/latent/expert widths and the expert count are scaled so
 that single stacked tensors are hundreds of MB; layers are added until the total reaches --size-gb.
@@ -9,15 +9,11 @@ Used to measure the converter's peak memory (docs/conversion.md); not part of th
 """
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import synthetic_k3  # noqa: E402
+from tools import synthetic_k3
 
 
 def main(argv=None):

@@ -5,7 +5,7 @@ k3jax/checkpoint/hf_names.py: every k3jax parameter is turned into the tensors a
 checkpoint stores (`language_model.` prefix, [out, in] linears, per-expert MXFP4
 `weight_packed` uint8 [out, in/2] + `weight_scale` uint8 [out, in/32], AttnRes projections
 [1, hidden], conv1d [C, 1, 4], A_log as a longer vector whose tail is unused, vision tensors).
-Used by the conversion tests and by scripts/make_synthetic_checkpoint.py (multi-GB, streamed).
+Used by the conversion tests and by tools/make_synthetic_checkpoint.py (multi-GB, streamed).
 """
 from __future__ import annotations
 
