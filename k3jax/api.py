@@ -152,7 +152,7 @@ def _tiny_params(config: ModelConfig, seed: int | None, dtype):
         from k3jax.checkpoint.flat_file import load_flat
         return load_flat(TINY_WEIGHTS, config, dtype)
     if seed is None:
-        log.warning("%s is missing (build it with scripts/train_tiny.py): 'tiny' has RANDOM weights and "
+        log.warning("%s is missing (build it with python -m tools.train_tiny): 'tiny' has RANDOM weights and "
                     "prints noise; load 'tiny-random' to ask for random weights", TINY_WEIGHTS)
     return init_params_numpy(config, TINY_SEED if seed is None else seed, dtype)
 
@@ -166,8 +166,7 @@ def _place(params, mesh, config, backend: Backend):
         params = shard_params(params, mesh, config)
     params = stack_layers(params, config, donate=True)
     if mesh is None and backend.kernels and backend.platform != "tpu" and os.environ.get("K3JAX_MERGED_EXPERTS") == "1":
-        # opt-in until measured end to end on the GPU (the merged bf16 decode kernel has no H200 row yet;
-        # docs/bench_moe.md run 7)
+        # opt-in until measured end to end on the GPU (the merged bf16 decode kernel is not measured yet)
         params = merge_gate_up(params)
     return params
 
