@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one k3jax program across GPU nodes with SLURM (multi-controller JAX, one program per process).
 #
-#   scripts/launch_gpu_slurm.sh [--per-gpu | --per-host] [--nodes N] [--gpus-per-node G]
+#   deploy/launch_gpu_slurm.sh [--per-gpu | --per-host] [--nodes N] [--gpus-per-node G]
 #                               [--port PORT] [--python PY] [--env KEY=VALUE]... [--dry-run]
 #                               [--srun-arg ARG]... -- MODULE [ARGS...]
 #
@@ -12,8 +12,8 @@
 #   K3JAX_PROCESS_ID=$SLURM_PROCID  (per-gpu: K3JAX_LOCAL_DEVICE_IDS=$SLURM_LOCALID)
 # and runs `PY -m sharding.launch MODULE ARGS...`. Examples:
 #
-#   salloc -N 2 --gpus-per-node 8 scripts/launch_gpu_slurm.sh -- sharding.check --mesh expert=2,tensor=8
-#   sbatch -N 4 --gpus-per-node 8 --wrap "scripts/launch_gpu_slurm.sh --per-host -- k3jax.serve --model /ckpt/k3"
+#   salloc -N 2 --gpus-per-node 8 deploy/launch_gpu_slurm.sh -- sharding.check --mesh expert=2,tensor=8
+#   sbatch -N 4 --gpus-per-node 8 --wrap "deploy/launch_gpu_slurm.sh --per-host -- k3jax.serve --model /ckpt/k3"
 set -euo pipefail
 
 MODE="per-gpu" NODES="${SLURM_JOB_NUM_NODES:-1}" GPN="${SLURM_GPUS_ON_NODE:-8}" PORT=29517 PY="python3" DRY=0

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Run one k3jax program on every worker of a Cloud TPU VM pod slice (multi-controller JAX).
 #
-#   scripts/launch_tpu_pod.sh --tpu NAME --zone ZONE [--project P] [--repo DIR] [--python PY]
+#   deploy/launch_tpu_pod.sh --tpu NAME --zone ZONE [--project P] [--repo DIR] [--python PY]
 #                             [--env KEY=VALUE]... [--dry-run] -- MODULE [ARGS...]
 #
 # Every worker runs `cd DIR && K3JAX_DISTRIBUTED=auto KEY=VALUE... PY -m sharding.launch MODULE ARGS...`.
 # sharding.launch calls jax.distributed.initialize(), which on TPU VMs finds the coordinator,
 # process count and process id by itself (K3JAX_DISTRIBUTED=auto asks for that). Example:
 #
-#   scripts/launch_tpu_pod.sh --tpu k3-v5p-128 --zone us-east5-a -- \
+#   deploy/launch_tpu_pod.sh --tpu k3-v5p-128 --zone us-east5-a -- \
 #       k3jax.serve --model /mnt/k3 --mesh data=4,expert=16   # (serve's mesh flag: see docs/sharding.md)
-#   scripts/launch_tpu_pod.sh --tpu k3-v5p-128 --zone us-east5-a -- sharding.check --mesh expert=-1
+#   deploy/launch_tpu_pod.sh --tpu k3-v5p-128 --zone us-east5-a -- sharding.check --mesh expert=-1
 #
 # The repository (and checkpoint) must already be on every worker at the same path, e.g.
 #   gcloud compute tpus tpu-vm scp --recurse . NAME:~/k3jax --worker=all --zone ZONE

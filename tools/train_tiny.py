@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     if args.export is not None:   # written first: the evaluation below may not fit the budget
         args.export.parent.mkdir(parents=True, exist_ok=True)
         save_flat(args.export, weights, {"trained_steps": str(step)})
-        # the unquantized experts, for the MXFP4-vs-bf16 check (scripts/check_tiny_gpu.py); not shipped
+        # the unquantized experts, for the MXFP4-vs-bf16 check (MXFP4 vs bf16 perplexity); not shipped
         save_flat(bf16_experts_path(args.export), experts_only(weights_bf16), {"trained_steps": str(step)})
         print(f"wrote {args.export} ({args.export.stat().st_size / 2**20:.1f} MiB)", flush=True)
         Path(f"{args.export}.json").write_text(json.dumps(report, indent=1) + "\n")
