@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (ROOT, Table, add_csv_argument, copy_bandwidth, header, rel_err, time_jax,
-                                time_torch, torch_and_fla, write_json)
+from benchmarks.harness import (ROOT, Table, add_csv_argument, copy_bandwidth, header, matmul_peak, rel_err,
+                                time_jax, time_torch, torch_and_fla, write_json)
 from benchmarks.kernel_inputs import kda_inputs, kda_torch_inputs, mla_cache, parse_mla_spec, resolve_mla_config
 
 # MLA useful FLOPs per (key, head): scores over L+R, then P @ ckv over L
@@ -86,9 +86,7 @@ def anchors(run):
     bw_jax, bw_torch = copy_bandwidth(gib=1 / 64 if run.tiny else 4.0, torch=run.torch)
     run.copy_bw = bw_torch or bw_jax
     n = 256 if run.tiny else 8192
-    a = jnp.ones((n, n), jnp.bfloat16)
-    t = time_jax(jax.jit(lambda x: x @ x), a, reps=run.reps)
-    run.peak = 2 * n ** 3 / t
+    run.peak = matmul_peak(n, reps=run.reps)
     print(f"# copy bandwidth: jax x+1 {bw_jax / 1e12:.2f} TB/s, torch copy_ "
           f"{'n/a' if bw_torch is None else f'{bw_torch / 1e12:.2f}'} TB/s (roof uses "
           f"{run.copy_bw / 1e12:.2f}); bf16 matmul {n}^3: {run.peak / 1e12:.0f} TFLOP/s; "
