@@ -60,7 +60,7 @@ def test_teacher_forced_argmax_and_nll_agree(tiny, text):
     agree = np.mean(logits["auto"].argmax(-1) == logits["reference"].argmax(-1))
     assert agree >= 0.99, agree
     assert abs(nll["auto"] / nll["reference"] - 1) < 0.01, nll
-    assert nll["reference"] < np.log(200), nll          # the trained weights: far below a random model's
+    assert nll["reference"] < np.log(1000), nll         # trained weights (random ones: ~log 4096 and above)
 
 
 def test_greedy_through_the_engine_agrees_where_the_context_is_the_same(tiny, text):
