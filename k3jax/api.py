@@ -141,7 +141,7 @@ def _tiny_params(config: ModelConfig, seed: int | None, dtype):
         from k3jax.checkpoint.flat_file import load_flat
         return load_flat(TINY_WEIGHTS, config, dtype)
     if seed is None:
-        log.warning("%s is missing (build it with scripts/train_tiny.py): 'tiny' has RANDOM weights and "
+        log.warning("%s is missing (build it with python -m tools.train_tiny): 'tiny' has RANDOM weights and "
                     "prints noise; load 'tiny-random' to ask for random weights", TINY_WEIGHTS)
     return init_params_numpy(config, TINY_SEED if seed is None else seed, dtype)
 

@@ -1,8 +1,8 @@
 """The routed experts' serving layout: gate and up as one merged weight (w13), built once at load.
 
 The fused expert MLP then runs one matmul of 2 bn columns per tile instead of two of bn
-(pallas_kernels/moe/layout.py; H200, issue 25: bf16 MLP 449.9 vs 427.5 TFLOP/s at K3-EP8 prefill,
-MXFP4 with h handed to the down kernel in its operand order). Checkpoints keep w1 / w3: `split_gate_up`
+(pallas_kernels/moe/layout.py; faster at prefill, docs/performance.md "Tuning of record"; MXFP4 with h
+handed to the down kernel in its operand order). Checkpoints keep w1 / w3: `split_gate_up`
 is applied on the way out (k3jax.api.Model.checkpoint_params). Works on either layer layout (a list
 of layers, or k3jax.layer_stack's stacked one: stacked expert leaves [L, E, ...]).
 

@@ -255,7 +255,7 @@ def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.
                         shardings=None):
     """The values of `init_params` (same key per leaf), made by one small jitted program per distinct
     leaf (kind, shape): a model with many identical layers compiles a few programs in seconds, where
-    jitting init_params whole took ~3.5 minutes for the 27-layer Kimi-Linear on an H200 (2026-12-01).
+    jitting init_params whole took minutes for the 27-layer Kimi-Linear.
     stacked: return the scan layout (k3jax.layer_stack), each stacked leaf made at once by a vmapped
     program over its layers' keys: no per-layer copies to stack, so the weights are made without a
     second copy or a fragmented allocator (stacking the 48B model after the fact ran out of memory).

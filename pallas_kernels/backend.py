@@ -10,7 +10,7 @@ large prefill steps when the GPU kernel is there), "absorbed" or "expanded".
 `mla_decode` is the GPU kernel of decode-only MLA steps: "mosaic"
 (pallas_kernels/mla/mosaic_gpu.py, Hopper's wgmma and TMA, at >= 64 heads and 16-bit caches where its tiling
 fits; the Triton kernel elsewhere), "triton", or "auto" (default): "mosaic" on compute capability 9.x,
-else "triton". H200, K3's 96 heads as MLA.step calls it: 1.5-1.9x the Triton kernel (docs/benchmarks.md).
+else "triton". K3's 96 heads as MLA.step calls it: 1.5-1.9x the Triton kernel (docs/performance.md).
 `platform` picks the kernel family ("gpu": Triton, "tpu": Mosaic); tests pass "tpu" to run the TPU
 kernels in interpret mode on CPU. sharding.moe_ep.expert_parallel(backend, mesh) adds expert
 parallelism (`routed_experts`), so the model's layers never import sharding (no moe <-> moe_ep cycle).

@@ -45,7 +45,7 @@ def values(rows, dtype):
 def read_rows(pool, idx, dtype=None):
     """pool[idx], materialized (as `dtype` values when given): for rows that the same step then writes back
     into the pool. Fused into that scatter, the read would make XLA copy the whole pool first to keep the
-    old rows (on the H200: the KDA conv pool, twice per decode step, scanned or not)."""
+    old rows (on a GPU: the KDA conv pool, twice per decode step, scanned or not)."""
     one = idx.ndim == 1 and idx.shape[0] == 1
     if one:     # XLA turns a one-row gather into a dynamic slice and fuses it into later readers (see set_rows)
         idx = jnp.concatenate([idx, idx])

@@ -23,8 +23,8 @@ MAX_ROWS = 64
 
 def tiling(m: int, k: int, n: int) -> sch.Tiling:
     """Tiles for one group of m <= MAX_ROWS rows: the whole group in one row tile, long K steps and
-    narrow column tiles, so that a weight is streamed by one tile per 32 columns (H200, decode rows
-    16 and 64, scripts/bench_dense_in_place.py: bk 256, bn 32 were the fastest of bn 16-64)."""
+    narrow column tiles, so that a weight is streamed by one tile per 32 columns (bk 256, bn 32 the
+    fastest of bn 16-64 at 16 and 64 rows: docs/performance.md, "Tuning of record")."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bk, bn = sch.pow2_divisor(k, 256), sch.pow2_divisor(n, 32)
     stages = 4

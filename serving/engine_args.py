@@ -43,7 +43,7 @@ def claim_device_memory(fraction: float = ALLOCATOR_MEMORY_FRACTION) -> None:
 
 
 # (max_num_seqs, max_num_batched_tokens) when unset: an accelerator's step is weight-bandwidth bound
-# up to ~64 rows and a 4096-token prefill step runs near the matmul rate (docs/benchmarks.md, H200);
+# up to ~64 rows and a 4096-token prefill step runs near the matmul rate (docs/performance.md);
 # on CPU, step time grows with every row, so small steps keep latency and compile time down.
 CPU_BATCH_DEFAULTS = (16, 512)
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)

@@ -115,7 +115,7 @@ def make_step_fn(config, backend: Backend | None = None, graph: ModelGraph | Non
     return step
 
 
-# XLA options for the engine's step on a GPU, measured on the H200 with the scanned decoder (docs/benchmarks.md):
+# XLA options for the engine's step on a GPU, measured with the scanned decoder (docs/performance.md):
 # - CUDA graphs also around the layer loop (WHILE, CONDITIONAL): the scan body's ~60 kernels per layer are
 #   otherwise launched one by one every step (c64 decode 30.5 -> 28.2 ms);
 # - no HLO rematerialization: XLA's limit counts the donated cache pools carried through the loop as
@@ -209,8 +209,8 @@ class ModelRunner:
             self.backend = expert_parallel(self.backend, mesh)
         elif self.backend.kernels and self.backend.platform == "gpu" and dense_in_place:
             # unsharded weights: few-row steps read the scanned layers' dense weights in place
-            # (pallas_kernels/stacked.py; the step's slices were 1.8 ms of copies per c64 decode step on the
-            # H200; EngineArgs.dense_in_place=False slices them, for comparison)
+            # (pallas_kernels/stacked.py; the step's slices were ~1.8 ms of copies per c64 decode step;
+            # EngineArgs.dense_in_place=False slices them, for comparison)
             self.backend = self.backend.replace(dense_in_place=True)
 
         self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),

@@ -5,7 +5,7 @@ host-side batch to all processes, which then all enter the same jitted step with
 shapes. CPU processes talk through gloo (set here before the backend starts), which is what
 the tests use over 127.0.0.1.
 
-Environment fallbacks for `initialize()` (set by scripts/launch_*.sh):
+Environment fallbacks for `initialize()` (set by deploy/launch_*.sh):
   K3JAX_COORDINATOR=host:port  K3JAX_NUM_PROCESSES=N  K3JAX_PROCESS_ID=i
   K3JAX_DISTRIBUTED=auto       none of the above: let JAX auto-detect the cluster (TPU pods)
 With nothing set, the program stays a single process. Serving's per-step broadcast to follower

@@ -1,6 +1,6 @@
 """`python -m sharding.launch MODULE [ARGS...]`: start the multi-host runtime, then run MODULE.
 
-Every process of a job runs the same line (scripts/launch_*.sh do that). The runtime is set
+Every process of a job runs the same line (deploy/launch_*.sh do that). The runtime is set
 up from K3JAX_COORDINATOR / K3JAX_NUM_PROCESSES / K3JAX_PROCESS_ID, else JAX's cluster
 auto-detection (TPU pods, SLURM); then MODULE runs as `python -m MODULE ARGS...` would.
 K3JAX_LOCAL_DEVICE_IDS="0" (comma list) restricts a process to some local accelerators.

@@ -1,17 +1,12 @@
-"""scripts/bench_compile.py: every warm-up shape of the default engine, traced and compiled with
+"""benchmarks/bench_compile.py: every warm-up shape of the default engine, traced and compiled with
 abstract weights (nothing allocated)."""
 import json
 
-from scripts_module import load_script
-
-
-def _script():
-    return load_script("bench_compile")
+from benchmarks import bench_compile
 
 
 def test_measures_the_runner_warmup_shapes(capsys):
-    bench = _script()
-    bench.main(["--model", "tiny-random", "--max-shapes", "1", "--buckets", "accelerator", "--json"])
+    bench_compile.main(["--model", "tiny-random", "--max-shapes", "1", "--buckets", "accelerator", "--json"])
     res = json.loads(capsys.readouterr().out)
     # an accelerator's default EngineArgs (64 sequences, 4096 tokens): T in 16, 64, 256, 1024, 4096 x N in 4,
     # 16, 64 (N <= T), plus decode-only variants of (16, 4), (16, 16) and (64, 64)

@@ -1,14 +1,13 @@
-"""scripts/bench_e2e.py's decode floor split by part (profile_step's part table): every weight counted once,
+"""benchmarks/bench_e2e.py's decode floor split by part (profile_step's part table): every weight counted once,
 routed experts at their touched share, states under KDA and the cache under MLA."""
 import jax
 import pytest
 
-from scripts_module import load_script
+from benchmarks import bench_e2e as bench
 
 
 @pytest.mark.parametrize("concurrency", [1, 64])
 def test_floor_parts_add_up_to_the_floor(concurrency):
-    bench = load_script("bench_e2e")
     from k3jax.api import load_model
     model = load_model("tiny-random", dtype="bfloat16", seed=0)
     c = model.config
@@ -29,7 +28,6 @@ def test_floor_parts_add_up_to_the_floor(concurrency):
 
 
 def test_part_of_names_the_scopes():
-    bench = load_script("bench_e2e")
     assert bench.part_of("jit(run)/model/while/body/kda_in/dot_general") == "KDA"
     assert bench.part_of("jit(run)/model/mla_attn/custom_call") == "MLA"
     assert bench.part_of("jit(run)/model/moe_experts/pallas_call") == "routed experts"

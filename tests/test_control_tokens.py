@@ -48,7 +48,7 @@ def _state(tok):
 
 
 def _checkpoint_tokenizer(tmp_path, template):
-    """A checkpoint's tokenizer files, as tests/synthetic_k3.write_checkpoint writes them, with `template`
+    """A checkpoint's tokenizer files, as tools/synthetic_k3.write_checkpoint writes them, with `template`
     as chat_template.jinja; loaded the way the server loads a checkpoint's tokenizer."""
     (tmp_path / "tiktoken.model").write_bytes(TINY_ASSET.read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192,

@@ -14,7 +14,7 @@ import pytest
 import jax
 
 import numpy_model
-import synthetic_k3
+from tools import synthetic_k3
 from k3jax import load_model
 from k3jax.checkpoint import convert_stream, orbax_io
 from k3jax.convert import main
@@ -215,20 +215,19 @@ def test_failure_while_streaming_leaves_nothing(k3, tmp_path, monkeypatch):
     assert len(calls) == 60 and os.listdir(tmp_path) == []
 
 
-def _cli(args, script=False):
-    cmd = [os.path.join(REPO, "scripts", "convert_checkpoint.py")] if script else ["-m", "k3jax.convert"]
-    return subprocess.run([sys.executable] + cmd + [str(a) for a in args], capture_output=True, text=True,
+def _cli(args):
+    return subprocess.run([sys.executable, "-m", "k3jax.convert"] + [str(a) for a in args], capture_output=True, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
 
 
 def test_cli_entry_points_and_bounded_memory(k3, tmp_path):
-    """`python -m k3jax.convert` and scripts/convert_checkpoint.py exit 0, or 2 with one line; converting a
+    """`python -m k3jax.convert` exits 0, or 2 with one line; converting a
     checkpoint 10x larger than its largest tensor costs well under that much extra memory (streaming)."""
     dst = tmp_path / "out"
     ok = _cli(["--src", k3[0], "--dst", dst, "--summary-json", tmp_path / "tiny.json"])
     assert ok.returncode == 0, ok.stderr
     assert "converting" in ok.stderr and "B/s" in ok.stderr          # tqdm progress with bytes
-    bad = _cli(["--src", k3[0], "--dst", dst], script=True)
+    bad = _cli(["--src", k3[0], "--dst", dst])
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [f"k3jax.convert: error: --dst {dst} already exists "
                                                "(pass --overwrite to replace it)"]

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-import synthetic_k3
+from tools import synthetic_k3
 from k3jax import info
 from k3jax.api import load_model
 from k3jax.checkpoint import hub

@@ -104,7 +104,7 @@ def test_reasoning_effort(k3):
 
 
 def test_load_model_picks_the_format_from_the_checkpoint(tmp_path):
-    import synthetic_k3
+    from tools import synthetic_k3
     from k3jax import load_model
     for files, fmt in (("k3", "k3"), (True, "kimi")):
         d = tmp_path / str(files)

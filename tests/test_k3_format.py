@@ -1,5 +1,5 @@
 """K3's tagged message format: our renderer against the public one (golden fixtures made by
-scripts/make_k3_format_fixtures.py from the checkpoint's encoding_k3.py), plus the rules the
+tools/make_k3_format_fixtures.py from the checkpoint's encoding_k3.py), plus the rules the
 fixtures cannot show on their own."""
 import json
 from pathlib import Path

@@ -15,7 +15,7 @@ from test_moe_kernels import _bf16, _close, _deq_in_out, _ep_case, _rng
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_expert_mlp_prefill_defaults(fmt, monkeypatch):
-  """At prefill (here 80 rows per expert) the MLP runs what scripts/bench_moe.py --prefill
+  """At prefill (here 80 rows per expert) the MLP runs the tiling the MoE prefill sweep
   measured: schedule.PREFILL_TILES, rows gathered in the kernel from GATHER_MIN_ROWS on, MXFP4
   decoded in the kernel below PREDEQUANT_MIN_ROWS; and stays equal to the float64 loop."""
   from pallas_kernels.moe import schedule as sch
@@ -168,6 +168,26 @@ def test_expert_mlp_merged_reads_a_layer_of_stacked_experts(fmt):
   _close(out, ref, rel=2e-2)
 
 
+def triton_ir(f, *args):
+  """Triton IR text of the (one) Pallas kernel that jax.jit(f)(*args) lowers for CUDA, on any host
+  (uses jax internals)."""
+  import jax
+  from jax._src.pallas.triton import pallas_call_registration as pcr
+  got, orig = [], pcr.lowering.lower_jaxpr_to_triton_module
+
+  def grab(*a, **kw):
+    r = orig(*a, **kw)
+    got.append(getattr(r, "module", r))
+    return r
+
+  pcr.lowering.lower_jaxpr_to_triton_module = grab
+  try:
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    pcr.lowering.lower_jaxpr_to_triton_module = orig
+  return got[-1].operation.get_asm(enable_debug_info=False)
+
+
 @pytest.mark.parametrize("swap", [True, False])
 def test_joined_halves_never_join_straight_from_the_decoder_asm(swap):
   """XLA's Triton joins a tt.join's operands two values at a time when the first one comes straight
@@ -177,8 +197,6 @@ def test_joined_halves_never_join_straight_from_the_decoder_asm(swap):
   producer (kernel.interleave_k: a bitcast)."""
   import re
   import jax
-  from scripts_module import load_script
-  triton_ir = load_script("sass_moe").triton_ir
   g, k, n = 4, 256, 128
   sds = jax.ShapeDtypeStruct
   p, s = sds((g, n, k // 2), jnp.uint8), sds((g, n, k // 32), jnp.uint8)

@@ -15,7 +15,7 @@ from hf_reference import tiny_kimi_linear_model
 from k3jax import load_model
 from k3jax.checkpoint import orbax_io
 from k3jax.convert import main
-import synthetic_k3
+from tools import synthetic_k3
 from k3jax.params import is_leaf, param_spec
 from k3jax.presets import preset_config
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import synthetic_k3
+from tools import synthetic_k3
 from k3jax import load_model
 from k3jax.checkpoint import convert_stream
 from k3jax.checkpoint.quant_scheme import dequantize, is_quantized, scheme_of

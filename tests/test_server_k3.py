@@ -11,7 +11,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import synthetic_k3  # noqa: E402
+from tools import synthetic_k3  # noqa: E402
 from k3jax.tokenizer import KimiTokenizer  # noqa: E402
 from k3jax.tokenizer import k3_format as fmt  # noqa: E402
 from server_fixture import API_KEY, ServerProcess  # noqa: E402

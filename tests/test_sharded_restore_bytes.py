@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    import synthetic_k3
+    from tools import synthetic_k3
     from k3jax.convert import main
     root = tmp_path_factory.mktemp("restore")
     raw = synthetic_k3.k3_config_dict(num_experts=16, moe_intermediate_size=2048, routed_expert_hidden_size=256)

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _dry(script, *args):
-    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", script), *args, "--dry-run", "--", "sharding.check",
+    out = subprocess.run(["bash", os.path.join(ROOT, "deploy", script), *args, "--dry-run", "--", "sharding.check",
                           "--mesh", "expert=2,tensor=8"], capture_output=True, text=True, check=True)
     return out.stdout
 
@@ -30,7 +30,7 @@ def test_tpu_pod_command_line():
     assert remote[:3] == ["cd", "~/k3jax", "&&"] and remote[3] == "K3JAX_DISTRIBUTED=auto"
     assert remote[-6:] == ["python3", "-m", "sharding.launch", "sharding.check", "--mesh", "expert=2,tensor=8"]
     assert out.rstrip().endswith("--project p1")
-    bad = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), "--", "x"], capture_output=True)
+    bad = subprocess.run(["bash", os.path.join(ROOT, "deploy", "launch_tpu_pod.sh"), "--", "x"], capture_output=True)
     assert bad.returncode == 2
 
 
@@ -69,7 +69,7 @@ def test_slurm_script_runs_two_tasks_with_fake_srun(tmp_path):
         port = s.getsockname()[1]
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_gpu_slurm.sh"), "--per-host", "--port", str(port),
+    subprocess.run(["bash", os.path.join(ROOT, "deploy", "launch_gpu_slurm.sh"), "--per-host", "--port", str(port),
                     "--python", sys.executable, "--", "sharding.check", "--mesh", "tensor=2,expert=4", "--max-new", "3"],
                    env=env, cwd=ROOT, check=True, timeout=220)
     log0 = (tmp_path / "task0.log").read_text()

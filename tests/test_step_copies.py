@@ -3,7 +3,7 @@ place (the first scanned version was reverted for pool/weight-sized copies aroun
 
 CPU, abstract weights; float32 pools, and bf16 pools stored as uint16 bits as the CPU runner stores them
 (XLA:CPU converted bf16 pools to f32 for every scatter and for the reference attention's looped gathers:
-pallas_kernels/scatter.py; the GPU's bf16 pools are measured by scripts/scan_copies.py). Pools are sized
+pallas_kernels/scatter.py). Pools are sized
 so that each is far larger than any activation of the step: a data move of pool size can only be a pool.
 """
 import jax
@@ -15,8 +15,21 @@ from k3jax.cache import SeqChunk, make_step_batch, pool_shapes
 from k3jax.layer_stack import stack_layers
 from k3jax.params import param_shapes
 from k3jax.presets import preset_config
-from scripts_module import load_script
 from serving.runner import make_step_fn
+
+
+def step_batches(page_size: int, context: int = 1024, decode_seqs: int = 16, prefill=(2, 2048)):
+    """{name: StepBatch}: a decode step (decode_seqs sequences, one token each after `context`) and a
+    prefill step (prefill[0] fresh sequences of prefill[1] tokens), on distinct pages and slots."""
+    pages_per = -(-(context + 1) // page_size)
+    dec = [SeqChunk([1], context, list(range(1 + i * pages_per, 1 + (i + 1) * pages_per)), 1 + i, 1 + i)
+           for i in range(decode_seqs)]
+    n, L = prefill
+    pp = -(-L // page_size)
+    pre = [SeqChunk([1] * L, 0, list(range(1 + i * pp, 1 + (i + 1) * pp)), -1, 1 + i) for i in range(n)]
+    max_pages = max(pages_per, pp)
+    return {"decode": make_step_batch(dec, page_size, num_seqs=decode_seqs, max_pages=max_pages),
+            "prefill": make_step_batch(pre, page_size, num_tokens=n * L, num_seqs=max(4, n), max_pages=max_pages)}
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16-bits"])
@@ -27,7 +40,6 @@ def compiled_steps(request):
     scale = 4 // jnp.dtype(dtype).itemsize             # the same pool bytes for both dtypes
     pools = pool_shapes(c, 4096 * scale + 1, 16, 512 * scale + 2, dtype, bits=request.param.endswith("bits"))
     step = jax.jit(make_step_fn(c), donate_argnums=(1,))
-    step_batches = load_script("scan_copies").step_batches
     batches = step_batches(16, context=64, prefill=(2, 64))
     # steps of one sequence (max_num_seqs=1, e.g. k3jax.generate): XLA turns one-row gathers / scatters into
     # dynamic slices and selects, which copied every pool (pallas_kernels/scatter.py)

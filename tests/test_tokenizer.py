@@ -88,9 +88,8 @@ def test_tiny_vocab_layout(tiny):
 
 
 def test_tiny_asset_is_reproducible():
-    from scripts_module import load_script
-    mod = load_script("make_tiny_tokenizer")
-    assert mod.build() == TINY_ASSET.read_bytes()
+    from tools import make_tiny_tokenizer
+    assert make_tiny_tokenizer.build() == TINY_ASSET.read_bytes()
 
 
 def test_spec_special_ids_at_real_vocab_size(big):

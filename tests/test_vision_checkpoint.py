@@ -8,7 +8,7 @@ import pytest
 
 import jax
 
-import synthetic_k3
+from tools import synthetic_k3
 from k3jax import load_model
 from k3jax.convert import convert
 

@@ -99,7 +99,7 @@ class KDA(Group):
         act = jax.nn.silu(conv_out).astype(x.dtype)
         q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
         # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
-        # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower, issue 18).
+        # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower).
         q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
         f = _heads((x @ value(self.f_a_proj)) @ value(self.f_b_proj), c)
         g = ops.kda_gate(f, value(self.A_log), value(self.dt_bias), lower_bound=c.gate_lower_bound)

@@ -28,9 +28,8 @@ _LATENT_NORM_EPS = 1e-6
 # kernel is available, with a key buffer of EXPANDED_KEYS_PER_TOKEN rows per step token; a step
 # whose sequences hold more keys than that (long contexts) runs absorbed (a runtime lax.cond).
 # "expanded" forces the expanded form whatever the shape (same buffer, same fallback).
-# H200 per layer (docs/bench_mla.md): T=4096 of 2x2048 1.05 ms vs 2.69 absorbed, of 64x64 0.90 vs
-# 1.00; T=512 of 8x64 0.35 vs 0.22 (the gather, decompress and cond cost ~0.1-0.3 ms whatever the
-# work), so steps under 2048 tokens stay absorbed. Overflow costs the cond, ~0.1 ms over absorbed.
+# Expanding pays for large prefill steps only (the gather, decompress and cond cost a fixed ~0.1-0.3 ms a
+# layer), so steps under 2048 tokens stay absorbed (docs/performance.md, "Tuning of record").
 EXPANDED_MIN_TOKENS = 2048
 EXPANDED_KEYS_PER_TOKEN = 2
 

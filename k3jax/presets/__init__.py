@@ -65,9 +65,9 @@ TINY_RANDOM = {
     },
 }
 
-# The embedded default, trained on English documentation (scripts/train_tiny.py; weights in
+# The embedded default, trained on English documentation (tools/train_tiny.py; weights in
 # k3jax/assets/tiny-trained.safetensors): TINY_RANDOM's features at a size that learns readable
-# text in a few H200 minutes, and a 4096-token English BPE (k3jax/assets/tiny-en.tiktoken,
+# text in a few GPU minutes, and a 4096-token English BPE (k3jax/assets/tiny-en.tiktoken,
 # special ids relative to 3840). Text only.
 _RANDOM_TEXT = TINY_RANDOM["text_config"]
 TINY = {

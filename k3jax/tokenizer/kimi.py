@@ -125,7 +125,7 @@ class KimiTokenizer:
     @classmethod
     def tiny_english(cls) -> "KimiTokenizer":
         """The trained tiny model's tokenizer: a 3840-token English BPE + 256 specials (vocab 4096),
-        Kimi's layout (scripts/make_tiny_tokenizer.py --english)."""
+        Kimi's layout (tools/make_tiny_tokenizer.py --english)."""
         return cls(_vocab.load_tiktoken_bpe(TINY_EN_ASSET), name="kimi-tiny-en")
 
     # ---- ids ----------------------------------------------------------------------------

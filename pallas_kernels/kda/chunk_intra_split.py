@@ -182,7 +182,7 @@ def _solve_kernel(q_ref, k_ref, g_ref, b_ref, *refs, bc, bk, prec, inv, shift=No
             for s in range(K // bk):
                 acc = slice_step(pl.ds(s * bk, bk), acc, want_l, want_q)
             return acc
-        # a loop, not unrolled: the unrolled kernel stalled on instruction fetch (ncu, H200)
+        # a loop, not unrolled: the unrolled kernel stalled on instruction fetch (ncu)
         def body(s, carry):
             out = slice_step(pl.ds(pl.multiple_of(s * bk, bk), bk), dict(zip(names, carry)),
                              want_l, want_q)

@@ -318,44 +318,20 @@ def chunk_out(qg, h, a, vn, *, chunk_size=64, num_warps=4, out_dtype=None, inter
     )(_chunk_count(n_chunks, R, C), qg, h, a, vn)
 
 
-# Kernel choices for chunk_kda (scripts/bench_kda.py sweeps them on the GPU).
+# Kernel choices for chunk_kda (docs/performance.md, "Tuning of record", has the measurements).
 # inter: "fused" = one sequential kernel doing state and output (split: fp32-like dots through
 # bf16 hi/lo halves); "two_pass" = chunk_state (2 dots per chunk in the sequential loop, FLA's
-# structure and precision) + the parallel chunk_out.
-# H200, 2026-11-29, B=1 T=32768 H=32 bf16: fused split inter 4.23 ms; two_pass 0.95 (state, BV 32,
-# 4 warps, 3 stages) + 0.46 (out) ms.
-# Same run, whole chunk_kda: intra in IEEE fp32 with the row-loop inverse 21.5 ms; tf32 dots with the
-# Neumann-product inverse 14.1 ms (rel RMS vs the fp32 reference 3.32e-3, IEEE: 3.31e-3).
+# structure and precision) + the parallel chunk_out: ~3x faster.
 # intra: "split" = chunk_intra_split (diag / solve / wu kernels, FLA's structure; split_bk / wu_bk
 # the K-slice widths of solve / wu, split_warps and split_stages per kernel, split_diag the diagonal
 # method, t_dtype / u_dtype "f32" or "sd" (bf16) for bf16 inputs); "fused" = the one-kernel
-# chunk_intra (diag, intra_warps).
-# H200, 2026-11-29, B=1 T=32768 H=32 bf16 (bench_kda --split / --split-sweep): fused intra 12.35 ms;
-# split with 4 warps everywhere 10.37 ms (diag 2.43, solve 6.60, wu 1.43); per-kernel best: diag
-# quad 2 warps 2.30, solve row-loop inverse 1 warp 2.31, wu bk 64 4 warps 1.20. chunk_kda total
-# 14.1 -> 7.63 ms (wu bk 32; FLA 3.97). t/u in bf16 (FLA's storage): 7.28 ms, rel RMS 3.69e-3 vs
-# 3.32e-3, kept off for the margin to the 5e-3 target.
-# H200, 2026-11-29 (bench_kda --diag-run, B=1 T=32768 H=32 bf16): token-parallel diag (split_diag
-# "token", 8 heads and 2 warps per program) 1.24 ms vs quad 2.26; solve with the four diagonal
-# inverses in one row loop and rows loaded from the diag output (inv "many") 2.15 vs 2.30; A_qk
-# stored in bf16 (the output kernel's dot operand dtype anyway). chunk_kda 7.63 -> 6.19 ms (FLA 3.98,
-# 0.64x); T=4096 H=96 2.48 ms (FLA 1.49, 0.60x). t/u in bf16: 5.90 ms (0.68x), rel RMS 3.69e-3 vs
-# 3.31e-3 (FLA 3.33e-3). Safe gates with the diagonal inside the solve (safe_shift=15.0): solve
-# 4.31 ms vs diag + solve 3.39, so off (None) by default.
-# Then ncu (same day): the solve ran at 255 registers, 1 warp per program, 12.5% occupancy, and
-# 57% of its stall cycles were instruction fetch (the Python-unrolled K-slice loop). The slice loop
-# as a fori_loop (solve_unroll=False): solve 2.19 -> 1.15 ms; chunk_kda 5.21 ms (FLA 3.99, 0.77x);
-# T=32768 H=96 16.16 ms (FLA 11.02, 0.68x). w/u variants (unrolled or not, bk 32/64, 2/4/8 warps)
-# 1.20-1.74 ms: the loop made no difference; bk 32 with 2 warps kept (1.198 vs 1.208 ms). Same
-# call: T=4096 H=96 2.09 ms (FLA 1.50, 0.71x), T=4096 H=32 0.735 ms (FLA 0.676 in that call, 0.92x;
-# FLA measured 1.17 ms at that shape in an earlier call: the anchor moves between calls).
-# Fourth session (H200, 2026-11-29): Pallas' Triton lowering sends fp32 jnp.exp to libdevice's
-# accurate __nv_expf (~8 SASS instructions); gates now live in log2 units and every kernel takes
-# exp2 (one MUFU.EX2), and the token diag stores each column as computed. Offline SASS loop counts:
-# diag 370 -> 183 per step, solve 2542 -> 1402, w/u 2107 -> 1078. Measured T=32768 H=32: diag 1.24
-# -> 0.89 ms (2 heads, 1 warp), solve 1.12 -> 1.00 (2 stages), w/u 1.19 -> 1.10 (3 stages); the
-# state kernel fits one program per SM, so its V block depends on the batch (state_tiles).
-# t/u stored in bf16 (FLA's storage, rel RMS 3.69e-3 vs the 5e-3 target).
+# chunk_intra (diag, intra_warps). tf32 dots with the Neumann-product inverse: 1.5x faster than IEEE
+# fp32 at the same error against the fp32 reference.
+# The diagonal is token-parallel ("token"); the solve's K-slice loop is a fori_loop (unrolled, it
+# stalled on instruction fetch); gates live in log2 units so every kernel takes one exp2 (Pallas'
+# Triton lowering sends fp32 jnp.exp to libdevice's accurate expf); t/u are stored in bf16 (FLA's
+# storage: rel RMS 3.7e-3 against the 5e-3 bound). safe_shift (the diagonal inside the solve for
+# safe gates) measured slower, so it is off.
 CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split_stages=(1, 2, 3),
               split_diag="token", diag_bh=2, safe_shift=None, solve_unroll=False, solve_passes=1,
               wu_unroll=False,
@@ -367,8 +343,7 @@ CONFIG = dict(intra="split", split_bk=32, wu_bk=32, split_warps=(1, 1, 2), split
 def state_tiles(n_seq_heads, V, sms=None):
     """(block_v, num_warps, num_stages) of the state kernel for n_seq_heads (sequence, head) pairs.
     One program per SM fits (shared memory), so the narrowest V block whose programs fit in one
-    wave, else the widest: H200 2026-11-29, H=32: 1 x 32k tokens 32-wide 0.95 ms (64-wide 1.30),
-    2 x 32k 64-wide 1.40 (32-wide 2.01), 16 x 4k 128-wide 1.26 (32-wide 2.46)."""
+    wave, else the widest (docs/performance.md, "Tuning of record")."""
     sms = sms or num_sms()
     for bv, nw, ns in ((32, 4, 3), (64, 8, 3)):
         if n_seq_heads * -(-V // bv) <= sms:
@@ -379,7 +354,7 @@ def state_tiles(n_seq_heads, V, sms=None):
 def _state_for_live_sequences(w, kd, u, g, cs, h0, **kw):
     """chunk_state with the tiles state_tiles picks for the sequences that have tokens, not the padded
     count: an engine step of 2 prompts in a 16-sequence bucket would otherwise run 128-wide V blocks on
-    64 of the SMs (1.9x the time of the exact count, H200). The choice is a runtime switch between the
+    64 of the SMs (1.9x the time of the exact count). The choice is a runtime switch between the
     (at most three) distinct tilings."""
     N, H = h0.shape[:2]
     V = u.shape[-1]

@@ -9,12 +9,8 @@ traffic, output 0.
 Why order "vhn" (V block fastest, like FLA's 1-D grid): the programs that run side by side then
 cover one head's [K, V] tile and the next heads of the same slot, i.e. consecutive memory. With
 the sequence fastest ("nhv", the first version) neighbours hit different slots 128 B at a time and
-the kernel stopped near 70% of copy bandwidth. H200, 2026-11-29, scripts/sweep_kda_decode.py
-(copy 4.19 TB/s, K=V=128): N=256 H=32 / N=256 H=96 / N=64 H=32 / N=64 H=96
-  nhv bv32 w4 (first):  378 / 1078 / 101 / 280 us (2.84-2.99 TB/s)
-  vhn bv32 w4:          320 /  928 /  90 / 249 us
-  vhn bv64 w4 (CONFIG): 312 /  892 /  89 / 236 us (3.44 / 3.61 TB/s = 82% / 86% of copy)
-  FLA fused_recurrent:  284 /  902 /  94 / 212 us
+the kernel stopped near 70% of copy bandwidth; "vhn" with 64-wide V blocks reaches 82-86%
+(docs/performance.md, "Tuning of record").
 BV 16 and 8 warps were slower; 2 heads per program, num_stages=2 and an evict_first hint (since
 removed) changed < 2%.
 """
@@ -71,8 +67,8 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-# Kernel choices (scripts/sweep_kda_decode.py sweeps them on the GPU).
-# (block_h stays 1: 2 heads a program tied with it over two H200 runs, docs/benchmarks.md 2026-12-01)
+# Kernel choices (benchmarks/bench_kernels.py times the variants beside them on the GPU).
+# (block_h stays 1: 2 heads a program measured no faster)
 CONFIG = dict(block_v=64, num_warps=4, order="vhn")
 
 

@@ -79,9 +79,8 @@ def expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start, 
     return out.astype(q.dtype)
 
 
-# H200, 2026-12-01 (scripts/bench_mla.py --model-prefill; docs/bench_mla.md): fastest of 6 tile configs
-# at T=4096 of 2x2048 (0.409 ms, 210 TFLOP/s) and within 3% of the best at 64x64; the unmasked-block
-# split saves 5% (0.466 vs 0.492 ms, both at 2 stages).
+# The fastest of the tile configs measured at a 4096-token prefill step (docs/performance.md, "Tuning of
+# record"); splitting off the unmasked blocks saves ~5%.
 DEFAULT_TUNING = dict(bq=128, bk=64, num_warps=8, num_stages=3, split_causal=True)
 
 

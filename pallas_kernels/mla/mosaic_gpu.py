@@ -1,8 +1,8 @@
 """Paged absorbed-MLA decode on Mosaic GPU (Hopper wgmma + TMA), for 64+ query heads.
 
 The decode-only MLA kernel on Hopper (the backend's ``mla_decode``: auto|mosaic|triton, pallas_kernels/backend.py).
-Checked on an H200 by scripts/bench_kernels.py --only mla-mosaic (matches the reference as closely as the
-Triton kernel); tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
+Checked on the GPU by `python -m benchmarks.bench_kernels --only mla-mosaic` (matches the reference as
+closely as the Triton kernel); tests/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
 that the GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
 
 One CTA = (sequence, 64 query heads, key split), three warpgroups:
@@ -49,7 +49,7 @@ from pallas_kernels.mla.splits import pick_splits
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
 ROWS = 64            # query heads per CTA: the wgmma M dimension of one warpgroup
-MIN_HEADS = 64       # below this the Triton keys-on-M kernel is the better fit (issue 20)
+MIN_HEADS = 64       # below this the Triton keys-on-M kernel is the better fit (docs/performance.md)
 DEFAULTS = {"bk": 32, "stages": 3}
 SMEM_LIMIT = 227 * 1024
 

@@ -49,8 +49,7 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
 
 
 def default_tuning(num_heads, decode, max_keys=None, page_size=None):
-    """Kernel knobs chosen from the H200 sweeps (docs/bench_mla.md 2026-11-29, docs/benchmarks.md
-    kernel table 2026-12-01, two runs).
+    """Kernel knobs chosen from GPU sweeps (docs/performance.md, "Tuning of record").
 
     Decode, H <= 32: keys-on-M ("transposed") form, 4 warps, 2 stages, no explicit
     prefetch (2.50 / 2.80 TB/s at 8k / 128k; 3 stages, 1 stage, page-id or register

@@ -112,7 +112,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
-    # loads; carrying the next page id or block explicitly measured slower, docs/bench_mla.md).
+    # loads; carrying the next page id or block explicitly measured slower).
     def body(i, carry):
         k0 = k_lo + i * bk
         ckv, kr = load(k0, lookup(k0))

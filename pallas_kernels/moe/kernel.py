@@ -43,7 +43,7 @@ def interleave_k(even, odd):
   (speed_up_int4_unpacking.patch in XLA's third_party/triton) lowers a tt.join whose first operand
   comes straight from an inline-asm op with 4 packed elements and a 16-bit result as if the asm had
   produced its own int4-unpacking order: it joins two values of each operand at a time, which
-  scrambles K here (the joined MXFP4 MLPs measured rel err 1.2-1.3 on the H200, 2026-12-01). A
+  scrambles K here (the joined MXFP4 MLPs measured rel err 1.2-1.3 on the GPU). A
   bitcast in between costs no instruction and keeps Triton's plain join."""
   bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
   joined = jnp.stack([bits(even), bits(odd)], axis=-1).reshape(even.shape[0], 2 * even.shape[1])

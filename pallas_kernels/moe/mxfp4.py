@@ -121,10 +121,9 @@ def decode_fast(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax
 
 
 # ------------------------------------------------------------------ in-kernel decoders
-# The GPU kernel's default decoder (a model's own is Backend.mxfp4_decoder, chosen at load). "ptx4": the first PTX decoder (1.95-2.00 TB/s of packed weights at
-# decode, H200 2026-11-29). "ptx8" (default): 18 PTX instructions per 8 weights, scale folded into
-# one multiply; with it, schedule.choose_tiling picks schedule.DECODE_MXFP4 tiles: 2.58-2.63 TB/s
-# in the same run (docs/bench_moe.md run 4). Exact only for scales in PTX8_EXACT_SCALES: model
+# The GPU kernel's default decoder (a model's own is Backend.mxfp4_decoder, chosen at load). "ptx4": the first PTX decoder. "ptx8" (default): 18 PTX
+# instructions per 8 weights, scale folded into one multiply; with it, schedule.choose_tiling picks
+# schedule.DECODE_MXFP4 tiles: ~1.3x ptx4's packed-weight rate at decode (docs/performance.md). Exact only for scales in PTX8_EXACT_SCALES: model
 # loading checks the checkpoint's scales (k3jax.api) and falls back to ptx4 outside them.
 # "jnp": plain ops. Interpret mode always runs the jnp decoder, with the x shift of the chosen
 # decoder (so CPU tests exercise that wiring too).
@@ -160,7 +159,6 @@ def to_halves(x: jax.Array, shift: int) -> jax.Array:
 # ptx4: 4 packed bytes -> 4 bf16 of one nibble (call once for low, once for high nibbles): the
 # nibble's magnitude bits become a bf16 equal to v * 2^-126 (subnormal for 0.5), sign to bit 15,
 # then x 2^126 and x scale with fma.rn.bf16x2 (exact; bf16 arithmetic keeps subnormals).
-# H200 2026-11-29: 1.96-2.09 TB/s of packed weights at decode (docs/bench_moe.md, run 2).
 _ASM4 = """{{
 .reg .b32 t0, t1, a0, a1, b0, b1, c, z, zr;
 mov.b32 c, 0x7E807E80;

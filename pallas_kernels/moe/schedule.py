@@ -23,7 +23,7 @@ class Tiling:
 
   swap_ab (MXFP4 in-kernel decode only): compute out^T = W . x^T, so the decoded weights
   are the MMA's A operand straight from the decoder's registers (with x as A, Triton's
-  8-bit-source operand layout costs ~1 register move per decoded pair; see docs/bench_moe.md).
+  8-bit-source operand layout costs ~1 register move per decoded pair).
 
   half_tail: a group's last row tile with <= bm/2 rows runs a bm/2-row loop (a second code path
   in the same kernel), so bm 256 computes no more padding rows than bm 128 (random routing at
@@ -113,7 +113,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
   avg_rows: expected rows per group when m // g misleads, e.g. under expert parallelism,
   where most of the T*k rows go to other devices' experts (sorted last, never multiplied):
   K3-EP8 at 256 tokens has 4096 rows but ~4.7 per local expert, and m // g = 36 picked
-  bm = 64 tiles (MXFP4 MLP 3.5 ms vs bf16 1.76 ms, H200 2026-11-29).
+  bm = 64 tiles (the MXFP4 MLP at twice the bf16 one's time).
   decoder: the MXFP4 decoder the kernel will run (None: mxfp4.DECODER; ptx8 brings its own decode tiles).
   """
   avg = max(1, m // max(g, 1)) if avg_rows is None else max(1, int(avg_rows))
@@ -151,16 +151,15 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
 
 
 # Prefill (more than 64 rows per expert: bm 128 and up) tiles by (MXFP4 weights, fused gate+up):
-# the fastest correct tiling of each stage in scripts/bench_moe.py --prefill at K3-EP8 32k tokens and
-# Kimi-Linear 16k tokens (docs/bench_moe.md runs 5-7, issue 25). MXFP4 swap_ab: the decoded weights as
+# the fastest correct tiling of each stage at K3-EP8 32k tokens and Kimi-Linear 16k tokens
+# (docs/performance.md, "Tuning of record"). MXFP4 swap_ab: the decoded weights as
 # the MMA's A operand; bm 256 with half-height tails (Tiling.half_tail). "merged": one gate/up
 # weight (pallas_kernels.moe.layout), MXFP4 with h written in halves order for the down kernel.
 # "joined": the down kernel after a joined up kernel (callers passing joined tilings).
 PREFILL_TILES = {
     (False, False): Tiling(128, 64, 256, 8, 3),
     (False, True): Tiling(128, 64, 128, 8, 4),
-    # MXFP4 down: run 7 checked it on the GPU (rel err 2.4-2.5e-3) at 439 / 411 TFLOP/s vs 294 / 288 for
-    # bm128 bk64 (K3-EP8 / Kimi); 4 stages do not fit shared memory
+    # MXFP4 down: checked on the GPU, ~1.45x bm128 bk64; 4 stages do not fit shared memory
     (True, False): Tiling(256, 128, 128, 8, 3, swap_ab=True, half_tail=True),
     (True, True): Tiling(128, 128, 128, 8, 3, swap_ab=True),
     (False, "merged"): Tiling(128, 64, 128, 8, 3),
@@ -195,16 +194,14 @@ SMEM_LIMIT = 232448 - 4096
 def pipeline_smem_bytes(bm: int, bk: int, bn: int, stages: int, fused: bool, itemsize: int = 2) -> int:
   """Shared memory of the K loop's software pipeline: stages - 1 buffers of the x tile and the weight
   tiles (two of them in the fused gate+up kernel). Triton asked for exactly this at bm=32, bk=256,
-  bn=64, 4 stages, fused (245760 B > 232448: a Kimi-Linear step of 1024 tokens failed, 2026-12-01)."""
+  bn=64, 4 stages, fused (245760 B > 232448: a Kimi-Linear step of 1024 tokens failed to compile)."""
   return (stages - 1) * (bm * bk + (2 if fused else 1) * bk * bn) * itemsize
 
 
 # MXFP4 decode tiles (bm = 16) for the ptx8 decoder: weights as the MMA's A operand, 2 warps
-# (Triton picks mma.v2, not wgmma, below 4 warps), 64 columns, K step 256. H200 2026-11-29
-# (bench_moe.py, 8 tilings at 3 decode shapes): this one was fastest at all three, 2.58-2.63 TB/s of
-# packed weights (bk 128: 2.11-2.30; ptx4 with its (16, 256, 64, 4 warps) tiles: 1.95-2.00).
+# (Triton picks mma.v2, not wgmma, below 4 warps), 64 columns, K step 256: the fastest of 8 tilings at
+# 3 decode shapes (docs/performance.md, "Tuning of record").
 DECODE_MXFP4 = Tiling(bm=16, bk=256, bn=64, num_warps=2, num_stages=3, swap_ab=True)
-# Merged gate/up at decode: 64 weight rows per tile (32 gate/up pairs), the plain gmm's stream:
-# H200 2026-12-01, 256 tokens: Kimi 268.7 us (two weights 345.2, merged bn 64: 295.8), K3-EP8 558.3
-# (two weights 645.1, merged bn 64: 575.0).
+# Merged gate/up at decode: 64 weight rows per tile (32 gate/up pairs), the plain gmm's stream
+# (faster than two weights and than merged bn 64: docs/performance.md, "Tuning of record").
 DECODE_MXFP4_MERGED = dataclasses.replace(DECODE_MXFP4, bn=32)

@@ -1,0 +1,19 @@
+"""Maintained benchmarks. Each prints markdown tables headed by the command, date, machine and commit
+(`harness.header`), and most take `--csv PATH` / `--json PATH`. Run every one as a module from the
+repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_queue.sh` is the H200 queue.
+
+  harness              timers, anchors (copy bandwidth, bf16 matmul), relative error, tables, charts
+  bench_kernels        the kernel table: KDA decode / prefill, MLA decode (Triton, Mosaic GPU), MoE
+                       (kernels_moe), isolated and as the model calls them, anchors in the same run
+  bench_e2e            the engine end to end: prefill tok/s, c16 / c64 decode step vs its floor
+  profile_step         one engine step's device time by part (KDA, MLA, experts, ...) from a trace
+  bench_serve_start    `serve` cold and restarted over the compilation cache: ready time, first tokens
+  bench_offline        the offline engine on shared-prefix and multi-turn workloads, caching off / on
+  bench_disagg         prefill/decode disaggregation through two servers (TTFT, transfer rate)
+  bench_disagg_engines the same between two engine processes, without HTTP
+  bench_compile        trace + compile time of every warm-up shape (abstract weights)
+  bench_host_step      host time of one decode step (dispatch, launch, step)
+
+Long-context and speculative-decoding benchmarks belong here too, on the same harness.
+Performance lives here, never in tests; the figures of record are in docs/performance.md.
+"""

@@ -1,0 +1,146 @@
+"""`k3jax.serve` with every default, cold and restarted: time to ready, then a few real requests (one table).
+
+  python -m benchmarks.bench_serve_start --model kimi-linear-48b-a3b --seed 0 [--json PATH] [--csv PATH]
+
+Starts the server twice with only --model / --seed / --port / --compilation-cache-dir given (every engine
+and memory setting at its default): first with an empty compilation cache (cold), then again over the
+cache the first run filled (restart). For each start: seconds from launch to /health answering 200, the
+warm-up's own figure from the log, the cache pools it sized, then, once ready: a chat completion, 16
+concurrent streamed 1024-token completions (mean / max time to first token and output tok/s), a bad
+request (must be a 4xx) and /metrics. A preset without a tokenizer gets the tiny model's, its vocabulary
+cut to match (as in bench_disagg.py: prompts are token ids; the layers and the cache do not depend on it).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.bench_disagg import free_port, wait_ready
+from benchmarks.harness import ROOT, Table, add_csv_argument, header
+
+
+def post(port: int, path: str, body: dict, timeout: float = 600) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read()
+
+
+def stream_completion(port: int, prompt: list, max_tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first token event, seconds to [DONE], token events) of one streamed completion."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"{r.status}: {r.read()[:300]!r}")
+    first, events = None, 0
+    for line in r:
+        if line.strip() == b"data: [DONE]":
+            break
+        if line.startswith(b"data:"):
+            events += 1
+            first = first or time.perf_counter() - t0
+    return first, time.perf_counter() - t0, events
+
+
+def one_start(args, cache_dir: str, log_path: str) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.bench_disagg", "_serve", "--layers", "0", "--",
+           "--model", args.model, "--port", str(port), "--compilation-cache-dir", cache_dir]
+    if args.seed is not None:
+        cmd += ["--seed", str(args.seed)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
+    row = {}
+    try:
+        wait_ready(port, proc, log_path, args.start_timeout)
+        row["ready_s"] = time.perf_counter() - t0
+        status, body = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                           "max_tokens": 8})
+        row["chat_status"] = status
+        rng = np.random.RandomState(0)
+        prompts = [rng.randint(1, 1000, args.input).tolist() for _ in range(args.concurrency)]
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
+            res = list(ex.map(lambda p: stream_completion(port, p, args.output), prompts))
+        wall = time.perf_counter() - t
+        row["mean_ttft_s"] = sum(r[0] for r in res) / len(res)
+        row["max_ttft_s"] = max(r[0] for r in res)
+        row["output_tok_s"] = sum(r[2] for r in res) / wall
+        row["bad_request_status"] = post(port, "/v1/completions", {"prompt": "x", "max_tokens": -3})[0]
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/metrics")
+        row["metrics_status"] = c.getresponse().status
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log = open(log_path, errors="replace").read()
+    for key, pattern in (("warmup_s", r"warm-up: \d+ step shapes compiled in ([\d.]+)s"),
+                         ("lowering_s", r"\(lowering ([\d.]+)s"), ("compiling_s", r"compiling ([\d.]+)s,"),
+                         ("first_runs_s", r"first runs ([\d.]+)s\)"), ("pages", r"(\d+) pages of"),
+                         ("slots", r"(\d+) KDA state slots")):
+        m = re.search(pattern, log)
+        row[key] = float(m.group(1)) if m else float("nan")
+    row["tracebacks_in_log"] = log.count("Traceback")
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--seed", type=int, default=None, help="random weights for presets without weights")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input", type=int, default=1024)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--json", default=None)
+    add_csv_argument(ap)
+    args = ap.parse_args(argv)
+    cache_dir = tempfile.mkdtemp(prefix="k3jax-serve-cache-")
+    logs = os.environ.get("OUT") or tempfile.gettempdir()
+    table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("warmup_s", "warm-up s (log)", ".1f"),
+                  ("lowering_s", "lowering s", ".1f"), ("compiling_s", "compiling s", ".1f"),
+                  ("first_runs_s", "first runs s", ".1f"),
+                  ("pages", "pages", ".0f"), ("slots", "slots", ".0f"), ("chat_status", "chat"),
+                  ("mean_ttft_s", f"mean TTFT s (c{args.concurrency} x {args.input})", ".2f"),
+                  ("max_ttft_s", "max TTFT s", ".2f"), ("output_tok_s", "output tok/s", ",.1f"),
+                  ("bad_request_status", "bad request"), ("metrics_status", "/metrics"),
+                  ("tracebacks_in_log", "tracebacks"))
+    rows = []
+    try:
+        for start in ("cold (empty compilation cache)", "restart (cache filled)"):
+            row = one_start(args, cache_dir, os.path.join(logs, f"serve_{len(rows)}.log"))
+            rows.append(dict(row, start=start))
+            print(f"{start}: {row}", flush=True)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}, every serve default", devices=False))
+    print(table.header())
+    for row in rows:
+        print(table.add(**row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    if args.csv:
+        table.write_csv(args.csv)
+
+
+if __name__ == "__main__":
+    main()
