@@ -61,7 +61,7 @@ class LLMEngine:
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
-            prefix_wait_steps=args.prefix_wait_steps,
+            prefix_wait_steps=args.prefix_wait_steps, interactive_prefill_pairs=args.interactive_prefill_pairs,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,

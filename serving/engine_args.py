@@ -36,6 +36,8 @@ class EngineArgs:
                                                   # resume at its end; one KDA slot each until evicted)
     prefix_wait_steps: int = 64                   # a waiting request whose prefix a running prefill is computing waits
                                                   # for its checkpoint up to this many steps (0 = admit at once)
+    interactive_prefill_pairs: int = 1 << 26      # while decode rows run, a prefill chunk's (query, key) pairs at
+                                                  # most: long prompts' steps stay short (serving/scheduler.py; 0 = off)
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
@@ -84,6 +86,8 @@ class EngineArgs:
                              f"prefix_match_unit ({self.prefix_match_unit})")
         if not isinstance(self.prefix_wait_steps, int) or self.prefix_wait_steps < 0:
             raise ValueError(f"prefix_wait_steps must be a non-negative int, got {self.prefix_wait_steps!r}")
+        if not isinstance(self.interactive_prefill_pairs, int) or self.interactive_prefill_pairs < 0:
+            raise ValueError(f"interactive_prefill_pairs must be a non-negative int, got {self.interactive_prefill_pairs!r}")
         if not 0 <= self.verify_prefix_cache <= 1:
             raise ValueError(f"verify_prefix_cache must be a fraction in [0, 1], got {self.verify_prefix_cache!r}")
         if self.verify_prefix_cache and self.max_logprobs < 1:
