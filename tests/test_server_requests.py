@@ -212,3 +212,13 @@ def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+
+
+def test_prompt_over_max_model_len_is_a_400_naming_both_numbers(server):
+    """The tiny server runs with --max-model-len 512."""
+    err = _assert_openai_error(_post(server, "/v1/completions", {"prompt": list(range(1, 601)), "max_tokens": 1}),
+                               400, "prompt")
+    assert "600" in err["message"] and "512" in err["message"], err
+    messages = [{"role": "user", "content": "word " * 700}]
+    err = _assert_openai_error(_post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}), 400)
+    assert "512" in err["message"] and "tokens" in err["message"], err
