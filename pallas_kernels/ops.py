@@ -88,13 +88,16 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
 def mla_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, nope_dim, scale, block_keys,
                          backend: Backend | None = None):
     """Expanded-form MLA attention of ragged chunks over their whole paged caches (any length), the keys
-    decompressed by kv_b_proj a window of block_keys at a time (pallas_kernels/mla/long_prefix.py). GPU: the
-    Triton varlen kernel per window; TPU / CPU: the jnp reference."""
+    decompressed by kv_b_proj a window of block_keys at a time (pallas_kernels/mla/long_prefix.py). GPU: each
+    window's attention by backend.mla_prefix_kernel (the Triton varlen kernel, or cuDNN's fused attention);
+    TPU / CPU: the jnp reference."""
     from pallas_kernels.mla import long_prefix
     b = resolve(backend)
+    impl = "reference"
+    if b.kernels and b.platform != "tpu":
+        impl = b.mla_prefix_kernel if b.platform == "gpu" and not b.interpret else "triton"
     return long_prefix.prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, nope_dim=nope_dim,
-                                        scale=scale, block_keys=block_keys,
-                                        kernel=b.kernels and b.platform != "tpu", interpret=b.interpret or None)
+                                        scale=scale, block_keys=block_keys, impl=impl, interpret=b.interpret or None)
 
 
 def expanded_kernel_available(backend: Backend | None = None) -> bool:

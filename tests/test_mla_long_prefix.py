@@ -54,8 +54,8 @@ def _run(case, kv_b, q, block_keys, **kw):
 
 
 @pytest.mark.parametrize("block_keys,kw", [
-    (24, dict(kernel=False)),                                                # jnp reference per window
-    (48, dict(kernel=True, interpret=True, config=(("bq", 16), ("bk", 16)))),  # Triton kernel, interpreted
+    (24, dict(impl="reference")),                                                # jnp per window
+    (48, dict(impl="triton", interpret=True, config=(("bq", 16), ("bk", 16)))),  # Triton kernel, interpreted
 ])
 def test_windows_equal_float64_attention(block_keys, kw):
     case, kv_b, q = _case()
@@ -72,8 +72,8 @@ def test_sequence_without_keys_gets_zeros():
     are unchanged."""
     case, kv_b, q = _case()
     hidden = dict(case, kv_lens=np.where(np.arange(5) == 0, 0, case["kv_lens"]).astype(np.int32))
-    got = _run(hidden, kv_b, q, 32, kernel=False)
-    want = _run(case, kv_b, q, 32, kernel=False)
+    got = _run(hidden, kv_b, q, 32, impl="reference")
+    want = _run(case, kv_b, q, 32, impl="reference")
     cu = case["cu_seqlens"]
     assert np.all(got[:cu[1]] == 0)
     np.testing.assert_allclose(got[cu[1]:], want[cu[1]:], rtol=1e-6, atol=1e-6)

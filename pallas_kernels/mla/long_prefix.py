@@ -34,17 +34,20 @@ def merge(o_a, lse_a, o_b, lse_b):
     return o_a.astype(jnp.float32) * w_a + o_b.astype(jnp.float32) * w_b, lse
 
 
-@functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "block_keys", "kernel", "interpret", "config"))
+IMPLS = ("reference", "triton", "cudnn")
+
+
+@functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "block_keys", "impl", "interpret", "config"))
 def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, nope_dim, scale, block_keys,
-                     kernel=False, interpret=None, config=None):
+                     impl="reference", interpret=None, config=None):
     """Expanded-form MLA attention of ragged query chunks over their paged caches, any length.
 
     q [T, H, Dn + Dr] (nope, then rope; the compute dtype of the attention), kv_pages [P, page_size,
     L + Dr] (16-bit float bits read as q's dtype), block_tables [N, max_pages], cu_seqlens [N+1],
     kv_lens [N] (cache length after this step's writes; a sequence with kv_len 0 gets zeros),
     kv_b [L, H * (Dn + Dv)] (kv_b_proj, per head: key nope then value). block_keys (static): rows of
-    a window. kernel: the Triton kernel per window (interpret: in the Pallas interpreter), else the
-    jnp reference. Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
+    a window. impl: each window's attention by "triton" (the Pallas Triton kernel; interpret: in the Pallas
+    interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU) or "reference" (jnp). Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
     """
     n_tok, heads, _ = q.shape
     lat = kv_pages.shape[-1] - (q.shape[-1] - nope_dim)
@@ -53,8 +56,15 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     total = jnp.sum(kv_lens)
 
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: expected one of {IMPLS}")
+
     def attend(kv, rows, starts):
-        if kernel:
+        if impl == "cudnn":
+            from pallas_kernels.mla.long_prefix_cudnn import block_attention_cudnn
+            return block_attention_cudnn(q, kv, rows, cu_seqlens, kv_lens, starts, nope_dim=nope_dim, scale=scale,
+                                         window=block_keys)
+        if impl == "triton":
             return block_attention(q, kv, rows, cu_seqlens, kv_lens, starts, nope_dim=nope_dim, scale=scale,
                                    window=block_keys, out_dtype=jnp.float32, interpret=interpret, config=config)
         return block_attention_reference(q, kv, rows, cu_seqlens, kv_lens, starts, nope_dim=nope_dim, scale=scale,
