@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 FULL = dict(model="kimi-linear-48b-a3b", dtype="bfloat16", prefill=(2048, 8192, 32768, 131072, 1048576 - 256),
             long=131072, short=2048, streams=16, stream_prompt=1024, decode_steps=64, max_model_len=None)
-TINY = dict(model="tiny-random", dtype="float32", prefill=(256, 1024, 2048), long=2048, short=256, streams=4,
-            stream_prompt=64, decode_steps=8, max_model_len=4096,
+TINY = dict(model="tiny-random", dtype="float32", prefill=(256, 512, 1024), long=1024, short=256, streams=4,
+            stream_prompt=64, decode_steps=8, max_model_len=4096, mla_prefill="expanded",
             engine=dict(max_num_seqs=8, max_num_batched_tokens=256, warmup=False, compilation_cache_dir=None,
                         interactive_prefill_pairs=1 << 16))
 
@@ -188,7 +188,7 @@ def kernel_rows(model, cfg, eng_args, table, log):
     q = jnp.asarray(rng.standard_normal((T, c.mla_num_heads, c.qk_head_dim), np.float32), dtype)
     attn = jax.jit(lambda q_, kv_, m: ops.mla_prefix_attention(
         q_, kv_, m["block_tables"], m["cu_seqlens"], m["kv_lens"], value(module.kv_b_proj), nope_dim=c.qk_nope_head_dim,
-        scale=mla.scale(c), block_keys=max(num_keys, 1), backend=backend))
+        scale=mla.scale(c), block_keys=num_keys or 2 * T, backend=backend))
 
     def timeit(f, *a, donate=False):
         out = jax.block_until_ready(f(*a))
@@ -296,10 +296,12 @@ def main(argv=None):
     model = load_model(cfg["model"], dtype=cfg["dtype"], seed=0)
     if args.mla_prefix_kernel:        # the engine's runner closes over the model's backend
         model.backend = model.backend.replace(mla_prefix_kernel=args.mla_prefix_kernel)
+    if cfg.get("mla_prefill"):        # tiny: the expanded form on CPU too (its jnp path), as a GPU runs it
+        model.backend = model.backend.replace(mla_prefill=cfg["mla_prefill"])
     log(f"load {time.perf_counter() - t0:.1f}s; matmul {rate / 1e9:,.0f} GFLOP/s")
     eng_args = EngineArgs(max_model_len=args.max_model_len or cfg["max_model_len"], **cfg.get("engine", {}))
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
-                  ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".0f"),
+                  ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))
     eng = None
     if rows & {"prefill", "decode", "streams"}:
