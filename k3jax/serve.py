@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
                     help="most tokens in one step (prefill chunks + decodes) (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
-                    help="context length, prompt + output (default: 8192, capped by the model's)")
+                    help="context length, prompt + output (default: the model's window when the cache holds one "
+                         "sequence that long, else the longest it holds; on CPU at most 8192; logged at start-up)")
     ap.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per MLA cache page")
     ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=16, help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int_at_least(0), default=1024, help="KDA state checkpoint every this many prompt tokens")
