@@ -278,6 +278,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny-random on CPU, scaled-down rows (seconds)")
     ap.add_argument("--rows", default="prefill,kernel,decode,streams")
+    ap.add_argument("--prefill", default=None, metavar="N,N,...",
+                    help="prompt lengths of the prefill rows (default: 2k, 8k, 32k, 128k, 1M; tiny: 256, 512, 1024)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's (the model's window "
                     "when the cache holds it)")
     ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn"), default=None,
@@ -288,7 +290,9 @@ def main(argv=None):
     from k3jax.api import load_model
     from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
-    cfg = TINY if args.tiny else FULL
+    cfg = dict(TINY if args.tiny else FULL)
+    if args.prefill:
+        cfg["prefill"] = tuple(int(n) for n in args.prefill.split(","))
     rows = set(args.rows.split(","))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json == "-" else (lambda s: print(s, flush=True))
     rate = matmul_rate(1024 if args.tiny else 8192)
