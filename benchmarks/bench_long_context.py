@@ -297,7 +297,14 @@ def main(argv=None):
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json == "-" else (lambda s: print(s, flush=True))
     rate = matmul_rate(1024 if args.tiny else 8192)
     t0 = time.perf_counter()
-    model = load_model(cfg["model"], dtype=cfg["dtype"], seed=0)
+    if rows & {"prefill", "decode", "streams"}:
+        model = load_model(cfg["model"], dtype=cfg["dtype"], seed=0)
+    else:                             # the kernel rows need the config and the backend alone
+        from types import SimpleNamespace
+
+        from k3jax.presets import preset_config
+        from pallas_kernels.backend import detect
+        model = SimpleNamespace(config=preset_config(cfg["model"]), backend=detect())
     if args.mla_prefix_kernel:        # the engine's runner closes over the model's backend
         model.backend = model.backend.replace(mla_prefix_kernel=args.mla_prefix_kernel)
     if cfg.get("mla_prefill"):        # tiny: the expanded form on CPU too (its jnp path), as a GPU runs it
