@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
                     help="most tokens in one step (prefill chunks + decodes) (default: 512 on CPU, 4096 on a GPU/TPU)")
     ap.add_argument("--max-model-len", type=int_at_least(2), default=None,
-                    help="context length, prompt + output (default: 8192, capped by the model's)")
+                    help="context length, prompt + output (default: the model's window when the cache holds one "
+                         "sequence that long, else the longest it holds; on CPU at most 8192; logged at start-up)")
     ap.add_argument("--page-size", type=int_at_least(1), default=D("page_size"), help="tokens per MLA cache page")
     ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=D("prefix_match_unit"),
                     help="prefix-cache granularity in tokens (divides --page-size)")
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=D("prefix_wait_steps"),
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
                          "up to this many steps instead of computing it again (0 = admit at once)")
+    ap.add_argument("--interactive-prefill-pairs", type=int_at_least(0), default=D("interactive_prefill_pairs"),
+                    metavar="PAIRS", help="while decode rows run, a prefill chunk's (query, key) attention pairs at "
+                                          "most, so a long prompt's steps stay short for the other streams (0 = no cap)")
     ap.add_argument("--verify-prefix-cache", type=float, default=D("verify_prefix_cache"), metavar="FRACTION",
                     help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
@@ -208,6 +212,7 @@ def build_state(args, request_matcher=None):
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
         prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
+        interactive_prefill_pairs=args.interactive_prefill_pairs,
         verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
         host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,

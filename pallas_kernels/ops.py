@@ -20,7 +20,6 @@ from pallas_kernels import scatter
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.kda import reference as kda_ref
 from pallas_kernels.mla import blocked as mla_blocked
-from pallas_kernels.mla import expanded as mla_expanded
 from pallas_kernels.mla import reference as mla_ref
 
 
@@ -86,18 +85,19 @@ def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     return ragged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, scale=scale)
 
 
-mla_gather_latents = mla_expanded.gather_latents
-
-
-def mla_expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale,
-                           backend: Backend | None = None):
-    """Expanded-form (per-head K/V) varlen causal MLA attention over a flat key buffer."""
+def mla_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, nope_dim, scale, block_keys,
+                         backend: Backend | None = None):
+    """Expanded-form MLA attention of ragged chunks over their whole paged caches (any length), the keys
+    decompressed by kv_b_proj a window of block_keys at a time (pallas_kernels/mla/long_prefix.py). GPU: each
+    window's attention by backend.mla_prefix_kernel (the Triton varlen kernel, or cuDNN's fused attention);
+    TPU / CPU: the jnp reference."""
+    from pallas_kernels.mla import long_prefix
     b = resolve(backend)
+    impl = "reference"
     if b.kernels and b.platform != "tpu":
-        return mla_expanded.expanded_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
-                                               scale=scale, interpret=b.interpret)
-    return mla_expanded.expanded_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start,
-                                                     nope_dim=nope_dim, scale=scale)
+        impl = b.mla_prefix_kernel if b.platform == "gpu" and not b.interpret else "triton"
+    return long_prefix.prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, nope_dim=nope_dim,
+                                        scale=scale, block_keys=block_keys, impl=impl, interpret=b.interpret or None)
 
 
 def expanded_kernel_available(backend: Backend | None = None) -> bool:

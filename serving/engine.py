@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import EngineArgs, device_free_bytes, size_pools
+from serving.engine_args import EngineArgs, default_max_model_len, device_free_bytes, size_pools
 from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
@@ -48,8 +48,10 @@ class LLMEngine:
         self.model = model
         c = model.config
         enable_compilation_cache(args.compilation_cache_dir)
-        self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
-        args.max_model_len = self.max_model_len
+        window = c.max_position_embeddings
+        chosen = args.max_model_len is None
+        # unset: sized after the pools (the activations measured at the window, their upper bound)
+        self.max_model_len = window if chosen else min(args.max_model_len, window)
         # the step's shape buckets, computed once here: the activation measurement and the runner use them
         self.token_buckets, self.seq_buckets = step_buckets(
             args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
@@ -60,15 +62,24 @@ class LLMEngine:
         mesh = getattr(model, "mesh", None)
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
                                           self._activation_bytes(c, weight_bytes, cache_dtype, mesh))
+        shards = 1
         if mesh is not None:           # pages and slots split evenly over the data x expert shards
             shards = mesh.shape["data"] * mesh.shape["expert"]
             num_pages, num_slots = (-(-n // shards) * shards for n in (num_pages, num_slots))
+        if chosen:
+            self.max_model_len, why = default_max_model_len(window, num_pages // shards, args.page_size,
+                                                            on_cpu=jax.default_backend() == "cpu")
+            if self.max_model_len < 2:
+                raise ValueError(f"the cache holds {num_pages // shards - 1} pages of {args.page_size} tokens: no room "
+                                 f"for a sequence; raise the cache budget")
+            log.info("max_model_len %d: %s", self.max_model_len, why)
+        args.max_model_len = self.max_model_len
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
-            prefix_wait_steps=args.prefix_wait_steps,
+            prefix_wait_steps=args.prefix_wait_steps, interactive_prefill_pairs=args.interactive_prefill_pairs,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
@@ -165,7 +176,8 @@ class LLMEngine:
             extra_keys = _merge_keys(extra_keys, image_extra_keys(placed, self.args.prefix_match_unit))
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_model_len}")
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_model_len} "
+                             f"(max_model_len)")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         elif params.max_tokens > room:

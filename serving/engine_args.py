@@ -49,6 +49,24 @@ CPU_BATCH_DEFAULTS = (16, 512)
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
 
 
+# max_model_len's cap on CPU when unset: every step carries block tables as wide as max_model_len, and a CPU
+# step's cost grows with them; an accelerator takes the model's whole window.
+CPU_MAX_MODEL_LEN = 8192
+
+
+def default_max_model_len(window: int, num_pages: int, page_size: int, on_cpu: bool) -> tuple[int, str]:
+    """(max_model_len, the reason) when unset: the model's window (config max_position_embeddings) when the
+    page pool (num_pages per shard, page 0 reserved) holds one sequence that long, else the longest it holds
+    (whole pages); on CPU at most CPU_MAX_MODEL_LEN."""
+    fits = (num_pages - 1) * page_size
+    if on_cpu and CPU_MAX_MODEL_LEN < min(window, fits):
+        return CPU_MAX_MODEL_LEN, f"the CPU default (the model's window is {window})"
+    if window <= fits:
+        return window, "the model's window (max_position_embeddings)"
+    return fits, (f"the longest sequence the cache holds ({num_pages - 1} pages of {page_size} tokens); the model's "
+                  f"window is {window}: raise memory_fraction / cache_memory_bytes or lower max_num_seqs for more")
+
+
 def batch_defaults(on_cpu: bool | None = None) -> tuple[int, int]:
     if on_cpu is None:
         import jax
@@ -60,7 +78,8 @@ def batch_defaults(on_cpu: bool | None = None) -> tuple[int, int]:
 class EngineArgs:
     max_num_seqs: Optional[int] = None            # default: 16 on CPU, 64 on an accelerator (batch_defaults)
     max_num_batched_tokens: Optional[int] = None  # default: 512 on CPU, 4096 on an accelerator
-    max_model_len: Optional[int] = None           # default: min(model context, 8192)
+    max_model_len: Optional[int] = None           # default: the model's window when the cache holds one such
+                                                  # sequence, else the longest it holds (default_max_model_len)
     page_size: int = 16
     prefix_match_unit: int = 16
     state_block_size: int = 1024                  # periodic KDA checkpoints in long prompts (0 = off)
@@ -69,6 +88,8 @@ class EngineArgs:
                                                   # resume at its end; one KDA slot each until evicted)
     prefix_wait_steps: int = 64                   # a waiting request whose prefix a running prefill is computing waits
                                                   # for its checkpoint up to this many steps (0 = admit at once)
+    interactive_prefill_pairs: int = 1 << 26      # while decode rows run, a prefill chunk's (query, key) pairs at
+                                                  # most: long prompts' steps stay short (serving/scheduler.py; 0 = off)
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
@@ -138,6 +159,8 @@ class EngineArgs:
                              f"prefix_match_unit ({self.prefix_match_unit})")
         if not isinstance(self.prefix_wait_steps, int) or self.prefix_wait_steps < 0:
             raise ValueError(f"prefix_wait_steps must be a non-negative int, got {self.prefix_wait_steps!r}")
+        if not isinstance(self.interactive_prefill_pairs, int) or self.interactive_prefill_pairs < 0:
+            raise ValueError(f"interactive_prefill_pairs must be a non-negative int, got {self.interactive_prefill_pairs!r}")
         if not 0 <= self.verify_prefix_cache <= 1:
             raise ValueError(f"verify_prefix_cache must be a fraction in [0, 1], got {self.verify_prefix_cache!r}")
         if self.verify_prefix_cache and self.max_logprobs < 1:

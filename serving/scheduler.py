@@ -6,6 +6,11 @@ planned prefix-cache checkpoints so a KDA state is registered only where the mod
 stopped; pages and slots come from ref-counted allocators, evicting unreferenced cache entries
 and then preempting (by recompute) the lowest-priority running request when they run out.
 
+Streams keep moving during long prompts: every running decode row is scheduled before any prefill, and
+while a step carries decode rows, a prefill chunk is cut to `interactive_prefill_pairs` (query, key) pairs
+(attention work, which grows with the context: a 4096-token chunk at 128k context is ~30x the one at 4k), so
+such steps stay short at any context; steps without decode rows take the full token budget.
+
 Prefix-aware admission: a waiting request whose prompt shares a longer prefix with a running
 prefill than the cache holds now is passed over (the requests behind it go first) until that
 prefill registers a checkpoint at the shared junction, at most `prefix_wait_steps` schedules;
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import deque
 from typing import Optional
 
@@ -70,6 +76,8 @@ class SchedulerConfig:
     encoder_budget: int = 0          # image tokens the vision tower may produce per step (0 = no limit)
     cache_finished_state: bool = True  # keep a finished request's final state (see finish)
     prefix_wait_steps: int = 64      # prefix-aware admission: most schedules a request waits (0 = off)
+    interactive_prefill_pairs: int = 1 << 26  # while decode rows run: a prefill chunk's (query, key) pairs at most
+                                               # (see _chunk_tokens; 0 = no cap)
 
 
 class Scheduler:
@@ -180,9 +188,24 @@ class Scheduler:
         out.preempted.append(req)
 
     # ------------------------------------------------------------------ chunking
-    def _chunk(self, req: Request, budget: int) -> Optional[ScheduledChunk]:
-        """The request's next chunk within `budget` tokens; None when it must wait for the encoder."""
+    def _chunk_tokens(self, start: int, budget: int, decoding: bool) -> int:
+        """Tokens a prefill chunk starting at position `start` may take: the budget, or while decode rows share
+        the step, the most whose causal (query, key) pairs n * start + n * (n + 1) / 2 fit
+        interactive_prefill_pairs (at least a page, so the prompt always advances)."""
+        cap = self.cfg.interactive_prefill_pairs
+        if not decoding or not cap:
+            return budget
+        n = int(math.isqrt(start * start + 2 * cap)) - start       # n^2 / 2 + n * start <= cap, to a token
+        while n > 0 and n * start + n * (n + 1) // 2 > cap:
+            n -= 1
+        return min(budget, max(n, self.cfg.page_size))
+
+    def _chunk(self, req: Request, budget: int, decoding: bool = False) -> Optional[ScheduledChunk]:
+        """The request's next chunk within `budget` tokens (a prefill's cut by _chunk_tokens when decoding:
+        decode rows share the step); None when it must wait for the encoder."""
         start = req.num_computed
+        if not req.is_decode:
+            budget = self._chunk_tokens(start, budget, decoding)
         end = min(req.num_tokens, start + budget)
         for p in req.checkpoints:            # stop exactly at the next planned checkpoint
             if start < p < end:
@@ -249,7 +272,12 @@ class Scheduler:
         return True
 
     def _should_wait(self, req: Request, scheduled: dict) -> tuple:
-        """Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
+        """Streams keep moving during long prompts: every running decode row is scheduled before any prefill, and
+while a step carries decode rows, a prefill chunk is cut to `interactive_prefill_pairs` (query, key) pairs
+(attention work, which grows with the context: a 4096-token chunk at 128k context is ~30x the one at 4k), so
+such steps stay short at any context; steps without decode rows take the full token budget.
+
+Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
         longer prefix of its prompt than the cache holds now, budget tokens freed by cutting that prefill's chunk
         at the junction). See the module docstring. scheduled: request id -> this step's chunk."""
         limit = self.cfg.prefix_wait_steps
@@ -359,9 +387,10 @@ class Scheduler:
         order = sorted((r for r in self.running if not r.final_sampled),
                        key=lambda r: (not r.is_decode, r.priority, r.arrival))
         scheduled = {}                       # request id -> its chunk of this step
+        decoding = any(r.is_decode for r in order)
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)
-            ch = self._chunk(req, budget)
+            ch = self._chunk(req, budget, decoding)
             if ch is None:
                 continue
             need = self._pages_needed(req, ch.end)
@@ -393,7 +422,7 @@ class Scheduler:
                 continue
             if not self._admit(req, out):
                 break
-            ch = self._chunk(req, budget)
+            ch = self._chunk(req, budget, decoding)
             new = None if ch is None else self._alloc_pages(self._pages_needed(req, ch.end))
             if new is None:
                 if ch is not None and ch.ckpt_dst:

@@ -234,3 +234,13 @@ def test_explicit_null_means_the_default(server, path, body):
     props = schema["ChatCompletionRequest" if "messages" in body else "CompletionRequest"]["properties"]
     for name in (k for k, v in body.items() if v is None):
         assert {"type": "null"} in props[name]["anyOf"], (name, props[name])
+
+
+def test_prompt_over_max_model_len_is_a_400_naming_both_numbers(server):
+    """The tiny server runs with --max-model-len 512."""
+    err = _assert_openai_error(_post(server, "/v1/completions", {"prompt": list(range(1, 601)), "max_tokens": 1}),
+                               400, "prompt")
+    assert "600" in err["message"] and "512" in err["message"], err
+    messages = [{"role": "user", "content": "word " * 700}]
+    err = _assert_openai_error(_post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}), 400)
+    assert "512" in err["message"] and "tokens" in err["message"], err

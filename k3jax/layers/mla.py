@@ -2,11 +2,11 @@
 
 The `MLA` module (queries low-rank or full, output gate or none: fixed when built) has a kda-like
 pair of entry points: `MLA.full` expands keys/values per head (the plain form), and `MLA.step`
-runs an engine step on the paged 576-wide latent cache, in one of two equal forms:
-absorbed (queries folded into the latent space; decode and small steps) or expanded (the step's
-cached latents decompressed by kv_b_proj into per-head K/V, then varlen causal flash attention:
-3.4x fewer FLOPs per (query, key) pair, the better form for prefill). The forms are
-mathematically equal, which the tests exploit.
+runs an engine step on the paged 576-wide latent cache, in two equal forms:
+absorbed (queries folded into the latent space; decode rows and small steps) or expanded (a sequence's
+cached latents decompressed by kv_b_proj into per-head K/V a key window at a time, then varlen causal
+flash attention: 3.4x fewer FLOPs per (query, key) pair, the better form for prefill chunks over any
+context). The forms are mathematically equal, which the tests exploit.
 """
 from __future__ import annotations
 
@@ -24,21 +24,28 @@ from pallas_kernels.backend import Backend, resolve
 _LATENT_NORM_EPS = 1e-6
 
 
-# "auto": expanded for steps of at least this many tokens (decode-only steps never) when the GPU
-# kernel is available, with a key buffer of EXPANDED_KEYS_PER_TOKEN rows per step token; a step
-# whose sequences hold more keys than that (long contexts) runs absorbed (a runtime lax.cond).
-# "expanded" forces the expanded form whatever the shape (same buffer, same fallback).
-# Expanding pays for large prefill steps only (the gather, decompress and cond cost a fixed ~0.1-0.3 ms a
-# layer), so steps under 2048 tokens stay absorbed (docs/performance.md, "Tuning of record").
-EXPANDED_MIN_TOKENS = 2048
+# "auto": steps of at least EXPANDED_MIN_TOKENS tokens (decode-only steps never), when the GPU kernel is
+# there, run their prefill chunks expanded and their decode rows absorbed: a sequence whose chunk has
+# >= EXPANDED_MIN_SEQ_TOKENS tokens attends expanded over its whole cache, any length, the keys decompressed a
+# window of EXPANDED_KEYS_PER_TOKEN rows per step token at a time (pallas_kernels/mla/long_prefix.py); the
+# others (decode and speculative rows, short chunks) absorbed, where one query per key does not pay for the
+# key's decompress (2 * L * (Dn + Dv) FLOPs a head, ~170 (query, key) pairs' saving).
+# "expanded" forces every sequence of every non-decode step expanded.
+# H200 per layer (docs/bench_mla.md, the whole step in one form): T=4096 of 2x2048 1.05 ms vs 2.69 absorbed,
+# of 64x64 0.90 vs 1.00; T=512 of 8x64 0.35 vs 0.22 (the gather, decompress and launches cost ~0.1-0.3 ms
+# whatever the work). Per sequence, such short chunks now stay absorbed at run time, so the mixed form is
+# compiled from 512-token steps on: the scheduler cuts long prompts' chunks to a few hundred tokens while
+# decode rows run, and absorbed such a chunk at 128k context costs ~3.4x the expanded FLOPs.
+EXPANDED_MIN_TOKENS = 512
+EXPANDED_MIN_SEQ_TOKENS = 128
 EXPANDED_KEYS_PER_TOKEN = 2
 
 
 def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool,
                         backend: Backend | None = None) -> int:
-    """Static key-buffer rows of the expanded form for a step shape; 0 = absorbed only. At most
-    the keys the block tables can hold (a buffer that large needs no runtime fallback). The form
-    is the backend's mla_prefill (EngineArgs.mla_prefill when the backend was built)."""
+    """Static rows of the expanded form's key window for a step shape; 0 = absorbed only. At most the
+    keys the block tables can hold. The form is the backend's mla_prefill (EngineArgs.mla_prefill when the
+    backend was built)."""
     b = resolve(backend)
     if decode_only or b.mla_prefill == "absorbed":
         return 0
@@ -118,17 +125,26 @@ class MLA(Group):
                                      backend=backend)
         return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
 
-    def _expanded(self, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
-        """o [T, H, v]: the step's cached latents (num_keys rows, sum(kv_lens) <= num_keys) decompressed
-        by kv_b_proj into per-head K/V, then varlen causal attention."""
+    def _mixed(self, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):
+        """o [T, H, v]: prefill chunks expanded over their whole caches (a key window of num_keys rows at
+        a time), the other rows absorbed (module comment: which sequence takes which form)."""
         kv_dtype = scatter.value_dtype(kv_pages, dtype)
-        rows, starts = ops.mla_gather_latents(kv_pages, meta["block_tables"], meta["kv_lens"], num_keys)
-        rows = scatter.values(rows, kv_dtype)
-        kv = (rows[:, :c.kv_lora_rank].astype(dtype) @ value(self.kv_b_proj)).astype(kv_dtype)
-        kv = kv.reshape(num_keys, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        o = ops.mla_expanded_attention(q.astype(kv_dtype), kv, rows, meta["cu_seqlens"], meta["kv_lens"],
-                                       starts, nope_dim=c.qk_nope_head_dim, scale=scale(c), backend=backend)
-        return o.astype(dtype)
+        cu, kv_lens = meta["cu_seqlens"].astype(jnp.int32), meta["kv_lens"].astype(jnp.int32)
+        n_new = cu[1:] - cu[:-1]
+        expanded = n_new >= (EXPANDED_MIN_SEQ_TOKENS if backend.mla_prefill == "auto" else 1)
+        t = jnp.arange(q.shape[0], dtype=jnp.int32)
+        tok_seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, n_new.shape[0] - 1)
+        tok_expanded = (t < cu[-1]) & expanded[tok_seq]
+        # a sequence with kv_len 0 has no keys in a form: its tokens get zeros there
+        o = ops.mla_prefix_attention(q.astype(kv_dtype), kv_pages, meta["block_tables"], cu,
+                                     jnp.where(expanded, kv_lens, 0), value(self.kv_b_proj),
+                                     nope_dim=c.qk_nope_head_dim, scale=scale(c), block_keys=num_keys,
+                                     backend=backend).astype(dtype)
+        rest = {**meta, "kv_lens": jnp.where(expanded, 0, kv_lens), "decode_only": False}
+        absorbed = jax.lax.cond(jnp.any(~expanded & (n_new > 0)),
+                                lambda: self._absorbed(c, q, kv_pages, rest, dtype, backend),
+                                lambda: jnp.zeros(o.shape, dtype))
+        return jnp.where(tok_expanded[:, None, None], o, absorbed)
 
     def step(self, x, c: ModelConfig, kv_pages, meta, backend: Backend | None = None):
         """One engine step over ragged chunks on the paged latent cache (form: `expanded_key_budget`).
@@ -145,14 +161,9 @@ class MLA(Group):
         num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
                                        bool(meta.get("decode_only", False)), backend)
         with jax.named_scope("mla_attn"):
-            absorbed = lambda: self._absorbed(c, q, kv_pages, meta, x.dtype, backend)  # noqa: E731
-            expanded = lambda: self._expanded(c, q, kv_pages, meta, x.dtype, num_keys, backend)  # noqa: E731
-            n_seqs, max_pages = meta["block_tables"].shape
-            if num_keys and num_keys == n_seqs * max_pages * kv_pages.shape[1]:  # every key fits: no fallback
-                o = expanded()
-            elif num_keys:
-                o = jax.lax.cond(jnp.sum(meta["kv_lens"]) <= num_keys, expanded, absorbed)
+            if num_keys:
+                o = self._mixed(c, q, kv_pages, meta, x.dtype, num_keys, backend)
             else:
-                o = absorbed()
+                o = self._absorbed(c, q, kv_pages, meta, x.dtype, backend)
         with jax.named_scope("mla_out"):
             return self.output(x, o, c), kv_pages

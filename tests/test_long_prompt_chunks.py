@@ -1,0 +1,61 @@
+"""An 8k-token prompt run through the engine in small chunks (16-token pages, 512-token steps) gives the
+logits of one full forward of the prompt (tiny-random, fp32: KDA states carried chunk to chunk, MLA in the
+expanded form over the paged context, a 1024-key window at a time, so late chunks walk ~8 windows), with
+and without a prefix-cache hit (the second prompt resumes at a cached KDA checkpoint and reads the cached
+MLA pages)."""
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels.backend import detect
+from serving.engine_args import EngineArgs
+from serving.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow      # ~2-4 min on 2 cores (full forwards of 8k tokens, two engines' compiles)
+
+TOP = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    from k3jax.api import load_model
+    m = load_model("tiny-random", dtype="float32")
+    m.backend = detect("reference", mla_prefill="expanded")    # every chunk expanded (the GPU's form), jnp path
+    return m
+
+
+def _first_token_logprobs(eng, prompt):
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP))
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                _, top = out.outputs[0].logprobs[0]
+                return dict(top), out
+    raise AssertionError("no output")
+
+
+def _full(model, prompt):
+    """log-softmax of the last position's logits of one full forward, top TOP."""
+    lg = model.logits(np.asarray([prompt]))[0, -1].astype(np.float64)
+    lp = lg - lg.max() - np.log(np.exp(lg - lg.max()).sum())
+    ids = np.argsort(-lp)[:TOP]
+    return {int(i): lp[i] for i in ids}
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chunked_8k_prompt_equals_full_forward(model, prefix_caching):
+    from serving.engine import LLMEngine
+    rng = np.random.RandomState(11)
+    a = rng.randint(0, 768, 8100).tolist()
+    b = a[:8064] + rng.randint(0, 768, 40).tolist()
+    eng = LLMEngine(model, EngineArgs(max_num_seqs=2, max_num_batched_tokens=512, page_size=16, prefix_match_unit=16,
+                                      state_block_size=1024, max_model_len=8192, enable_prefix_caching=prefix_caching,
+                                      warmup=False, compilation_cache_dir=None, num_pages=1100, num_slots=24))
+    for prompt in (a, b):
+        got, out = _first_token_logprobs(eng, prompt)
+        want = _full(model, prompt)
+        assert list(got) == list(want)[:len(got)] or set(got) == set(want), (got, want)
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=0, atol=2e-4)
+    # the second prompt hit the cache (a KDA checkpoint at 7168 and the pages before it) only when enabled
+    assert (out.num_cached_tokens > 0) == prefix_caching, out.num_cached_tokens
+    assert jax.default_backend() == "cpu"

@@ -1,0 +1,89 @@
+"""A long prompt does not freeze other streams (host-side scheduler alone, no model): every step schedules
+every running decode row, and while they run the long prompt's chunks stay within the attention cap; alone,
+it takes the whole token budget."""
+import numpy as np
+
+from serving.request import Request
+from serving.sampling_params import SamplingParams
+from serving.scheduler import Scheduler, SchedulerConfig
+
+PAIRS = 1 << 16
+
+
+def _scheduler(**kw):
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, page_size=16, max_model_len=1 << 16,
+                          prefix_match_unit=16, state_block_size=0, interactive_prefill_pairs=PAIRS, **kw)
+    return Scheduler(cfg, num_pages=8192, num_slots=64)
+
+
+def _request(rid, n, max_tokens, seed):
+    ids = np.random.RandomState(seed).randint(0, 1000, n).tolist()
+    return Request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed=0)
+
+
+def _step(sched):
+    """One schedule; after_step stands in for the model, and each sampled chunk appends a token."""
+    out = sched.schedule()
+    sched.after_step(out)
+    for c in out.chunks:
+        if c.sample:
+            c.req.output_ids.append(7)
+            if len(c.req.output_ids) >= c.req.params.max_tokens:
+                c.req.final_sampled = True
+                sched.finish(c.req)
+    return out
+
+
+def test_every_decode_row_runs_every_step_while_a_long_prompt_prefills():
+    sched = _scheduler()
+    streams = [_request(f"s{i}", 40, 10_000, i) for i in range(8)]
+    for r in streams:
+        sched.add(r)
+    while not all(r.is_decode for r in streams):
+        _step(sched)
+    long = _request("long", 20_000, 1, 99)
+    sched.add(long)
+    chunks, steps = [], 0
+    while not chunks or chunks[-1][0] + chunks[-1][1] < 20_000:
+        out = _step(sched)
+        steps += 1
+        got = {c.req.request_id: c for c in out.chunks}
+        assert set(got) >= {r.request_id for r in streams}, f"step {steps}: a decode row was left out"
+        assert all(got[r.request_id].end - got[r.request_id].start == 1 for r in streams)
+        if "long" in got:
+            c = got["long"]
+            n = c.end - c.start
+            chunks.append((c.start, n))
+            # a page always advances; chunks may stop earlier, at planned prefix-cache checkpoints
+            assert n <= 16 or n * c.start + n * (n + 1) // 2 <= PAIRS, (c.start, n)
+            assert out.num_tokens <= 1024
+        assert steps < 5000
+    starts = [s for s, _ in chunks]
+    assert starts == sorted(starts) and chunks[0][0] == 0
+    # the cap bites as the context grows: the first chunk is large, the late ones a page
+    assert chunks[0][1] > 256 and max(n for s, n in chunks if s > 10_000) == 16
+
+
+def test_alone_a_long_prompt_takes_the_whole_budget():
+    sched = _scheduler()
+    long = _request("long", 5_000, 1, 3)
+    sched.add(long)
+    sizes = []
+    while sum(sizes) < 5_000:
+        out = _step(sched)
+        sizes += [c.end - c.start for c in out.chunks]
+    assert sizes[:4] == [1024] * 4 and sum(sizes) == 5_000   # (the tail may stop at a prefix-cache checkpoint)
+
+
+def test_cap_off_gives_prefills_the_budget_beside_decodes():
+    sched = _scheduler()
+    sched.cfg = SchedulerConfig(**{**sched.cfg.__dict__, "interactive_prefill_pairs": 0})
+    streams = [_request(f"s{i}", 40, 10_000, i) for i in range(4)]
+    for r in streams:
+        sched.add(r)
+    while not all(r.is_decode for r in streams):
+        _step(sched)
+    long = _request("long", 3_000, 1, 5)
+    sched.add(long)
+    out = _step(sched)
+    assert {c.req.request_id: c.end - c.start for c in out.chunks}["long"] == 1024 - 4
