@@ -4,7 +4,7 @@
 - packages import one way: pallas_kernels < the k3jax model library < sharding < serving < the entry
   points (k3jax.serve, generate, batch, eval, convert, info, plan, api, offline and the `k3jax` package's
   lazy attributes);
-- no product file imports tests/ or scripts/;
+- no product file imports tests/, benchmarks/, tools/ or deploy/;
 - no private name (`_x`) imported from another package;
 - no environment variable read in library code but the multi-host launcher contract, K3JAX_API_KEY and
   XLA's own settings (configuration is typed fields: EngineArgs, CLI flags).
@@ -65,8 +65,9 @@ def _files(packages) -> dict:
 
 FILES = _files(PACKAGES)
 TREES = {m: ast.parse(open(p).read(), p) for m, p in FILES.items()}
-OUTSIDE = {os.path.splitext(n)[0] for d in ("tests", "scripts") for n in os.listdir(os.path.join(ROOT, d))
-           if n.endswith(".py")} | {"tests", "scripts"}
+_NOT_PRODUCT = ("tests", "benchmarks", "tools", "deploy")      # folders the product must never import
+OUTSIDE = {os.path.splitext(n)[0] for d in _NOT_PRODUCT if os.path.isdir(os.path.join(ROOT, d))
+           for n in os.listdir(os.path.join(ROOT, d)) if n.endswith(".py") and n != "__init__.py"} | set(_NOT_PRODUCT)
 
 Import = collections.namedtuple("Import", "source target name line")
 
@@ -170,7 +171,7 @@ def test_model_library_imports_neither_serving_nor_sharding():
     assert wrong == [], "\n".join(wrong)
 
 
-def test_no_product_file_imports_tests_or_scripts():
+def test_no_product_file_imports_tests_benchmarks_or_tools():
     wrong = [f"{m}:{line} imports {name}" for m, tree in TREES.items() for name, line in _imported_names(m, tree)
              if name.split(".")[0] in OUTSIDE and _resolve(name) is None]
     assert wrong == [], "\n".join(wrong)
