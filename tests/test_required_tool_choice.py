@@ -2,7 +2,6 @@
 with arguments valid for their schemas, in the Kimi (K2) and K3 formats. Checked without a model: a
 "model" that picks a random allowed token at every step must still produce calls that parse (whole and
 streamed) into declared names with schema-valid JSON arguments. (The served model: test_server*.py.)"""
-import json
 
 import numpy as np
 import pytest

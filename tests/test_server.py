@@ -161,8 +161,9 @@ def test_required_tool_choice_calls_a_declared_tool(client, stream):
     """tool_choice "required" on random weights at temperature 0: the call names a declared tool and its
     arguments are valid for that tool's schema (it named an undeclared tool, with empty arguments)."""
     from server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
-    calls, finish = chat_tool_calls(client, stream, model="tiny-random", messages=[{"role": "user", "content": "Hi"}],
-                                    tools=BOUNDED_TOOLS, tool_choice="required", temperature=0, max_tokens=60,
+    calls, finish = chat_tool_calls(client, stream, model="tiny-random",
+                                    messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
+                                    tools=BOUNDED_TOOLS, tool_choice="required", temperature=0, max_tokens=100,
                                     parallel_tool_calls=stream)
     assert_declared_calls(calls, BOUNDED_TOOLS)
     assert finish == "tool_calls" and (stream or len(calls) == 1)

@@ -126,6 +126,7 @@ class Session:
         return c
 
     def protect_string(self, s: str) -> str:
+        """s with its special-token strings and open ends (module docstring, step 1) replaced by stand-ins."""
         sh = self.shield
         s = sh.pattern.sub(lambda m: self._stand_in(m.group()), s)
         # the longest start of s that is a proper end of a special token, then the longest end of the rest
