@@ -287,3 +287,13 @@ def test_requests_that_cannot_fit_the_context_are_refused_before_the_work(live, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == "context_length_exceeded", err
+
+
+def test_the_yielding_parse_equals_json_loads():
+    """Large bodies are parsed with per-value hooks (so other threads get the GIL): the same values."""
+    from serving.openai.request_body import _loads_yielding, _TooManyNumbers
+    doc = b'{"a": [1, -2, 3.5, 1e3, -0, 0.0, true, null, "x\\u00e9"], "b": {"a": 1, "a": 2}, "c": [[{}], []]}'
+    assert _loads_yielding(doc, None) == json.loads(doc)
+    assert _loads_yielding(doc, 8) == json.loads(doc)          # 8 numbers
+    with pytest.raises(_TooManyNumbers):
+        _loads_yielding(doc, 7)
