@@ -296,21 +296,24 @@ def test_health_answers_while_a_large_request_holds_a_worker(live):
     assert result["r"].status_code == 200 and result["r"].json()["prompt"] == decode(ids)
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens"),
-    ("/tokenize", {"prompt": "a" * 200_000}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 200_000}]}, "messages"),
-    ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 600_000}, "prompt"),       # a large body: stopped while parsing
-    ("/v1/completions", {"prompt": "a" * 200_000}, "prompt"),
+@pytest.mark.parametrize("path,body,param,needle", [
+    ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens", "513 token ids"),
+    ("/tokenize", {"prompt": "a" * 200_000}, "prompt", "200000 characters are more than 512 tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages",
+     "513 messages (each at least one token)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages",
+     "513 messages (each at least one token)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a" * 200_000}]}]},
+     "messages", "200000 characters of content"),
+    ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, "prompt", "prompt has 512 tokens"),
+    ("/v1/completions", {"prompt": [1] * 600_000}, "prompt", "more than 131072 numbers"),   # a large body: stopped while parsed
+    ("/v1/completions", {"prompt": ["a", "a" * 200_000]}, "prompt", "200000 characters"),
 ])
-def test_requests_that_cannot_fit_the_context_are_refused_before_the_work(live, path, body, param):
+def test_requests_that_cannot_fit_the_context_are_refused_before_the_work(live, path, body, param, needle):
     r = httpx.post(live.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["code"] == "context_length_exceeded", err
+    assert err["param"] == param and err["code"] == "context_length_exceeded" and needle in err["message"], err
 
 
 def test_the_yielding_parse_equals_json_loads():

@@ -191,9 +191,10 @@ def offloaded_route_class(offload: Callable, limits: Optional[BodyLimits]) -> ty
 
     class OffloadedRoute(APIRoute):
         def get_route_handler(self):
-            params = self.dependant.body_params
-            if len(params) != 1:
-                return super().get_route_handler()
+            d, params = self.dependant, self.dependant.body_params
+            if len(params) != 1 or d.path_params or d.query_params or d.header_params or d.cookie_params \
+                    or d.dependencies or d.background_tasks_param_name or d.response_param_name:
+                return super().get_route_handler()     # (only `f(req: Model[, raw: Request])` is taken over)
             body_name, model = params[0].name, params[0].field_info.annotation
             request_name = self.dependant.request_param_name
             endpoint, path_limits = self.endpoint, limits.for_path(self.path) if limits else None
