@@ -101,6 +101,26 @@ def _wait_for(predicate, what: str, timeout: float = 60.0):
         time.sleep(0.05)
 
 
+def _exchange(sock, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request on an open connection and its response (status, body): read by its Content-Length, so
+    the connection can carry the next request."""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        rest += chunk
+    assert b"connection: close" not in head.lower(), head
+    return int(head.split(b" ", 2)[1]), rest
+
+
 def _status_and_error(raw: bytes):
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
@@ -218,14 +238,15 @@ def test_the_cap_answers_503_to_requests_and_serves_health(tmp_path):
 @pytest.mark.parametrize("url", ["ok.png\u0000.txt", "\u0000", "file:///etc/passwd%00.png"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_a_nul_byte_in_an_image_path_is_a_400_naming_the_part(live, path, url):
-    with httpx.Client(timeout=30) as c:     # one connection: it must survive the error
-        messages = [{"role": "user", "content": [{"type": "text", "text": "x"},
-                                                 {"type": "image_url", "image_url": {"url": url}}]}]
-        r = c.post(live.url + path, json={"messages": messages})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == "messages.0.content.1" and "NUL" in err["message"] and err["code"] == "invalid_image"
-        assert c.get(live.url + "/health").status_code == 200
+    sock = _connect(live)           # one connection: it must survive the error
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    status, body = _exchange(sock, "POST", path, json.dumps({"messages": messages}).encode())
+    err = json.loads(body)["error"]
+    assert status == 400 and err["param"] == "messages.0.content.1" and "NUL" in err["message"], body
+    assert err["code"] == "invalid_image"
+    assert _exchange(sock, "GET", "/health")[0] == 200
+    sock.close()
 
 
 def test_a_handler_exception_is_a_json_500_with_a_request_id(live):
@@ -234,14 +255,17 @@ def test_a_handler_exception_is_a_json_500_with_a_request_id(live):
     decode = live.state.tokenizer.decode
     live.state.tokenizer.decode = broken
     try:
-        with httpx.Client(timeout=30) as c:
-            r = c.post(live.url + "/detokenize", json={"tokens": [1]})
-            assert r.status_code == 500, r.text
-            err = r.json()["error"]
-            rid = r.headers["x-request-id"]
-            assert err["type"] == "server_error" and err["code"] == "internal_error" and rid in err["message"]
-            assert "boom" not in r.text
-            assert c.get(live.url + "/health").status_code == 200       # the same connection, still open
+        r = httpx.post(live.url + "/detokenize", json={"tokens": [1]}, timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        rid = r.headers["x-request-id"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error" and rid in err["message"]
+        assert "boom" not in r.text
+        sock = _connect(live)                   # and the connection stays open
+        status, body = _exchange(sock, "POST", "/detokenize", b'{"tokens": [1]}')
+        assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
+        assert _exchange(sock, "GET", "/health")[0] == 200
+        sock.close()
     finally:
         live.state.tokenizer.decode = decode
 
@@ -272,18 +296,31 @@ def test_health_answers_while_a_large_request_holds_a_worker(live):
     assert result["r"].status_code == 200 and result["r"].json()["prompt"] == decode(ids)
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens"),
-    ("/tokenize", {"prompt": "a" * 200_000}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 200_000}]}, "messages"),
-    ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 600_000}, "prompt"),       # a large body: stopped while parsing
-    ("/v1/completions", {"prompt": "a" * 200_000}, "prompt"),
+@pytest.mark.parametrize("path,body,param,needle", [
+    ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens", "513 token ids"),
+    ("/tokenize", {"prompt": "a" * 200_000}, "prompt", "200000 characters are more than 512 tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages",
+     "513 messages (each at least one token)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_MODEL_LEN + 1)}, "messages",
+     "513 messages (each at least one token)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a" * 200_000}]}]},
+     "messages", "200000 characters of content"),
+    ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, "prompt", "prompt has 512 tokens"),
+    ("/v1/completions", {"prompt": [1] * 600_000}, "prompt", "more than 131072 numbers"),   # a large body: stopped while parsed
+    ("/v1/completions", {"prompt": ["a", "a" * 200_000]}, "prompt", "200000 characters"),
 ])
-def test_requests_that_cannot_fit_the_context_are_refused_before_the_work(live, path, body, param):
+def test_requests_that_cannot_fit_the_context_are_refused_before_the_work(live, path, body, param, needle):
     r = httpx.post(live.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["code"] == "context_length_exceeded", err
+    assert err["param"] == param and err["code"] == "context_length_exceeded" and needle in err["message"], err
+
+
+def test_the_yielding_parse_equals_json_loads():
+    """Large bodies are parsed with per-value hooks (so other threads get the GIL): the same values."""
+    from serving.openai.request_body import _loads_yielding, _TooManyNumbers
+    doc = b'{"a": [1, -2, 3.5, 1e3, -0, 0.0, true, null, "x\\u00e9"], "b": {"a": 1, "a": 2}, "c": [[{}], []]}'
+    assert _loads_yielding(doc, None) == json.loads(doc)
+    assert _loads_yielding(doc, 8) == json.loads(doc)          # 8 numbers
+    with pytest.raises(_TooManyNumbers):
+        _loads_yielding(doc, 7)

@@ -19,7 +19,7 @@ connections. `GuardedH11Protocol` adds, per connection:
   waited longest for its request headers is closed to make room (slow-header clients cannot hold
   the server), and only when there is neither is the new connection refused (a 503, then closed).
 
-Every close is counted in `k3jax:http_connections_closed{reason=...}` and logged, at most one line
+Every close is counted in `k3jax:http_connections_closed_total{reason=...}` and logged, at most one line
 per `log_interval` seconds with the counts of that interval.
 """
 from __future__ import annotations

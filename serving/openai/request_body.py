@@ -10,8 +10,8 @@ sees it (`BodyLimits`: ids, prompts, messages and characters against the model's
 A thread only helps where the work returns to the interpreter often enough to hand the GIL over:
 json.loads is one C call that holds it throughout (5M token ids: ~1 s). So a body over LARGE_BODY
 is parsed with Python hooks for numbers and objects, which the C parser calls per value (the
-interpreter switches threads there) and which count the numbers, stopping the parse once the
-route's budget of ids is spent. Bodies up to INLINE_BODY are parsed on the loop (a few ms at most;
+interpreter switches threads there) and which count the numbers, stopping the parse once a route
+that carries token ids (/v1/completions, /detokenize) has more than can fit. Bodies up to INLINE_BODY are parsed on the loop (a few ms at most;
 no queueing behind large ones in the pool).
 """
 from __future__ import annotations
@@ -114,9 +114,10 @@ class BodyLimits:
             raise self.too_long("tokens", f"{len(ids)} token ids")
 
     def for_path(self, path: str):
-        """(check, number budget, param) of a route, or None."""
-        return {"/v1/chat/completions": (self.chat, self.max_model_len, "messages"),
-                "/tokenize": (self.tokenize, self.max_model_len, "prompt"),
+        """(check, number budget or None, param) of a route, or None. Only where token ids are what the body
+        carries is there a budget: a chat request's numbers (tool schemas, extras) say nothing of its length."""
+        return {"/v1/chat/completions": (self.chat, None, "messages"),
+                "/tokenize": (self.tokenize, None, "prompt"),
                 "/v1/completions": (self.completions, self.max_prompts * self.max_model_len, "prompt"),
                 "/detokenize": (self.detokenize, self.max_model_len, "tokens")}.get(path)
 
@@ -125,10 +126,11 @@ class _TooManyNumbers(Exception):
     pass
 
 
-def _loads_yielding(body: bytes, budget: int):
+def _loads_yielding(body: bytes, budget: Optional[int]):
     """json.loads with per-value Python hooks (the GIL can pass to other threads at each) that stop the
-    parse after `budget` numbers."""
+    parse after `budget` numbers (None: no limit)."""
     count = 0
+    budget = float("inf") if budget is None else budget
 
     def number(kind):
         def parse(text):
@@ -161,8 +163,8 @@ def parse_body(body: bytes, content_type: Optional[str], model, limits=None):
                                        "msg": "Input should be a valid dictionary or object to extract fields from"}])
     check, budget, param = limits or (None, None, None)
     try:
-        if budget is not None and len(body) > LARGE_BODY:
-            data = _loads_yielding(body, budget + _OTHER_NUMBERS)
+        if len(body) > LARGE_BODY:
+            data = _loads_yielding(body, None if budget is None else budget + _OTHER_NUMBERS)
         else:
             data = json.loads(body)
     except json.JSONDecodeError as e:
@@ -189,9 +191,10 @@ def offloaded_route_class(offload: Callable, limits: Optional[BodyLimits]) -> ty
 
     class OffloadedRoute(APIRoute):
         def get_route_handler(self):
-            params = self.dependant.body_params
-            if len(params) != 1:
-                return super().get_route_handler()
+            d, params = self.dependant, self.dependant.body_params
+            if len(params) != 1 or d.path_params or d.query_params or d.header_params or d.cookie_params \
+                    or d.dependencies or d.background_tasks_param_name or d.response_param_name:
+                return super().get_route_handler()     # (only `f(req: Model[, raw: Request])` is taken over)
             body_name, model = params[0].name, params[0].field_info.annotation
             request_name = self.dependant.request_param_name
             endpoint, path_limits = self.endpoint, limits.for_path(self.path) if limits else None
