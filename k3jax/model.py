@@ -6,9 +6,10 @@ Residuals, LM head.
 (k3jax/layer_stack.py: a `LayerStack` whose repeating block of layers runs as one lax.scan, so trace
 and compile time hardly grow with depth). Each module's variants are fixed when it is built from the
 config; the layer maths are the modules' methods (k3jax/layers/).
-  model(tokens [B, T], mm_embeds?, mm_mask?, backend=) -> logits [B, T, V]   no cache
-  model.step(pools, batch, backend=) -> (logits [N, V], pools)  ragged chunks over cache pools
-Both share `K3Model.decode`; only the attention call differs. `backend` (pallas_kernels/backend.py:
+  model(tokens [B, T], mm_embeds=, mm_mask=, backend=) -> logits [B, T, V]        no cache
+  model(tokens [T], pools, batch, backend=) -> (logits [N, V], pools)      ragged chunks over cache pools
+Both share `K3Model.decode`; only the attention call differs. k3jax.nnx_model.make_step is the jitted
+engine step's body. `backend` (pallas_kernels/backend.py:
 kernels, expert parallelism, MXFP4 decoder) is built once by the caller and closed over.
 forward_full / forward_step are the same on a parameter dict (the model built over it).
 """
@@ -24,50 +25,55 @@ from k3jax.cache import CachePools, StepBatch
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import experts_merged
 from k3jax.layer_stack import is_stacked, layer_stack_plan
-from k3jax.layers.common import OutputAttnRes, rms_norm, upcast
+from k3jax.layers.common import OutputAttnRes, norm_param, rms_norm, upcast
 from k3jax.layers.decoder import DecoderLayer, blocks_before, num_sources
-from k3jax.layers.module import Group, List, StackedWeight, right_operand_mask, split_module, value
-from k3jax.params import Leaf, param_spec
+from k3jax.layers.module import List, Module, StackedWeight, fill, param, right_operand_mask, split_module, \
+    stack_modules, value
 from pallas_kernels.backend import Backend, resolve
 
 
-def _layers(specs, values, config):
-    return List([DecoderLayer(s, v, config) for s, v in zip(specs, values)])
-
-
-class LayerStack(nnx.Module):
+class LayerStack(Module):
     """The scan layout: unrolled `head` layers, the scanned `units` (one DecoderLayer per position of
     the repeating unit, each parameter with a leading "layers" axis over the repeats), `tail` layers."""
 
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        for part in ("head", "units", "tail"):
-            setattr(self, part, _layers(spec[part], values[part], config))
+    def __init__(self, config: ModelConfig, **kw):
+        plan = layer_stack_plan(config)
+        self.head = List([DecoderLayer(config, i, **kw) for i in plan.head])
+        # random parameters: one draw per repeat; abstract ones: one layer stacked abstractly
+        repeats = plan.repeats if kw.get("rngs") is not None else 1
+        self.units = List([stack_modules([DecoderLayer(config, plan.layer(r, j), **kw) for r in range(repeats)],
+                                         plan.repeats) for j in range(plan.unit)])
+        self.tail = List([DecoderLayer(config, i, **kw) for i in plan.tail])
 
-    def tree(self) -> dict:
-        return {part: [x.tree() for x in getattr(self, part)] for part in ("head", "units", "tail")}
 
+class K3Model(Module):
+    """A Kimi K3 / Kimi Linear decoder (see the module docstring).
 
-class K3Model(Group):
-    """A Kimi K3 / Kimi Linear decoder (see the module docstring)."""
+    K3Model(config, rngs=nnx.Rngs(0))   random parameters;
+    K3Model(config)                     abstract ones (jax.ShapeDtypeStruct), for the loaders to fill;
+    K3Model(config, params)             over a parameter dict of either layout (the same arrays).
+    stacked: the scan layout (k3jax/layer_stack.py); merged_experts: routed experts with one
+    gate/up weight (k3jax/expert_layout.py); both read off `params` when it is given."""
 
-    def __init__(self, config: ModelConfig, params: dict):
-        self.config = config
-        self.stacked = is_stacked(params)
-        self.tied_embeddings = bool(config.tie_word_embeddings)
-        spec = param_spec(config, stacked=self.stacked, merged_experts=experts_merged(params))
-        for name, leaf in spec.items():
-            if name == "layers":
-                self.layers = (LayerStack(leaf, params[name], config) if self.stacked
-                               else _layers(leaf, params[name], config))
-            elif isinstance(leaf, Leaf):
-                setattr(self, name, nnx.Param(params[name], logical_axes=leaf.axes))
-            else:
-                setattr(self, name, OutputAttnRes(leaf, params[name], config))
-
-    def tree(self) -> dict:
-        out = super().tree()
-        out["layers"] = self.layers.tree() if self.stacked else [x.tree() for x in self.layers]
-        return out
+    def __init__(self, config: ModelConfig, params: dict | None = None, *, stacked: bool = False,
+                 merged_experts: bool = False, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        if params is not None:
+            stacked, merged_experts, rngs = is_stacked(params), experts_merged(params), None
+        c = self.config = config
+        D, V = c.hidden_size, c.vocab_size
+        self.stacked = stacked and bool(layer_stack_plan(c).repeats)
+        self.tied_embeddings = bool(c.tie_word_embeddings)
+        kw = dict(merged_experts=merged_experts, dtype=dtype, rngs=rngs)
+        self.embed = param((V, D), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.layers = (LayerStack(c, **kw) if self.stacked
+                       else List([DecoderLayer(c, i, **kw) for i in range(c.num_layers)]))
+        self.final_norm = norm_param(c, dtype, rngs)
+        if not self.tied_embeddings:
+            self.lm_head = param((D, V), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        if c.attn_res_block_size:
+            self.output_attn_res = OutputAttnRes(c, dtype=dtype, rngs=rngs)
+        if params is not None:
+            fill(self, params)
 
     def embed_tokens(self, tokens, mm_embeds=None, mm_mask=None):
         """Token embeddings, replaced by multimodal (image) embeddings where mm_mask is set."""
@@ -146,10 +152,25 @@ class K3Model(Group):
             stream = self.output_attn_res(stream, blocks_before(c.num_layers, B), eps)
         return rms_norm(stream, value(self.final_norm), eps), cache
 
-    def __call__(self, tokens, mm_embeds=None, mm_mask=None, *, backend: Backend | None = None):
-        """tokens int32 [B, T] -> logits fp32 [B, T, V]; every sequence starts empty.
-        mm_embeds [B, T, D] / mm_mask [B, T]: optional image embeddings at placeholder positions."""
+    def __call__(self, tokens, cache: CachePools | None = None, metadata: StepBatch | None = None, *,
+                 mm_embeds=None, mm_mask=None, backend: Backend | None = None):
+        """The one way to run the model.
+
+        cache None: tokens int32 [B, T] -> logits fp32 [B, T, V], every sequence starting empty;
+          mm_embeds [B, T, D] / mm_mask [B, T]: optional image embeddings at placeholder positions.
+        cache (CachePools) and metadata (the step's StepBatch: chunk boundaries, cache rows, KDA
+          slots, logits rows, image embeddings): one engine step over ragged chunks, tokens int32
+          [T] flat -> (logits fp32 [N, V] at metadata.logits_indices, updated pools)."""
         b = resolve(backend)
+        if cache is None:
+            if metadata is not None:
+                raise ValueError("step metadata without cache pools")
+            return self._full(tokens, mm_embeds, mm_mask, b)
+        if metadata is None:
+            raise ValueError("a step over cache pools needs its metadata (a StepBatch)")
+        return self._step(tokens, cache, metadata, b)
+
+    def _full(self, tokens, mm_embeds, mm_mask, b: Backend):
         c = self.config
 
         def attention(kind, _, attn, x, cache):
@@ -157,11 +178,9 @@ class K3Model(Group):
         h, _ = self.decode(self.embed_tokens(tokens, mm_embeds, mm_mask), attention, b)
         return self.lm_logits(h)
 
-    def step(self, pools: CachePools, batch: StepBatch, *, backend: Backend | None = None):
-        """One engine step. Returns (logits fp32 [N, V] at batch.logits_indices, updated pools)."""
-        b = resolve(backend)
+    def _step(self, tokens, pools: CachePools, batch: StepBatch, b: Backend):
         c = self.config
-        T = batch.tokens.shape[0]
+        T = tokens.shape[0]
         seq, local = _token_meta(batch.cu_seqlens, T)
         meta = dict(cu_seqlens=batch.cu_seqlens, token_seq=seq, token_local=local, state_src=batch.state_src,
                     state_dst=batch.state_dst, ckpt_dst=batch.ckpt_dst, slot_mapping=batch.slot_mapping,
@@ -178,7 +197,7 @@ class K3Model(Group):
             return out, (kv, st, cv)
 
         cache = tuple(_flat(x) if x is not None else None for x in (pools.mla_kv, pools.kda_state, pools.kda_conv))
-        h, (kv, st, cv) = self.decode(self.embed_tokens(batch.tokens, batch.mm_embeds, batch.mm_mask),
+        h, (kv, st, cv) = self.decode(self.embed_tokens(tokens, batch.mm_embeds, batch.mm_mask),
                                       attention, b, cache)
         logits = self.lm_logits(h[batch.logits_indices])
         unflat = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
@@ -237,9 +256,9 @@ def _flat(x):
 
 def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None, backend: Backend | None = None):
     """K3Model(c, params)(tokens, ...): logits fp32 [B, T, V] of a parameter dict of either layout."""
-    return K3Model(c, params)(tokens, mm_embeds, mm_mask, backend=backend)
+    return K3Model(c, params)(tokens, mm_embeds=mm_embeds, mm_mask=mm_mask, backend=backend)
 
 
 def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch, backend: Backend | None = None):
-    """K3Model(c, params).step(pools, batch): one engine step on a parameter dict of either layout."""
-    return K3Model(c, params).step(pools, batch, backend=backend)
+    """K3Model(c, params)(batch.tokens, pools, batch): one engine step on a parameter dict of either layout."""
+    return K3Model(c, params)(batch.tokens, pools, batch, backend=backend)

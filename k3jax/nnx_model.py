@@ -11,13 +11,12 @@ the layer maths (k3jax/layers/).
 Used functionally, the way the JAX serving stacks do it: `split_model` splits a model once, at load,
 into a `ModelGraph` (nnx graphdef + the state's tree structure) and the parameter tree of plain
 arrays; a jitted step is a pure function of (params, pools, batch) that calls `graph.merge(params)`
-inside the trace. No nnx.jit and no split or merge on the host per step: the jitted function gets
+inside the trace (`make_step`). No nnx.jit and no split or merge on the host per step: the jitted function gets
 the same dict of arrays as before, so its dispatch costs the same.
 """
 from __future__ import annotations
 
 import jax
-import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
@@ -27,13 +26,14 @@ from k3jax.layers.common import AttnRes, DenseMLP, OutputAttnRes
 from k3jax.layers.decoder import DecoderLayer
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
-from k3jax.layers.module import Graph, Group, List, split_module
+from k3jax.layers.module import Graph, Group, List, Module, split_module
 from k3jax.layers.moe import MoE, RoutedExperts
 from k3jax.model import K3Model, LayerStack
-from k3jax.params import is_leaf, param_spec, tree_parameter_count
+from k3jax.params import tree_parameter_count
+from pallas_kernels.backend import Backend, resolve
 
 __all__ = ["AttnRes", "DecoderLayer", "DenseMLP", "Graph", "Group", "K3Model", "KDA", "LayerStack",
-           "List", "MLA", "MoE", "ModelGraph", "OutputAttnRes", "RoutedExperts", "graph_for", "logical_axes",
+           "List", "MLA", "Module", "MoE", "ModelGraph", "make_step", "OutputAttnRes", "RoutedExperts", "graph_for", "logical_axes",
            "model_graph", "named_params", "split_model", "split_module", "summary"]
 
 
@@ -56,16 +56,27 @@ def model_graph(config: ModelConfig, stacked: bool, merged_experts: bool = False
     memoized: configs hold dicts, so they are keyed by repr)."""
     key = (repr(config), stacked, merged_experts)
     if key not in _graphs:
-        shapes = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32),
-                                        param_spec(config, stacked=stacked, merged_experts=merged_experts),
-                                        is_leaf=is_leaf)
-        _graphs[key] = split_model(K3Model(config, shapes))[0]
+        _graphs[key] = split_model(K3Model(config, stacked=stacked, merged_experts=merged_experts))[0]
     return _graphs[key]
 
 
 def graph_for(config: ModelConfig, params) -> ModelGraph:
     """The graph for a parameter tree of any layout (layers stacked or not, experts merged or not)."""
     return model_graph(config, is_stacked(params), experts_merged(params))
+
+
+def make_step(config: ModelConfig, backend: Backend | None = None, graph: ModelGraph | None = None):
+    """The engine step's body, the one every jitted step wraps (the engine's, the sharded one, the
+    scratch-memory measurement): (params, pools, batch) -> (logits [N, V], pools), the model merged
+    from `graph` and params inside the trace (graph None: the graph of the config and the params'
+    layout), closed over one backend (None: detected now, once)."""
+    backend = resolve(backend)
+
+    def step(params, pools, batch):
+        model = (graph or graph_for(config, params)).merge(params)
+        with jax.named_scope("model"):
+            return model(batch.tokens, pools, batch, backend=backend)
+    return step
 
 
 # ---- inspection ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers, unstack_layers
 from pallas_kernels.scatter import read_rows, set_rows
-from k3jax.nnx_model import K3Model, ModelGraph, graph_for, split_model
+from k3jax.nnx_model import K3Model, make_step, split_model
 from pallas_kernels.backend import Backend, resolve
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
@@ -102,17 +102,8 @@ def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, de
     return batch, sarr, np.zeros(N, np.int32)
 
 
-def make_step_fn(config, backend: Backend | None = None, graph: ModelGraph | None = None):
-    """The jitted step's body: (params, pools, batch) -> (logits, pools), the NNX model merged from
-    `graph` and params inside the trace (graph None: the graph of the config and the params' layout),
-    closed over one backend (None: detected now, once); the sampler is a jit of its own."""
-    backend = resolve(backend)
-
-    def step(params, pools, batch):
-        model = (graph or graph_for(config, params)).merge(params)
-        with jax.named_scope("model"):
-            return model.step(pools, batch, backend=backend)
-    return step
+# the jitted step's body (the NNX model merged inside the trace): k3jax.nnx_model.make_step
+make_step_fn = make_step
 
 
 # XLA options for the engine's step on a GPU, measured with the scanned decoder (docs/performance.md):

@@ -1,8 +1,9 @@
 """Partition rules: every parameter and cache-pool leaf gets a PartitionSpec.
 
-Parameters declare their LOGICAL axes where they are created (k3jax/params.py: one name per
-dimension, e.g. q_proj ("embed", "kda_heads"), routed experts ("experts", "expert_embed",
-"expert_mlp"), a scanned stack's leading "layers"); LOGICAL_AXES maps those names to mesh axes.
+Parameters declare their LOGICAL axes where they are created, in their module's __init__
+(k3jax/layers/: one name per dimension, e.g. q_proj ("embed", "kda_heads"), routed experts
+("experts", "expert_embed", "expert_mlp"), a scanned stack's leading "layers"; read off the
+modules as k3jax.params.param_spec); LOGICAL_AXES maps those names to mesh axes.
 Cache pools and the vision tower match a regex table by path ("mla_kv", "blocks.3.wqkv.w"): each rule is
 (regex matched against the whole path, one logical axis name or None per dimension).
 
@@ -171,7 +172,7 @@ def _spec_leaves(tree, config):
     for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         path = path_str(p)
         if path not in declared:
-            raise KeyError(f"{path!r} is no parameter of this config (k3jax/params.py declares each one)")
+            raise KeyError(f"{path!r} is no parameter of this config (its modules, k3jax/layers/, declare each one)")
         if tuple(x.shape) != declared[path].shape:
             raise ValueError(f"{path!r} has shape {tuple(x.shape)}, the config declares {declared[path].shape}")
         out.append((path, x, declared[path]))

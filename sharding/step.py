@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_step_batch
-from k3jax.nnx_model import graph_for
+from k3jax.nnx_model import make_step
 from pallas_kernels.backend import resolve
 from sharding import moe_ep
 from sharding.rules import pool_shardings, replicated
@@ -26,8 +26,7 @@ def sharded_step(c, mesh, pools, *, expert_parallel: bool = True, backend=None) 
     """
     b = moe_ep.expert_parallel(backend, mesh) if (mesh is not None and expert_parallel) else resolve(backend)
 
-    def fn(params, pools, batch):
-        return graph_for(c, params).merge(params).step(pools, batch, backend=b)
+    fn = make_step(c, b)
     if mesh is None:
         return jax.jit(fn, donate_argnums=1)
     return jax.jit(fn, out_shardings=(replicated(mesh), pool_shardings(c, mesh, pools)), donate_argnums=1)

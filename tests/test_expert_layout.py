@@ -39,7 +39,9 @@ def test_moe_layer_on_merged_experts_matches_the_checkpoint_layout(tiny, mode):
     c, params = tiny
     lp = params["layers"][c.mlp_types.index("moe")]["mlp"]
     x = jnp.asarray(np.random.RandomState(1).standard_normal((48, c.hidden_size)), jnp.float32)
-    ref = MoE(moe_spec(c), lp, c)(x, c, backend=detect("reference"))
-    got = MoE(moe_spec(c, merged_experts=True), merge_gate_up({"mlp": lp})["mlp"], c)(x, c, backend=detect(mode))
+    ref = MoE.of(c, lp)(x, c, backend=detect("reference"))
+    merged = MoE.of(c, merge_gate_up({"mlp": lp})["mlp"])
+    assert merged.experts.merged and set(merged.experts.spec()) == set(moe_spec(c, merged_experts=True)["experts"])
+    got = merged(x, c, backend=detect(mode))
     ref, got = np.asarray(ref), np.asarray(got)
     assert np.abs(got - ref).max() <= (0 if mode == "reference" else 5e-3) * np.abs(ref).max()

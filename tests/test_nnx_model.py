@@ -7,6 +7,7 @@ from flax import nnx
 
 from k3jax import nnx_model
 from k3jax.layer_stack import layer_stack_plan, stack_layers
+from k3jax.layers.module import value
 from k3jax.model import forward_full
 from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
 from k3jax.presets import preset_config, preset_names
@@ -131,3 +132,45 @@ def test_runner_splits_once_and_merges_only_while_tracing(monkeypatch):
     for _ in range(3):
         runner._run_padding(32, 2, decode=False)
     assert counts == {"split": 1, "merge": 1}           # one trace, three steps
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_modules_declare_their_parameters(stacked):
+    """The model's own __init__ makes its parameters: random ones from nnx.Rngs (each of the declared
+    shape, dtype and logical axes, norms near one), abstract ones without rngs or under
+    nnx.eval_shape, and the spec the loaders and rules read is exactly those declarations."""
+    c = preset_config("tiny-random")
+    spec = param_spec(c, stacked=stacked)
+    model = nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    abstract = nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32)
+    traced = nnx.eval_shape(lambda: nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    flat_spec = jax.tree_util.tree_leaves(spec, is_leaf=is_leaf)
+    for m in (model, abstract, traced):
+        assert m.spec() == spec
+    for leaf, x, a, t in zip(flat_spec, *(jax.tree_util.tree_leaves(m.tree()) for m in (model, abstract, traced))):
+        assert isinstance(x, jax.Array) and x.shape == a.shape == t.shape == leaf.shape
+        assert x.dtype == a.dtype == t.dtype == leaf.dtype(jnp.float32)
+    norms = [x for leaf, x in zip(flat_spec, jax.tree_util.tree_leaves(model.tree())) if leaf.kind == "norm"]
+    assert all(0.5 < float(jnp.mean(x)) < 1.5 for x in norms)
+    assert len({float(jnp.sum(x)) for x in jax.tree_util.tree_leaves(model.tree())}) > len(flat_spec) // 2
+    if stacked:       # a scanned unit's repeats are drawn separately, not one draw repeated
+        q = value(model.layers.units[0].attn.q_proj)
+        assert model.layers.units[0].attn.q_proj.logical_axes[0] == "layers" and not np.array_equal(q[0], q[1])
+    logits = model(jnp.arange(6, dtype=jnp.int32).reshape(1, 6))
+    assert logits.shape == (1, 6, c.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+    with pytest.raises(ValueError, match="without cache"):
+        model(jnp.zeros((1, 2), jnp.int32), metadata=object())
+
+
+def test_random_init_follows_the_declared_initializers():
+    """init_params_numpy (tiny-random's weights) draws each declared parameter from its module's
+    initializer kind: fp32 kinds are fp32, MXFP4 bytes uint8 within their ranges."""
+    c = preset_config("tiny-random")
+    params = init_params_numpy(c, 0, jnp.bfloat16)
+    spec = param_spec(c)
+    for leaf, x in zip(jax.tree_util.tree_leaves(spec, is_leaf=is_leaf), jax.tree_util.tree_leaves(params)):
+        assert x.shape == leaf.shape and x.dtype == leaf.dtype(jnp.bfloat16), leaf
+        if leaf.kind == "mx_scale":
+            assert 121 <= int(x.min()) and int(x.max()) <= 123
+        if leaf.kind == "A_log":
+            assert float(x.min()) >= 0.0 and float(x.max()) <= np.log(16.0) + 1e-6

@@ -4,8 +4,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
 from k3jax.config import ModelConfig
-from k3jax.layers.module import Group, value
+from k3jax.layers.module import Module, param, value
 
 
 def upcast(x):
@@ -73,18 +75,33 @@ def add_to_source(buf, n, x):
     return jax.lax.dynamic_update_index_in_dim(buf, cur + x.astype(buf.dtype), n, 0)
 
 
-class DenseMLP(Group):
-    """gate/up/down GLU MLP (the dense first layer, shared experts)."""
+class DenseMLP(Module):
+    """gate/up/down GLU MLP (the dense first layer, shared experts: `inter` their width)."""
 
     right_operands = ("gate", "up", "down")
+
+    def __init__(self, config: ModelConfig, inter: int | None = None, *, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        d, inter = config.hidden_size, config.intermediate_size if inter is None else inter
+        self.gate = param((d, inter), ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up = param((d, inter), ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down = param((inter, d), ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, c: ModelConfig):
         return glu_act(x @ value(self.gate), x @ value(self.up), c) @ value(self.down)
 
 
-class AttnRes(Group):
+def norm_param(config: ModelConfig, dtype, rngs):
+    return param((config.hidden_size,), ("embed",), "norm", dtype=dtype, rngs=rngs)
+
+
+class AttnRes(Module):
     """Attention Residuals of one layer: the learned queries and key norms that mix the block
     history before the attention and before the MLP."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        for name in ("attn_proj", "attn_norm", "mlp_proj", "mlp_norm"):
+            setattr(self, name, norm_param(config, dtype, rngs))
 
     def before_attn(self, buf, n, eps: float):
         return mix_sources(buf, n, value(self.attn_proj), value(self.attn_norm), eps)
@@ -93,8 +110,12 @@ class AttnRes(Group):
         return mix_sources(buf, n, value(self.mlp_proj), value(self.mlp_norm), eps)
 
 
-class OutputAttnRes(Group):
+class OutputAttnRes(Module):
     """Attention Residuals after the last layer: mixes the block history into the final hidden states."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.proj = norm_param(config, dtype, rngs)
+        self.norm = norm_param(config, dtype, rngs)
 
     def __call__(self, buf, n, eps: float):
         return mix_sources(buf, n, value(self.proj), value(self.norm), eps)

@@ -9,12 +9,14 @@ past n are zero until their block starts.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import AttnRes, DenseMLP, add_to_source, rms_norm
+from k3jax.layers.common import AttnRes, DenseMLP, norm_param, add_to_source, rms_norm
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
-from k3jax.layers.module import Group, value
+from k3jax.layers.module import Module, value
 from k3jax.layers.moe import MoE
 from pallas_kernels.backend import Backend
 
@@ -29,24 +31,23 @@ def blocks_before(i, B: int):
     return (i + B - 1) // B
 
 
-class DecoderLayer(Group):
+class DecoderLayer(Module):
     """input norm -> attention (KDA or MLA) -> post-attention norm -> MLP (DenseMLP or MoE), the
-    residual stream plain or an Attention Residuals block history (`block_size`)."""
+    residual stream plain or an Attention Residuals block history (`block_size`); which kinds layer
+    `index` has is the config's."""
 
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        super().__init__(spec, values, config)
-        self.moe = isinstance(self.mlp, MoE)
-        self.block_size = config.attn_res_block_size or 0
-
-    def _child(self, name, spec, config):
-        # the spec is the config's (k3jax.params.param_spec): its keys say which kind this layer is
-        if name == "attn":
-            return MLA if "kv_a_proj" in spec else KDA
-        if name == "mlp":
-            return MoE if "router" in spec else DenseMLP
-        if name == "attn_res":
-            return AttnRes
-        return Group
+    def __init__(self, config: ModelConfig, index: int, *, merged_experts: bool = False, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        c = config
+        self.input_norm = norm_param(c, dtype, rngs)
+        self.post_attn_norm = norm_param(c, dtype, rngs)
+        self.attn = (KDA if c.layer_types[index] == "kda" else MLA)(c, dtype=dtype, rngs=rngs)
+        self.moe = c.mlp_types[index] != "dense"
+        self.mlp = (MoE(c, merged_experts=merged_experts, dtype=dtype, rngs=rngs) if self.moe
+                    else DenseMLP(c, dtype=dtype, rngs=rngs))
+        self.block_size = c.attn_res_block_size or 0
+        if self.block_size:
+            self.attn_res = AttnRes(c, dtype=dtype, rngs=rngs)
 
     def feed_forward(self, x, c: ModelConfig, stack_index=None, backend: Backend | None = None):
         if self.moe:

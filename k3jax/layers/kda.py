@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
-from k3jax.layers.module import Group, value
-from k3jax.params import kda_spec
+from k3jax.layers.module import Module, param, value
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.scatter import read_rows, set_rows, value_dtype
@@ -73,18 +73,35 @@ def _step_conv(x_in, w, conv0, meta):
     return out, jnp.stack(new, axis=1).astype(conv0.dtype)
 
 
-class KDA(Group):
+class KDA(Module):
     """Kimi Delta Attention: q/k/v projections with short convolutions, the gated delta rule's decay
     (A_log, dt_bias, f_a/f_b) and beta (b_proj), output norm and gate (full-rank g_proj, or low-rank
     g_a/g_b: `full_rank_gate`)."""
 
     right_operands = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "g_a_proj",
                       "g_b_proj", "o_proj")
-    spec_for = staticmethod(kda_spec)
-
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        super().__init__(spec, values, config)
-        self.full_rank_gate = bool(config.kda_full_rank_gate)
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        c = config
+        D, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        w = lambda shape, axes, kind="w": param(shape, axes, kind, dtype=dtype, rngs=rngs)  # noqa: E731
+        into_heads = ("embed", "kda_heads")
+        self.q_proj, self.k_proj, self.v_proj = (w((D, HK), into_heads) for _ in range(3))
+        self.q_conv, self.k_conv, self.v_conv = (w((c.conv_kernel, HK), ("conv", "kda_heads"), "conv")
+                                                 for _ in range(3))
+        self.A_log = w((H,), ("kda_heads",), "A_log")
+        self.dt_bias = w((HK,), ("kda_heads",), "dt_bias")
+        self.f_a_proj = w((D, K), ("embed", "head_dim"))
+        self.f_b_proj = w((K, HK), ("head_dim", "kda_heads"))
+        self.b_proj = w((D, H), into_heads)
+        self.full_rank_gate = bool(c.kda_full_rank_gate)
+        if self.full_rank_gate:
+            self.g_proj = w((D, HK), into_heads)
+        else:
+            self.g_a_proj = w((D, K), ("embed", "head_dim"))
+            self.g_b_proj = w((K, HK), ("head_dim", "kda_heads"))
+        self.o_norm = w((K,), ("head_dim",), "norm")
+        self.o_proj = w((HK, D), ("kda_heads", "embed"))
 
     def conv_weights(self):
         """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""

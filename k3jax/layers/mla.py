@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
-from k3jax.layers.module import Group, value
-from k3jax.params import mla_spec
+from k3jax.layers.module import Module, param, value
 from pallas_kernels import ops, scatter
 from pallas_kernels.backend import Backend, resolve
 
@@ -58,17 +58,29 @@ def scale(c: ModelConfig) -> float:
     return c.qk_head_dim ** -0.5
 
 
-class MLA(Group):
+class MLA(Module):
     """Multi-head latent attention (no rotary): queries low-rank (q_a/q_b, `low_rank_q`) or full
     (q_proj), the 576-wide latent cache entry, an optional sigmoid output gate (`output_gate`)."""
 
     right_operands = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "g_proj", "o_proj")
-    spec_for = staticmethod(mla_spec)
-
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        super().__init__(spec, values, config)
-        self.low_rank_q = bool(config.q_lora_rank)
-        self.output_gate = bool(config.mla_output_gate)
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        c = config
+        D, H = c.hidden_size, c.mla_num_heads
+        w = lambda shape, axes, kind="w": param(shape, axes, kind, dtype=dtype, rngs=rngs)  # noqa: E731
+        self.low_rank_q = bool(c.q_lora_rank)
+        self.output_gate = bool(c.mla_output_gate)
+        if self.low_rank_q:
+            self.q_a_proj = w((D, c.q_lora_rank), ("embed", "q_lora"))
+            self.q_a_norm = w((c.q_lora_rank,), ("q_lora",), "norm")
+            self.q_b_proj = w((c.q_lora_rank, H * c.qk_head_dim), ("q_lora", "mla_heads"))
+        else:
+            self.q_proj = w((D, H * c.qk_head_dim), ("embed", "mla_heads"))
+        self.kv_a_proj = w((D, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "kv_lora"))
+        self.kv_a_norm = w((c.kv_lora_rank,), ("kv_lora",), "norm")
+        self.kv_b_proj = w((c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim)), ("kv_lora", "mla_heads"))
+        self.o_proj = w((H * c.v_head_dim, D), ("mla_heads", "embed"))
+        if self.output_gate:
+            self.g_proj = w((D, H * c.v_head_dim), ("embed", "mla_heads"))
 
     def queries_joint(self, x, c: ModelConfig):
         """q [..., H, nope + rope]."""

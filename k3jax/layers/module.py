@@ -1,9 +1,16 @@
-"""The base of the layer modules: an nnx.Module built from a parameter spec (k3jax/params.py).
+"""The base of the layer modules: parameters declared by the module that uses them.
 
-Each parameter becomes an `nnx.Param` named as in the checkpoint, carrying its logical axes; a
-sub-dict of the spec becomes a child module. Subclasses read their variants (MXFP4 experts, low-rank
-queries, ...) from the config when they are built and keep them as plain attributes, so their
-methods (the layer maths) branch on those, never on which keys a parameter dict holds.
+Each layer's `__init__` declares its parameters with `param(...)`: shape, dtype (the model's, or
+fp32 / uint8 for the kinds that need it), logical axes (one name per dimension; sharding/rules.py
+maps them to a mesh) and initializer kind (the distributions in `init_value`). What a declared
+parameter holds depends on `rngs`:
+  rngs an nnx.Rngs   random values (the initializer, one key per parameter from rngs.params());
+  rngs None          the abstract value, a jax.ShapeDtypeStruct (nothing allocated); so does
+                     nnx.eval_shape(lambda: Module(config, rngs=nnx.Rngs(0))).
+An abstract module is filled with arrays by `fill` (the checkpoint loaders' dicts, named as in the
+checkpoint): `Module.of(config, values)`. Variants (MXFP4 experts, low-rank queries, ...) are read
+from the config when a module is built and kept as plain attributes, so the layer maths branch on
+those, never on which keys a parameter dict holds.
 """
 from __future__ import annotations
 
@@ -11,13 +18,109 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-
-from k3jax.config import ModelConfig
-from k3jax.params import Leaf
 
 # flax >= 0.12 wants lists of modules wrapped (older flax took plain lists as pytree attributes)
 List = getattr(nnx, "List", list)
+
+FP32_KINDS = {"A_log", "dt_bias", "router", "zeros32"}
+INIT_STD = 0.02       # the router's init std (every other weight: fan_in ** -0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """A declared parameter's record: shape, initializer kind, logical axes (read off a module's
+    Params by `Module.spec`)."""
+    shape: tuple[int, ...]
+    kind: str = "w"          # w | norm | A_log | dt_bias | router | zeros32 | mx_packed | mx_scale | conv
+    axes: tuple[str, ...] = ()   # one logical axis name per dimension (sharding/rules.py maps them to a mesh)
+
+    def dtype(self, dtype):
+        if self.kind in FP32_KINDS:
+            return jnp.float32
+        if self.kind in ("mx_packed", "mx_scale"):
+            return jnp.uint8
+        return dtype
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+class JaxRandom:
+    """Random source over one jax key (init under jit, on any device)."""
+    xp = jnp
+
+    def __init__(self, key):
+        self.key = key
+
+    def normal(self, shape):
+        return jax.random.normal(self.key, shape, jnp.float32)
+
+    def uniform(self, shape, lo, hi):
+        return jax.random.uniform(self.key, shape, jnp.float32, lo, hi)
+
+    def randint(self, shape, lo, hi):
+        return jax.random.randint(self.key, shape, lo, hi, jnp.int32)
+
+
+class NumpyRandom:
+    """Random source over a numpy Generator: instant on a CPU host (XLA compiles of many
+    threefry calls take tens of seconds there), and identical on every platform."""
+    xp = np
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def normal(self, shape):
+        return self.rng.standard_normal(shape, np.float32)
+
+    def uniform(self, shape, lo, hi):
+        return self.rng.uniform(lo, hi, shape).astype(np.float32)
+
+    def randint(self, shape, lo, hi):
+        return self.rng.integers(lo, hi, shape, np.int32)
+
+
+def init_value(leaf: Leaf, r, dtype, std: float = INIT_STD):
+    """A random value of a declared parameter from random source `r` (JaxRandom or NumpyRandom)."""
+    shape, dt, xp = leaf.shape, leaf.dtype(dtype), r.xp
+    k = leaf.kind
+    if k == "norm":
+        # Near one, not exactly one, so that a wrong norm weight shows up in parity tests.
+        return (1.0 + 0.1 * r.normal(shape)).astype(dt)
+    if k == "zeros32":
+        return 0.01 * r.normal(shape)
+    if k == "A_log":
+        return xp.log(r.uniform(shape, 1.0, 16.0))
+    if k == "dt_bias":
+        dt_ = xp.exp(r.uniform(shape, np.log(1e-3), np.log(1e-1)))
+        return (dt_ + xp.log(-xp.expm1(-dt_))).astype(np.float32)  # inverse softplus
+    if k == "conv":
+        return (r.normal(shape) * 0.5).astype(dt)
+    if k == "mx_packed":
+        return r.randint(shape, 0, 256).astype(np.uint8)
+    if k == "mx_scale":
+        # 2^-6 .. 2^-4: MXFP4 values of magnitude <= 6 * 2^-4, like a trained expert's weights.
+        return r.randint(shape, 121, 124).astype(np.uint8)
+    fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
+    scale = std if k == "router" else fan_in ** -0.5
+    return (r.normal(shape) * scale).astype(dt)
+
+
+def param(shape, axes, kind: str = "w", *, dtype, rngs: nnx.Rngs | None) -> nnx.Param:
+    """A declared parameter: random (rngs) or abstract (rngs None), with its logical axes and
+    initializer kind as metadata (`logical_axes`, `init_kind`)."""
+    leaf = Leaf(tuple(int(d) for d in shape), kind, tuple(axes))
+    if len(leaf.axes) != len(leaf.shape):
+        raise ValueError(f"logical axes {leaf.axes} for a parameter of shape {leaf.shape}")
+    if rngs is None:
+        v = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype(dtype))
+    else:
+        v = init_value(leaf, JaxRandom(rngs.params()), dtype)
+    return nnx.Param(v, logical_axes=leaf.axes, init_kind=kind)
 
 
 def value(p: nnx.Param):
@@ -26,10 +129,18 @@ def value(p: nnx.Param):
     return get() if get is not None else p.value
 
 
+def _set(p: nnx.Param, x):
+    setter = getattr(p, "set_value", None)
+    if setter is not None:
+        setter(x)
+    else:
+        p.value = x
+
+
 class StackedWeight:
     """A scanned layer's weight left in its stack ([L, K, N]) with the layer's index, standing in for
     the layer's [K, N] slice: `x @ w` reads it in place (ops.stacked_matmul). Only the parameters a
-    Group lists in `right_operands` become one, so any other use fails at trace time."""
+    Module lists in `right_operands` become one, so any other use fails at trace time."""
 
     __slots__ = ("stack", "index", "backend")
 
@@ -41,55 +152,116 @@ class StackedWeight:
         return ops.stacked_matmul(x, self.stack, self.index, backend=self.backend)
 
 
-class Group(nnx.Module):
-    """Named parameters (nnx.Param with logical axes) and sub-groups of one part of the model."""
+def _children(module):
+    """(name, Param | Module | List) of a module's parameters and sub-modules, in declaration order."""
+    for name, v in vars(module).items():
+        if isinstance(v, (nnx.Param, Module, List)):
+            yield name, v
 
-    _children: dict = {}        # attribute name -> Group subclass for a sub-dict (default: Group)
+
+class Module(nnx.Module, pytree=False):
+    """A part of the model with the parameters it declares (nnx.Param with logical axes)."""
+
     right_operands: tuple = ()  # parameters whose only use is `x @ w` (a scan may pass StackedWeights)
-    spec_for = None             # config -> this group's spec, for `of` (a staticmethod where set)
-
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        missing = [name for name in spec if name not in values]
-        if missing:
-            raise ValueError(f"{type(self).__name__}: no parameter(s) {missing} in {sorted(values)}; the config's "
-                             "variant needs them (parameters made or converted for another config?)")
-        for name, leaf in spec.items():
-            if isinstance(leaf, Leaf):
-                setattr(self, name, nnx.Param(values[name], logical_axes=leaf.axes))
-            else:
-                setattr(self, name, self._child(name, leaf, config)(leaf, values[name], config))
-
-    def _child(self, name: str, spec: dict, config: ModelConfig) -> type:
-        return self._children.get(name, Group)
 
     @classmethod
-    def of(cls, config: ModelConfig, values: dict):
-        """The module over a parameter dict of one layer part (scripts and tests holding such dicts)."""
-        return cls(cls.spec_for(config), values, config)
+    def of(cls, config, values: dict, **kwargs):
+        """The module (abstract, then filled) over a parameter dict of this part, named as in the
+        checkpoint (scripts and tests holding such dicts). kwargs: the constructor's layout options."""
+        return fill(cls(config, **kwargs), values)
 
     def tree(self) -> dict:
         """The parameters as a dict of arrays (the same arrays), named as in the checkpoint."""
-        out = {}
-        for name, v in vars(self).items():
-            if isinstance(v, nnx.Param):
-                out[name] = value(v)
-            elif isinstance(v, Group):
-                out[name] = v.tree()
-            elif isinstance(v, List):
-                out[name] = [x.tree() for x in v]
-        return out
+        return _walk(self, value)
+
+    def spec(self) -> dict:
+        """The declared parameters as a dict of Leaf (shape, initializer kind, logical axes)."""
+        return _walk(self, lambda p: Leaf(tuple(value(p).shape), p.init_kind, tuple(p.logical_axes)))
 
 
-def right_operand_mask(module: Group) -> dict:
-    """module.tree()'s layout with True at the parameters listed in their Group's right_operands."""
+Group = Module      # the former name
+
+
+def _walk(module, leaf_fn) -> dict:
     out = {}
-    for name, v in vars(module).items():
+    for name, v in _children(module):
+        if isinstance(v, nnx.Param):
+            out[name] = leaf_fn(v)
+        elif isinstance(v, List):
+            out[name] = [_walk(x, leaf_fn) for x in v]
+        else:
+            out[name] = _walk(v, leaf_fn)
+    return out
+
+
+def fill(module, values):
+    """Sets every declared parameter of `module` to the array of the same name in `values` (a dict
+    of its layout; arrays or tracers, used as they are, no copies); returns the module. ValueError
+    naming the module and the parameters when `values` lacks some (parameters made or converted
+    for another config's variant)."""
+    if isinstance(module, List):
+        for m, v in zip(module, values):
+            fill(m, v)
+        return module
+    children = list(_children(module))
+    missing = [name for name, _ in children if name not in values]
+    if missing:
+        raise ValueError(f"{type(module).__name__}: no parameter(s) {missing} in {sorted(values)}; the config's "
+                         "variant needs them (parameters made or converted for another config?)")
+    for name, v in children:
+        if isinstance(v, nnx.Param):
+            _set(v, values[name])
+        else:
+            fill(v, values[name])
+    return module
+
+
+def stack_modules(modules: list, repeats: int | None = None):
+    """One module whose parameters are those of `modules` (same class and layout) stacked on a new
+    leading axis, the logical axis "layers" (the scan layout). Abstract modules stack abstractly:
+    one stands for `repeats` (default: as many as given)."""
+    first = modules[0]
+    repeats = len(modules) if repeats is None else repeats
+    params = [dict(_named(m)) for m in modules]
+    for path, p in _named(first):
+        xs = [ps[path] for ps in params]
+        x0 = value(xs[0])
+        if isinstance(x0, jax.ShapeDtypeStruct):
+            stacked = jax.ShapeDtypeStruct((repeats,) + tuple(x0.shape), x0.dtype)
+        else:
+            if len(xs) != repeats:
+                raise ValueError(f"{len(xs)} modules of values to stack as {repeats}")
+            stacked = jnp.stack([value(x) for x in xs])
+        _set(p, stacked)
+        axes = ("layers",) + tuple(p.logical_axes)
+        if hasattr(p, "set_metadata"):
+            p.set_metadata(logical_axes=axes)
+        else:
+            p.logical_axes = axes
+    return first
+
+
+def _named(module, prefix=""):
+    for name, v in _children(module):
+        if isinstance(v, nnx.Param):
+            yield prefix + name, v
+        elif isinstance(v, List):
+            for i, x in enumerate(v):
+                yield from _named(x, f"{prefix}{name}.{i}.")
+        else:
+            yield from _named(v, f"{prefix}{name}.")
+
+
+def right_operand_mask(module: Module) -> dict:
+    """module.tree()'s layout with True at the parameters listed in their Module's right_operands."""
+    out = {}
+    for name, v in _children(module):
         if isinstance(v, nnx.Param):
             out[name] = name in module.right_operands
-        elif isinstance(v, Group):
-            out[name] = right_operand_mask(v)
         elif isinstance(v, List):
             out[name] = [right_operand_mask(x) for x in v]
+        else:
+            out[name] = right_operand_mask(v)
     return out
 
 
@@ -107,7 +279,7 @@ class Graph:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, leaves))
 
 
-def split_module(module: Group) -> tuple[Graph, dict]:
+def split_module(module: Module) -> tuple[Graph, dict]:
     """(graph, module.tree()): the parameter dict is in the order of the nnx state's leaves (checked),
     so `graph.merge(tree)` rebuilds the module, with its variants, over other arrays of that layout."""
     graphdef, state = nnx.split(module)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import split_experts
 from k3jax.layers.common import DenseMLP, glu_act, rms_norm, upcast
-from k3jax.layers.module import Group, value
-from k3jax.params import experts_spec, moe_spec
+from k3jax.layers.module import Module, fill, param, value
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 
@@ -56,14 +56,47 @@ def routed_experts_reference(pe, z, weights, ids, c: ModelConfig, backend: Backe
     return jnp.zeros(z.shape, y.dtype).at[tok].add(y).astype(z.dtype)
 
 
-class RoutedExperts(Group):
-    """The routed experts [E, ...] (bf16 w1/w3/w2, or MXFP4 packed values and E8M0 scales: `mxfp4`;
-    gate and up as one w13 in the merged layout, k3jax.expert_layout)."""
-    spec_for = staticmethod(experts_spec)
+def _is_merged(values: dict) -> bool:
+    return "w13" in values or "w13_packed" in values
 
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        super().__init__(spec, values, config)
-        self.mxfp4 = config.expert_format == "mxfp4"
+
+class RoutedExperts(Module):
+    """The routed experts [E, ...] (bf16 w1/w3/w2, or MXFP4 packed values and E8M0 scales: `mxfp4`;
+    gate and up as one w13 in the merged layout, k3jax.expert_layout: `merged`). E over "experts",
+    the intermediate width over "expert_mlp" (MXFP4 in the checkpoint's [out, in] orientation, so
+    w1/w3 carry it first and w2 last)."""
+
+    def __init__(self, config: ModelConfig, *, merged: bool = False, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        c = config
+        E, Dp, I = c.num_experts, c.expert_hidden, c.moe_intermediate_size
+        into, out_of = ("experts", "expert_mlp", "expert_embed"), ("experts", "expert_embed", "expert_mlp")
+        w = lambda shape, axes, kind="w": param(shape, axes, kind, dtype=dtype, rngs=rngs)  # noqa: E731
+        self.mxfp4 = c.expert_format == "mxfp4"
+        self.merged = merged
+        if merged and self.mxfp4:
+            self.w13_packed = w((E, 2 * I, Dp // 2), into, "mx_packed")
+            self.w13_scale = w((E, 2 * I, Dp // 32), into, "mx_scale")
+        elif merged:
+            self.w13 = w((E, Dp, 2 * I), out_of)
+        elif self.mxfp4:
+            self.w1_packed = w((E, I, Dp // 2), into, "mx_packed")
+            self.w1_scale = w((E, I, Dp // 32), into, "mx_scale")
+            self.w3_packed = w((E, I, Dp // 2), into, "mx_packed")
+            self.w3_scale = w((E, I, Dp // 32), into, "mx_scale")
+        else:
+            self.w1 = w((E, Dp, I), out_of)
+            self.w3 = w((E, Dp, I), out_of)
+        if self.mxfp4:
+            self.w2_packed = w((E, Dp, I // 2), out_of, "mx_packed")
+            self.w2_scale = w((E, Dp, I // 32), out_of, "mx_scale")
+        else:
+            self.w2 = w((E, I, Dp), into)
+
+    @classmethod
+    def of(cls, config, values: dict, **kwargs):
+        """The experts over a dict of either layout (merged gate/up or not: read off its names)."""
+        return fill(cls(config, **{"merged": _is_merged(values), **kwargs}), values)
 
     def __call__(self, z, weights, ids, c: ModelConfig, layer=None, backend: Backend | None = None):
         """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on
@@ -77,18 +110,34 @@ class RoutedExperts(Group):
                                                                          c, backend, mxfp4=self.mxfp4))
 
 
-class MoE(Group):
+class MoE(Module):
     """Sigmoid router, routed experts (optionally in a latent space, optionally normed there), shared experts."""
 
     right_operands = ("latent_down", "latent_up")
-    _children = {"experts": RoutedExperts, "shared": DenseMLP}
-    spec_for = staticmethod(moe_spec)
 
-    def __init__(self, spec: dict, values: dict, config: ModelConfig):
-        super().__init__(spec, values, config)
-        self.latent = bool(config.routed_expert_hidden_size)
-        self.latent_normed = self.latent and bool(config.latent_moe_norm)
-        self.with_shared = bool(config.num_shared_experts)
+    def __init__(self, config: ModelConfig, *, merged_experts: bool = False, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        c = config
+        D = c.hidden_size
+        self.latent = bool(c.routed_expert_hidden_size)
+        self.latent_normed = self.latent and bool(c.latent_moe_norm)
+        self.with_shared = bool(c.num_shared_experts)
+        self.router = param((D, c.num_experts), ("embed", "routes"), "router", dtype=dtype, rngs=rngs)
+        self.router_bias = param((c.num_experts,), ("routes",), "zeros32", dtype=dtype, rngs=rngs)
+        self.experts = RoutedExperts(c, merged=merged_experts, dtype=dtype, rngs=rngs)
+        if self.with_shared:
+            self.shared = DenseMLP(c, c.moe_intermediate_size * c.num_shared_experts, dtype=dtype, rngs=rngs)
+        if self.latent:
+            self.latent_down = param((D, c.expert_hidden), ("embed", "mlp"), dtype=dtype, rngs=rngs)
+            self.latent_up = param((c.expert_hidden, D), ("mlp", "embed"), dtype=dtype, rngs=rngs)
+            if self.latent_normed:
+                self.latent_norm = param((c.expert_hidden,), ("latent",), "norm", dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def of(cls, config, values: dict, **kwargs):
+        """The layer over a dict of either expert layout (read off the experts' names)."""
+        merged = _is_merged(values.get("experts", {}))
+        return fill(cls(config, **{"merged_experts": merged, **kwargs}), values)
 
     def route(self, x, c: ModelConfig):
         """Router in fp32. x [T, D] -> (weights [T, k] fp32, expert ids [T, k] int32).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers.common import upcast
-from k3jax.params import Leaf, _init_leaf, _JaxRandom, _NumpyRandom, is_leaf
+from k3jax.layers.module import JaxRandom, Leaf, NumpyRandom, init_value, is_leaf
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.positions import VisionBatch, time_table
 
@@ -74,7 +74,7 @@ def init_vision_params(c: VisionConfig, key, text_hidden_size: int | None = None
     """Random parameters (jax key; jit-friendly). Norm weights near 1, everything else random."""
     leaves, treedef = jax.tree_util.tree_flatten(vision_param_spec(c, text_hidden_size), is_leaf=is_leaf)
     keys = jax.random.split(key, len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [_init_leaf(l, _JaxRandom(k), dtype, 0.02)
+    return jax.tree_util.tree_unflatten(treedef, [init_value(l, JaxRandom(k), dtype, 0.02)
                                                   for l, k in zip(leaves, keys)])
 
 
@@ -82,7 +82,7 @@ def init_vision_params_numpy(c: VisionConfig, seed: int, text_hidden_size: int |
     """Host-side random parameters (one numpy Generator per leaf), returned as jax arrays."""
     leaves, treedef = jax.tree_util.tree_flatten(vision_param_spec(c, text_hidden_size), is_leaf=is_leaf)
     rngs = np.random.default_rng(seed).spawn(len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(_init_leaf(l, _NumpyRandom(g), dtype, 0.02))
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(init_value(l, NumpyRandom(g), dtype, 0.02))
                                                   for l, g in zip(leaves, rngs)])
 
 
