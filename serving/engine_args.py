@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 # up to ~64 rows and a 4096-token prefill step runs near the matmul rate (docs/benchmarks.md, H200);
 # on CPU, step time grows with every row, so small steps keep latency and compile time down.
 CPU_BATCH_DEFAULTS = (16, 512)
+SPECULATIVE = ("off", "ngram", "draft")
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
 
 
@@ -61,6 +62,11 @@ class EngineArgs:
                                                   # no tower warm-up or encoder cache)
     encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
+    speculative: str = "off"                      # speculative decoding: "off", "ngram" (prompt lookup) or "draft"
+    num_speculative_tokens: int = 4               # drafts verified per sequence and step (the most; adaptive lowers it)
+    draft_model: Optional[str] = None             # speculative="draft": preset name or checkpoint directory
+    speculative_adaptive: bool = True             # shrink or pause speculation for sequences whose drafts are rejected
+    speculative_max_batch: int = 32               # no speculation in steps with more decoding sequences than this
 
     def __post_init__(self):
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
@@ -100,6 +106,16 @@ class EngineArgs:
             raise ValueError(f"encoder_budget must be a positive int, got {self.encoder_budget!r}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive int, got {self.num_speculative_tokens!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a preset name or checkpoint directory)")
+        if self.speculative != "draft" and self.draft_model:
+            raise ValueError(f"draft_model is only used with speculative='draft' (got speculative={self.speculative!r})")
+        if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be a positive int, got {self.speculative_max_batch!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
 
