@@ -213,7 +213,7 @@ class Scheduler:
         """The speculative drafts a decode chunk feeds after its token (serving/spec): within the budget
         and the context, each with a KDA slot for its position state (held while the request runs;
         never taken from the prefix cache: without free slots the request does not speculate)."""
-        drafts = req.spec_drafts
+        drafts, req.spec_drafts = req.spec_drafts, []       # proposed for this step only
         if not drafts or end != req.num_tokens or end - start != 1:
             return []
         drafts = drafts[:max(0, min(budget - 1, self.cfg.max_model_len - end))]
