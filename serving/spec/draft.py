@@ -29,6 +29,16 @@ def check_compatible(draft_config, target_config, name: str = "draft model"):
                          f"{target_config.vocab_size}: a draft model must share the target's tokenizer")
 
 
+def check_draft_configs(target: str, draft: str):
+    """The vocabulary check of two model names (presets or checkpoint directories) from their configs alone."""
+    from k3jax.presets import resolve_config
+    try:
+        dc = resolve_config(draft)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"draft model {draft!r}: {e}") from None
+    check_compatible(dc, resolve_config(target), f"draft model {draft!r}")
+
+
 def load_draft_model(path_or_preset: str, target):
     """The draft model of --draft-model, in the target's parameter dtype, checked against the target. A preset
     without weights gets random ones (seed 0: benchmarks)."""
