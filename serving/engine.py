@@ -237,6 +237,9 @@ class LLMEngine:
         if speculate:
             self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
+        if speculate:                  # drafts of requests this step did not schedule are stale next step
+            for r in self.scheduler.running:
+                r.spec_drafts = []
         if out.restores:
             self.host_io.restore(out.restores)
         if not out.chunks:

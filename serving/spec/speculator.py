@@ -5,7 +5,8 @@ Adaptive policy, per sequence: the draft length follows acceptance (one more aft
 run, the accepted count + 1 after a rejection); an exponential average of the acceptance rate below
 `min_acceptance` pauses speculation for the sequence (8 steps, doubling on every failed probe up to
 `max_pause`; a good probe resets it); a drafter with nothing to propose pauses it too (1 step, doubling
-up to 32). Speculation is off for a step when more than `max_batch` sequences decode: a large batch
+up to 32); pauses end at multiples of their length, so paused sequences probe in the same steps (a
+speculative step is synchronous). Speculation is off for a step when more than `max_batch` sequences decode: a large batch
 is already compute-efficient, and verification would only add work.
 
 Not speculated: requests with structured output or penalties (their sampler state depends on every
@@ -41,6 +42,7 @@ class Speculator:
         self.min_acceptance = min_acceptance
         self.max_pause = max_pause
         self.seqs: dict[str, SeqSpec] = {}
+        self.step = 0
         self.stats = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_rows": 0,
                       "spec_steps": 0}
 
@@ -65,8 +67,14 @@ class Speculator:
 
     def tick(self):
         """One engine step passed: paused sequences count it."""
+        self.step += 1
         for s in self.seqs.values():
             s.pause -= 1
+
+    def _pause(self, s: SeqSpec, steps: int):
+        # paused sequences resume together, at multiples of their (power of two) pause: a step that speculates
+        # is synchronous, so few such steps beat many steps with one probing sequence each
+        s.pause = steps - self.step % steps
 
     def wants_step(self, running) -> bool:
         return bool(self.candidates(running))
@@ -89,7 +97,8 @@ class Speculator:
                 got += 1
             elif self.adaptive:
                 s = self._state(r)
-                s.pause, s.miss_backoff = s.miss_backoff, min(2 * s.miss_backoff, 32)
+                self._pause(s, s.miss_backoff)
+                s.miss_backoff = min(2 * s.miss_backoff, 32)
         return got
 
     def observe(self, req: Request, proposed: int, accepted: int):
@@ -104,7 +113,8 @@ class Speculator:
         s.ema = (1 - self.EMA) * s.ema + self.EMA * accepted / proposed
         s.k = min(self.k, s.k + 1) if accepted == proposed else max(1, accepted + 1)
         if s.ema < self.min_acceptance:
-            s.pause, s.backoff = s.backoff, min(2 * s.backoff, self.max_pause)
+            self._pause(s, s.backoff)
+            s.backoff = min(2 * s.backoff, self.max_pause)
             s.ema = self.min_acceptance          # one probe after the pause decides again
         elif accepted:
             s.backoff = 8
