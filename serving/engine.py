@@ -49,6 +49,8 @@ class LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
         self.max_model_len = min(args.max_model_len or 8192, c.max_position_embeddings)
         args.max_model_len = self.max_model_len
+        # speculation off: None; a draft model's weights and pools come first, so the cache is sized after them
+        self.spec = make_speculator(args, model, self.max_model_len)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         cache_dtype = model.params["embed"].dtype
         mesh = getattr(model, "mesh", None)
@@ -71,7 +73,6 @@ class LLMEngine:
             cache_dtype=cache_dtype, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, mesh=mesh,
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None),
             spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0)
-        self.spec = make_speculator(args, model, self.max_model_len)     # None: speculation off
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]

@@ -345,6 +345,9 @@ class ModelRunner:
             for T, N, decode, mm in shapes:
                 if not decode and not mm:
                     self._run_padding_verify(T, N)
+            for N in self.seq_buckets:                 # and its sampler variants, as the plain sampler's
+                for variant in variants:
+                    self._run_padding_verify(_fit(self.token_buckets, N), N, *variant)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.pools)
         log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
@@ -400,10 +403,10 @@ class ModelRunner:
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
         return batch, sarr
 
-    def _run_padding_verify(self, T: int, N: int):
+    def _run_padding_verify(self, T: int, N: int, *variant):
         batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
                                 num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
-        _, sarr = self._padding_batch(T, N, False)
+        _, sarr = self._padding_batch(T, N, False, False, *variant)
         self._note_shape(("verify", T, N, self.spec_width))
         self._note_shape(("verify-sample", N, self._variant(sarr)))
         self._call("verify", batch, sarr, np.zeros(N, np.int32), np.zeros((N, self.spec_width - 1), np.int32),
