@@ -120,12 +120,12 @@ def main(argv=None):
 
     cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
     engine.spec = None
-    ref_n, base_n, _ = _run(engine, cn, args.cN_tokens)
-    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, 0.0)
+    ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens)
+    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, dec_n)
     engine.spec = make_speculator(eargs, model, engine.max_model_len)
-    out, tput, _ = _run(engine, cn, args.cN_tokens)
+    out, tput, dec = _run(engine, cn, args.cN_tokens)
     m = engine.spec.metrics()
-    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, 0.0,
+    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
         f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
         f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
     del spec
