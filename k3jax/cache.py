@@ -93,6 +93,9 @@ class StepBatch:
                           slot (no checkpoint), so KDA runs the fused decode kernel on the pool
     mm_embeds [T, D]      optional: input embeddings replacing the token embedding where mm_mask
     mm_mask [T]           is set (image placeholders); None on text-only steps (own compiled variant)
+    spec_dst [N, W]       optional (speculative verification): KDA slot receiving the state after each
+                          of the chunk's first W tokens (-1 = not kept); logits_indices then has N * W
+                          entries, row n * W + j the logits after token j of sequence n
     """
     tokens: jax.Array
     slot_mapping: jax.Array
@@ -106,6 +109,7 @@ class StepBatch:
     decode_only: bool = struct.field(pytree_node=False, default=False)
     mm_embeds: Optional[jax.Array] = None
     mm_mask: Optional[jax.Array] = None
+    spec_dst: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass
@@ -118,12 +122,15 @@ class SeqChunk:
     state_dst: int              # KDA slot to write
     ckpt_dst: int = 0           # extra checkpoint slot (0 = none)
     mm: Sequence = ()           # (offset in the chunk, embeddings [m, D]) replacing token embeddings
+    spec_slots: Sequence[int] = ()  # speculative verification: slot for the state after token j (see StepBatch)
 
 
 def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: int | None = None,
-                    num_seqs: int | None = None, max_pages: int | None = None) -> StepBatch:
+                    num_seqs: int | None = None, max_pages: int | None = None, spec_width: int = 0) -> StepBatch:
     """Lay chunks out flat (numpy), padded to num_tokens / num_seqs / max_pages (shape buckets).
-    Multimodal rows (SeqChunk.mm) are laid out at their tokens' flat positions."""
+    Multimodal rows (SeqChunk.mm) are laid out at their tokens' flat positions. spec_width W > 0: a
+    verification step (StepBatch.spec_dst from SeqChunk.spec_slots, logits after each of the first W
+    tokens of every chunk)."""
     lens = [len(ch.tokens) for ch in chunks]
     T = num_tokens or max(sum(lens), 1)
     N = num_seqs or len(chunks)
@@ -167,8 +174,22 @@ def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: i
                 raise ValueError(f"multimodal rows at {at}..{at + len(e)} fall outside their chunk")
             mm_embeds[at:at + len(e)] = e
             mm_mask[at:at + len(e)] = True
-    decode_only = not rows and bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
+    spec_dst = None
+    if spec_width:
+        spec_dst = np.full((N, spec_width), -1, np.int32)
+        # a verify chunk (spec_slots given): the logits after each of its tokens; any other: its last token's
+        last = np.maximum(np.diff(cu), 1)[:, None] - 1
+        verify = np.zeros((N, 1), bool)
+        verify[:len(chunks), 0] = [bool(len(ch.spec_slots)) for ch in chunks]
+        cols = np.where(verify, np.minimum(np.arange(spec_width)[None], last), last)
+        logits_idx = (cu[:-1, None] + cols).reshape(-1).astype(np.int32)
+        for n, ch in enumerate(chunks):
+            if len(ch.spec_slots) > min(spec_width, lens[n]):
+                raise ValueError(f"sequence {n}: {len(ch.spec_slots)} position states for {lens[n]} tokens "
+                                 f"(spec width {spec_width})")
+            spec_dst[n, :len(ch.spec_slots)] = ch.spec_slots
+    decode_only = not spec_width and not rows and bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
                                        for ch in chunks)
     return StepBatch(tokens=tokens, slot_mapping=slot, cu_seqlens=cu, kv_lens=kv_lens, block_tables=bt,
                      state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx, decode_only=decode_only,
-                     mm_embeds=mm_embeds, mm_mask=mm_mask)
+                     mm_embeds=mm_embeds, mm_mask=mm_mask, spec_dst=spec_dst)

@@ -184,7 +184,8 @@ class K3Model(Module):
         seq, local = _token_meta(batch.cu_seqlens, T)
         meta = dict(cu_seqlens=batch.cu_seqlens, token_seq=seq, token_local=local, state_src=batch.state_src,
                     state_dst=batch.state_dst, ckpt_dst=batch.ckpt_dst, slot_mapping=batch.slot_mapping,
-                    block_tables=batch.block_tables, kv_lens=batch.kv_lens, decode_only=batch.decode_only)
+                    block_tables=batch.block_tables, kv_lens=batch.kv_lens, decode_only=batch.decode_only,
+                    spec_dst=batch.spec_dst)
         n_kda, n_mla = len(c.kda_layers), len(c.mla_layers)
         page_size = pools.page_size
 
@@ -239,9 +240,10 @@ def _token_meta(cu_seqlens, T: int):
 # see ordinary row ids, remapped per layer below.
 
 def _kda_meta(meta, l, n_layers: int):
-    src = meta["state_src"]
+    src, spec = meta["state_src"], meta.get("spec_dst")
     return dict(meta, state_src=jnp.where(src >= 0, src * n_layers + l, -1),
-                state_dst=meta["state_dst"] * n_layers + l, ckpt_dst=meta["ckpt_dst"] * n_layers + l)
+                state_dst=meta["state_dst"] * n_layers + l, ckpt_dst=meta["ckpt_dst"] * n_layers + l,
+                spec_dst=None if spec is None else jnp.where(spec >= 0, spec * n_layers + l, -1))
 
 
 def _mla_meta(meta, l, n_layers: int, page_size: int):

@@ -90,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-cache-mb", type=int_at_least(0), default=0,
                     help="host-memory tier for prefix-cache checkpoints evicted from the device, in MiB (0 = off; "
                          "--role decode: at least 1024, entries from the prefill peer pass through it)")
+    sp = ap.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
+                    help="draft tokens verified by one target step: ngram (prompt lookup, no extra model) or draft "
+                         "(--draft-model); greedy output is unchanged, sampled output keeps its distribution; "
+                         "requests with structured output or penalties are not speculated (default: off)")
+    sp.add_argument("--num-speculative-tokens", type=int_at_least(1), default=4, metavar="K",
+                    help="most draft tokens per sequence and step (adaptive: fewer, or none, for a sequence whose "
+                         "drafts are rejected)")
+    sp.add_argument("--draft-model", default=None, metavar="PATH_OR_PRESET",
+                    help="--speculative draft: a smaller model with the target's vocabulary")
+    sp.add_argument("--speculative-max-batch", type=int_at_least(1), default=32,
+                    help="no speculation in steps with more decoding sequences than this")
+    sp.add_argument("--no-speculative-adaptive", action="store_true",
+                    help="always propose K drafts (default: shrink or pause per sequence on low acceptance)")
     dg = ap.add_argument_group("prefill/decode disaggregation")
     dg.add_argument("--role", choices=["single", "prefill", "decode"], default="single",
                     help="prefill: compute prompts for decode servers (POST /internal/prefill) and offer their cache "
@@ -222,7 +236,13 @@ def build_state(args, request_matcher=None):
         async_scheduling=not args.no_async_scheduling,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision, executable_cache=args.executable_cache, **advanced_kwargs(args),
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model, speculative_max_batch=args.speculative_max_batch,
+        speculative_adaptive=not args.no_speculative_adaptive,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
+    if eargs.speculative == "draft":       # a draft of another vocabulary is refused before anything loads
+        from serving.spec.draft import check_draft_configs
+        check_draft_configs(args.model, eargs.draft_model)
     t0 = time.perf_counter()
     set_stage("load")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed, mesh=args.mesh, revision=args.revision,

@@ -26,6 +26,7 @@ from serving.request import CompletionOutput, Request, RequestOutput, Status
 from serving.runner import ModelRunner, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
 from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from serving.spec import make_speculator
 from serving.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class LLMEngine:
         self.token_buckets, self.seq_buckets = step_buckets(
             args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
             token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+        # speculation off: None; a draft model's weights and pools come first, so the cache is sized after them
+        self.spec = make_speculator(args, model, self.max_model_len)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         weight_dtype = model.params["embed"].dtype
         cache_dtype = args.cache_dtype(weight_dtype)
@@ -88,7 +91,8 @@ class LLMEngine:
             cache_dtype=cache_dtype, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets, mesh=mesh,
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
-            if args.compilation_cache_dir and args.executable_cache else None)
+            if args.compilation_cache_dir and args.executable_cache else None,
+            spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -225,14 +229,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, self._pending = self._pending, None
         outputs = []
-        if prev is not None and self._sync_ids:
+        # speculation: drafts continue the last token, so the step before must be resolved first
+        speculate = self.spec is not None and self.spec.wants_step(self.scheduler.running)
+        if self.spec is not None:
+            self.spec.tick()
+        if prev is not None and (self._sync_ids or speculate):
             outputs += self._resolve(prev)
             prev = None
-        cur = self._launch(in_flight=prev is not None)
+        cur = self._launch(in_flight=prev is not None, speculate=speculate)
         if prev is not None:
             outputs += self._resolve(prev)
         if cur is not None:
-            if self.args.async_scheduling and not self._sync_ids:
+            if self.args.async_scheduling and not self._sync_ids and not cur[2]:
                 self._pending = cur
             else:
                 outputs += self._resolve(cur)
@@ -240,12 +248,19 @@ class LLMEngine:
         self.counters["step_time"] += time.perf_counter() - t0
         return outputs
 
-    def _launch(self, in_flight: bool):
+    def _launch(self, in_flight: bool, speculate: bool = False):
         """Schedule and dispatch one step without waiting for it. Every sampled row gets a placeholder
         token -(row + 1) appended to its request (the step's sampled tokens stay on the device; the
         runner substitutes them into the next step's input); _resolve replaces it with the token.
-        Returns (device results, [(row, request, output index)]) or None when nothing was scheduled."""
+        Returns (device results, [(row, request, output index)], verification rows) or None when nothing
+        was scheduled; verification rows (a speculative step, resolved at once) map a row to
+        (drafts, chunk start, position slots, spare slots)."""
+        if speculate:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
+        if speculate:                  # drafts of requests this step did not schedule are stale next step
+            for r in self.scheduler.running:
+                r.spec_drafts = []
         if out.restores:
             self.host_io.restore(out.restores)
         if not out.chunks:
@@ -256,16 +271,27 @@ class LLMEngine:
         if out.encode:
             self.encoder.encode(out.encode)
         reqs = [ch.req for ch in out.chunks]
-        chunks = [SeqChunk(r.token_slice(ch.start, ch.end), ch.start, r.page_array(), ch.state_src, r.slot, ch.ckpt_dst,
-                           mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images else ())
-                  for r, ch in zip(reqs, out.chunks)]
+        verify = {}
+        for i, (r, ch) in enumerate(zip(reqs, out.chunks)):
+            if ch.drafts:              # the state after each fed token: a spare slot each, the last in r.slot
+                d = len(ch.drafts)
+                verify[i] = (list(ch.drafts), ch.start, r.spec_slots[:d] + [r.slot], r.spec_slots[d:])
+        chunks = [SeqChunk(r.token_slice(ch.start, ch.end) + ch.drafts, ch.start, r.page_array(), ch.state_src, r.slot,
+                           ch.ckpt_dst, mm=chunk_rows(r.images, ch.start, ch.end, self.encoder.embeddings) if r.images
+                           else (), spec_slots=verify[i][2] if i in verify else ())
+                  for i, (r, ch) in enumerate(zip(reqs, out.chunks))]
         sampled = [(i, ch.req) for i, ch in enumerate(out.chunks) if ch.sample]
         masks = [r.matcher.allowed_mask() if r.matcher is not None and ch.sample else None
                  for r, ch in zip(reqs, out.chunks)]
-        results = self.runner.launch(
-            chunks, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks,
-            top_logprobs=self.verifier is not None)       # the prefix-cache check compares top logprobs
+        kw = dict(prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks,
+                  top_logprobs=self.verifier is not None)       # the prefix-cache check compares top logprobs
+        if verify:
+            results = self.runner.launch_verify(chunks, [ch.drafts for ch in out.chunks], [r.params for r in reqs],
+                                                [r.seed for r in reqs], [len(r.output_ids) for r in reqs], **kw)
+            self.spec.stats["spec_steps"] += 1
+        else:
+            results = self.runner.launch(chunks, [r.params for r in reqs], [r.seed for r in reqs],
+                                         [len(r.output_ids) for r in reqs], **kw)
         self.scheduler.after_step(out)
         rows = []
         for i, req in sampled:
@@ -273,11 +299,13 @@ class LLMEngine:
             req.output_ids.append(-(i + 1))
             # its last token is sampled now: nothing more to schedule for it
             req.final_sampled = len(req.output_ids) >= req.params.max_tokens
-        return results, rows
+        return results, rows, verify
 
     def _resolve(self, launched) -> list[RequestOutput]:
         """Fetch a launched step's tokens (waits for the device) and account them to their requests."""
-        results, rows = launched
+        results, rows, verify = launched
+        if verify:
+            return self._resolve_verify(results, rows, verify)
         toks, lps, top_ids, top_vals = self.runner.fetch(results)
         now = time.monotonic()
         outputs = []
@@ -289,6 +317,41 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 continue
             outputs.append(self._append(req, at, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
+        return outputs
+
+    def _resolve_verify(self, results, rows, verify) -> list[RequestOutput]:
+        """A speculative step's tokens: each row's accepted drafts and its bonus or corrected token, one by
+        one through the stop checks; the KDA state kept is the one after the last token kept, and pages
+        past it go back (serving/spec)."""
+        toks, accepted, lps, top_ids, top_vals = self.runner.fetch(results)
+        now = time.monotonic()
+        outputs = []
+        for i, req, at in rows:
+            if req.status == Status.FINISHED:
+                continue
+            if self.verifier is not None and self.verifier.owns(req):
+                self.verifier.recomputed(req, top_ids[i, 0], top_vals[i, 0])
+                self.scheduler.finish(req)
+                continue
+            spec = verify.get(i)
+            m = int(accepted[i]) if spec is not None else 0
+            if spec is not None:
+                self.spec.observe(req, len(spec[0]), m)
+            new, out = [], None
+            for j in range(m + 1):
+                tok = int(toks[i, j])
+                if spec is not None:
+                    self.scheduler.select_position(req, spec[1], spec[2], spec[3], j)
+                if j:
+                    req.output_ids.append(-1)
+                new.append(tok)
+                out = self._append(req, at + j, tok, float(lps[i, j]), top_ids[i, j], top_vals[i, j], now)
+                if req.status == Status.FINISHED:
+                    break
+            if spec is not None and req.status != Status.FINISHED:
+                self.scheduler.trim_pages(req)
+            out.metrics["new_token_ids"] = new
+            outputs.append(out)
         return outputs
 
     def _append(self, req: Request, at: int, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
@@ -316,6 +379,8 @@ class LLMEngine:
     def _forget(self, req: Request):
         self.requests.pop(req.request_id, None)
         self._sync_ids.discard(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req)
 
     def _verify(self, req: Request, top_ids, top_vals):
         shadow = self.verifier.shadow_for(req, top_ids, top_vals)
@@ -352,6 +417,8 @@ class LLMEngine:
             s.update(self.verifier.stats)
         if self.encoder is not None:
             s.update(self.encoder.stats())
+        if self.spec is not None:
+            s.update(self.spec.metrics())
         return s
 
 

@@ -46,6 +46,7 @@ def claim_device_memory(fraction: float = ALLOCATOR_MEMORY_FRACTION) -> None:
 # up to ~64 rows and a 4096-token prefill step runs near the matmul rate (docs/performance.md);
 # on CPU, step time grows with every row, so small steps keep latency and compile time down.
 CPU_BATCH_DEFAULTS = (16, 512)
+SPECULATIVE = ("off", "ngram", "draft")
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
 
 
@@ -129,6 +130,11 @@ class EngineArgs:
                                                   # layers' dense weights in place (False: sliced copies)
     merged_experts: bool = False                  # one GPU running the kernels: routed experts' gate and up
                                                   # weights merged at load (opt-in until measured end to end)
+    speculative: str = "off"                      # speculative decoding: "off", "ngram" (prompt lookup) or "draft"
+    num_speculative_tokens: int = 4               # drafts verified per sequence and step (the most; adaptive lowers it)
+    draft_model: Optional[str] = None             # speculative="draft": preset name or checkpoint directory
+    speculative_adaptive: bool = True             # shrink or pause speculation for sequences whose drafts are rejected
+    speculative_max_batch: int = 32               # no speculation in steps with more decoding sequences than this
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -177,6 +183,16 @@ class EngineArgs:
             raise ValueError(f"encoder_budget must be a positive int, got {self.encoder_budget!r}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive int, got {self.num_speculative_tokens!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a preset name or checkpoint directory)")
+        if self.speculative != "draft" and self.draft_model:
+            raise ValueError(f"draft_model is only used with speculative='draft' (got speculative={self.speculative!r})")
+        if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be a positive int, got {self.speculative_max_batch!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
 

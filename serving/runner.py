@@ -26,6 +26,7 @@ from pallas_kernels.backend import Backend, resolve
 from serving import multihost
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
+from serving.spec.rejection import verify as spec_verify
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def tqdm_if(items, progress: bool):
 def _step_key(batch) -> tuple:
     """The compiled variant a step batch needs: its bucket (T, N), decode-only, image embeddings."""
     return (batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, bool(batch.decode_only),
-            batch.mm_embeds is not None)
+            batch.mm_embeds is not None) + ((("spec", batch.spec_dst.shape[1]),) if batch.spec_dst is not None else ())
 
 
 def _sampler_key(sarr) -> tuple:
@@ -166,8 +167,10 @@ class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
-                 backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None):
+                 backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None,
+                 spec_width: int = 0):
         self.config = config
+        self.spec_width = spec_width        # speculative decoding: K + 1 tokens per verify row (0 = off)
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
         # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
         # Split once: the step merges the NNX model from (graph, params) inside its trace.
@@ -210,6 +213,7 @@ class ModelRunner:
         # dispatch until the step before had run; see sampler.SamplingArrays.truncate)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
+        self._verify = jax.jit(functools.partial(spec_verify, num_top_logprobs=max_logprobs), **sample_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)
         if mesh is not None:
@@ -274,6 +278,32 @@ class ModelRunner:
         self._note_shape(("sample", N, self._variant(sarr)))
         return self._call("step", batch, sarr, cnt)
 
+    def launch_verify(self, chunks: Sequence[SeqChunk], drafts, params: Sequence[SamplingParams], seeds, counters,
+                      prompt_ids=None, output_ids=None, allowed_masks=None, top_logprobs: bool = False):
+        """Dispatch a speculative verification step (serving/spec): chunk n's tokens end with drafts[n]
+        (possibly none) and its SeqChunk.spec_slots name a KDA slot per fed token. Returns device (tokens
+        [N, W], accepted [N], logprobs [N, W], top_ids [N, W, L], top_vals [N, W, L]), W = spec_width
+        (rejection.verify)."""
+        W = self.spec_width
+        T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
+        N = _fit(self.seq_buckets, len(chunks))
+        batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
+                                spec_width=W)
+        sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
+                                     prompt_token_ids=prompt_ids, output_token_ids=output_ids,
+                                     allowed_masks=allowed_masks, penalty_width=self.penalty_width,
+                                     top_logprobs=True if top_logprobs else None)
+        cnt = np.zeros(N, np.int32)
+        cnt[:len(counters)] = counters
+        d = np.zeros((N, W - 1), np.int32)
+        nd = np.zeros(N, np.int32)
+        for n, ds in enumerate(drafts):
+            d[n, :len(ds)] = ds
+            nd[n] = len(ds)
+        self._note_shape(("verify", T, N, W))
+        self._note_shape(("verify-sample", N, self._variant(sarr)))
+        return self._call("verify", batch, sarr, cnt, d, nd)
+
     @staticmethod
     def fetch(results):
         """Wait for a launched step and bring its results to the host (one transfer for all)."""
@@ -305,6 +335,13 @@ class ModelRunner:
             T = _fit(self.token_buckets, N)
             for variant in variants:
                 self._run_padding(T, N, False, False, *variant)
+        if self.spec_width:            # the verification variant of every (tokens, sequences) bucket
+            for T, N, decode, mm in shapes:
+                if not decode and not mm:
+                    self._run_padding_verify(T, N)
+            for N in self.seq_buckets:                 # and its sampler variants, as the plain sampler's
+                for variant in variants:
+                    self._run_padding_verify(_fit(self.token_buckets, N), N, *variant)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.pools)
         log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
@@ -379,6 +416,15 @@ class ModelRunner:
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
         return batch, sarr
 
+    def _run_padding_verify(self, T: int, N: int, *variant):
+        batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
+                                num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
+        _, sarr = self._padding_batch(T, N, False, False, *variant)
+        self._note_shape(("verify", T, N, self.spec_width))
+        self._note_shape(("verify-sample", N, self._variant(sarr)))
+        self._call("verify", batch, sarr, np.zeros(N, np.int32), np.zeros((N, self.spec_width - 1), np.int32),
+                   np.zeros(N, np.int32))
+
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                      masked: bool = False, truncate: bool = False, top_logprobs: bool = False):
         batch, sarr = self._padding_batch(T, N, decode, mm, penalties, masked, truncate, top_logprobs)
@@ -399,6 +445,14 @@ class ModelRunner:
                 toks, lp, (top_ids, top_vals), self.last_tokens = sample(logits, sarr, self.key_data, counters,
                                                                          self.last_tokens)
                 return multihost.settle((toks, lp, top_ids, top_vals))
+            if control == "verify":
+                batch, sarr, counters, drafts, num_drafts = args
+                step = self._compiled.get(_step_key(batch), self._step)
+                logits, self.pools = step(self.params, self.pools, batch, self.last_tokens)
+                n = sarr.temperature.shape[0]
+                toks, acc, lp, (top_ids, top_vals) = self._verify(logits.reshape(n, self.spec_width, -1), sarr,
+                                                                   self.key_data, counters, drafts, num_drafts)
+                return multihost.settle((toks, acc, lp, top_ids, top_vals))
             if control == "copy":
                 src, dst = args
                 self.pools = multihost.settle(self._copy(self.pools, src, dst))

@@ -151,23 +151,8 @@ def sample(logits, params: SamplingArrays, key_data, step_counters,
         raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
-    x = logits
-    if params.allowed_mask is not None:
-        x = jnp.where(unpack_bitmask(params.allowed_mask, v), x, NEG_INF)
-    if params.bias_ids is not None:
-        rows = jnp.broadcast_to(jnp.arange(s)[:, None], params.bias_ids.shape)
-        x = x.at[rows, jnp.where(params.bias_ids >= 0, params.bias_ids, v)].add(params.bias_values, mode="drop")
-    if params.prompt_mask is not None or params.output_tokens is not None:
-        x = apply_penalties(x, params.prompt_mask, params.output_tokens,
-                            params.repetition_penalty, params.presence_penalty,
-                            params.frequency_penalty)
-    greedy = params.temperature < GREEDY_EPS
+    x, xs, keep, greedy = process(logits, params)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    xs = x / jnp.where(greedy, 1.0, params.temperature)[:, None]
-
-    # every row is drawn, greedy ones too (then discarded): a lax.cond on "all greedy" would sync the
-    # host (see SamplingArrays.truncate), and the draw costs little next to it
-    keep = truncation_mask(xs, params.top_k, params.top_p, params.min_p, sort=params.truncate)
     processed = jnp.where(keep | greedy[:, None], xs, NEG_INF)
     keys = row_keys(key_data, params.seed, step_counters)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
@@ -180,6 +165,29 @@ def sample(logits, params: SamplingArrays, key_data, step_counters,
     else:
         top_vals, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
     return tokens, chosen, (top_ids.astype(jnp.int32), top_vals)
+
+
+def process(logits, params: SamplingArrays):
+    """Steps 1-4 of the module docstring up to the draw: (x [S, V] the logits after bitmask, bias and
+    penalties (greedy rows take its argmax), xs = x / temperature, keep [S, V] the tokens truncation
+    keeps, greedy [S]). A sampled row draws from softmax(xs) restricted to keep."""
+    s, v = logits.shape
+    x = logits
+    if params.allowed_mask is not None:
+        x = jnp.where(unpack_bitmask(params.allowed_mask, v), x, NEG_INF)
+    if params.bias_ids is not None:
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], params.bias_ids.shape)
+        x = x.at[rows, jnp.where(params.bias_ids >= 0, params.bias_ids, v)].add(params.bias_values, mode="drop")
+    if params.prompt_mask is not None or params.output_tokens is not None:
+        x = apply_penalties(x, params.prompt_mask, params.output_tokens,
+                            params.repetition_penalty, params.presence_penalty,
+                            params.frequency_penalty)
+    greedy = params.temperature < GREEDY_EPS
+    xs = x / jnp.where(greedy, 1.0, params.temperature)[:, None]
+    # every row is drawn, greedy ones too (then discarded): a lax.cond on "all greedy" would sync the
+    # host (see SamplingArrays.truncate), and the draw costs little next to it
+    keep = truncation_mask(xs, params.top_k, params.top_p, params.min_p, sort=params.truncate)
+    return x, xs, keep, greedy
 
 
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "logprobs_mode"))

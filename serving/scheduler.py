@@ -44,10 +44,15 @@ class ScheduledChunk:
     end: int             # one past the last
     state_src: int       # KDA slot to resume from (-1 = fresh)
     ckpt_dst: int        # checkpoint slot written after the chunk (0 = none)
+    drafts: list = dataclasses.field(default_factory=list)   # speculative drafts fed after the chunk's tokens
 
     @property
     def sample(self) -> bool:
         return self.end == self.req.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start + len(self.drafts)
 
 
 @dataclasses.dataclass
@@ -60,7 +65,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
+        return sum(c.num_tokens for c in self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +146,10 @@ class Scheduler:
             self.pages.decref(req.pages)
         if req.slot:
             self.slots.decref([req.slot])
+        if req.spec_slots:
+            self.slots.decref(req.spec_slots)
         req.pages, req.slot, req.num_computed = [], 0, 0
+        req.spec_slots, req.spec_drafts = [], []
 
     def finish(self, req: Request, keep_state: bool = False):
         """Retire a request. keep_state (a normal finish): its final KDA state and pages join the
@@ -222,7 +230,40 @@ class Scheduler:
             src = req.hit.checkpoint_slot
         else:
             src = req.slot if start else -1
-        return ScheduledChunk(req, start, end, src, ckpt)
+        return ScheduledChunk(req, start, end, src, ckpt, self._drafts(req, start, end, budget))
+
+    def _drafts(self, req: Request, start: int, end: int, budget: int) -> list:
+        """The speculative drafts a decode chunk feeds after its token (serving/spec): within the budget
+        and the context, each with a KDA slot for its position state (held while the request runs;
+        never taken from the prefix cache: without free slots the request does not speculate)."""
+        drafts, req.spec_drafts = req.spec_drafts, []       # proposed for this step only
+        if not drafts or end != req.num_tokens or end - start != 1:
+            return []
+        drafts = drafts[:max(0, min(budget - 1, self.cfg.max_model_len - end))]
+        missing = len(drafts) - len(req.spec_slots)
+        if missing > 0:
+            got = self.slots.allocate(missing)
+            if got is None:
+                return []
+            req.spec_slots += got
+        return list(drafts)
+
+    @staticmethod
+    def select_position(req: Request, start: int, position_slots: list, spare_slots: list, j: int):
+        """After a verification: the request continues from the state after fed token j of the chunk that
+        started at `start` (position_slots[p] holds the state after token p; spare_slots: its other
+        speculation slots). The slots are exchanged, not copied; may be called again with another j (stop
+        conditions decide how much of an accepted run is kept)."""
+        req.slot = position_slots[j]
+        req.spec_slots = [s for p, s in enumerate(position_slots) if p != j] + list(spare_slots)
+        req.num_computed = start + j + 1
+
+    def trim_pages(self, req: Request):
+        """Give back pages past the request's tokens (they held only rejected drafts)."""
+        keep = -(-req.num_tokens // self.cfg.page_size)
+        if len(req.pages) > keep:
+            extra, req.pages = req.pages[keep:], req.pages[:keep]
+            self.pages.decref(extra)
 
     def _fit_encoder(self, req: Request, start: int, end: int) -> int:
         """Shorten [start, end) to the images the encoder budget allows this step (the first image of a
@@ -393,7 +434,7 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
             ch = self._chunk(req, budget, decoding)
             if ch is None:
                 continue
-            need = self._pages_needed(req, ch.end)
+            need = self._pages_needed(req, ch.end + len(ch.drafts))
             new = self._alloc_pages(need)
             while new is None and order:     # preempt the lowest-priority request not yet scheduled
                 self._preempt(order.pop(), out)
@@ -406,7 +447,7 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
             req.pages += new
             out.chunks.append(ch)
             scheduled[req.request_id] = ch
-            budget -= ch.end - ch.start
+            budget -= ch.num_tokens
         # A request whose last token the step in flight samples is done computing: it does not count against
         # max_num_seqs, so a prefill-only workload (max_tokens=1) schedules its next step while the device
         # runs the last one instead of waiting for the last one's tokens (its pages and slot stay held).

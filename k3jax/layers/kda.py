@@ -13,6 +13,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
+from k3jax.layers.kda_positions import write_position_states
 from k3jax.layers.module import Module, param, value
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
@@ -167,8 +168,14 @@ class KDA(Module):
             for dst in (meta["state_dst"], meta["ckpt_dst"]):
                 state_pool = set_rows(state_pool, dst, s1)
                 conv_pool = set_rows(conv_pool, dst, conv_new.astype(value_dtype(conv_pool, x.dtype)))
+        o = o[0]
+        if meta.get("spec_dst") is not None:        # speculative verification: a state per position
+            with jax.named_scope("kda_position_states"):
+                state_pool, conv_pool, o = write_position_states(
+                    state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta,
+                    scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
         with jax.named_scope("kda_out"):
-            return self.output(x, o[0], c), state_pool, conv_pool
+            return self.output(x, o, c), state_pool, conv_pool
 
     def _decode_step(self, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
         """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule

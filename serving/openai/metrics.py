@@ -42,6 +42,12 @@ class Metrics:
             self.http_closed.labels(model_name, reason)          # listed (at 0) before the first close
         self.http_open = Gauge("k3jax:http_connections_open", "Open HTTP connections", lab, registry=r)
         self.connections = None         # the server's set of open connections, once it runs
+        self.spec_drafted = Counter("k3jax:spec_draft_tokens", "Speculative draft tokens verified (--speculative)",
+                                    lab, registry=r)
+        self.spec_accepted = Counter("k3jax:spec_accepted_tokens", "Speculative draft tokens accepted", lab,
+                                     registry=r)
+        self.spec_rate = Gauge("k3jax:spec_acceptance_rate", "Accepted / verified draft tokens so far", lab,
+                               registry=r)
         self._counted = {}
         self.disagg = {k: Gauge(f"k3jax:{k}", h, lab, registry=r) for k, h in (
             ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
@@ -68,8 +74,11 @@ class Metrics:
         self.prefix_hit.labels(m).set(h)
         self.prefix_rate.labels(m).set(h / q if q else 0.0)
         self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        if "spec_acceptance_rate" in stats:
+            self.spec_rate.labels(m).set(stats["spec_acceptance_rate"])
         for counter, key in ((self.verify_checks, "prefix_verify_checks"),
-                             (self.verify_mismatches, "prefix_verify_mismatches")):
+                             (self.verify_mismatches, "prefix_verify_mismatches"),
+                             (self.spec_drafted, "spec_drafted_tokens"), (self.spec_accepted, "spec_accepted_tokens")):
             new = stats.get(key, 0) - self._counted.get(key, 0)     # the engine counts; a Counter only goes up
             if new > 0:
                 counter.labels(m).inc(new)

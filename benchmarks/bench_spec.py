@@ -1,0 +1,147 @@
+"""Speculative decoding at its two ends and under load (one engine, one model; prints a markdown table).
+
+Rows:
+  c1 off                 one sequence, `--context` prompt tokens, greedy decode of `--c1-tokens` tokens
+  c1 K=4 all accepted    the same with an oracle drafter proposing the target's own greedy continuation
+  c1 K=4 all rejected    a drafter proposing wrong tokens, adaptive speculation on
+  c16 off / c16 ngram    16 sequences of 1024 prompt + 1024 output tokens, n-gram drafter on vs off
+
+Random weights make real acceptance meaningless, so the two c1 drafters bound what real acceptance can give.
+"off" runs the same engine with its speculator removed (no verification variant is used).
+
+  python benchmarks/bench_spec.py --model kimi-linear-48b-a3b --seed 0
+  python benchmarks/bench_spec.py --model tiny-random --dtype float32 --context 256 --c1-tokens 32 \
+      --cN 4 --cN-prompt 64 --cN-tokens 32      # a CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Oracle:
+    """Proposes the target's greedy continuation (known from the off run): everything is accepted."""
+
+    def __init__(self, ref: dict, wrong: bool = False, vocab: int = 0):
+        self.ref, self.wrong, self.vocab = ref, wrong, vocab
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks):
+            d = self.ref.get(r.request_id, [])[len(r.output_ids):len(r.output_ids) + k]
+            out.append([(t + 1) % self.vocab for t in d] if self.wrong else list(d))
+        return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _run(engine, prompts, max_tokens):
+    from serving.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"r{i}")
+    t0 = time.perf_counter()
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    wall = time.perf_counter() - t0
+    outs = {k: o.outputs[0].token_ids for k, o in done.items()}
+    decode = [(len(outs[k]) - 1) / (o.metrics["last_token"] - o.metrics["first_token"])
+              for k, o in done.items() if len(outs[k]) > 1 and o.metrics["last_token"] > o.metrics["first_token"]]
+    return outs, sum(len(v) for v in outs.values()) / wall, float(np.mean(decode)) if decode else 0.0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="kimi-linear-48b-a3b")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    ap.add_argument("--context", type=int, default=2048, help="c1 prompt tokens")
+    ap.add_argument("--c1-tokens", type=int, default=256, help="c1 output tokens")
+    ap.add_argument("--cN", type=int, default=16, help="sequences of the loaded rows")
+    ap.add_argument("--cN-prompt", type=int, default=1024)
+    ap.add_argument("--cN-tokens", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from k3jax import load_model
+    from serving.engine import LLMEngine
+    from serving.engine_args import EngineArgs
+    from serving.spec import make_speculator
+
+    model = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
+                       enable_prefix_caching=False)
+    engine = LLMEngine(model, eargs)
+    spec = engine.spec
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def row(name, tok_s, decode, note=""):
+        rows.append((name, tok_s, decode, note))
+        print(f"{name}: {tok_s:.1f} output tok/s, {decode:.1f} decode tok/s per sequence {note}", flush=True)
+
+    c1 = [rng.integers(0, vocab, args.context).tolist()]
+    engine.spec = None
+    _run(engine, [c1[0][:64]], 8)                                  # first-use costs out of the timed runs
+    ref, tput, dec = _run(engine, c1, args.c1_tokens)
+    row("c1 off", tput, dec)
+    base = dec
+    for name, drafter in (("c1 K=%d all accepted" % args.k, Oracle(ref)),
+                          ("c1 K=%d all rejected (adaptive)" % args.k, Oracle(ref, wrong=True, vocab=vocab))):
+        engine.spec = make_speculator(eargs, model, engine.max_model_len)
+        engine.spec.drafter = drafter
+        out, tput, dec = _run(engine, c1, args.c1_tokens)
+        m = engine.spec.metrics()
+        same = "same tokens" if out == ref else "TOKENS DIFFER"
+        row(name, tput, dec, f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; {same})")
+
+    cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
+    engine.spec = None
+    ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens)
+    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, dec_n)
+    engine.spec = make_speculator(eargs, model, engine.max_model_len)
+    out, tput, dec = _run(engine, cn, args.cN_tokens)
+    m = engine.spec.metrics()
+    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
+        f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
+        f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
+    del spec
+
+    dev = jax.devices()[0]
+    print()
+    print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+    print(f"machine: {getattr(dev, 'device_kind', dev.platform)} x{jax.device_count()}, {platform.node()}")
+    print(f"commit: {_commit()}; model {args.model} ({model.params['embed'].dtype}), K={args.k}")
+    print()
+    print("| run | output tok/s | decode tok/s per sequence | notes |")
+    print("|---|---|---|---|")
+    for name, tput, dec, note in rows:
+        print(f"| {name} | {tput:.1f} | {dec:.1f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

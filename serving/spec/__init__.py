@@ -1,0 +1,19 @@
+"""Speculative decoding: drafters propose tokens, one target step verifies them (KDA position states,
+k3jax/layers/kda_positions.py), rejection sampling keeps the output distribution (rejection.py), and
+the Speculator adapts draft lengths per sequence (speculator.py)."""
+from __future__ import annotations
+
+
+def make_speculator(args, model, max_model_len: int):
+    """The engine's Speculator for EngineArgs.speculative (None when "off"). Raises ValueError for a draft
+    model the target cannot verify (another vocabulary)."""
+    if args.speculative == "off":
+        return None
+    from serving.spec.speculator import Speculator, drafter_for
+    draft = None
+    if args.speculative == "draft":
+        from serving.spec.draft import load_draft_model
+        draft = load_draft_model(args.draft_model, model)
+    drafter = drafter_for(args.speculative, args.num_speculative_tokens, model=model, draft_model=draft, args=args)
+    return Speculator(drafter, args.num_speculative_tokens, adaptive=args.speculative_adaptive,
+                      max_batch=args.speculative_max_batch)
