@@ -28,16 +28,13 @@ _LATENT_NORM_EPS = 1e-6
 # there, run their prefill chunks expanded and their decode rows absorbed: a sequence whose chunk has
 # >= EXPANDED_MIN_SEQ_TOKENS tokens attends expanded over its whole cache, any length, the keys decompressed a
 # window of EXPANDED_KEYS_PER_TOKEN rows per step token at a time (pallas_kernels/mla/long_prefix.py); the
-# others (decode and speculative rows, short chunks) absorbed, where one query per key does not pay for the
-# key's decompress (2 * L * (Dn + Dv) FLOPs a head, ~170 (query, key) pairs' saving).
-# "expanded" forces every sequence of every non-decode step expanded.
-# H200 per layer (docs/bench_mla.md, the whole step in one form): T=4096 of 2x2048 1.05 ms vs 2.69 absorbed,
-# of 64x64 0.90 vs 1.00; T=512 of 8x64 0.35 vs 0.22 (the gather, decompress and launches cost ~0.1-0.3 ms
-# whatever the work). Per sequence, such short chunks now stay absorbed at run time, so the mixed form is
-# compiled from 512-token steps on: the scheduler cuts long prompts' chunks to a few hundred tokens while
-# decode rows run, and absorbed such a chunk at 128k context costs ~3.4x the expanded FLOPs.
+# others (decode and draft rows) absorbed, where one query per key does not pay for the key's decompress
+# (2 * L * (Dn + Dv) FLOPs a head). "expanded" forces every sequence of every non-decode step expanded.
+# Steps from 512 tokens on take the mixed form because the scheduler cuts long prompts' chunks to a few
+# hundred tokens while decode rows run, and such a chunk absorbed at 128k context costs ~3.4x the expanded
+# FLOPs; the measured per-layer trade-offs are in docs/performance.md ("Tuning of record").
 EXPANDED_MIN_TOKENS = 512
-EXPANDED_MIN_SEQ_TOKENS = 128
+EXPANDED_MIN_SEQ_TOKENS = 16     # below: decode and draft rows (absorbed); short prompts' chunks are above
 EXPANDED_KEYS_PER_TOKEN = 2
 
 
