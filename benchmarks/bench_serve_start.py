@@ -38,22 +38,30 @@ def post(port: int, path: str, body: dict, timeout: float = 600) -> tuple[int, b
 
 
 def stream_completion(port: int, prompt: list, max_tokens: int) -> tuple[float, float, int]:
-    """(seconds to the first token event, seconds to [DONE], token events) of one streamed completion."""
+    """(seconds to the first token event, seconds to [DONE], tokens) of one streamed completion. Tokens come
+    from the final usage chunk: under load the server coalesces several tokens into one event, so counting
+    events undercounts."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"{r.status}: {r.read()[:300]!r}")
-    first, events = None, 0
+    first, tokens = None, None
     for line in r:
         if line.strip() == b"data: [DONE]":
             break
         if line.startswith(b"data:"):
-            events += 1
-            first = first or time.perf_counter() - t0
-    return first, time.perf_counter() - t0, events
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                first = first or time.perf_counter() - t0
+    if tokens is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return first, time.perf_counter() - t0, tokens
 
 
 def one_start(args, cache_dir: str, log_path: str) -> dict:
@@ -95,7 +103,8 @@ def one_start(args, cache_dir: str, log_path: str) -> dict:
     for key, pattern in (("warmup_s", r"warm-up: \d+ step shapes compiled in ([\d.]+)s"),
                          ("lowering_s", r"\(lowering ([\d.]+)s"), ("compiling_s", r"compiling ([\d.]+)s,"),
                          ("first_runs_s", r"first runs ([\d.]+)s\)"), ("pages", r"(\d+) pages of"),
-                         ("slots", r"(\d+) KDA state slots")):
+                         ("slots", r"(\d+) KDA state slots"),
+                         ("programs_loaded", r"executable cache: (\d+) of \d+ step programs loaded")):
         m = re.search(pattern, log)
         row[key] = float(m.group(1)) if m else float("nan")
     row["tracebacks_in_log"] = log.count("Traceback")
@@ -118,6 +127,7 @@ def main(argv=None):
     table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("warmup_s", "warm-up s (log)", ".1f"),
                   ("lowering_s", "lowering s", ".1f"), ("compiling_s", "compiling s", ".1f"),
                   ("first_runs_s", "first runs s", ".1f"),
+                  ("programs_loaded", "programs loaded", ".0f"),
                   ("pages", "pages", ".0f"), ("slots", "slots", ".0f"), ("chat_status", "chat"),
                   ("mean_ttft_s", f"mean TTFT s (c{args.concurrency} x {args.input})", ".2f"),
                   ("max_ttft_s", "max TTFT s", ".2f"), ("output_tok_s", "output tok/s", ",.1f"),

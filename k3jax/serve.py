@@ -291,6 +291,9 @@ def main(argv=None, *, fault_hook=None, request_matcher=None):
     args = parse_args(argv)
     claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # JAX probes every platform plugin and logs each one missing ("Unable to initialize backend 'tpu'") at
+    # INFO on every start: noise for a server, so only its warnings
+    logging.getLogger("jax._src.xla_bridge").setLevel(max(logging.WARNING, logging.getLogger().level))
     from serving import multihost, multihost_watch
     args.mesh = multihost.start(args.coordinator, args.num_processes, args.process_id, mesh=args.mesh,
                                 heartbeat_timeout_s=args.heartbeat_timeout)
@@ -367,8 +370,8 @@ def _serve(args, request_matcher=None):
     try:
         server.run()
     finally:
-        log.info("shutting down: finishing in-flight requests (up to %.0fs)", args.shutdown_timeout)
         state.engine.shutdown(args.shutdown_timeout)
+        log.info("engine stopped")
     return 0
 
 

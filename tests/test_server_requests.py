@@ -244,3 +244,24 @@ def test_prompt_over_max_model_len_is_a_400_naming_both_numbers(server):
     messages = [{"role": "user", "content": "word " * 700}]
     err = _assert_openai_error(_post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}), 400)
     assert "512" in err["message"] and "tokens" in err["message"], err
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "not valid UTF-8"),
+    (b'{"prompt": [' + b"1" * 5000 + b'], "max_tokens": 2}', "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests too deep"),
+    (b'{"prompt": "a\x01b", "max_tokens": 2}', "Invalid control character at character"),
+])
+def test_unparsable_bodies_are_400s_that_say_why(server, body, needle):
+    """Bodies the JSON parser refuses: one 400 naming the reason, code invalid_json (was FastAPI's bare
+    'There was an error parsing the body' with code null, or 'at at character')."""
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=120,
+                   headers={**AUTH, "content-type": "application/json"})
+    err = _assert_openai_error(r, 400, needle=needle)
+    assert err["code"] == "invalid_json" and "at at" not in err["message"], err
+
+
+def test_empty_model_name_is_refused(server):
+    err = _assert_openai_error(_post(server, "/v1/completions", {"model": "", "prompt": "x", "max_tokens": 2}),
+                               400, "model", "not be empty")
+    assert err["code"] == "model_not_found"

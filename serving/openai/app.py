@@ -46,7 +46,7 @@ def validation_error(errs: list) -> APIError:
     first = max(errs, key=rank) if errs else {}
     if first.get("type") == "json_invalid":          # loc holds the character position, not a field
         pos = (first.get("loc") or (None, None))[-1]
-        why = (first.get("ctx") or {}).get("error", "JSON decode error")
+        why = (first.get("ctx") or {}).get("error", "JSON decode error").removesuffix(" at")   # ("... control character at")
         return bad_request(f"the request body is not valid JSON: {why} at character {pos}", code="invalid_json")
     # protocol.field_error: a check of the whole model that names the field below it, and its code
     field = (first.get("ctx") or {}).get("field")
@@ -64,6 +64,9 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "
 
 
 def check_model(state: ServerState, name) -> None:
+    if name == "":
+        raise APIError(400, f"model must name the served model ({state.model_name!r}), not be empty",
+                       param="model", code="model_not_found")
     if name and name != state.model_name:
         raise APIError(400, f"model {name!r} is not served here (serving {state.model_name!r})",
                        param="model", code="model_not_found")

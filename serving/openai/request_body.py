@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
 from serving.openai.errors import APIError, bad_request
 
@@ -173,8 +172,16 @@ def parse_body(body: bytes, content_type: Optional[str], model, limits=None):
     except _TooManyNumbers:
         raise bad_request(f"{param}: the request holds more than {budget} numbers, more token ids than can fit",
                           param=param, code="context_length_exceeded") from None
-    except Exception as e:  # noqa: BLE001 - invalid UTF-8, nesting too deep, a number too long: FastAPI's 400
-        raise HTTPException(400, "There was an error parsing the body") from e
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})",
+                          code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body nests too deep to parse", code="invalid_json") from None
+    except ValueError as e:     # e.g. an integer of more digits than Python converts
+        raise bad_request(f"the request body is not valid JSON: {str(e).splitlines()[0][:200]}",
+                          code="invalid_json") from None
+    except Exception as e:  # noqa: BLE001 - anything else the parser refuses
+        raise bad_request(f"the request body could not be parsed ({type(e).__name__})", code="invalid_json") from e
     if check is not None and isinstance(data, dict):
         check(data)
     try:

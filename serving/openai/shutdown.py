@@ -21,6 +21,7 @@ class GracefulServer(uvicorn.Server):
         self.engine, self.grace_s = engine, grace_s
 
     async def shutdown(self, sockets=None):
+        log.info("shutting down: no new requests, finishing in-flight ones (up to %.0fs)", self.grace_s)
         self.engine.stop_accepting()
         timer = asyncio.get_running_loop().call_later(self.grace_s, self._end_in_flight)
         try:
