@@ -176,6 +176,7 @@ def test_verify_step_keeps_each_positions_state(rnd):
     assert toks[0, :m].tolist() == fed[1:1 + m] and greedy[:m] == fed[1:1 + m] and toks[0, m] == greedy[m]
 
 
+@pytest.mark.slow      # ~60 s on 2 cores: the trained tiny's own step compiles
 def test_ngram_accepted_on_trained_tiny(tmp_path_factory):
     model = load_model("tiny", dtype="float32")
     eng = _engine(model, tmp_path_factory.mktemp("xla"), num_speculative_tokens=4, speculative_adaptive=True,
