@@ -176,6 +176,27 @@ def test_verify_step_keeps_each_positions_state(rnd):
     assert toks[0, :m].tolist() == fed[1:1 + m] and greedy[:m] == fed[1:1 + m] and toks[0, m] == greedy[m]
 
 
+@pytest.mark.slow      # ~25 s on 2 cores: the draft runner's own compiles
+def test_draft_model_greedy_identical(rnd):
+    """The draft-model drafter (here the target's own weights: every draft must be accepted), its catch-up
+    chunks and decode steps in its own pools."""
+    from serving.spec.draft import DraftModelDrafter
+    rng = np.random.RandomState(5)
+    work = [(f"d{i}", rng.randint(0, 1000, n).tolist(), SamplingParams(temperature=0.0, max_tokens=14))
+            for i, n in enumerate((20, 70))]
+    off = _run(rnd, work, Nothing())
+    before = dict(rnd.spec.stats)
+    drafter = DraftModelDrafter(load_model("tiny-random", dtype="float32"), target_config=rnd.model.config,
+                                args=rnd.args)
+    on = _run(rnd, work, drafter)
+    assert {k: v[0] for k, v in on.items()} == {k: v[0] for k, v in off.items()}
+    drafted = rnd.spec.stats["spec_drafted_tokens"] - before["spec_drafted_tokens"]
+    accepted = rnd.spec.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 10 and accepted == drafted
+    assert not drafter.seqs and drafter.slots.num_used == 0 and drafter.pages.num_used == 0   # forgotten at finish
+
+
+@pytest.mark.slow      # ~60 s on 2 cores: the trained tiny's own step compiles
 def test_ngram_accepted_on_trained_tiny(tmp_path_factory):
     model = load_model("tiny", dtype="float32")
     eng = _engine(model, tmp_path_factory.mktemp("xla"), num_speculative_tokens=4, speculative_adaptive=True,
