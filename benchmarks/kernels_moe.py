@@ -111,16 +111,16 @@ class MoEModel:
                                   reference=lambda: routed_experts_reference(pe, z, w, ids, c, backend))
 
         def routed_inputs(v, x):
-            m = MoE(spec, v, c)
+            m = MoE.of(c, v, merged_experts=True)
             w, ids = m.route(x, c)
             return (x @ value(m.latent_down) if m.latent else x), w, ids
 
         self.isolated = jax.jit(isolated)
         self.routed_inputs = jax.jit(routed_inputs)
-        self.routed = jax.jit(lambda pe, z, w, ids, layer: RoutedExperts(spec["experts"], pe, c)(
+        self.routed = jax.jit(lambda pe, z, w, ids, layer: RoutedExperts.of(c, pe, merged=True)(
             z, w, ids, c, layer, backend))
-        self.moe = jax.jit(lambda v, x, layer: MoE(spec, v, c)(x, c, layer, backend))
-        self.moe_reference = jax.jit(lambda v, x, layer: MoE(spec, v, c)(x, c, layer, reference))
+        self.moe = jax.jit(lambda v, x, layer: MoE.of(c, v, merged_experts=True)(x, c, layer, backend))
+        self.moe_reference = jax.jit(lambda v, x, layer: MoE.of(c, v, merged_experts=True)(x, c, layer, reference))
         self.dense_reference = jax.jit(lambda pe, z, w, ids: dense_reference(pe, z, w, ids, c))
 
     def routed_flop(self, tokens):

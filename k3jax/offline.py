@@ -46,7 +46,7 @@ class LLM:
         else:
             self.model = load_model(model, dtype=dtype, mesh=mesh, revision=revision, download_dir=download_dir,
                                     **engine_args.load_options())
-        self.engine = LLMEngine(self.model, engine_args)
+        self.engine = LLMEngine(self.model, engine_args, load_model=load_model)
         self._calls = 0
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params=None, *,

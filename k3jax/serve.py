@@ -251,7 +251,7 @@ def build_state(args, request_matcher=None):
         raise ValueError(f"{args.model}: the server needs a tokenizer (tiktoken.model) in the checkpoint directory")
     log.info("loaded %r in %.1fs", model, time.perf_counter() - t0)
     set_stage("warmup")
-    engine = LLMEngine(model, eargs)
+    engine = LLMEngine(model, eargs, load_model=load_model)
     disagg = {}
     if args.role != "single":
         from serving.kv_transfer import Transport

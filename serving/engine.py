@@ -44,7 +44,9 @@ def enable_compilation_cache(path: Optional[str]):
 
 
 class LLMEngine:
-    def __init__(self, model, args: EngineArgs | None = None):
+    def __init__(self, model, args: EngineArgs | None = None, *, load_model=None):
+        """load_model: how the entry point loads a model (k3jax.api.load_model), for a draft model
+        (speculative="draft")."""
         self.args = args = args or EngineArgs()
         self.model = model
         c = model.config
@@ -58,7 +60,7 @@ class LLMEngine:
             args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
             token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
         # speculation off: None; a draft model's weights and pools come first, so the cache is sized after them
-        self.spec = make_speculator(args, model, self.max_model_len)
+        self.spec = make_speculator(args, model, self.max_model_len, load_model=load_model)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         weight_dtype = model.params["embed"].dtype
         cache_dtype = args.cache_dtype(weight_dtype)

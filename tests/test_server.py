@@ -77,11 +77,15 @@ def test_chat_logprobs(client):
 
 def test_json_schema_output_validates(client):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                               "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    # bounded strings: a random model fills an unbounded string with noise until max_tokens
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "maximum": 200},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                        "maxItems": 3}},
               "required": ["name", "age"], "additionalProperties": False}
-    r = _chat(client, max_tokens=200, temperature=0.7, seed=1, extra_body=NO_THINK,
+    r = _chat(client, max_tokens=300, temperature=0.7, seed=1, extra_body=NO_THINK,
               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     data = json.loads(r.choices[0].message.content)
     jsonschema.validate(data, schema)
 

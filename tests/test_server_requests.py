@@ -230,7 +230,7 @@ def test_explicit_null_means_the_default(server, path, body):
     assert len(a["choices"]) == 1 and a["choices"][0].get("logprobs") is None
     key = "message" if "messages" in body else "text"
     assert a["choices"][0][key] == b["choices"][0][key]
-    schema = httpx.get(f"{server}/openapi.json", headers=AUTH).json()["components"]["schemas"]
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=60).json()["components"]["schemas"]
     props = schema["ChatCompletionRequest" if "messages" in body else "CompletionRequest"]["properties"]
     for name in (k for k, v in body.items() if v is None):
         assert {"type": "null"} in props[name]["anyOf"], (name, props[name])

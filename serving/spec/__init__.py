@@ -4,7 +4,7 @@ the Speculator adapts draft lengths per sequence (speculator.py)."""
 from __future__ import annotations
 
 
-def make_speculator(args, model, max_model_len: int):
+def make_speculator(args, model, max_model_len: int, load_model=None):
     """The engine's Speculator for EngineArgs.speculative (None when "off"). Raises ValueError for a draft
     model the target cannot verify (another vocabulary)."""
     if args.speculative == "off":
@@ -13,7 +13,10 @@ def make_speculator(args, model, max_model_len: int):
     draft = None
     if args.speculative == "draft":
         from serving.spec.draft import load_draft_model
-        draft = load_draft_model(args.draft_model, model)
+        if load_model is None:
+            raise ValueError("speculative='draft': the engine needs a model loader for the draft model "
+                             "(LLM and serve pass k3jax.api.load_model)")
+        draft = load_draft_model(args.draft_model, model, load_model)
     drafter = drafter_for(args.speculative, args.num_speculative_tokens, model=model, draft_model=draft, args=args)
     return Speculator(drafter, args.num_speculative_tokens, adaptive=args.speculative_adaptive,
                       max_batch=args.speculative_max_batch)

@@ -39,12 +39,12 @@ def check_draft_configs(target: str, draft: str):
     check_compatible(dc, resolve_config(target), f"draft model {draft!r}")
 
 
-def load_draft_model(path_or_preset: str, target):
+def load_draft_model(path_or_preset: str, target, load_model):
     """The draft model of --draft-model, in the target's parameter dtype, checked against the target. A preset
-    without weights gets random ones (seed 0: benchmarks)."""
+    without weights gets random ones (seed 0: benchmarks). `load_model`: the entry point's model loader
+    (k3jax.api.load_model, passed in: serving does not import the entry points)."""
     import os
 
-    from k3jax.api import load_model
     from k3jax.presets import preset_config, preset_names
     name = os.fspath(path_or_preset)
     seed = None
