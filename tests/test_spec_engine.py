@@ -218,6 +218,7 @@ def test_bad_speculative_settings():
         EngineArgs(speculative="medusa")
     with pytest.raises(ValueError, match="needs draft_model"):
         EngineArgs(speculative="draft")
+    from k3jax.api import load_model
     from serving.spec.draft import check_draft_configs
     with pytest.raises(ValueError, match="vocabulary of 1024 tokens, the target's has 4096"):
         check_draft_configs("tiny", "tiny-random")
@@ -226,7 +227,8 @@ def test_bad_speculative_settings():
         config = __import__("k3jax.presets", fromlist=["x"]).preset_config("tiny")
         params = {"embed": np.zeros(1, np.float32)}
     with pytest.raises(ValueError, match="vocabulary"):
-        make_speculator(EngineArgs(speculative="draft", draft_model="tiny-random"), Target(), 256)
+        make_speculator(EngineArgs(speculative="draft", draft_model="tiny-random"), Target(), 256,
+                        load_model=load_model)
 
 
 @pytest.mark.parametrize("argv", [["--num-speculative-tokens", "0"], ["--speculative", "medusa"]])
