@@ -1,8 +1,8 @@
 """Long-context benchmark: one table (prints markdown; --json writes the rows and the run's header).
 
-  python benchmarks/bench_long_context.py                       # full Kimi-Linear-48B, random bf16, one device
-  python benchmarks/bench_long_context.py --rows prefill,kernel  # a subset (prefill, kernel, decode, streams)
-  python benchmarks/bench_long_context.py --tiny                 # tiny-random on CPU, scaled-down rows, seconds
+  python -m benchmarks.bench_long_context                       # full Kimi-Linear-48B, random bf16, one device
+  python -m benchmarks.bench_long_context --rows prefill,kernel  # a subset (prefill, kernel, decode, streams)
+  python -m benchmarks.bench_long_context --tiny                 # tiny-random on CPU, scaled-down rows, seconds
 
 Rows (the engine with every default except max_model_len, one prompt at a time, max_tokens 1):
   prefill N       TTFT and prompt tok/s of an N-token prompt (2k, 8k, 32k, 128k, 1M); of roofline = the
@@ -24,13 +24,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.harness import commit
 
 FULL = dict(model="kimi-linear-48b-a3b", dtype="bfloat16", prefill=(2048, 8192, 32768, 131072, 1048576 - 256),
             long=131072, short=2048, streams=16, stream_prompt=1024, decode_steps=64, max_model_len=None)
@@ -62,14 +61,6 @@ class Table:
         rule = "|" + "|".join("---" for _ in self.columns) + "|"
         body = ["| " + " | ".join(self._cell(c, r.get(c[0])) for c in self.columns) + " |" for r in self.rows]
         return "\n".join([head, rule] + body)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - not a checkout
-        return "unknown"
 
 
 def matmul_rate(n: int) -> float:

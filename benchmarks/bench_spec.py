@@ -9,8 +9,8 @@ Rows:
 Random weights make real acceptance meaningless, so the two c1 drafters bound what real acceptance can give.
 "off" runs the same engine with its speculator removed (no verification variant is used).
 
-  python benchmarks/bench_spec.py --model kimi-linear-48b-a3b --seed 0
-  python benchmarks/bench_spec.py --model tiny-random --dtype float32 --context 256 --c1-tokens 32 \
+  python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0
+  python -m benchmarks.bench_spec --model tiny-random --dtype float32 --context 256 --c1-tokens 32 \
       --cN 4 --cN-prompt 64 --cN-tokens 32      # a CPU smoke run
 """
 from __future__ import annotations
@@ -25,8 +25,6 @@ import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Oracle:

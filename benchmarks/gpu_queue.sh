@@ -20,11 +20,11 @@ run kernels 200 python -m benchmarks.bench_kernels --budget 120 --csv "$out/kern
 # full-depth Kimi-Linear-48B-A3B, random bf16, engine defaults: prefill, c16, c64: ~4 min
 run e2e 250 python -m benchmarks.bench_e2e full --csv "$out/e2e.csv"
 # speculative decoding at its two ends (oracle drafter all accepted / wrong drafter all rejected) and c16 ngram
-run spec 230 python benchmarks/bench_spec.py --model kimi-linear-48b-a3b --seed 0 --c1-tokens 128 --cN-tokens 256
+run spec 230 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 128 --cN-tokens 256
 # long context: 2k-128k prompts, the MLA kernel row at 128k, decode at 128k vs 2k, 16 streams during a 128k prefill
-run long 300 python benchmarks/bench_long_context.py --rows prefill,kernel,decode,streams --prefill 2048,8192,32768,131072 --json "$out/long.json"
+run long 300 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,8192,32768,131072 --json "$out/long.json"
 # a 1M-token prompt (the engine's default max_model_len; the row then decodes)
-run long-1m 480 python benchmarks/bench_long_context.py --rows prefill --prefill 1048320 --no-warmup --json "$out/long_1m.json"
+run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 1048320 --no-warmup --json "$out/long_1m.json"
 # where a 128k prompt's time goes, op by op
 run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x131072 --max-model-len 140000
 # serve cold, then restarted over its compilation and executable caches

@@ -1,21 +1,15 @@
 """benchmarks/bench_long_context.py --tiny on CPU: every row comes out with real values, and the JSON carries
 the run's header (date, machine, commit, command)."""
-import importlib.util
 import json
-import os
 
 import pytest
 
 pytestmark = pytest.mark.slow      # one tiny engine's compiles and a dozen prompts: ~1-2 min on 2 cores
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_tiny_mode_rows_and_header(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "bench_long_context", os.path.join(HERE, "..", "benchmarks", "bench_long_context.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_long_context as bench
     out = tmp_path / "rows.json"
     header, rows = bench.main(["--tiny", "--json", str(out)])
     doc = json.loads(out.read_text())

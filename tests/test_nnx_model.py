@@ -134,7 +134,7 @@ def test_runner_splits_once_and_merges_only_while_tracing(monkeypatch):
     assert counts == {"split": 1, "merge": 1}           # one trace, three steps
 
 
-@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("stacked", [pytest.param(False, marks=pytest.mark.slow), True])   # (False: ~35 s)
 def test_modules_declare_their_parameters(stacked):
     """The model's own __init__ makes its parameters: random ones from nnx.Rngs (each of the declared
     shape, dtype and logical axes, norms near one), abstract ones without rngs or under
