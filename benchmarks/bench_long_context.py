@@ -275,6 +275,9 @@ def main(argv=None):
                     "when the cache holds it)")
     ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn"), default=None,
                     help="GPU attention of the expanded MLA key windows (default: the backend's)")
+    ap.add_argument("--state-block-size", type=int, default=None,
+                    help="the prefix cache's periodic KDA checkpoints (default: the engine's); a long prompt's chunks "
+                         "end at each, so this also bounds its step size")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the engine's warm-up (the first prefill row then pays the compiles; later rows are clean)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the header as JSON ('-': stdout)")
@@ -304,7 +307,8 @@ def main(argv=None):
         model.backend = model.backend.replace(mla_prefill=cfg["mla_prefill"])
     log(f"load {time.perf_counter() - t0:.1f}s; matmul {rate / 1e9:,.0f} GFLOP/s")
     eng_args = EngineArgs(max_model_len=args.max_model_len or cfg["max_model_len"],
-                          **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {})})
+                          **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {}),
+                             **({} if args.state_block_size is None else {"state_block_size": args.state_block_size})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))

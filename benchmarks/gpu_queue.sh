@@ -23,6 +23,8 @@ run e2e 250 python -m benchmarks.bench_e2e full --csv "$out/e2e.csv"
 run spec 230 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 128 --cN-tokens 256
 # long context: 2k-128k prompts, the MLA kernel row at 128k, decode at 128k vs 2k, 16 streams during a 128k prefill
 run long 300 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,8192,32768,131072 --json "$out/long.json"
+# long prompts advance one prefix-cache checkpoint (state_block_size, 1024 tokens) a step: the same prompts with 4096
+run long-sb 300 python -m benchmarks.bench_long_context --rows prefill --prefill 32768,131072 --no-warmup --max-model-len 140000 --state-block-size 4096
 # a 1M-token prompt (the engine's default max_model_len; the row then decodes)
 run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 1048320 --no-warmup --json "$out/long_1m.json"
 # where a 128k prompt's time goes, op by op
