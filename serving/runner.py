@@ -259,21 +259,29 @@ class ModelRunner:
         out = self.fetch(self.launch(chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks))
         return tuple(x[:n] for x in out)
 
-    def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
-               prompt_ids=None, output_ids=None, allowed_masks=None, top_logprobs: bool = False):
-        """Dispatch one step without waiting: device (tokens, logprobs, top_ids, top_vals), one row per
-        bucket sequence. A negative token -(r + 1) in a chunk stands for row r of the previous step's
-        sampled tokens, which are still on the device. top_ids / top_vals have max_logprobs columns when
-        a row asks for logprobs or `top_logprobs`, else none."""
+    def _step_inputs(self, chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks, top_logprobs,
+                     spec_width: int = 0):
+        """(T, N, batch, sampling arrays, counters) of a step over `chunks`, padded to its shape bucket."""
         T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
         N = _fit(self.seq_buckets, len(chunks))
-        batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages)
+        batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
+                                spec_width=spec_width)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
                                      prompt_token_ids=prompt_ids, output_token_ids=output_ids,
                                      allowed_masks=allowed_masks, penalty_width=self.penalty_width,
                                      top_logprobs=True if top_logprobs else None)
         cnt = np.zeros(N, np.int32)
         cnt[:len(counters)] = counters
+        return T, N, batch, sarr, cnt
+
+    def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters,
+               prompt_ids=None, output_ids=None, allowed_masks=None, top_logprobs: bool = False):
+        """Dispatch one step without waiting: device (tokens, logprobs, top_ids, top_vals), one row per
+        bucket sequence. A negative token -(r + 1) in a chunk stands for row r of the previous step's
+        sampled tokens, which are still on the device. top_ids / top_vals have max_logprobs columns when
+        a row asks for logprobs or `top_logprobs`, else none."""
+        T, N, batch, sarr, cnt = self._step_inputs(chunks, params, seeds, counters, prompt_ids, output_ids,
+                                                   allowed_masks, top_logprobs)
         self._note_shape(("step", T, N, batch.decode_only, batch.mm_embeds is not None))
         self._note_shape(("sample", N, self._variant(sarr)))
         return self._call("step", batch, sarr, cnt)
@@ -285,16 +293,8 @@ class ModelRunner:
         [N, W], accepted [N], logprobs [N, W], top_ids [N, W, L], top_vals [N, W, L]), W = spec_width
         (rejection.verify)."""
         W = self.spec_width
-        T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
-        N = _fit(self.seq_buckets, len(chunks))
-        batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
-                                spec_width=W)
-        sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
-                                     prompt_token_ids=prompt_ids, output_token_ids=output_ids,
-                                     allowed_masks=allowed_masks, penalty_width=self.penalty_width,
-                                     top_logprobs=True if top_logprobs else None)
-        cnt = np.zeros(N, np.int32)
-        cnt[:len(counters)] = counters
+        T, N, batch, sarr, cnt = self._step_inputs(chunks, params, seeds, counters, prompt_ids, output_ids,
+                                                   allowed_masks, top_logprobs, spec_width=W)
         d = np.zeros((N, W - 1), np.int32)
         nd = np.zeros(N, np.int32)
         for n, ds in enumerate(drafts):

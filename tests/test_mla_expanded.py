@@ -88,6 +88,7 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
     from k3jax.presets import preset_config
 
     monkeypatch.setattr(mla, "EXPANDED_KEYS_PER_TOKEN", 1)
+    monkeypatch.setattr(mla, "EXPANDED_MIN_WINDOW_KEYS", 0)
     c = preset_config("tiny-random")
     params = stack_layers(init_params_numpy(c, 5, jnp.float32), c)      # the runner's (scanned) layout
     rng = np.random.RandomState(1)
@@ -124,5 +125,6 @@ def test_prefill_form_setting_rejects_unknown():
     expanded = detect(mla_prefill="expanded")
     assert mla.expanded_key_budget(4096, (16, 512), 16, False, absorbed) == 0   # read when the backend was built
     assert mla.expanded_key_budget(4096, (16, 512), 16, False, expanded) == mla.EXPANDED_KEYS_PER_TOKEN * 4096
+    assert mla.expanded_key_budget(512, (16, 512), 16, False, expanded) == mla.EXPANDED_MIN_WINDOW_KEYS  # short chunks
     assert mla.expanded_key_budget(64, (2, 8), 4, False, expanded) == 2 * 8 * 4  # capped by the block tables
     assert mla.expanded_key_budget(4096, (16, 512), 16, True, expanded) == 0     # decode-only steps stay absorbed

@@ -36,6 +36,10 @@ _LATENT_NORM_EPS = 1e-6
 EXPANDED_MIN_TOKENS = 512
 EXPANDED_MIN_SEQ_TOKENS = 16     # below: decode and draft rows (absorbed); short prompts' chunks are above
 EXPANDED_KEYS_PER_TOKEN = 2
+# ... and at least this many: a window is one gather, decompress and kernel launch per MLA layer, so a short
+# chunk over a long context (a 512-token interactive chunk at 128k: 128 windows of 1,024 keys) paid that fixed
+# cost per window; 8,192 keys is the largest step's window (4,096 tokens), so its memory is unchanged.
+EXPANDED_MIN_WINDOW_KEYS = 8192
 
 
 def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, decode_only: bool,
@@ -48,7 +52,8 @@ def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, dec
         return 0
     if b.mla_prefill == "auto" and (num_tokens < EXPANDED_MIN_TOKENS or not ops.expanded_kernel_available(b)):
         return 0
-    return min(EXPANDED_KEYS_PER_TOKEN * num_tokens, block_tables_shape[0] * block_tables_shape[1] * page_size)
+    window = max(EXPANDED_KEYS_PER_TOKEN * num_tokens, EXPANDED_MIN_WINDOW_KEYS)
+    return min(window, block_tables_shape[0] * block_tables_shape[1] * page_size)
 
 
 def scale(c: ModelConfig) -> float:
