@@ -15,17 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpu_marks import GPU_ONLY
+
 from benchmarks.harness import rel_err
 
 
-def _on_gpu() -> bool:
-    try:
-        return jax.default_backend() == "gpu"
-    except RuntimeError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _on_gpu(), reason="needs a GPU (JAX_PLATFORMS=cuda)")]
+pytestmark = GPU_ONLY
 
 BF16_TOL = 2e-2
 

@@ -10,21 +10,15 @@ README and docs). Skipped without a GPU; see tests/test_gpu_kernels.py for the c
 """
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
+
+from gpu_marks import GPU_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _on_gpu() -> bool:
-    try:
-        return jax.default_backend() == "gpu"
-    except RuntimeError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _on_gpu(), reason="needs a GPU (JAX_PLATFORMS=cuda)")]
+pytestmark = GPU_ONLY
 
 
 @pytest.fixture(scope="module")

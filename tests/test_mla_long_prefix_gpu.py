@@ -5,15 +5,15 @@ slot. Skipped without a GPU:
 
   python -m pytest -p no:xdist -o addopts="" -m gpu tests/test_mla_long_prefix_gpu.py
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpu_marks import GPU_ONLY
+
 from pallas_kernels.mla.long_prefix import prefix_attention
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (the Triton kernel)")]
+pytestmark = GPU_ONLY
 
 L, R, DN, DV, PAGE = 512, 64, 128, 128, 16
 
