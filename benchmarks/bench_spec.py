@@ -26,6 +26,10 @@ import time
 
 import numpy as np
 
+from benchmarks.harness import CompileCount, log
+
+COMPILES = None
+
 
 class Oracle:
     """Proposes the target's greedy continuation (known from the off run): everything is accepted."""
@@ -49,8 +53,10 @@ def _commit() -> str:
         return "unknown"
 
 
-def _run(engine, prompts, max_tokens):
+def _run(engine, prompts, max_tokens, what=""):
     from serving.sampling_params import SamplingParams
+    log(f"{what}: {len(prompts)} x {len(prompts[0])} prompt tokens, {max_tokens} output tokens")
+    COMPILES.start()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"r{i}")
@@ -61,6 +67,7 @@ def _run(engine, prompts, max_tokens):
             if o.finished:
                 done[o.request_id] = o
     wall = time.perf_counter() - t0
+    log(f"{what}: {wall:.2f} s ({COMPILES})")
     outs = {k: o.outputs[0].token_ids for k, o in done.items()}
     decode = [(len(outs[k]) - 1) / (o.metrics["last_token"] - o.metrics["first_token"])
               for k, o in done.items() if len(outs[k]) > 1 and o.metrics["last_token"] > o.metrics["first_token"]]
@@ -83,12 +90,16 @@ def main(argv=None):
 
     import jax
 
+    global COMPILES
+    COMPILES = CompileCount()
     from k3jax import load_model
     from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
     from serving.spec import make_speculator
 
+    log(f"loading {args.model}")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    log("engine (warm-up)")
     eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
                        enable_prefix_caching=False)
     engine = LLMEngine(model, eargs)
@@ -103,25 +114,25 @@ def main(argv=None):
 
     c1 = [rng.integers(0, vocab, args.context).tolist()]
     engine.spec = None
-    _run(engine, [c1[0][:64]], 8)                                  # first-use costs out of the timed runs
-    ref, tput, dec = _run(engine, c1, args.c1_tokens)
+    _run(engine, [c1[0][:64]], 8, "first use")      # first-use costs out of the timed runs
+    ref, tput, dec = _run(engine, c1, args.c1_tokens, "c1 off")
     row("c1 off", tput, dec)
     base = dec
     for name, drafter in (("c1 K=%d all accepted" % args.k, Oracle(ref)),
                           ("c1 K=%d all rejected (adaptive)" % args.k, Oracle(ref, wrong=True, vocab=vocab))):
         engine.spec = make_speculator(eargs, model, engine.max_model_len)
         engine.spec.drafter = drafter
-        out, tput, dec = _run(engine, c1, args.c1_tokens)
+        out, tput, dec = _run(engine, c1, args.c1_tokens, name)
         m = engine.spec.metrics()
         same = "same tokens" if out == ref else "TOKENS DIFFER"
         row(name, tput, dec, f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; {same})")
 
     cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
     engine.spec = None
-    ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens)
+    ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens, "cN off")
     row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, dec_n)
     engine.spec = make_speculator(eargs, model, engine.max_model_len)
-    out, tput, dec = _run(engine, cn, args.cN_tokens)
+    out, tput, dec = _run(engine, cn, args.cN_tokens, "cN ngram")
     m = engine.spec.metrics()
     row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
         f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "

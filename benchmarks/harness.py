@@ -32,6 +32,26 @@ def log(*a) -> None:
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+class CompileCount:
+    """XLA compilations (count, seconds) since `start()`: a timed run that compiles is measuring the
+    compiler, so benchmarks print this next to each row."""
+
+    def __init__(self):
+        import jax.monitoring
+        self.n, self.secs = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event: str, secs: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n, self.secs = self.n + 1, self.secs + secs
+
+    def start(self) -> None:
+        self.n, self.secs = 0, 0.0
+
+    def __str__(self) -> str:
+        return f"{self.n} compiles, {self.secs:.1f} s"
+
+
 def time_jax(fn, *args, reps: int = 10, samples: int = 5) -> float:
     """Median seconds per call of a jitted function: one warm-up call, then `samples` samples, each
     timing `reps` back-to-back calls (dispatch overlaps the previous call, as in a serving loop)."""
