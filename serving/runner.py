@@ -61,6 +61,11 @@ def _sampler_key(sarr) -> tuple:
     return ("sample", sarr.temperature.shape[0]) + ModelRunner._variant(sarr)
 
 
+def _verify_key(sarr, width: int) -> tuple:
+    """The compiled verification-sampler variant (speculative decoding, `width` tokens a row)."""
+    return ("verify", width) + _sampler_key(sarr)[1:]
+
+
 def _fit(buckets: Sequence[int], n: int) -> int:
     for b in buckets:
         if n <= b:
@@ -368,6 +373,9 @@ class ModelRunner:
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
             lower(_step_key(batch), self._step, "step", self.params, self.pools, batch, self.last_tokens)
+            if self.spec_width and not decode and not mm:      # the verification variant of the bucket
+                batch = self._padding_verify_batch(T, N)
+                lower(_step_key(batch), self._step, "step", self.params, self.pools, batch, self.last_tokens)
         for N in self.seq_buckets:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
@@ -375,6 +383,12 @@ class ModelRunner:
                 _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
                 lower(_sampler_key(sarr), self._sample, "sample", logits, sarr, self.key_data,
                       np.zeros(N, np.int32), self.last_tokens)
+                if self.spec_width:
+                    W = self.spec_width
+                    wide = jax.ShapeDtypeStruct((N, W, logits.shape[1]), logits.dtype)
+                    _, varr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
+                    lower(_verify_key(varr, W), self._verify, "verify", wide, varr, self.key_data,
+                          np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32), np.zeros(N, np.int32))
         if cache is not None:
             log.info("executable cache: %d of %d step programs loaded from %s", len(self._compiled),
                      len(self._compiled) + len(lowered), cache.directory)
@@ -416,9 +430,12 @@ class ModelRunner:
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
         return batch, sarr
 
+    def _padding_verify_batch(self, T: int, N: int):
+        return make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
+                               num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
+
     def _run_padding_verify(self, T: int, N: int, *variant):
-        batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
-                                num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
+        batch = self._padding_verify_batch(T, N)
         _, sarr = self._padding_batch(T, N, False, False, *variant)
         self._note_shape(("verify", T, N, self.spec_width))
         self._note_shape(("verify-sample", N, self._variant(sarr)))
@@ -450,7 +467,8 @@ class ModelRunner:
                 step = self._compiled.get(_step_key(batch), self._step)
                 logits, self.pools = step(self.params, self.pools, batch, self.last_tokens)
                 n = sarr.temperature.shape[0]
-                toks, acc, lp, (top_ids, top_vals) = self._verify(logits.reshape(n, self.spec_width, -1), sarr,
+                verify = self._compiled.get(_verify_key(sarr, self.spec_width), self._verify)
+                toks, acc, lp, (top_ids, top_vals) = verify(logits.reshape(n, self.spec_width, -1), sarr,
                                                                    self.key_data, counters, drafts, num_drafts)
                 return multihost.settle((toks, acc, lp, top_ids, top_vals))
             if control == "copy":
