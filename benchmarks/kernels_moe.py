@@ -21,6 +21,7 @@ dense_reference, the layer against its own jnp path (the "reference" backend).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -35,7 +36,9 @@ from k3jax.params import moe_spec, random_values
 from k3jax.presets import preset_config
 from pallas_kernels import ops
 from pallas_kernels.backend import detect
+from pallas_kernels import moe as moe_kernels
 from pallas_kernels.moe.grouped import overflows_i32_offsets
+from pallas_kernels.moe.schedule import Tiling
 
 # (label, preset, experts on this device): K3 as on one of 8 expert-parallel devices, Kimi-Linear whole
 CASES = [("K3 (112 local experts of 896, top-16)", "kimi-k3", 112),
@@ -50,6 +53,25 @@ COMPILE_THREADS = 8  # XLA / Triton compiles run outside the GIL: compile the pr
 # a stack (2.47 GB), which the models never hold; the STACK_WINDOW row times that case on purpose.
 STACK_MIN = 4
 STACK_WINDOW = 4
+
+
+# MXFP4 decode tiles timed isolated at each decode step beside the default (schedule.decode_mxfp4_tiles):
+# (up: merged gate/up, bn = output columns, 2 bn weight rows; down). The x tile is re-read from L2 for every
+# weight tile of bn rows x bk: 16 rows x bk bf16 against bn x bk/2 bytes, as many bytes as the weights at 64
+# rows; 128-row tiles halve that, 4 stages deepen the pipeline, 4 warps run wgmma. A faster pair goes into
+# schedule.DECODE_MXFP4_BY_SHAPE.
+_T = lambda bk, bn, w, st: Tiling(16, bk, bn, w, st, swap_ab=True)  # noqa: E731
+DECODE_TILE_SWEEP = [
+    (_T(256, 32, 2, 4), _T(256, 64, 2, 4)),
+    (_T(128, 64, 2, 3), _T(128, 128, 2, 3)),
+    (_T(128, 64, 2, 4), _T(128, 128, 2, 4)),
+    (_T(128, 32, 2, 4), _T(128, 64, 2, 4)),
+    (_T(256, 64, 4, 3), _T(256, 128, 4, 3)),
+]
+
+
+def tiles_label(t) -> str:
+    return f"bk{t.bk} bn{t.bn} w{t.num_warps} s{t.num_stages}"
 
 
 def stack_depth(spec_experts, tiny: bool) -> int:
@@ -147,7 +169,15 @@ class MoEModel:
             w, ids = m.route(x, c)
             return (x @ value(m.latent_down) if m.latent else x), w, ids
 
+        def isolated_tiles(pe, z, w, ids, tiles):
+            q = lambda n: (pe[f"{n}_packed"], pe[f"{n}_scale"])  # noqa: E731
+            return moe_kernels.expert_mlp_mxfp4(
+                z, ids, w, q("w13"), None, q("w2"), activation=c.hidden_act, situ_beta=c.situ_beta,
+                situ_linear_beta=c.situ_linear_beta, interpret=backend.interpret or None, tiling=tiles,
+                num_experts_total=c.num_experts, decoder=backend.mxfp4_decoder)
+
         self.isolated = jax.jit(isolated)
+        self.isolated_tiles = jax.jit(isolated_tiles, static_argnames="tiles")
         self.routed_inputs = jax.jit(routed_inputs)
         self.routed = jax.jit(lambda pe, z, w, ids, layer: RoutedExperts.of(c, pe, merged=True)(
             z, w, ids, c, layer, backend))
@@ -193,6 +223,7 @@ def case_jobs(m, kind, tokens):
                            c.num_experts_per_token)
     iso = Job(kind, case, "isolated", "ops.expert_mlp, random top-k", m.isolated, (m.experts, z, w, ids),
               m.dense_reference, (m.experts, z, w, ids), m.routed_flop(tokens), _touched(ids) * m.expert_bytes)
+    z_iso, w_iso, ids_iso = z, w, ids
     # as the model calls it: the layer's own router on hidden states
     x = jax.random.normal(jax.random.fold_in(key, 2), (tokens, c.hidden_size), jnp.bfloat16)
     z, w, ids = m.routed_inputs(m.values, x)
@@ -207,7 +238,14 @@ def case_jobs(m, kind, tokens):
     extra = [Job(kind, case, call, variant, m.routed, (stack, z, w, ids, r), m.dense_reference, (m.experts, z, w, ids),
                  m.routed_flop(tokens), touched, iso)
              for variant, stack, r in (m.extra_stacks if kind == "decode" else ())]
-    return [iso, routed, *extra, layer]
+    sweep = []
+    if kind == "decode" and c.expert_format == "mxfp4":
+        for up, down in DECODE_TILE_SWEEP:
+            fn = functools.partial(m.isolated_tiles, tiles=(up, down))
+            sweep.append(Job(kind, case, "isolated", f"tiles up {tiles_label(up)} / down {tiles_label(down)}", fn,
+                             (m.experts, z_iso, w_iso, ids_iso), m.dense_reference, (m.experts, z_iso, w_iso, ids_iso),
+                             m.routed_flop(tokens), iso.nbytes, iso))
+    return [iso, *sweep, routed, *extra, layer]
 
 
 def run_job(run, job, exe, ref_exe):
