@@ -348,11 +348,11 @@ def mla_mosaic_check(run):
                 target=f"rel err {e:.1e}")
 
 
-# Mosaic kernel tilings (mosaic_gpu.MosaicTiling) timed at the first isolated shape (K3's 96 heads, 8k) and,
-# as the model's decode-only steps call the kernel (ragged_decode_mosaic on the engine's padded bucket), at
-# every 64+-head model case: the default is bk 32, 3 stages (the most that fit next to the 64-row query
-# tile); bk 16 leaves room for deeper rings; splits x2 and x1/2 test the split-K plan. The fastest per
-# (padded heads, page size, long context) goes into mosaic_gpu.TUNED.
+# Mosaic kernel tilings (mosaic_gpu.MosaicTiling) timed as the model's decode-only steps call the kernel
+# (ragged_decode_mosaic on the engine's padded bucket) at every 64+-head model case: the default is bk 32,
+# 3 stages (the most that fit next to the 64-row query tile); bk 16 leaves room for deeper rings; splits x2
+# and x1/2 test the split-K plan. The fastest per (padded heads, page size, long context) goes into
+# mosaic_gpu.TUNED.
 MOSAIC_SWEEP = [(16, 4), (16, 6), (32, 2)]
 
 
@@ -381,8 +381,6 @@ def mla_mosaic_rows(run, shapes, model_cases):
         args = (jax.random.normal(k1, (n, heads, lat), jnp.bfloat16),
                 jax.random.normal(k2, (n, heads, rope), jnp.bfloat16), kv, bt, lens)
         kernels = [("triton (default)", mla_paged_decode, None), ("mosaic", mla_paged_decode_mosaic, None)]
-        if (n, ctx, heads, page_size) == shapes[0]:
-            kernels += [(label, mla_paged_decode_mosaic, cfg) for label, cfg in _mosaic_sweep(heads, ctx, n)]
         for label, fn, cfg in kernels:
             if fn is mla_paged_decode_mosaic and run.mosaic_off:
                 run.skip("MLA decode", case, "isolated", label, run.mosaic_off)

@@ -55,11 +55,11 @@ STACK_MIN = 4
 STACK_WINDOW = 4
 
 
-# MXFP4 decode tiles timed isolated at each decode step beside the default (schedule.decode_mxfp4_tiles):
-# (up: merged gate/up, bn = output columns, 2 bn weight rows; down). The x tile is re-read from L2 for every
-# weight tile of bn rows x bk: 16 rows x bk bf16 against bn x bk/2 bytes, as many bytes as the weights at 64
-# rows; 128-row tiles halve that, 4 stages deepen the pipeline, 4 warps run wgmma. A faster pair goes into
-# schedule.DECODE_MXFP4_BY_SHAPE.
+# MXFP4 decode tiles timed isolated at the smallest decode step beside the default
+# (schedule.decode_mxfp4_tiles): (up: merged gate/up, bn = output columns, 2 bn weight rows; down). The x tile
+# is re-read from L2 for every weight tile of bn rows x bk: 16 rows x bk bf16 against bn x bk/2 bytes, as
+# many bytes as the weights at 64 rows; 128-row tiles halve that, 4 stages deepen the pipeline, 4 warps run
+# wgmma. A faster pair goes into schedule.DECODE_MXFP4_BY_SHAPE.
 _T = lambda bk, bn, w, st: Tiling(16, bk, bn, w, st, swap_ab=True)  # noqa: E731
 DECODE_TILE_SWEEP = [
     (_T(256, 32, 2, 4), _T(256, 64, 2, 4)),
@@ -212,9 +212,9 @@ class Job:
         self.flop, self.nbytes, self.isolated = flop, nbytes, isolated    # isolated: that row's Job
 
 
-def case_jobs(m, kind, tokens):
+def case_jobs(m, kind, tokens, sweep_tiles=False):
     """The rows of one model at one step (isolated, as model: routed experts over each stack, MoE layer),
-    inputs made."""
+    inputs made. sweep_tiles: MXFP4 experts also get DECODE_TILE_SWEEP's isolated rows."""
     c, case = m.c, m.case(tokens)
     key = jax.random.fold_in(jax.random.key(1), tokens)
     # isolated: random top-k routing, inputs already in the experts' width
@@ -239,7 +239,7 @@ def case_jobs(m, kind, tokens):
                  m.routed_flop(tokens), touched, iso)
              for variant, stack, r in (m.extra_stacks if kind == "decode" else ())]
     sweep = []
-    if kind == "decode" and c.expert_format == "mxfp4":
+    if sweep_tiles and c.expert_format == "mxfp4":
         for up, down in DECODE_TILE_SWEEP:
             fn = functools.partial(m.isolated_tiles, tiles=(up, down))
             sweep.append(Job(kind, case, "isolated", f"tiles up {tiles_label(up)} / down {tiles_label(down)}", fn,
@@ -280,7 +280,10 @@ def moe_section(run):
         print(f"# MoE {label}, as run: {c.expert_format} experts {c.num_experts} x (D' {c.expert_hidden}, I "
               f"{c.moe_intermediate_size}), top-{c.num_experts_per_token}, {c.hidden_act}, hidden {c.hidden_size}, "
               f"shared {c.num_shared_experts}, experts stacked over {models[-1].depth} layers", flush=True)
-    jobs = [j for kind, tokens in steps(run.tiny) for m in models for j in case_jobs(m, kind, tokens)]
+    # the tile sweep at the smallest decode step only (each tiling is two more programs to compile)
+    sweep_step = min((s for s in steps(run.tiny) if s[0] == "decode"), key=lambda s: s[1], default=None)
+    jobs = [j for kind, tokens in steps(run.tiny) for m in models
+            for j in case_jobs(m, kind, tokens, sweep_tiles=(kind, tokens) == sweep_step)]
     # every program compiled side by side first (XLA and Triton compile outside the GIL), then each row
     # checked and timed with nothing else running
     programs = {}      # one compile per (function, argument shapes): the two expert rows share a reference
