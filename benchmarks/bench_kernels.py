@@ -305,8 +305,14 @@ def mla_mosaic_errors(kernels, interpret, lat, rope, page_sizes=(16, 64)):
         lens = jnp.asarray(n_lens, jnp.int32)
         want = np.asarray(mla_decode_reference(ql, qr, kv, bt, lens, scale=192 ** -0.5), np.float32)
         for name in kernels:
-            got = np.asarray(fns[name](ql, qr, kv, bt, lens, scale=192 ** -0.5, interpret=interpret), np.float32)
-            errs[f"{name}, bf16, page {ps}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            try:
+                got = np.asarray(fns[name](ql, qr, kv, bt, lens, scale=192 ** -0.5, interpret=interpret),
+                                 np.float32)
+                errs[f"{name}, bf16, page {ps}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            except Exception:  # noqa: BLE001  (a swept tiling that fails: its rows are skipped, not the run)
+                if name == kernels[0]:
+                    raise
+                errs[f"{name}, bf16, page {ps}"] = float("nan")
     return errs
 
 
@@ -345,7 +351,9 @@ def mla_mosaic_check(run):
                   lambda: mla_mosaic_errors(["triton (default)"], run.interpret, lat, rope))
     for variant, e in sorted({**errs, **(t or {})}.items()):
         run.add(kernel="MLA decode", case="small shapes vs reference", call="check", variant=variant,
-                target=f"rel err {e:.1e}")
+                target=f"rel err {e:.1e}" + ("" if e <= MOSAIC_CHECK_TOL else " WRONG"))
+    # swept tilings that failed or missed the check (rel err NaN or > tol): their timed rows are skipped
+    run.mosaic_bad = {v.split(",")[0] for v, e in errs.items() if not e <= MOSAIC_CHECK_TOL}
 
 
 # Mosaic kernel tilings (mosaic_gpu.MosaicTiling) timed as the model's decode-only steps call the kernel
@@ -354,6 +362,7 @@ def mla_mosaic_check(run):
 # and x1/2 test the split-K plan. The fastest per (padded heads, page size, long context) goes into
 # mosaic_gpu.TUNED.
 MOSAIC_SWEEP = [(16, 4), (16, 6), (32, 2)]
+MOSAIC_CHECK_TOL = 2e-2   # rel err of the check rows from which a kernel is wrong (bf16 output: ~3e-3)
 
 
 def _mosaic_sweep(heads, max_keys, n_seqs):
@@ -418,6 +427,9 @@ def mla_mosaic_rows(run, shapes, model_cases):
             _mosaic_sweep(heads, bt.shape[1] * page_size, n_bucket)
         for label, cfg in sweep:  # the decode-only dispatch's own call, with the tiling given
             variant = f"decode_only=True, {label}"
+            if label in getattr(run, "mosaic_bad", ()):
+                run.skip("MLA decode", case, f"as model: {model}", variant, "failed the check")
+                continue
             f = jax.jit(functools.partial(mosaic_gpu.ragged_decode_mosaic, scale=192 ** -0.5,
                                           interpret=bool(run.interpret), config=cfg))
             t = run.timed("MLA decode", case, f"as model: {model}", variant,
