@@ -139,9 +139,12 @@ class MoEModel:
         key = jax.random.key(0)
         self.values = random_values({k: v for k, v in spec.items() if k != "experts"}, key)
         self.depth = depth = stack_depth(spec["experts"], tiny)
-        self.values["experts"] = random_values(spec["experts"], jax.random.fold_in(key, 1), lead=(depth,))
+        # one layer's random experts (isolated rows), repeated over the stack: the kernels read one layer of it,
+        # and making every layer at once would need ~4 bytes of random bits a packed byte (K3: ~35 GB)
+        self.experts = random_values(spec["experts"], jax.random.fold_in(key, 1))
+        self.values["experts"] = jax.jit(lambda t: jax.tree_util.tree_map(
+            lambda a: jnp.broadcast_to(a, (depth,) + a.shape), t))(self.experts)
         self.layer = jnp.int32(depth - 1)
-        self.experts = jax.tree_util.tree_map(lambda a: a[depth - 1], self.values["experts"])  # isolated: one layer's
         self.extra_stacks = []
         if c.expert_format == "mxfp4":
             self.extra_stacks.append(("routed experts, a one-layer stack (32-bit offsets)",
