@@ -32,3 +32,46 @@ def test_moe_section_rows_are_checked_and_count_the_layer_flops(monkeypatch):
         want = routed[m] + (other[m] if r["variant"].startswith("MoE layer") else 0)
         assert r["tflop_s"] * 1e12 * r["us"] * 1e-6 == pytest.approx(want, rel=1e-9)
         assert (r["vs_anchor"] is None) == (r["call"] == "isolated")
+
+
+@pytest.mark.slow
+def test_moe_decode_rows_sweep_tiles_and_stacks(monkeypatch):
+    """At a decode step K3's MXFP4 experts also get the tile sweep's isolated rows (explicit up / down
+    tilings) and the routed experts over a one-layer stack, each checked against the dense reference."""
+    monkeypatch.setattr(moe_rows, "steps", lambda tiny: [("decode", 2)])
+    monkeypatch.setattr(moe_rows, "CASES", moe_rows.CASES[:1])                       # K3
+    monkeypatch.setattr(moe_rows, "DECODE_TILE_SWEEP", moe_rows.DECODE_TILE_SWEEP[1:2])
+
+    def one_call(fn, *args, reps):
+        jax.block_until_ready(fn(*args))
+        return 1e-3
+    monkeypatch.setattr(moe_rows, "time_jax", one_call)
+    rows = [r for r in bench_kernels.main(["--tiny", "--only", "moe", "--no-fla", "--budget", "1e9"])
+            if r["kernel"].startswith("MoE")]
+    up, down = moe_rows.DECODE_TILE_SWEEP[0]
+    assert [r["variant"] for r in rows] == [
+        "ops.expert_mlp, random top-k",
+        f"tiles up {moe_rows.tiles_label(up)} / down {moe_rows.tiles_label(down)}",
+        "routed experts only (moe_experts)", "routed experts, a one-layer stack (32-bit offsets)",
+        "MoE layer (route + experts + shared)"]
+    for r in rows:
+        assert 0 < float(r["target"].removeprefix("rel err ")) < 3e-2, r
+
+
+def test_stack_depth_keeps_every_stacked_array_out_of_the_copying_window():
+    """Full-size stacks (shapes only): K3's down projection over 4 layers holds 2.47e9 one-byte elements,
+    which the kernels would copy a slice of; the benchmark stacks K3 over 7 layers (every packed array
+    past 2**32 bytes, as the model's 23 repeats) and Kimi-Linear's bf16 experts over 4."""
+    from k3jax.params import moe_spec, random_values
+    from pallas_kernels.moe.grouped import overflows_i32_offsets
+    for label, preset, experts in moe_rows.CASES:
+        c = moe_rows.case_config(preset, experts, False)
+        spec = moe_spec(c, merged_experts=True)["experts"]
+        depth = moe_rows.stack_depth(spec, tiny=False)
+        assert depth == {"kimi-k3": 7, "kimi-linear-48b-a3b": 4}[preset]
+        leaves = jax.tree_util.tree_leaves(jax.eval_shape(lambda: random_values(spec, jax.random.key(0))))
+        flat = lambda d, a: (d * a.shape[0],) + a.shape[1:]  # noqa: E731
+        assert not any(overflows_i32_offsets(flat(depth, a), a.dtype) for a in leaves)
+        assert any(overflows_i32_offsets(flat(moe_rows.STACK_WINDOW, a), a.dtype) for a in leaves) == \
+            (preset == "kimi-k3")
+    assert moe_rows.stack_depth(spec, tiny=True) == moe_rows.STACK_MIN

@@ -134,8 +134,12 @@ def test_auto_picks_mosaic_on_hopper_only(monkeypatch, capability, chosen):
     assert backend.detect(mla_decode="mosaic").mla_decode == "mosaic"
 
 
-@pytest.mark.parametrize("heads,page_size", [(96, 16), (96, 64), (64, 64)])
-def test_lowers_for_the_gpu(heads, page_size):
+@pytest.mark.parametrize("heads,page_size,config", [
+    (96, 16, None), (96, 64, None), (64, 64, None),
+    (96, 16, mosaic_gpu.MosaicTiling(bk=16, stages=6)),     # the bench sweep's other tilings
+    (96, 16, mosaic_gpu.MosaicTiling(bk=32, stages=2)),
+])
+def test_lowers_for_the_gpu(heads, page_size, config):
     """At K3's shapes (L = 512) the kernel lowers to a Mosaic GPU custom call (wgmma operand shapes,
     swizzles, TMA slices and register layouts are checked here; PTX and SASS only on a GPU)."""
     sd = jax.ShapeDtypeStruct
@@ -143,7 +147,7 @@ def test_lowers_for_the_gpu(heads, page_size):
     args = (sd((n, heads, 512), jnp.bfloat16), sd((n, heads, ROPE), jnp.bfloat16),
             sd((n * max_pages + 1, page_size, 512 + ROPE), jnp.bfloat16), sd((n, max_pages), jnp.int32),
             sd((n,), jnp.int32))
-    f = jax.jit(functools.partial(mosaic_gpu.mla_paged_decode_mosaic, scale=SCALE))
+    f = jax.jit(functools.partial(mosaic_gpu.mla_paged_decode_mosaic, scale=SCALE, config=config))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -160,3 +164,18 @@ def test_bad_shapes_are_rejected():
     ql, qr, pool, bt, lens = _case(64, 16, (5,), max_pages=1)
     with pytest.raises(ValueError, match="16-bit"):
         mosaic_gpu.mla_paged_decode_mosaic(ql, qr, pool.astype(jnp.float32), bt, lens, scale=SCALE, interpret=True)
+
+
+def test_tiling_config_and_tuned_table(monkeypatch):
+    """config as a MosaicTiling or (key, value) pairs; without one a TUNED entry for the step's (padded
+    heads, page size, long context) applies where it fits the shapes, DEFAULT_TILING elsewhere."""
+    T = mosaic_gpu.MosaicTiling
+    assert mosaic_gpu.as_tiling(SPLIT2) == T(splits=2) and mosaic_gpu.as_tiling(None) is None
+    assert mosaic_gpu.as_tiling({"bk": 16, "stages": 6}) == T(16, 6)
+    assert T(16, 6, splits=4).label() == "bk16 st6 splits 4"
+    monkeypatch.setitem(mosaic_gpu.TUNED, (128, 16, False), T(16, 6))
+    monkeypatch.setitem(mosaic_gpu.TUNED, (128, 64, True), T(32, 4))              # does not fit: ignored
+    assert mosaic_gpu.tiling_for(96, 16, 8192, 512, 64) == T(16, 6)
+    assert mosaic_gpu.tiling_for(96, 16, 131072, 512, 64) == mosaic_gpu.DEFAULT_TILING   # long: no entry
+    assert mosaic_gpu.tiling_for(64, 16, 8192, 512, 64) == mosaic_gpu.DEFAULT_TILING     # 64 heads: no entry
+    assert mosaic_gpu.tiling_for(96, 64, 131072, 512, 64) == mosaic_gpu.DEFAULT_TILING

@@ -440,6 +440,17 @@ def test_choose_tiling_avg_rows_hint():
   assert sch.choose_tiling(4096, 3584, 6144, 112, avg_rows=4096 / 896).bm == 16  # bf16 too
 
 
+def test_decode_tiles_by_shape(monkeypatch):
+  """A DECODE_MXFP4_BY_SHAPE entry replaces the default decode tiles for its (fused, K, N) only."""
+  from pallas_kernels.moe import schedule as sch
+  ep = dict(mxfp4=True, avg_rows=256 / 896, decoder="ptx8")
+  best = Tiling(16, 128, 128, 2, 4, swap_ab=True)
+  monkeypatch.setitem(sch.DECODE_MXFP4_BY_SHAPE, (False, 3072, 3584), best)
+  assert sch.choose_tiling(256, 3072, 3584, 112, **ep) == best
+  assert sch.choose_tiling(256, 3584, 3072, 112, fused="merged", **ep) == sch.DECODE_MXFP4_MERGED
+  assert sch.choose_tiling(256, 3072, 2304, 112, **ep) == sch.DECODE_MXFP4  # another N: the default
+
+
 def _ep_case(seed, t, d, i, e_loc, e_tot, k, activation):
   """Expert-parallel MLP inputs: ids over e_tot experts (those >= e_loc -> -1, another device's),
   MXFP4 experts (q1, q3, q2), and the float64 loop over the local experts on their dequantized

@@ -37,6 +37,7 @@ else (TMA ring, barriers, warpgroups, softmax, split-K) is the kernel that lower
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -50,8 +51,49 @@ _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
 ROWS = 64            # query heads per CTA: the wgmma M dimension of one warpgroup
 MIN_HEADS = 64       # below this the Triton keys-on-M kernel is the better fit (docs/performance.md)
-DEFAULTS = {"bk": 32, "stages": 3}
 SMEM_LIMIT = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiling:
+    """The kernel's tiling knobs. bk: keys per block (16 or 32: the fp32 score exchange is swizzled bk
+    wide and holds <= 128 bytes a row, and bk 64's ring does not fit next to it); stages: buffers of the
+    cache ring (smem_bytes <= SMEM_LIMIT: 3 at bk 32, up to 7 at bk 16); splits: key splits per
+    (sequence, head tile) (None: plan's wave-quantised choice); slots: the SMs plan fills (None: the
+    device's)."""
+    bk: int = 32
+    stages: int = 3
+    splits: int | None = None
+    slots: int | None = None
+
+    def label(self) -> str:
+        extra = "".join(f" {k} {v}" for k, v in (("splits", self.splits), ("slots", self.slots)) if v is not None)
+        return f"bk{self.bk} st{self.stages}{extra}"
+
+
+DEFAULT_TILING = MosaicTiling()
+DEFAULTS = {"bk": DEFAULT_TILING.bk, "stages": DEFAULT_TILING.stages}
+# Tilings found faster than DEFAULT_TILING by bench_kernels' Mosaic sweep rows, by (query heads padded to
+# whole 64-row tiles, page size, max keys >= LONG_KEYS): the decode steps of models without a config.
+TUNED: dict = {}
+LONG_KEYS = 65536
+
+
+def as_tiling(config) -> MosaicTiling | None:
+    """A MosaicTiling from a MosaicTiling, a dict or hashable (key, value) pairs; None stays None."""
+    if config is None or isinstance(config, MosaicTiling):
+        return config
+    return MosaicTiling(**dict(config))
+
+
+def tiling_for(num_heads, page_size, max_keys, lat, rope) -> MosaicTiling:
+    """TUNED's tiling for this step where it has one and it fits the shapes, else DEFAULT_TILING."""
+    t = TUNED.get((-(-num_heads // ROWS) * ROWS, page_size, max_keys >= LONG_KEYS), DEFAULT_TILING)
+    try:
+        check_shapes(lat, rope, t.bk, t.stages, page_size)
+    except ValueError:
+        return DEFAULT_TILING
+    return t
 
 
 def _plgpu():
@@ -330,12 +372,15 @@ def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *
                             interpret=False, config=None):
     """Paged MLA decode, same contract as paged.mla_paged_decode: q_latent [N, H, L], q_rope [N, H, R],
     kv_pages [P, page_size, L+R] (16-bit), block_tables [N, max_pages], kv_lens [N] (the query sits at
-    kv_lens - 1; 0 = padding sequence, zeros out). ``config``: hashable (key, value) pairs of bk,
-    stages, splits, slots. Returns [N, H, L] in q_latent.dtype."""
+    kv_lens - 1; 0 = padding sequence, zeros out). ``config``: a MosaicTiling or hashable (key, value)
+    pairs of its fields (the fields not named: DEFAULT_TILING's); None: tiling_for's choice.
+    Returns [N, H, L] in q_latent.dtype."""
     from pallas_kernels.mla.triton_kernel import combine_splits
-    cfg = {**DEFAULTS, **dict(config or ())}
     n_seqs, num_heads, lat = q_latent.shape
     _, page_size, width = kv_pages.shape
+    t = as_tiling(config) or tiling_for(num_heads, page_size, block_tables.shape[1] * page_size, lat,
+                                        width - lat)
+    cfg = dataclasses.asdict(t)
     if jnp.dtype(kv_pages.dtype).itemsize != 2:
         raise ValueError(f"MLA Mosaic GPU decode: 16-bit caches only (wgmma bf16/f16), got {kv_pages.dtype}")
     if lat + q_rope.shape[-1] != width:

@@ -127,7 +127,7 @@ def choose_tiling(m: int, k: int, n: int, g: int, *, mxfp4: bool = False,
     bm = 128
   decode = bm <= 32
   if decode and mxfp4 and bm == 16 and (decoder or mx.DECODER) == "ptx8":
-    t = DECODE_MXFP4_MERGED if fused == "merged" else DECODE_MXFP4
+    t = decode_mxfp4_tiles(fused, k, n)
     return dataclasses.replace(t, bk=pow2_divisor(k, t.bk, 32), bn=pow2_divisor(n, t.bn))
   if bm == 128:
     t = PREFILL_TILES[(mxfp4, fused)]
@@ -205,3 +205,16 @@ DECODE_MXFP4 = Tiling(bm=16, bk=256, bn=64, num_warps=2, num_stages=3, swap_ab=T
 # Merged gate/up at decode: 64 weight rows per tile (32 gate/up pairs), the plain gmm's stream
 # (faster than two weights and than merged bn 64: docs/performance.md, "Tuning of record").
 DECODE_MXFP4_MERGED = dataclasses.replace(DECODE_MXFP4, bn=32)
+# Per-shape decode tiles (ptx8, bm 16) where a sweep (benchmarks/kernels_moe.py's DECODE_TILE_SWEEP rows)
+# found better ones than the two above: (fused, K, N) -> Tiling, fused as choose_tiling's (False: one
+# weight, e.g. the down projection; "merged": merged gate/up), K the contraction, N the output width.
+DECODE_MXFP4_BY_SHAPE: dict = {}
+
+
+def decode_mxfp4_tiles(fused, k: int, n: int) -> Tiling:
+  """The ptx8 decode tiles for one grouped matmul: DECODE_MXFP4_BY_SHAPE's entry, else DECODE_MXFP4_MERGED
+  (merged gate/up) or DECODE_MXFP4."""
+  t = DECODE_MXFP4_BY_SHAPE.get((fused, k, n))
+  if t is not None:
+    return t
+  return DECODE_MXFP4_MERGED if fused == "merged" else DECODE_MXFP4
