@@ -370,9 +370,7 @@ class LLMEngine:
             for j in range(steps):
                 tok = int(toks[i, j])
                 new.append(tok)
-                # a stop before the last step: the KDA state has run past it, so it is not cached
-                out = self._append(req, at + j, tok, float(lps[i, j]), top_ids[i, j], top_vals[i, j], now,
-                                   keep_state=j == steps - 1)
+                out = self._append(req, at + j, tok, float(lps[i, j]), top_ids[i, j], top_vals[i, j], now)
                 if req.status == Status.FINISHED:
                     break
             out.metrics["new_token_ids"] = new
@@ -414,8 +412,7 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _append(self, req: Request, at: int, tok: int, lp: float, top_ids, top_vals, now: float,
-                keep_state: bool = True) -> RequestOutput:
+    def _append(self, req: Request, at: int, tok: int, lp: float, top_ids, top_vals, now: float) -> RequestOutput:
         req.output_ids[at] = tok
         if req.matcher is not None:
             req.matcher.accept(tok)
@@ -433,7 +430,9 @@ class LLMEngine:
         if done is not None:
             del req.output_ids[at + 1:]           # a placeholder of a step in flight: its token is dropped
             req.finish_reason, req.stop_reason = done.finish_reason, done.stop_reason
-            self.scheduler.finish(req, keep_state=keep_state)
+            # its final state joins the prefix cache when every token the launched steps fed is kept (a
+            # launch of several decode steps may have fed tokens past the stop)
+            self.scheduler.finish(req, keep_state=req.num_computed <= req.num_tokens)
             self._forget(req)
         return self.output_of(req, new_ids=[tok])
 
