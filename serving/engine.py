@@ -309,6 +309,7 @@ class LLMEngine:
             rows.append((i, req, len(req.output_ids)))
             # one placeholder per sampled token; the last one is the next step's input
             req.output_ids.extend([-(i + 1)] * steps)
+            req.tokens_in_flight = steps > 1
             req.num_computed += steps - 1            # the launch also fed its first steps-1 sampled tokens
             # its last token is sampled now: nothing more to schedule for it
             req.final_sampled = len(req.output_ids) >= req.params.max_tokens
@@ -364,6 +365,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for i, req, at in rows:
+            req.tokens_in_flight = False
             if req.status == Status.FINISHED:
                 continue
             new, out = [], None

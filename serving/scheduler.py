@@ -464,6 +464,8 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
         for req in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or live >= cfg.max_num_seqs:
                 break
+            if req.tokens_in_flight:     # preempted while a launch of several steps runs: its tokens come first
+                continue
             if self.host is not None and req.wait_for is None and self._restore_from_host(req, out):
                 continue                 # its prefix is being copied back: it hits next step
             wait, freed = self._should_wait(req, scheduled)
