@@ -318,7 +318,7 @@ class LLMEngine:
     def _decode_steps(self, out, speculate: bool) -> int:
         """How many decode steps the scheduled step runs in one launch: self.decode_steps when nothing
         needs the host between them (every scheduled chunk a plain decode of a request that samples at least
-        that many more tokens, with no logprobs, penalties or structured output; no speculation, no
+        that many more tokens, with no logprobs, logit bias, penalties or structured output; no speculation, no
         waiting request, no copies, restores or images), else 1. Reserves the pages the extra steps write.
         Stop strings and EOS are checked after the launch (_resolve): a request that stops inside it
         finishes and its surplus tokens are dropped (its KDA state is then not cached, see _append)."""
@@ -331,7 +331,8 @@ class LLMEngine:
             r = ch.req
             if (ch.end - ch.start != 1 or not ch.sample or ch.drafts or ch.ckpt_dst or not r.slot
                     or ch.state_src != r.slot or not r.is_decode or r.request_id in self._sync_ids
-                    or r.params.logprobs is not None or r.params.max_tokens - len(r.output_ids) < k):
+                    or r.params.logprobs is not None or r.params.logit_bias
+                    or r.params.max_tokens - len(r.output_ids) < k):
                 return 1
         for ch in out.chunks:
             if not self.scheduler.reserve_pages(ch.req, ch.end + k - 1):

@@ -144,11 +144,11 @@ class EngineArgs:
                                                   # layers' dense weights in place (False: sliced copies)
     merged_experts: bool = False                  # one GPU running the kernels: routed experts' gate and up
                                                   # weights merged at load (opt-in until measured end to end)
-    decode_steps_per_launch: Optional[int] = None  # decode steps run on the device per launch when no request needs
-                                                  # the host between them (None: DECODE_STEPS_ACCELERATOR on an
-                                                  # accelerator, 1 on CPU; 1 = off)
-    decode_steps_max_seqs: int = 4                # ... and at most this many sequences decode (a larger batch's
-                                                  # step is long enough to hide the host's work)
+    decode_steps_per_launch: Optional[int] = None  # decode steps run in one device program while no request needs
+                                                  # the host between tokens (None: 8 on an accelerator, 1 on CPU;
+                                                  # 1 = off; see DECODE_STEPS_ACCELERATOR)
+    decode_steps_max_seqs: int = 4                # several decode steps per launch only while at most this many
+                                                  # sequences decode (a larger batch's step hides the host's work)
     speculative: str = "off"                      # speculative decoding: "off", "ngram" (prompt lookup) or "draft"
     num_speculative_tokens: int = 4               # drafts verified per sequence and step (the most; adaptive lowers it)
     draft_model: Optional[str] = None             # speculative="draft": preset name or checkpoint directory

@@ -452,8 +452,8 @@ class ModelRunner:
         for T, N in self.multi_step_shapes():
             for truncate in (False, True):
                 batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
-                lower(_multi_key(batch, sarr, self.decode_steps), self._multi, "multi", self.params, self.pools, batch, self.last_tokens,
-                      sarr, self.key_data, np.zeros(N, np.int32))
+                lower(_multi_key(batch, sarr, self.decode_steps), self._multi, "multi", self.params, self.pools, batch,
+                      self.last_tokens, sarr, self.key_data, np.zeros(N, np.int32))
         if cache is not None:
             log.info("executable cache: %d of %d step programs loaded from %s", len(self._compiled),
                      len(self._compiled) + len(lowered), cache.directory)

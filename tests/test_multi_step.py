@@ -55,8 +55,9 @@ def _workload(stop_ref=None):
     p = [rng.randint(0, 1000, n).tolist() for n in (40, 23, 31, 17, 50)]
     work = [("a", p[0], g(30)), ("b", p[1], g(21)),
             ("sampled", p[2], SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=26)),
-            # logprobs and penalties need the host after every token: single steps while they run
-            ("lp", p[3], g(5, logprobs=2)), ("pen", p[1], g(6, presence_penalty=1.5)), ("c", p[3], g(9))]
+            # logprobs, penalties and logit bias take single steps while they run
+            ("lp", p[3], g(5, logprobs=2)), ("pen", p[1], g(6, presence_penalty=1.5)),
+            ("bias", p[0], g(7, logit_bias={5: 3.0})), ("c", p[3], g(9))]
     if stop_ref is None:
         return [("stop", p[4], g(30))]
     # a stop token and a stop string inside a launch, from the output without them
