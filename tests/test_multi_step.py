@@ -54,7 +54,7 @@ def _workload(stop_ref=None):
     g = lambda n, **kw: SamplingParams(temperature=0.0, max_tokens=n, **kw)   # noqa: E731
     p = [rng.randint(0, 1000, n).tolist() for n in (40, 23, 31, 17, 50)]
     work = [("a", p[0], g(30)), ("b", p[1], g(21)),
-            ("sampled", p[2], SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=26)),
+            ("sampled", p[2], SamplingParams(temperature=0.9, seed=7, max_tokens=26)),
             # logprobs, penalties and logit bias take single steps while they run
             ("lp", p[3], g(5, logprobs=2)), ("pen", p[1], g(6, presence_penalty=1.5)),
             ("bias", p[0], g(7, logit_bias={5: 3.0})), ("c", p[3], g(9))]
