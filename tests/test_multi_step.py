@@ -113,3 +113,22 @@ def test_bad_values():
     for kw in ({"decode_steps_per_launch": 0}, {"decode_steps_max_seqs": 0}, {"decode_steps_per_launch": 2.0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EngineArgs(**kw)
+
+
+def test_scheduler_waits_for_tokens_in_flight_and_reserves_pages():
+    """A request preempted while a launch of several steps has its tokens on the device is re-admitted only
+    after they are fetched (its intermediate tokens have no device placeholder); reserve_pages extends a
+    block table to a position and refuses when the pool is short."""
+    from serving.request import Request
+    from serving.scheduler import Scheduler, SchedulerConfig
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=16, max_model_len=256,
+                                      prefix_match_unit=16, enable_prefix_caching=False), num_pages=6, num_slots=8)
+    req = Request("r", list(range(20)), SamplingParams(temperature=0.0, max_tokens=50), seed=0)
+    req.output_ids, req.tokens_in_flight = [-1] * 4, True
+    sched.add(req)
+    assert sched.schedule().chunks == []
+    req.output_ids, req.tokens_in_flight = [3, 4, 5, 6], False
+    out = sched.schedule()
+    assert [(c.req.request_id, c.start, c.end) for c in out.chunks] == [("r", 0, 24)] and len(req.pages) == 2
+    assert sched.reserve_pages(req, 24 + 16) and len(req.pages) == 3
+    assert not sched.reserve_pages(req, 16 * 7) and len(req.pages) == 3      # 5 usable pages in all
