@@ -216,7 +216,8 @@ def full(args):
     c = model.config
     t0 = time.perf_counter()
     llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048 + 64,
-              enable_prefix_caching=False, token_buckets=(16, 64, 4096), seq_buckets=(16, 64))
+              enable_prefix_caching=False, token_buckets=(16, 64, 4096), seq_buckets=(16, 64),
+              decode_steps_per_launch=args.decode_steps_per_launch)
     eng = llm.engine
     t_warm = time.perf_counter() - t0
     pools = eng.runner.pools
@@ -281,6 +282,8 @@ def main():
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--compare-sync", action="store_true",
                     help="full: also run c16 with synchronous steps (async scheduling off)")
+    ap.add_argument("--decode-steps-per-launch", type=int, default=None,
+                    help="full: EngineArgs.decode_steps_per_launch (default: the engine's)")
     add_csv_argument(ap)
     args = ap.parse_args()
     {"full": full, "check": check, "serve": serve}[args.what](args)

@@ -1,6 +1,7 @@
 """Host time of a decode step: what the Python side spends before the device can run it.
 
-  python -m benchmarks.bench_host_step [--model tiny-random] [--seqs 4] [--steps 40] [--cache-mib M] [--json]
+  python -m benchmarks.bench_host_step [--model tiny-random] [--seqs 4] [--steps 40] [--cache-mib M]
+                                       [--decode-steps S] [--json]
 
 Builds a ModelRunner on the model, prefills `--seqs` sequences, then runs `--steps` decode steps
 and reports, per step (median and min over the steps, milliseconds):
@@ -8,6 +9,9 @@ and reports, per step (median and min over the steps, milliseconds):
             tree and launching: what a split or merge of an NNX model on the host would add to)
   launch    runner.launch: batch and sampling arrays built, step and sampler dispatched, no wait
   step      launch + fetch of the sampled tokens (includes the device's compute)
+With --decode-steps S > 1 also (per token, i.e. per launch / S):
+  multi launch  runner.launch_decode_steps of S decode steps in one program, no wait
+  multi step    the same with the fetch of its S x seqs tokens
 Pools: just enough for the sequences, or with --cache-mib as the engine sizes them for that cache budget
 (EngineArgs.cache_memory_bytes; the CPU default is 256 MiB): on CPU the step's time grew with the pools.
 Works on any backend; nothing here is specific to one version of the runner, so the same command
@@ -24,7 +28,7 @@ from benchmarks.harness import header
 
 
 def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: str = "float32",
-            cache_mib: int | None = None) -> dict:
+            cache_mib: int | None = None, decode_steps: int = 1) -> dict:
     import jax
     import numpy as np
 
@@ -36,6 +40,9 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
     m = load_model(model, dtype=dtype)
     page_size, max_len, prompt = 16, 256, 8
     pages_per_seq = max_len // page_size
+    if decode_steps > 1:                           # room for the multi-step launches after the single steps
+        max_len += (steps + 3) * decode_steps
+        pages_per_seq = -(-max_len // page_size)
     num_pages, num_slots = seqs * pages_per_seq + 1, seqs + 2
     if cache_mib:
         from serving.engine_args import EngineArgs, size_pools
@@ -43,7 +50,8 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
                                           m.config, 0, m.dtype)
     runner = ModelRunner(m.config, m.params, num_pages=num_pages, num_slots=num_slots,
                          page_size=page_size, max_model_len=max_len, max_num_seqs=seqs,
-                         max_num_batched_tokens=max(32, seqs * prompt), backend=m.backend)
+                         max_num_batched_tokens=max(32, seqs * prompt), backend=m.backend,
+                         decode_steps=decode_steps, decode_steps_max_seqs=seqs if decode_steps > 1 else 0)
     pages = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(seqs)]
     sp = [SamplingParams(temperature=0.0)] * seqs
     toks, *_ = runner.execute([SeqChunk(list(range(1, prompt + 1)), 0, pages[i], -1, i + 1) for i in range(seqs)],
@@ -76,11 +84,25 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
             dispatch.append(t1 - t0)
     def ms(xs):
         return {"median_ms": round(1e3 * statistics.median(xs), 3), "min_ms": round(1e3 * min(xs), 3)}
+    extra = {}
+    if decode_steps > 1:
+        mlaunch, mstep = [], []
+        for k in range(steps + 3):
+            t0 = time.perf_counter()
+            res = runner.launch_decode_steps(chunks(), sp, [0] * seqs, [k] * seqs)
+            t1 = time.perf_counter()
+            toks = runner.fetch(res)[0][:, -1]
+            t2 = time.perf_counter()
+            done += decode_steps
+            if k >= 3:
+                mlaunch.append((t1 - t0) / decode_steps)
+                mstep.append((t2 - t0) / decode_steps)
+        extra = {"decode_steps": decode_steps, "multi launch": ms(mlaunch), "multi step": ms(mstep)}
     return {"model": model, "seqs": seqs, "steps": steps, "platform": jax.default_backend(), "dtype": dtype,
             "num_pages": num_pages, "num_slots": num_slots,
             "pool_dtypes": sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(runner.pools)}),
             "param_arrays": len(jax.tree_util.tree_leaves(runner.params)),
-            "dispatch": ms(dispatch), "launch": ms(launch), "step": ms(step),
+            "dispatch": ms(dispatch), "launch": ms(launch), "step": ms(step), **extra,
             "sampled_ok": bool(np.all((toks >= 0) & (toks < m.config.vocab_size)))}
 
 
@@ -91,9 +113,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cache-mib", type=int, default=None, help="size the pools for this cache budget")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="also measure launches of this many decode steps (EngineArgs.decode_steps_per_launch)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = measure(a.model, a.seqs, a.steps, a.dtype, a.cache_mib)
+    r = measure(a.model, a.seqs, a.steps, a.dtype, a.cache_mib, a.decode_steps)
     if a.json:
         print(json.dumps(r))
         return
@@ -102,7 +126,7 @@ def main(argv=None):
           f"{r['param_arrays']} parameter arrays; pools {r['num_pages']} pages, {r['num_slots']} slots "
           f"({', '.join(r['pool_dtypes'])})")
     print(f"{'':<10}{'median ms':>12}{'min ms':>10}")
-    for k in ("dispatch", "launch", "step"):
+    for k in ("dispatch", "launch", "step") + (("multi launch", "multi step") if "decode_steps" in r else ()):
         print(f"{k:<10}{r[k]['median_ms']:>12.3f}{r[k]['min_ms']:>10.3f}")
 
 

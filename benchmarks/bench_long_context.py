@@ -216,8 +216,8 @@ def decode_rows(eng, model, cfg, table, log):
 
         def on_step(outs, now):
             if outs and any(not o.finished or len(o.outputs[0].token_ids) > 1 for o in outs):
-                if last[0] is not None:
-                    steps.append(now - last[0])
+                if last[0] is not None:       # per token: a launch may run several decode steps
+                    steps.append((now - last[0]) / max(len(o.metrics["new_token_ids"]) for o in outs))
                 last[0] = now
         _drive(eng, lambda i: sp, [rng.randint(0, c.vocab_size, n).tolist()], on_step)
         med[n] = statistics.median(steps[2:] or steps)
@@ -278,6 +278,8 @@ def main(argv=None):
     ap.add_argument("--state-block-size", type=int, default=None,
                     help="the prefix cache's periodic KDA checkpoints (default: the engine's); a long prompt's chunks "
                          "end at each, so this also bounds its step size")
+    ap.add_argument("--decode-steps-per-launch", type=int, default=None,
+                    help="EngineArgs.decode_steps_per_launch (default: the engine's)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the engine's warm-up (the first prefill row then pays the compiles; later rows are clean)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the header as JSON ('-': stdout)")
@@ -308,7 +310,9 @@ def main(argv=None):
     log(f"load {time.perf_counter() - t0:.1f}s; matmul {rate / 1e9:,.0f} GFLOP/s")
     eng_args = EngineArgs(max_model_len=args.max_model_len or cfg["max_model_len"],
                           **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {}),
-                             **({} if args.state_block_size is None else {"state_block_size": args.state_block_size})})
+                             **({} if args.state_block_size is None else {"state_block_size": args.state_block_size}),
+                             **({} if args.decode_steps_per_launch is None
+                                else {"decode_steps_per_launch": args.decode_steps_per_launch})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))

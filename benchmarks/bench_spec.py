@@ -2,6 +2,8 @@
 
 Rows:
   c1 off                 one sequence, `--context` prompt tokens, greedy decode of `--c1-tokens` tokens
+  c1 off, 1 step/launch  the same with one decode step per launch (when the engine runs several by default,
+                         EngineArgs.decode_steps_per_launch)
   c1 K=4 all accepted    the same with an oracle drafter proposing the target's own greedy continuation
   c1 K=4 all rejected    a drafter proposing wrong tokens, adaptive speculation on
   c16 off / c16 ngram    16 sequences of 1024 prompt + 1024 output tokens, n-gram drafter on vs off
@@ -86,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--cN-prompt", type=int, default=1024)
     ap.add_argument("--cN-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--decode-steps-per-launch", type=int, default=None,
+                    help="EngineArgs.decode_steps_per_launch (default: the engine's)")
     args = ap.parse_args(argv)
 
     import jax
@@ -101,7 +105,7 @@ def main(argv=None):
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
     log("engine (warm-up)")
     eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch)
     engine = LLMEngine(model, eargs)
     spec = engine.spec
     vocab = model.config.vocab_size
@@ -116,8 +120,14 @@ def main(argv=None):
     engine.spec = None
     _run(engine, [c1[0][:64]], 8, "first use")      # first-use costs out of the timed runs
     ref, tput, dec = _run(engine, c1, args.c1_tokens, "c1 off")
-    row("c1 off", tput, dec)
+    row("c1 off", tput, dec, f"({engine.decode_steps} decode steps per launch)")
     base = dec
+    if engine.decode_steps > 1:
+        steps, engine.decode_steps = engine.decode_steps, 1
+        out, tput, dec = _run(engine, c1, args.c1_tokens, "c1 off, 1 step/launch")
+        row("c1 off, 1 step/launch", tput, dec, f"({dec / base:.2f}x of c1 off; "
+            f"{'same tokens' if out == ref else 'TOKENS DIFFER'})")
+        engine.decode_steps = steps
     for name, drafter in (("c1 K=%d all accepted" % args.k, Oracle(ref)),
                           ("c1 K=%d all rejected (adaptive)" % args.k, Oracle(ref, wrong=True, vocab=vocab))):
         engine.spec = make_speculator(eargs, model, engine.max_model_len)

@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="wait for each step's tokens before scheduling the next (default: the next step is "
                          "scheduled while one runs on the device)")
+    ap.add_argument("--decode-steps-per-launch", type=int_at_least(1), default=None, metavar="N",
+                    help="decode steps run on the device per launch while at most --decode-steps-max-seqs sequences "
+                         "decode and none needs the host between tokens (logprobs, penalties, structured output, "
+                         "speculation and waiting requests take one step per launch); stop strings and EOS are "
+                         "checked after the launch (default: 8 on an accelerator, 1 on CPU; 1 = off)")
+    ap.add_argument("--decode-steps-max-seqs", type=int_at_least(1), default=D("decode_steps_max_seqs"),
+                    help="most decoding sequences for several decode steps per launch")
     ap.add_argument("--compile-threads", type=int_at_least(1), default=None,
                     help="host threads compiling the warm-up's step shapes (default: half the cores, up to 8)")
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
@@ -233,7 +240,8 @@ def build_state(args, request_matcher=None):
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup, compile_threads=args.compile_threads,
         forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
-        async_scheduling=not args.no_async_scheduling,
+        async_scheduling=not args.no_async_scheduling, decode_steps_per_launch=args.decode_steps_per_launch,
+        decode_steps_max_seqs=args.decode_steps_max_seqs,
         encoder_cache_bytes=args.encoder_cache_mb << 20,
         vision=not args.no_vision, executable_cache=args.executable_cache, **advanced_kwargs(args),
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,

@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import EngineArgs, default_max_model_len, device_free_bytes, size_pools
+from serving.engine_args import EngineArgs, decode_steps_default, default_max_model_len, device_free_bytes, size_pools
 from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
@@ -79,6 +79,8 @@ class LLMEngine:
                                  f"for a sequence; raise the cache budget")
             log.info("max_model_len %d: %s", self.max_model_len, why)
         args.max_model_len = self.max_model_len
+        # several decode steps per launch for small all-decode batches (see _decode_steps)
+        self.decode_steps = args.decode_steps_per_launch or decode_steps_default()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, max_model_len=self.max_model_len, prefix_match_unit=args.prefix_match_unit,
@@ -94,7 +96,8 @@ class LLMEngine:
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None,
-            spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0)
+            spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0,
+            decode_steps=self.decode_steps, decode_steps_max_seqs=args.decode_steps_max_seqs)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -103,7 +106,8 @@ class LLMEngine:
         self._pending = None             # the launched step whose tokens are not fetched yet
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "step_time": 0.0,
+                         "multi_step_launches": 0}
         self.verifier = (PrefixCacheVerifier(args.verify_prefix_cache, args.verify_prefix_cache_tolerance, seed=args.seed)
                          if args.verify_prefix_cache and args.enable_prefix_caching else None)
         self.host_io = None
@@ -269,6 +273,7 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running and not in_flight and not out.restores:
                 raise RuntimeError("cannot schedule any request: the cache pools are too small for one sequence")
             return None
+        steps = self._decode_steps(out, speculate)
         self.runner.copy_pages(out.page_copies)
         if out.encode:
             self.encoder.encode(out.encode)
@@ -287,7 +292,11 @@ class LLMEngine:
                  for r, ch in zip(reqs, out.chunks)]
         kw = dict(prompt_ids=[r.prompt_ids for r in reqs], output_ids=[r.output_ids for r in reqs], allowed_masks=masks,
                   top_logprobs=self.verifier is not None)       # the prefix-cache check compares top logprobs
-        if verify:
+        if steps > 1:
+            results = self.runner.launch_decode_steps(chunks, [r.params for r in reqs], [r.seed for r in reqs],
+                                                      [len(r.output_ids) for r in reqs])
+            self.counters["multi_step_launches"] += 1
+        elif verify:
             results = self.runner.launch_verify(chunks, [ch.drafts for ch in out.chunks], [r.params for r in reqs],
                                                 [r.seed for r in reqs], [len(r.output_ids) for r in reqs], **kw)
             self.spec.stats["spec_steps"] += 1
@@ -298,16 +307,45 @@ class LLMEngine:
         rows = []
         for i, req in sampled:
             rows.append((i, req, len(req.output_ids)))
-            req.output_ids.append(-(i + 1))
+            # one placeholder per sampled token; the last one is the next step's input
+            req.output_ids.extend([-(i + 1)] * steps)
+            req.tokens_in_flight = steps > 1
+            req.num_computed += steps - 1            # the launch also fed its first steps-1 sampled tokens
             # its last token is sampled now: nothing more to schedule for it
             req.final_sampled = len(req.output_ids) >= req.params.max_tokens
-        return results, rows, verify
+        return results, rows, verify, steps
+
+    def _decode_steps(self, out, speculate: bool) -> int:
+        """How many decode steps the scheduled step runs in one launch: self.decode_steps when nothing
+        needs the host between them (every scheduled chunk a plain decode of a request that samples at least
+        that many more tokens, with no logprobs, logit bias, penalties or structured output; no speculation, no
+        waiting request, no copies, restores or images), else 1. Reserves the pages the extra steps write.
+        Stop strings and EOS are checked after the launch (_resolve): a request that stops inside it
+        finishes and its surplus tokens are dropped (its KDA state is then not cached, see _append)."""
+        k = self.decode_steps
+        if (k <= 1 or speculate or self.verifier is not None or not out.chunks or self.scheduler.waiting
+                or out.page_copies or out.restores or out.encode or out.preempted
+                or len(out.chunks) > self.runner.decode_steps_max_seqs):
+            return 1
+        for ch in out.chunks:
+            r = ch.req
+            if (ch.end - ch.start != 1 or not ch.sample or ch.drafts or ch.ckpt_dst or not r.slot
+                    or ch.state_src != r.slot or not r.is_decode or r.request_id in self._sync_ids
+                    or r.params.logprobs is not None or r.params.logit_bias
+                    or r.params.max_tokens - len(r.output_ids) < k):
+                return 1
+        for ch in out.chunks:
+            if not self.scheduler.reserve_pages(ch.req, ch.end + k - 1):
+                return 1                 # pages reserved for earlier rows stay with them (used by later steps)
+        return k
 
     def _resolve(self, launched) -> list[RequestOutput]:
         """Fetch a launched step's tokens (waits for the device) and account them to their requests."""
-        results, rows, verify = launched
+        results, rows, verify, steps = launched
         if verify:
             return self._resolve_verify(results, rows, verify)
+        if steps > 1:
+            return self._resolve_steps(results, rows, steps)
         toks, lps, top_ids, top_vals = self.runner.fetch(results)
         now = time.monotonic()
         outputs = []
@@ -319,6 +357,27 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 continue
             outputs.append(self._append(req, at, int(toks[i]), float(lps[i]), top_ids[i], top_vals[i], now))
+        return outputs
+
+    def _resolve_steps(self, results, rows, steps: int) -> list[RequestOutput]:
+        """A launch of several decode steps: each row's tokens one by one through the stop checks; the
+        tokens after a stop are dropped."""
+        toks, lps, top_ids, top_vals = self.runner.fetch(results)
+        now = time.monotonic()
+        outputs = []
+        for i, req, at in rows:
+            req.tokens_in_flight = False
+            if req.status == Status.FINISHED:
+                continue
+            new, out = [], None
+            for j in range(steps):
+                tok = int(toks[i, j])
+                new.append(tok)
+                out = self._append(req, at + j, tok, float(lps[i, j]), top_ids[i, j], top_vals[i, j], now)
+                if req.status == Status.FINISHED:
+                    break
+            out.metrics["new_token_ids"] = new
+            outputs.append(out)
         return outputs
 
     def _resolve_verify(self, results, rows, verify) -> list[RequestOutput]:
@@ -374,7 +433,9 @@ class LLMEngine:
         if done is not None:
             del req.output_ids[at + 1:]           # a placeholder of a step in flight: its token is dropped
             req.finish_reason, req.stop_reason = done.finish_reason, done.stop_reason
-            self.scheduler.finish(req, keep_state=True)
+            # its final state joins the prefix cache when every token the launched steps fed is kept (a
+            # launch of several decode steps may have fed tokens past the stop)
+            self.scheduler.finish(req, keep_state=req.num_computed <= req.num_tokens)
             self._forget(req)
         return self.output_of(req, new_ids=[tok])
 

@@ -50,6 +50,20 @@ SPECULATIVE = ("off", "ngram", "draft")
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
 
 
+# Decode steps per launch when unset, on an accelerator: one sequence's step is a few milliseconds of kernels
+# and about a millisecond and a half of host work and launch gaps between steps (docs/performance.md); eight
+# steps in one program pay that once, and a request that stops inside a launch wastes at most seven steps. On
+# CPU the step is much longer than the host's work, and its compile time matters more: off.
+DECODE_STEPS_ACCELERATOR = 8
+
+
+def decode_steps_default(on_cpu: bool | None = None) -> int:
+    if on_cpu is None:
+        import jax
+        on_cpu = jax.default_backend() == "cpu"
+    return 1 if on_cpu else DECODE_STEPS_ACCELERATOR
+
+
 # max_model_len's cap on CPU when unset: every step carries block tables as wide as max_model_len, and a CPU
 # step's cost grows with them; an accelerator takes the model's whole window.
 CPU_MAX_MODEL_LEN = 8192
@@ -130,6 +144,11 @@ class EngineArgs:
                                                   # layers' dense weights in place (False: sliced copies)
     merged_experts: bool = False                  # one GPU running the kernels: routed experts' gate and up
                                                   # weights merged at load (opt-in until measured end to end)
+    decode_steps_per_launch: Optional[int] = None  # decode steps run in one device program while no request needs
+                                                  # the host between tokens (None: 8 on an accelerator, 1 on CPU;
+                                                  # 1 = off; see DECODE_STEPS_ACCELERATOR)
+    decode_steps_max_seqs: int = 4                # several decode steps per launch only while at most this many
+                                                  # sequences decode (a larger batch's step hides the host's work)
     speculative: str = "off"                      # speculative decoding: "off", "ngram" (prompt lookup) or "draft"
     num_speculative_tokens: int = 4               # drafts verified per sequence and step (the most; adaptive lowers it)
     draft_model: Optional[str] = None             # speculative="draft": preset name or checkpoint directory
@@ -193,6 +212,12 @@ class EngineArgs:
             raise ValueError(f"draft_model is only used with speculative='draft' (got speculative={self.speculative!r})")
         if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be a positive int, got {self.speculative_max_batch!r}")
+        if self.decode_steps_per_launch is not None and (not isinstance(self.decode_steps_per_launch, int)
+                                                         or self.decode_steps_per_launch < 1):
+            raise ValueError(f"decode_steps_per_launch must be a positive int (or unset), got "
+                             f"{self.decode_steps_per_launch!r}")
+        if not isinstance(self.decode_steps_max_seqs, int) or self.decode_steps_max_seqs < 1:
+            raise ValueError(f"decode_steps_max_seqs must be a positive int, got {self.decode_steps_max_seqs!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every sequence needs a token)")
 

@@ -48,6 +48,8 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     final_sampled: bool = False                 # its last token (max_tokens) is sampled, maybe not fetched yet
+    tokens_in_flight: bool = False              # a launch of several decode steps has sampled tokens not fetched yet
+                                                # (only the last one can stand for a device token in a later step)
     spec_drafts: list = dataclasses.field(default_factory=list)  # speculative drafts proposed for the next step
     spec_slots: list = dataclasses.field(default_factory=list)   # KDA slots for verification's position states
     stop: Optional[StopChecker] = None

@@ -56,6 +56,11 @@ def _step_key(batch) -> tuple:
             batch.mm_embeds is not None) + ((("spec", batch.spec_dst.shape[1]),) if batch.spec_dst is not None else ())
 
 
+def _multi_key(batch, sarr, steps: int) -> tuple:
+    """The compiled variant of `steps` decode steps per launch: the step's bucket and the sampler's variant."""
+    return ("multi", steps) + _step_key(batch) + ModelRunner._variant(sarr)
+
+
 def _sampler_key(sarr) -> tuple:
     """The compiled sampler variant sampling arrays need: rows, optional fields' shapes, static flags."""
     return ("sample", sarr.temperature.shape[0]) + ModelRunner._variant(sarr)
@@ -162,6 +167,46 @@ def _with_previous_tokens(step):
     return run
 
 
+def _multi_decode(step, steps: int, num_top_logprobs: int):
+    """`steps` decode steps of a decode-only batch in one program (EngineArgs.decode_steps_per_launch):
+    each step's sampled token is the next step's input, written at the next position of the sequence's
+    block table (the host has reserved the pages), and its sampling counter advances by one, so each
+    token is drawn with the key a one-step launch would use. Returns (tokens [N, steps], logprobs
+    [N, steps], top_ids [N, steps, L], top_vals [N, steps, L], last_tokens, pools); padding sequences
+    (no token) stay as they are."""
+    def run(params, pools, batch, last_tokens, sarr, key_data, counters):
+        t = batch.tokens
+        prev = last_tokens[jnp.clip(-t - 1, 0, last_tokens.shape[0] - 1)]
+        batch = batch.replace(tokens=jnp.where(t < 0, prev, t))
+        cu = batch.cu_seqlens
+        real = (cu[1:] - cu[:-1]) == 1                      # decode-only: a sequence feeds one token or none
+        at = jnp.where(real, cu[:-1], t.shape[0])           # its token's index in the flat batch (none: dropped)
+        rows = jnp.arange(real.shape[0])
+        page_size = pools.page_size
+        max_pages = batch.block_tables.shape[1]
+
+        def one(carry, _):
+            pools, batch, counters = carry
+            logits, pools = step(params, pools, batch)
+            toks, lp, (top_ids, top_vals) = sample(logits, sarr, key_data, counters,
+                                                   num_top_logprobs=num_top_logprobs)
+            pos = batch.kv_lens                              # the next token's position
+            page = batch.block_tables[rows, jnp.clip(pos // page_size, 0, max_pages - 1)]
+            slot = page * page_size + pos % page_size
+            nxt = batch.replace(
+                tokens=batch.tokens.at[at].set(toks.astype(batch.tokens.dtype), mode="drop"),
+                slot_mapping=batch.slot_mapping.at[at].set(slot.astype(batch.slot_mapping.dtype), mode="drop"),
+                kv_lens=batch.kv_lens + real.astype(batch.kv_lens.dtype))
+            return (pools, nxt, counters + 1), (toks, lp, top_ids, top_vals)
+
+        (pools, _, _), (toks, lp, top_ids, top_vals) = jax.lax.scan(one, (pools, batch, counters), None,
+                                                                     length=steps)
+        last = jax.lax.dynamic_update_slice(last_tokens, toks[-1].astype(last_tokens.dtype), (0,))
+        swap = lambda x: jnp.moveaxis(x, 0, 1)               # noqa: E731 - [steps, N, ...] -> [N, steps, ...]
+        return swap(toks), swap(lp), swap(top_ids), swap(top_vals), last, pools
+    return run
+
+
 def _sample_and_keep(logits, sarr, key_data, counters, last_tokens, *, num_top_logprobs):
     toks, lp, top = sample(logits, sarr, key_data, counters, num_top_logprobs=num_top_logprobs)
     return toks, lp, top, jax.lax.dynamic_update_slice(last_tokens, toks.astype(last_tokens.dtype), (0,))
@@ -173,8 +218,12 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
                  backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None,
-                 spec_width: int = 0):
+                 spec_width: int = 0, decode_steps: int = 1, decode_steps_max_seqs: int = 0):
         self.config = config
+        # several decode steps per launch (launch_decode_steps): `decode_steps` of them for steps of at most
+        # `decode_steps_max_seqs` sequences (1 / 0: off)
+        self.decode_steps = decode_steps
+        self.decode_steps_max_seqs = decode_steps_max_seqs if decode_steps > 1 else 0
         self.spec_width = spec_width        # speculative decoding: K + 1 tokens per verify row (0 = off)
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
         # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
@@ -219,6 +268,10 @@ class ModelRunner:
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
         self._verify = jax.jit(functools.partial(spec_verify, num_top_logprobs=max_logprobs), **sample_kw)
+        if self.decode_steps_max_seqs:
+            multi_kw = dict(out_shardings=(rep,) * 5 + (ps,)) if mesh is not None else {}
+            self._multi = jax.jit(_multi_decode(make_step_fn(c, self.backend, self.graph), decode_steps, max_logprobs),
+                                  donate_argnums=(1, 3), compiler_options=step_compiler_options(), **multi_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)
         if mesh is not None:
@@ -309,6 +362,24 @@ class ModelRunner:
         self._note_shape(("verify-sample", N, self._variant(sarr)))
         return self._call("verify", batch, sarr, cnt, d, nd)
 
+    def multi_step_shapes(self) -> list:
+        """The (tokens, sequences) buckets of decode-only steps launch_decode_steps may run."""
+        return sorted({(_fit(self.token_buckets, n), _fit(self.seq_buckets, n))
+                       for n in range(1, min(self.decode_steps_max_seqs, self.seq_buckets[-1]) + 1)})
+
+    def launch_decode_steps(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams], seeds, counters):
+        """Dispatch `decode_steps` decode steps of a decode-only batch in one program (see _multi_decode):
+        every chunk feeds one token and its pages must hold `decode_steps` more positions. Returns device
+        (tokens [N, S], logprobs [N, S], top_ids [N, S, L], top_vals [N, S, L]), S = decode_steps. No
+        penalties or allowed-token masks (each step's sample would need the host)."""
+        T, N, batch, sarr, cnt = self._step_inputs(chunks, params, seeds, counters, None, None, None, False)
+        if not batch.decode_only or len(chunks) > self.decode_steps_max_seqs:
+            raise ValueError("launch_decode_steps: a decode-only batch of at most decode_steps_max_seqs sequences")
+        if sarr.output_tokens is not None or sarr.allowed_mask is not None:
+            raise ValueError("launch_decode_steps: penalties and allowed-token masks need one step per launch")
+        self._note_shape(_multi_key(batch, sarr, self.decode_steps))
+        return self._call("multi", batch, sarr, cnt)
+
     @staticmethod
     def fetch(results):
         """Wait for a launched step and bring its results to the host (one transfer for all)."""
@@ -340,6 +411,9 @@ class ModelRunner:
             T = _fit(self.token_buckets, N)
             for variant in variants:
                 self._run_padding(T, N, False, False, *variant)
+        for T, N in self.multi_step_shapes():          # several decode steps per launch, (top-k/top-p sort) x 2
+            for truncate in (False, True):
+                self._run_padding_multi(T, N, truncate)
         if self.spec_width:            # the verification variant of every (tokens, sequences) bucket
             for T, N, decode, mm in shapes:
                 if not decode and not mm:
@@ -389,6 +463,11 @@ class ModelRunner:
                     _, varr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
                     lower(_verify_key(varr, W), self._verify, "verify", wide, varr, self.key_data,
                           np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32), np.zeros(N, np.int32))
+        for T, N in self.multi_step_shapes():
+            for truncate in (False, True):
+                batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
+                lower(_multi_key(batch, sarr, self.decode_steps), self._multi, "multi", self.params, self.pools, batch,
+                      self.last_tokens, sarr, self.key_data, np.zeros(N, np.int32))
         if cache is not None:
             log.info("executable cache: %d of %d step programs loaded from %s", len(self._compiled),
                      len(self._compiled) + len(lowered), cache.directory)
@@ -442,6 +521,11 @@ class ModelRunner:
         self._call("verify", batch, sarr, np.zeros(N, np.int32), np.zeros((N, self.spec_width - 1), np.int32),
                    np.zeros(N, np.int32))
 
+    def _run_padding_multi(self, T: int, N: int, truncate: bool):
+        batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
+        self._note_shape(_multi_key(batch, sarr, self.decode_steps))
+        self._call("multi", batch, sarr, np.zeros(N, np.int32))
+
     def _run_padding(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                      masked: bool = False, truncate: bool = False, top_logprobs: bool = False):
         batch, sarr = self._padding_batch(T, N, decode, mm, penalties, masked, truncate, top_logprobs)
@@ -471,6 +555,12 @@ class ModelRunner:
                 toks, acc, lp, (top_ids, top_vals) = verify(logits.reshape(n, self.spec_width, -1), sarr,
                                                                    self.key_data, counters, drafts, num_drafts)
                 return multihost.settle((toks, acc, lp, top_ids, top_vals))
+            if control == "multi":
+                batch, sarr, counters = args
+                multi = self._compiled.get(_multi_key(batch, sarr, self.decode_steps), self._multi)
+                *out, self.last_tokens, self.pools = multi(self.params, self.pools, batch, self.last_tokens, sarr,
+                                                           self.key_data, counters)
+                return multihost.settle(tuple(out))
             if control == "copy":
                 src, dst = args
                 self.pools = multihost.settle(self._copy(self.pools, src, dst))

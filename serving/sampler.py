@@ -237,10 +237,13 @@ def build_sampling_arrays(params: Sequence[SamplingParams], *, seeds=None, num_r
         return a
 
     seed = np.zeros(rows, np.uint32)
-    rng = np.random.default_rng()
+    rng = None                    # made only for a row without a seed (the engine gives every row one)
     for i, p in enumerate(params):
         sd = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
-        seed[i] = (int(rng.integers(0, 2**32)) if sd is None else sd) % 2**32
+        if sd is None:
+            rng = rng or np.random.default_rng()
+            sd = int(rng.integers(0, 2**32))
+        seed[i] = sd % 2**32
     out = dict(
         temperature=col("temperature", 0.0, np.float32), top_k=col("top_k", 0, np.int32),
         top_p=col("top_p", 1.0, np.float32), min_p=col("min_p", 0.0, np.float32),

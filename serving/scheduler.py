@@ -258,6 +258,15 @@ class Scheduler:
         req.spec_slots = [s for p, s in enumerate(position_slots) if p != j] + list(spare_slots)
         req.num_computed = start + j + 1
 
+    def reserve_pages(self, req: Request, end: int) -> bool:
+        """Give a running request the pages up to position `end` (several decode steps in one launch);
+        False when the pool cannot (nothing is preempted for it)."""
+        new = self._alloc_pages(self._pages_needed(req, end))
+        if new is None:
+            return False
+        req.pages += new
+        return True
+
     def trim_pages(self, req: Request):
         """Give back pages past the request's tokens (they held only rejected drafts)."""
         keep = -(-req.num_tokens // self.cfg.page_size)
@@ -455,6 +464,8 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
         for req in list(self.waiting):
             if budget <= 0 or len(out.chunks) >= cfg.max_num_seqs or live >= cfg.max_num_seqs:
                 break
+            if req.tokens_in_flight:     # preempted while a launch of several steps runs: its tokens come first
+                continue
             if self.host is not None and req.wait_for is None and self._restore_from_host(req, out):
                 continue                 # its prefix is being copied back: it hits next step
             wait, freed = self._should_wait(req, scheduled)

@@ -73,3 +73,32 @@ def test_greedy_through_the_engine_agrees_where_the_context_is_the_same(tiny, te
     same_context = sum(min(f + 1, steps) for f in first)
     agree = 1 - sum(f < steps for f in first) / same_context
     assert agree >= 0.95, (agree, first)
+
+
+def test_decode_steps_per_launch_agree_with_single_steps(tiny, text):
+    """Several decode steps per launch run the decode kernels inside one program's loop: greedy tokens agree
+    with one step per launch (the same engine, its programs shared) over the positions of like context."""
+    from serving.engine import LLMEngine
+    from serving.engine_args import EngineArgs
+    from serving.sampling_params import SamplingParams
+    tiny.backend = _backend(tiny, "auto")
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 80 and not p.lstrip().startswith(("|", "`"))]
+    prompts = [ids[:32] for ids in (tiny.tokenizer.encode(p) for p in paras) if len(ids) >= 32][:3]
+    eng = LLMEngine(tiny, EngineArgs(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, warmup=False,
+                                     decode_steps_per_launch=8, compilation_cache_dir=None))
+    steps, outs = 67, {}
+    for k in (1, 8):
+        eng.decode_steps = k
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), request_id=f"{k}-{i}")
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = np.asarray(o.outputs[0].token_ids)
+        outs[k] = [done[f"{k}-{i}"] for i in range(len(prompts))]
+    assert eng.counters["multi_step_launches"] >= 6          # the three rows decode together, 8 tokens a launch
+    assert all(len(a) == steps for a in outs[8])
+    first = [int(np.argmin(a == b)) if not (a == b).all() else steps for a, b in zip(outs[1], outs[8])]
+    same_context = sum(min(f + 1, steps) for f in first)
+    assert 1 - sum(f < steps for f in first) / same_context >= 0.98, first
