@@ -7,9 +7,11 @@
 Rows (the engine with every default except max_model_len, one prompt at a time, max_tokens 1):
   prefill N       TTFT and prompt tok/s of an N-token prompt (2k, 8k, 32k, 128k, 1M); of roofline = the
                   time at the matmul rate measured in this run for the active matmul FLOPs of N tokens plus
-                  the MLA layers' causal attention FLOPs, over the measured time; the 1M prompt then decodes;
-  mla kernel      the MLA layer's attention as the model calls it (MLA.step, one layer, the last
-                  max_num_batched_tokens-token chunk of a 128k prompt over its paged context): TFLOP/s with causal
+                  the MLA layers' causal attention FLOPs, over the measured time; the engine steps it took;
+                  the 1M prompt then decodes;
+  mla kernel      the MLA layer's attention as the model calls it (MLA.step, one layer, the last chunk of a
+                  128k prompt alone in the engine, long_prefill_tokens (or max_num_batched_tokens when that
+                  is off) tokens, over its paged context): TFLOP/s with causal
                   FLOPs (query-key pairs x heads x 2 x (qk 192 + v 128)) over the whole layer step and over the
                   attention op alone (ops.mla_prefix_attention);
   decode          the median engine step of one sequence decoding at 128k context vs at 2k (ratio);
@@ -124,11 +126,14 @@ def prefill_rows(eng, model, cfg, table, rate, log):
         then = 4 if n > 2 * cfg["long"] else 1     # the 1M row decodes a few tokens after its prefill
         prompt = rng.randint(0, c.vocab_size, n).tolist()
         sp = SamplingParams(temperature=0.0, max_tokens=then, ignore_eos=True)
+        steps = eng.counters["steps"]
         first, total = _drive(eng, lambda i: sp, [prompt])
+        steps = eng.counters["steps"] - steps
         ttft = next(iter(first.values()))
         roof = (n * per_tok + causal_pairs(n) * mla_pair_flops(c)) / rate
         log(table.add(row=f"prefill {n:,}", ttft_s=ttft, tok_s=n / ttft, of_roofline=roof / ttft,
-                      note=f"then decoded {then - 1} tokens in {total - ttft:.2f}s" if then > 1 else ""))
+                      note=f"{steps} steps" + (f"; then decoded {then - 1} tokens in {total - ttft:.2f}s"
+                                                if then > 1 else "")))
 
 
 def mla_layer_params(c, dtype, seed=0):
@@ -157,7 +162,7 @@ def kernel_rows(model, cfg, eng_args, table, log):
     c = model.config
     dtype = jnp.dtype(cfg["dtype"])
     backend = model.backend
-    T = eng_args.max_num_batched_tokens
+    T = max(eng_args.max_num_batched_tokens, eng_args.long_prefill_tokens)     # a lone prompt's step
     ctx = cfg["long"] - T
     page_size = eng_args.page_size
     rng = np.random.default_rng(1)
@@ -276,8 +281,10 @@ def main(argv=None):
     ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn"), default=None,
                     help="GPU attention of the expanded MLA key windows (default: the backend's)")
     ap.add_argument("--state-block-size", type=int, default=None,
-                    help="the prefix cache's periodic KDA checkpoints (default: the engine's); a long prompt's chunks "
-                         "end at each, so this also bounds its step size")
+                    help="the prefix cache's periodic KDA checkpoints (default: the engine's; taken where a long "
+                         "prompt's chunks end)")
+    ap.add_argument("--long-prefill-tokens", type=int, default=None,
+                    help="a lone long prompt's step tokens (default: the engine's; 0: max_num_batched_tokens)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the engine's warm-up (the first prefill row then pays the compiles; later rows are clean)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the header as JSON ('-': stdout)")
@@ -308,7 +315,9 @@ def main(argv=None):
     log(f"load {time.perf_counter() - t0:.1f}s; matmul {rate / 1e9:,.0f} GFLOP/s")
     eng_args = EngineArgs(max_model_len=args.max_model_len or cfg["max_model_len"],
                           **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {}),
-                             **({} if args.state_block_size is None else {"state_block_size": args.state_block_size})})
+                             **({} if args.state_block_size is None else {"state_block_size": args.state_block_size}),
+                             **({} if args.long_prefill_tokens is None else
+                                {"long_prefill_tokens": args.long_prefill_tokens})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))

@@ -48,6 +48,12 @@ def claim_device_memory(fraction: float = ALLOCATOR_MEMORY_FRACTION) -> None:
 CPU_BATCH_DEFAULTS = (16, 512)
 SPECULATIVE = ("off", "ngram", "draft")
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
+# long_prefill_tokens when unset: a lone long prompt's step on an accelerator. Each step reads every weight and
+# decompresses the prompt's cached prefix once (the expanded MLA form), and the routed experts' grouped matmuls
+# fill their 256-row tiles only from ~8k tokens a step (8 of 256 experts a token); 16,384 tokens is ~4x
+# ACCELERATOR_BATCH_DEFAULTS' step in activations, sized by the engine's measurement (LLMEngine._activation_bytes).
+# CPU: off (a CPU step's cost grows with its tokens; nothing to amortize).
+ACCELERATOR_LONG_PREFILL_TOKENS = 16384
 
 
 # max_model_len's cap on CPU when unset: every step carries block tables as wide as max_model_len, and a CPU
@@ -91,6 +97,9 @@ class EngineArgs:
                                                   # for its checkpoint up to this many steps (0 = admit at once)
     interactive_prefill_pairs: int = 1 << 26      # while decode rows run, a prefill chunk's (query, key) pairs at
                                                   # most: long prompts' steps stay short (serving/scheduler.py; 0 = off)
+    long_prefill_tokens: Optional[int] = None     # a lone long prompt's step (nothing else running or waiting) takes
+                                                  # this many tokens (default: 16384 on an accelerator, off on CPU;
+                                                  # <= max_num_batched_tokens: off)
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
@@ -151,6 +160,11 @@ class EngineArgs:
                 self.max_num_seqs = min(seqs, given_tokens) if isinstance(given_tokens, int) else seqs
             if given_tokens is None:        # more sequences given: a token for each
                 self.max_num_batched_tokens = max(tokens, given_seqs) if isinstance(given_seqs, int) else tokens
+        if self.long_prefill_tokens is None:
+            import jax
+            self.long_prefill_tokens = 0 if jax.default_backend() == "cpu" else ACCELERATOR_LONG_PREFILL_TOKENS
+        if not isinstance(self.long_prefill_tokens, int) or self.long_prefill_tokens < 0:
+            raise ValueError(f"long_prefill_tokens must be a non-negative int, got {self.long_prefill_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

@@ -11,8 +11,8 @@ PAIRS = 1 << 16
 
 
 def _scheduler(**kw):
-    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, page_size=16, max_model_len=1 << 16,
-                          prefix_match_unit=16, state_block_size=0, interactive_prefill_pairs=PAIRS, **kw)
+    cfg = SchedulerConfig(**{**dict(max_num_seqs=16, max_num_batched_tokens=1024, page_size=16, max_model_len=1 << 16,
+                                    prefix_match_unit=16, state_block_size=0, interactive_prefill_pairs=PAIRS), **kw})
     return Scheduler(cfg, num_pages=8192, num_slots=64)
 
 
@@ -87,3 +87,36 @@ def test_cap_off_gives_prefills_the_budget_beside_decodes():
     sched.add(long)
     out = _step(sched)
     assert {c.req.request_id: c.end - c.start for c in out.chunks}["long"] == 1024 - 4
+
+
+def test_a_lone_long_prompt_advances_in_big_steps_and_still_checkpoints():
+    """Alone, a long prompt takes long_prefill_tokens a step (4x the budget here); periodic checkpoints do not
+    cut its chunks: each chunk ends on the block grid and checkpoints there, and a later prompt sharing a prefix
+    resumes from the last of them at or below the shared part. A second request ends the lone steps."""
+    sched = _scheduler(long_prefill_tokens=4096, state_block_size=256)
+    n = 20_000
+    long = _request("long", n, 1, 5)
+    sched.add(long)
+    chunks = []
+    while not chunks or chunks[-1][1] < n:
+        out = _step(sched)
+        assert [c.req.request_id for c in out.chunks] == ["long"]
+        c = out.chunks[0]
+        chunks.append((c.start, c.end, bool(c.ckpt_dst)))
+    # 4 whole steps, then the last block boundary before the prompt's end (19968), its end rounded down to the
+    # match unit (19984, so an identical prompt hits) and the rest
+    assert chunks == [(0, 4096, True), (4096, 8192, True), (8192, 12288, True), (12288, 16384, True),
+                      (16384, 19968, True), (19968, 19984, True), (19984, n, False)]
+    sched.cache.commit_pending()
+    for shared, want in ((10_000, 8192), (19_970, 19968), (n, 19984), (4095, 0)):
+        other = long.prompt_ids[:shared] + [1001] * 40
+        assert sched.cache.lookup(other).num_tokens == want, shared
+
+    # with a second request waiting, both take the regular budget (nobody waits behind a 4x step)
+    sched = _scheduler(long_prefill_tokens=4096, state_block_size=256)
+    a, b = _request("a", n, 1, 6), _request("b", 300, 1, 7)
+    sched.add(a)
+    assert _step(sched).chunks[0].end == 4096
+    sched.add(b)
+    out = _step(sched)
+    assert [(c.req.request_id, c.end - c.start) for c in out.chunks] == [("a", 1024)]
