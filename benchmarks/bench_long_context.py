@@ -7,7 +7,8 @@
 Rows (the engine with every default except max_model_len, one prompt at a time, max_tokens 1):
   prefill N       TTFT and prompt tok/s of an N-token prompt (2k, 8k, 32k, 128k, 1M); of roofline = the
                   time at the matmul rate measured in this run for the active matmul FLOPs of N tokens plus
-                  the MLA layers' causal attention FLOPs, over the measured time; the engine steps it took;
+                  the MLA layers' causal attention FLOPs, over the measured time; the engine steps it took and
+                  the step shapes it compiled;
                   the 1M prompt then decodes;
   mla kernel      the MLA layer's attention as the model calls it (MLA.step, one layer, the last chunk of a
                   128k prompt alone in the engine, long_prefill_tokens (or max_num_batched_tokens when that
@@ -126,13 +127,13 @@ def prefill_rows(eng, model, cfg, table, rate, log):
         then = 4 if n > 2 * cfg["long"] else 1     # the 1M row decodes a few tokens after its prefill
         prompt = rng.randint(0, c.vocab_size, n).tolist()
         sp = SamplingParams(temperature=0.0, max_tokens=then, ignore_eos=True)
-        steps = eng.counters["steps"]
+        steps, compiles = eng.counters["steps"], eng.runner.num_compiles
         first, total = _drive(eng, lambda i: sp, [prompt])
-        steps = eng.counters["steps"] - steps
+        steps, compiles = eng.counters["steps"] - steps, eng.runner.num_compiles - compiles
         ttft = next(iter(first.values()))
         roof = (n * per_tok + causal_pairs(n) * mla_pair_flops(c)) / rate
         log(table.add(row=f"prefill {n:,}", ttft_s=ttft, tok_s=n / ttft, of_roofline=roof / ttft,
-                      note=f"{steps} steps" + (f"; then decoded {then - 1} tokens in {total - ttft:.2f}s"
+                      note=f"{steps} steps, {compiles} new compiled shapes" + (f"; then decoded {then - 1} tokens in {total - ttft:.2f}s"
                                                 if then > 1 else "")))
 
 

@@ -89,6 +89,15 @@ def long_buckets(max_num_batched_tokens: int, long_prefill_tokens: int) -> list:
     return out + [long_prefill_tokens] if long_prefill_tokens > max_num_batched_tokens else []
 
 
+def step_shape(num_tokens: int, num_seqs: int, token_buckets: Sequence[int], seq_buckets: Sequence[int],
+               long_token_buckets: Sequence[int] = ()) -> tuple[int, int]:
+    """The (tokens, sequences) bucket of a step: the regular buckets, or a long bucket for a step of more tokens
+    than they hold and few enough sequences (a lone long prompt's)."""
+    if num_tokens > token_buckets[-1] and long_token_buckets and num_seqs <= seq_buckets[0]:
+        return _fit(long_token_buckets, num_tokens), seq_buckets[0]
+    return _fit(token_buckets, num_tokens), _fit(seq_buckets, num_seqs)
+
+
 def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False,
                   long_token_buckets: Sequence[int] = ()) -> list:
     """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal); a lone long
@@ -277,11 +286,8 @@ class ModelRunner:
     def _step_inputs(self, chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks, top_logprobs,
                      spec_width: int = 0):
         """(T, N, batch, sampling arrays, counters) of a step over `chunks`, padded to its shape bucket."""
-        n = sum(len(ch.tokens) for ch in chunks)
-        if n > self.token_buckets[-1] and self.long_token_buckets and len(chunks) <= self.seq_buckets[0]:
-            T, N = _fit(self.long_token_buckets, n), self.seq_buckets[0]
-        else:
-            T, N = _fit(self.token_buckets, n), _fit(self.seq_buckets, len(chunks))
+        T, N = step_shape(sum(len(ch.tokens) for ch in chunks), len(chunks), self.token_buckets, self.seq_buckets,
+                          self.long_token_buckets)
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
                                 spec_width=spec_width)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,

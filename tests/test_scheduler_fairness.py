@@ -120,3 +120,29 @@ def test_a_lone_long_prompt_advances_in_big_steps_and_still_checkpoints():
     sched.add(b)
     out = _step(sched)
     assert [(c.req.request_id, c.end - c.start) for c in out.chunks] == [("a", 1024)]
+
+
+def test_a_million_token_prompt_compiles_few_step_shapes():
+    """A 1M-token prompt alone with the accelerator defaults (4096-token budget, 16,384-token lone steps, blocks of
+    1024): 64 long steps to the last block boundary before its end, a regular one to its end checkpoint, the tail,
+    then decode steps: four step shapes (the per-context shape, the block tables, is fixed by max_model_len)."""
+    from serving.engine_args import ACCELERATOR_BATCH_DEFAULTS, ACCELERATOR_LONG_PREFILL_TOKENS
+    from serving.runner import long_buckets, step_buckets, step_shape
+    seqs, budget = ACCELERATOR_BATCH_DEFAULTS
+    n = (1 << 20) - 256
+    sched = _scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=1 << 20, state_block_size=1024,
+                       long_prefill_tokens=ACCELERATOR_LONG_PREFILL_TOKENS)
+    sched = Scheduler(sched.cfg, num_pages=(1 << 16) + 8, num_slots=128)
+    tb, sb = step_buckets(seqs, budget, on_cpu=False)
+    long = long_buckets(tb[-1], ACCELERATOR_LONG_PREFILL_TOKENS)
+    req = _request("1m", n, 4, 3)
+    sched.add(req)
+    shapes, steps, ckpts = set(), 0, 0
+    while sched.has_work():
+        out = _step(sched)
+        steps += 1
+        decode = all(c.start >= len(c.req.prompt_ids) for c in out.chunks)
+        shapes.add(step_shape(out.num_tokens, len(out.chunks), tb, sb, long) + (decode,))
+        ckpts += sum(bool(c.ckpt_dst) for c in out.chunks)
+    assert steps == 64 + 2 + 3 and ckpts == 65             # a checkpoint at each long step's end and the prompt's
+    assert shapes == {(16384, 4, False), (1024, 4, False), (16, 4, False), (16, 4, True)}, shapes
