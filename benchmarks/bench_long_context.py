@@ -286,6 +286,9 @@ def main(argv=None):
                          "prompt's chunks end)")
     ap.add_argument("--long-prefill-tokens", type=int, default=None,
                     help="a lone long prompt's step tokens (default: the engine's; 0: max_num_batched_tokens)")
+    ap.add_argument("--state-fraction", type=float, default=None,
+                    help="the cache budget's share for KDA state slots (default: the engine's; lower leaves pages for "
+                         "a longer context, e.g. 0.2 for a 1M-token prompt of Kimi-Linear-48B on one H200)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the engine's warm-up (the first prefill row then pays the compiles; later rows are clean)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the header as JSON ('-': stdout)")
@@ -318,7 +321,8 @@ def main(argv=None):
                           **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {}),
                              **({} if args.state_block_size is None else {"state_block_size": args.state_block_size}),
                              **({} if args.long_prefill_tokens is None else
-                                {"long_prefill_tokens": args.long_prefill_tokens})})
+                                {"long_prefill_tokens": args.long_prefill_tokens}),
+                             **({} if args.state_fraction is None else {"state_fraction": args.state_fraction})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))
@@ -327,7 +331,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         eng = LLMEngine(model, eng_args)
         log(f"engine ready in {time.perf_counter() - t0:.1f}s: max_model_len {eng.max_model_len}, "
-            f"{eng.runner.pools.num_pages} pages")
+            f"{eng.runner.pools.num_pages} pages, long_prefill_tokens {eng.args.long_prefill_tokens}")
     if "prefill" in rows:
         prefill_rows(eng, model, cfg, table, rate, log)
     if "kernel" in rows:
@@ -340,7 +344,8 @@ def main(argv=None):
                   machine=f"{jax.devices()[0].device_kind} ({platform.node()})", commit=commit(), model=cfg["model"],
                   dtype=cfg["dtype"], command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                   max_model_len=eng.max_model_len if eng else None, matmul_tflops=rate / 1e12,
-                  mla_prefix_kernel=model.backend.mla_prefix_kernel)
+                  mla_prefix_kernel=model.backend.mla_prefix_kernel,
+                  long_prefill_tokens=eng.args.long_prefill_tokens if eng else eng_args.long_prefill_tokens)
     text = (f"\n# {header['bench']}  {header['date']}  {header['machine']}  commit {header['commit']}  "
             f"{header['model']} ({header['dtype']}, random)  max_model_len {header['max_model_len']}\n"
             f"# {header['command']}\n" + table.markdown())

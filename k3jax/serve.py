@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=D("prefix_match_unit"),
                     help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int_at_least(0), default=D("state_block_size"),
-                    help="KDA state checkpoint every this many prompt tokens")
+                    help="KDA state checkpoints in long prompts on this grid: a prompt chunk reaching past a multiple "
+                         "ends at the last one inside it and checkpoints there (0 = off)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=D("prefix_wait_steps"),
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "

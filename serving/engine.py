@@ -18,7 +18,8 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import EngineArgs, default_max_model_len, device_free_bytes, size_pools
+from serving.engine_args import (EngineArgs, budget_pages, cache_budget, default_max_model_len, device_free_bytes,
+                                  size_pools)
 from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
@@ -143,22 +144,33 @@ class LLMEngine:
                         "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
             return 0
         tb, sb = self.token_buckets, self.seq_buckets
-        T, N, extra = tb[-1], sb[-1], 0
-        long = long_buckets(tb[-1], args.long_prefill_tokens)
-        if long:
-            # a lone long prompt's step: the most tokens (activations grow with them: MoE rows, KDA chunk states,
-            # the MLA key window); the regular largest step's extra sequences add only their logits rows
-            T, N, extra = long[-1], sb[0], (sb[-1] - sb[0]) * c.vocab_size * 4
-        t0 = time.perf_counter()
         from k3jax.layer_stack import stack_layers, unstack_layers
         layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them
         params = jax.eval_shape(lambda p: layout(p, c), self.model.params)
-        temp = step_temp_bytes(c, params, num_tokens=T, num_seqs=N, page_size=args.page_size,
-                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
-                               backend=getattr(self.model, "backend", None)) + extra
-        log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
-                 T, N, temp / 2**30, time.perf_counter() - t0)
-        return temp
+
+        def measure(T: int, N: int) -> int:
+            t0 = time.perf_counter()
+            temp = step_temp_bytes(c, params, num_tokens=T, num_seqs=N, page_size=args.page_size,
+                                   max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
+                                   backend=getattr(self.model, "backend", None))
+            log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
+                     T, N, temp / 2**30, time.perf_counter() - t0)
+            return temp
+        long = long_buckets(tb[-1], args.long_prefill_tokens)
+        if long:
+            # a lone long prompt's step has the most tokens (activations grow with them: MoE rows, KDA chunk states,
+            # the MLA key window); the regular largest step's extra sequences add only their logits rows. It must
+            # not cost context: kept when the cache still holds max_model_len (the model's window when unset).
+            temp = measure(long[-1], sb[0]) + (sb[-1] - sb[0]) * c.vocab_size * 4
+            free = device_free_bytes(weight_bytes)
+            holds = (budget_pages(args, c, cache_budget(args, free, temp), cache_dtype) - 1) * args.page_size
+            if holds >= self.max_model_len:
+                return temp
+            log.warning("long_prefill_tokens %d off: with its step's activations the cache holds %d tokens, under "
+                        "the context of %d; lower it, or the context, to keep it", args.long_prefill_tokens,
+                        max(holds, 0), self.max_model_len)
+            args.long_prefill_tokens = 0
+        return measure(tb[-1], sb[-1])
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -89,7 +89,8 @@ class EngineArgs:
                                                   # sequence, else the longest it holds (default_max_model_len)
     page_size: int = 16
     prefix_match_unit: int = 16
-    state_block_size: int = 1024                  # periodic KDA checkpoints in long prompts (0 = off)
+    state_block_size: int = 1024                  # KDA checkpoints in long prompts on this grid: a chunk reaching past a
+                                                  # multiple ends at the last one inside it (0 = off)
     enable_prefix_caching: bool = True
     cache_finished_state: bool = True             # a finished request's final state stays cached (follow-up turns
                                                   # resume at its end; one KDA slot each until evicted)
@@ -280,6 +281,18 @@ def jax_device_stats():
     return jax.devices()[0].memory_stats()
 
 
+def cache_budget(args: EngineArgs, free: int, activation_bytes: int) -> int:
+    """The cache's bytes when sized from device memory: memory_fraction of what the largest step leaves."""
+    return int((free - activation_bytes) * args.memory_fraction)
+
+
+def budget_pages(args: EngineArgs, config, budget: int, cache_dtype) -> int:
+    """MLA pages a cache budget gives (page 0 reserved included), as size_pools splits it."""
+    from k3jax.cache import pool_bytes_per_page
+    return args.num_pages or int(budget * (1 - args.state_fraction) // max(pool_bytes_per_page(config, args.page_size,
+                                                                                                 cache_dtype), 1))
+
+
 def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0) -> tuple[int, int]:
     """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0.
     activation_bytes: the largest step's scratch memory, kept free of the cache (measured by the engine)."""
@@ -293,13 +306,13 @@ def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activat
             raise ValueError(f"the largest step needs {activation_bytes / 2**30:.2f} GiB of activations but only "
                              f"{free / 2**30:.2f} GiB of device memory is free after the weights: lower "
                              f"max_num_batched_tokens / max_num_seqs")
-        budget = int((free - activation_bytes) * args.memory_fraction) if free else 256 << 20
+        budget = cache_budget(args, free, activation_bytes) if free else 256 << 20
         if free:
             log.info("device memory: %.2f GiB free after the weights, %.2f GiB kept for the largest step's "
                      "activations, cache budget %.2f GiB (memory_fraction %.2f)", free / 2**30,
                      activation_bytes / 2**30, budget / 2**30, args.memory_fraction)
     slots = args.num_slots or int(budget * args.state_fraction // per_slot)
-    pages = args.num_pages or int(budget * (1 - args.state_fraction) // per_page)
+    pages = budget_pages(args, config, budget, cache_dtype)
     min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint
     max_len = args.max_model_len or 0
     min_pages = -(-max_len // args.page_size) + 1
