@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "most, so a long prompt's steps stay short for the other streams (0 = no cap)")
     ap.add_argument("--long-prefill-tokens", type=int_at_least(0), default=None, metavar="TOKENS",
                     help="a lone long prompt's step (nothing else running or waiting) takes this many tokens "
-                         "(default: 16384 on a GPU/TPU, off on CPU; <= --max-num-batched-tokens: off)")
+                         "(default: 16384 on a GPU/TPU, off on CPU; <= --max-num-batched-tokens: off; dropped, logged, "
+                         "when its activations would shorten --max-model-len, and on a mesh)")
     ap.add_argument("--verify-prefix-cache", type=float, default=D("verify_prefix_cache"), metavar="FRACTION",
                     help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")

@@ -141,7 +141,10 @@ class LLMEngine:
             return 0
         if mesh is not None:
             log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
-                        "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
+                        "memory_fraction %.2f of the free memory goes to the cache%s", args.memory_fraction,
+                        ", and long_prefill_tokens is off (its larger step is not reserved)"
+                        if args.long_prefill_tokens else "")
+            args.long_prefill_tokens = 0
             return 0
         tb, sb = self.token_buckets, self.seq_buckets
         from k3jax.layer_stack import stack_layers, unstack_layers

@@ -100,7 +100,8 @@ class EngineArgs:
                                                   # most: long prompts' steps stay short (serving/scheduler.py; 0 = off)
     long_prefill_tokens: Optional[int] = None     # a lone long prompt's step (nothing else running or waiting) takes
                                                   # this many tokens (default: 16384 on an accelerator, off on CPU;
-                                                  # <= max_num_batched_tokens: off)
+                                                  # <= max_num_batched_tokens: off); the engine drops it when its
+                                                  # activations would shorten max_model_len, and on a mesh
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
