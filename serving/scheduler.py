@@ -345,7 +345,7 @@ class Scheduler:
                 req.num_cached_tokens = hit.num_tokens
             junction = self.junctions.common_prefix(req.hashes)
             self.junctions.add(req.hashes)
-            # periodic checkpoints are not planned: they go where chunks end (_periodic_due)
+            # periodic checkpoints are not planned: chunks end on the block grid (_last_block_end)
             req.checkpoints = self.cache.suggest_checkpoints(len(req.prompt_ids), req.hashes, hit.num_tokens, junction)
         return True
 
