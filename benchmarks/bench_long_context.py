@@ -118,8 +118,10 @@ def prefill_rows(eng, model, cfg, table, rate, log):
     c = model.config
     rng = np.random.RandomState(0)
     per_tok = matmul_flops_per_token(model)
-    _drive(eng, lambda i: SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),   # compiles, untimed
-           [rng.randint(0, c.vocab_size, cfg["prefill"][0]).tolist()])
+    # compiles, untimed: a prompt that also fills a lone long step (when the rows reach one)
+    warm = max(cfg["prefill"][0], min(max(cfg["prefill"]), eng.args.long_prefill_tokens + 1, eng.max_model_len - 4))
+    _drive(eng, lambda i: SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+           [rng.randint(0, c.vocab_size, warm).tolist()])
     for n in cfg["prefill"]:
         if n >= eng.max_model_len:
             log(f"prefill {n}: over max_model_len {eng.max_model_len}, skipped")
