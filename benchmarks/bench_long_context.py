@@ -118,8 +118,10 @@ def prefill_rows(eng, model, cfg, table, rate, log):
     c = model.config
     rng = np.random.RandomState(0)
     per_tok = matmul_flops_per_token(model)
-    # compiles, untimed: a prompt that also fills a lone long step (when the rows reach one)
-    warm = max(cfg["prefill"][0], min(max(cfg["prefill"]), eng.args.long_prefill_tokens + 1, eng.max_model_len - 4))
+    # compiles, untimed: a prompt that also fills a lone long step (when the rows reach one) and then, as the rows'
+    # prompts do, a few tokens to its end checkpoint and the last token
+    warm = max(cfg["prefill"][0], min(max(cfg["prefill"]), eng.args.long_prefill_tokens + eng.args.prefix_match_unit + 1,
+                                      eng.max_model_len - 4))
     _drive(eng, lambda i: SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
            [rng.randint(0, c.vocab_size, warm).tolist()])
     for n in cfg["prefill"]:
