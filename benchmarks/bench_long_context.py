@@ -7,9 +7,12 @@
 Rows (the engine with every default except max_model_len, one prompt at a time, max_tokens 1):
   prefill N       TTFT and prompt tok/s of an N-token prompt (2k, 8k, 32k, 128k, 1M); of roofline = the
                   time at the matmul rate measured in this run for the active matmul FLOPs of N tokens plus
-                  the MLA layers' causal attention FLOPs, over the measured time; the 1M prompt then decodes;
-  mla kernel      the MLA layer's attention as the model calls it (MLA.step, one layer, the last
-                  max_num_batched_tokens-token chunk of a 128k prompt over its paged context): TFLOP/s with causal
+                  the MLA layers' causal attention FLOPs, over the measured time; the engine steps it took and
+                  the step shapes it compiled;
+                  the 1M prompt then decodes;
+  mla kernel      the MLA layer's attention as the model calls it (MLA.step, one layer, the last chunk of a
+                  128k prompt alone in the engine, long_prefill_tokens (or max_num_batched_tokens when that
+                  is off) tokens, over its paged context): TFLOP/s with causal
                   FLOPs (query-key pairs x heads x 2 x (qk 192 + v 128)) over the whole layer step and over the
                   attention op alone (ops.mla_prefix_attention);
   decode          the median engine step of one sequence decoding at 128k context vs at 2k (ratio);
@@ -115,8 +118,12 @@ def prefill_rows(eng, model, cfg, table, rate, log):
     c = model.config
     rng = np.random.RandomState(0)
     per_tok = matmul_flops_per_token(model)
-    _drive(eng, lambda i: SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),   # compiles, untimed
-           [rng.randint(0, c.vocab_size, cfg["prefill"][0]).tolist()])
+    # compiles, untimed: a prompt that also fills a lone long step (when the rows reach one) and then, as the rows'
+    # prompts do, a few tokens to its end checkpoint and the last token
+    warm = max(cfg["prefill"][0], min(max(cfg["prefill"]), eng.args.long_prefill_tokens + eng.args.prefix_match_unit + 1,
+                                      eng.max_model_len - 4))
+    _drive(eng, lambda i: SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+           [rng.randint(0, c.vocab_size, warm).tolist()])
     for n in cfg["prefill"]:
         if n >= eng.max_model_len:
             log(f"prefill {n}: over max_model_len {eng.max_model_len}, skipped")
@@ -124,11 +131,14 @@ def prefill_rows(eng, model, cfg, table, rate, log):
         then = 4 if n > 2 * cfg["long"] else 1     # the 1M row decodes a few tokens after its prefill
         prompt = rng.randint(0, c.vocab_size, n).tolist()
         sp = SamplingParams(temperature=0.0, max_tokens=then, ignore_eos=True)
+        steps, compiles = eng.counters["steps"], eng.runner.num_compiles
         first, total = _drive(eng, lambda i: sp, [prompt])
+        steps, compiles = eng.counters["steps"] - steps, eng.runner.num_compiles - compiles
         ttft = next(iter(first.values()))
         roof = (n * per_tok + causal_pairs(n) * mla_pair_flops(c)) / rate
         log(table.add(row=f"prefill {n:,}", ttft_s=ttft, tok_s=n / ttft, of_roofline=roof / ttft,
-                      note=f"then decoded {then - 1} tokens in {total - ttft:.2f}s" if then > 1 else ""))
+                      note=f"{steps} steps, {compiles} new compiled shapes" + (f"; then decoded {then - 1} tokens in {total - ttft:.2f}s"
+                                                if then > 1 else "")))
 
 
 def mla_layer_params(c, dtype, seed=0):
@@ -157,7 +167,7 @@ def kernel_rows(model, cfg, eng_args, table, log):
     c = model.config
     dtype = jnp.dtype(cfg["dtype"])
     backend = model.backend
-    T = eng_args.max_num_batched_tokens
+    T = max(eng_args.max_num_batched_tokens, eng_args.long_prefill_tokens)     # a lone prompt's step
     ctx = cfg["long"] - T
     page_size = eng_args.page_size
     rng = np.random.default_rng(1)
@@ -276,8 +286,13 @@ def main(argv=None):
     ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn"), default=None,
                     help="GPU attention of the expanded MLA key windows (default: the backend's)")
     ap.add_argument("--state-block-size", type=int, default=None,
-                    help="the prefix cache's periodic KDA checkpoints (default: the engine's); a long prompt's chunks "
-                         "end at each, so this also bounds its step size")
+                    help="the prefix cache's periodic KDA checkpoints (default: the engine's; taken where a long "
+                         "prompt's chunks end)")
+    ap.add_argument("--long-prefill-tokens", type=int, default=None,
+                    help="a lone long prompt's step tokens (default: the engine's; 0: max_num_batched_tokens)")
+    ap.add_argument("--state-fraction", type=float, default=None,
+                    help="the cache budget's share for KDA state slots (default: the engine's; lower leaves pages for "
+                         "a longer context, e.g. 0.2 for a 1M-token prompt of Kimi-Linear-48B on one H200)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
     ap.add_argument("--no-warmup", action="store_true",
@@ -312,7 +327,10 @@ def main(argv=None):
                           **{**cfg.get("engine", {}), **({"warmup": False} if args.no_warmup else {}),
                              **({} if args.state_block_size is None else {"state_block_size": args.state_block_size}),
                              **({} if args.decode_steps_per_launch is None
-                                else {"decode_steps_per_launch": args.decode_steps_per_launch})})
+                                else {"decode_steps_per_launch": args.decode_steps_per_launch}),
+                             **({} if args.long_prefill_tokens is None else
+                                {"long_prefill_tokens": args.long_prefill_tokens}),
+                             **({} if args.state_fraction is None else {"state_fraction": args.state_fraction})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
                   ("note", "note", ""))
@@ -321,7 +339,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         eng = LLMEngine(model, eng_args)
         log(f"engine ready in {time.perf_counter() - t0:.1f}s: max_model_len {eng.max_model_len}, "
-            f"{eng.runner.pools.num_pages} pages")
+            f"{eng.runner.pools.num_pages} pages, long_prefill_tokens {eng.args.long_prefill_tokens}")
     if "prefill" in rows:
         prefill_rows(eng, model, cfg, table, rate, log)
     if "kernel" in rows:
@@ -334,7 +352,8 @@ def main(argv=None):
                   machine=f"{jax.devices()[0].device_kind} ({platform.node()})", commit=commit(), model=cfg["model"],
                   dtype=cfg["dtype"], command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                   max_model_len=eng.max_model_len if eng else None, matmul_tflops=rate / 1e12,
-                  mla_prefix_kernel=model.backend.mla_prefix_kernel)
+                  mla_prefix_kernel=model.backend.mla_prefix_kernel,
+                  long_prefill_tokens=eng.args.long_prefill_tokens if eng else eng_args.long_prefill_tokens)
     text = (f"\n# {header['bench']}  {header['date']}  {header['machine']}  commit {header['commit']}  "
             f"{header['model']} ({header['dtype']}, random)  max_model_len {header['max_model_len']}\n"
             f"# {header['command']}\n" + table.markdown())

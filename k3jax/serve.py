@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-match-unit", type=int_at_least(1), default=D("prefix_match_unit"),
                     help="prefix-cache granularity in tokens (divides --page-size)")
     ap.add_argument("--state-block-size", type=int_at_least(0), default=D("state_block_size"),
-                    help="KDA state checkpoint every this many prompt tokens")
+                    help="KDA state checkpoints in long prompts on this grid: a prompt chunk reaching past a multiple "
+                         "ends at the last one inside it and checkpoints there (0 = off)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     ap.add_argument("--prefix-wait-steps", type=int_at_least(0), default=D("prefix_wait_steps"),
                     help="a waiting request whose prompt prefix a running prefill is computing waits for its checkpoint "
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--interactive-prefill-pairs", type=int_at_least(0), default=D("interactive_prefill_pairs"),
                     metavar="PAIRS", help="while decode rows run, a prefill chunk's (query, key) attention pairs at "
                                           "most, so a long prompt's steps stay short for the other streams (0 = no cap)")
+    ap.add_argument("--long-prefill-tokens", type=int_at_least(0), default=None, metavar="TOKENS",
+                    help="a lone long prompt's step (nothing else running or waiting) takes this many tokens "
+                         "(default: 16384 on a GPU/TPU, off on CPU; <= --max-num-batched-tokens: off; dropped, logged, "
+                         "when its activations would shorten --max-model-len, and on a mesh)")
     ap.add_argument("--verify-prefix-cache", type=float, default=D("verify_prefix_cache"), metavar="FRACTION",
                     help="recompute this fraction of prefix-cache hits from scratch in the background and compare the "
                          "first token's log-probabilities (k3jax:prefix_cache_verify_* counters, a warning on a mismatch)")
@@ -233,7 +238,7 @@ def build_state(args, request_matcher=None):
         max_model_len=args.max_model_len, page_size=args.page_size, prefix_match_unit=args.prefix_match_unit,
         state_block_size=args.state_block_size, enable_prefix_caching=not args.no_prefix_caching,
         prefix_wait_steps=args.prefix_wait_steps, verify_prefix_cache=args.verify_prefix_cache,
-        interactive_prefill_pairs=args.interactive_prefill_pairs,
+        interactive_prefill_pairs=args.interactive_prefill_pairs, long_prefill_tokens=args.long_prefill_tokens,
         verify_prefix_cache_tolerance=args.verify_prefix_cache_tolerance,
         host_cache_bytes=max(args.host_cache_mb, 1024 if args.role == "decode" else 0) << 20,
         memory_fraction=args.memory_fraction,

@@ -18,12 +18,13 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import EngineArgs, decode_steps_default, default_max_model_len, device_free_bytes, size_pools
+from serving.engine_args import (EngineArgs, budget_pages, cache_budget, decode_steps_default, default_max_model_len,
+                                  device_free_bytes, size_pools)
 from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
-from serving.runner import ModelRunner, step_buckets, step_temp_bytes
+from serving.runner import ModelRunner, long_buckets, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
 from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from serving.spec import make_speculator
@@ -87,6 +88,7 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
             state_block_size=args.state_block_size, cache_finished_state=args.cache_finished_state,
             prefix_wait_steps=args.prefix_wait_steps, interactive_prefill_pairs=args.interactive_prefill_pairs,
+            long_prefill_tokens=args.long_prefill_tokens,
             encoder_budget=args.encoder_budget or args.max_num_batched_tokens), num_pages, num_slots)
         self.runner = ModelRunner(
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
@@ -97,7 +99,8 @@ class LLMEngine:
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None,
             spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0,
-            decode_steps=self.decode_steps, decode_steps_max_seqs=args.decode_steps_max_seqs)
+            decode_steps=self.decode_steps, decode_steps_max_seqs=args.decode_steps_max_seqs,
+            long_prefill_tokens=args.long_prefill_tokens)
         self.tokenizer = model.tokenizer
         eos = list(self.tokenizer.stop_ids) if self.tokenizer is not None else [c.eos_token_id]
         self.eos_ids = [e for e in eos if e is not None]
@@ -142,19 +145,39 @@ class LLMEngine:
             return 0
         if mesh is not None:
             log.warning("cache sizing: the step's activation memory is not measured on a mesh; "
-                        "memory_fraction %.2f of the free memory goes to the cache", args.memory_fraction)
+                        "memory_fraction %.2f of the free memory goes to the cache%s", args.memory_fraction,
+                        ", and long_prefill_tokens is off (its larger step is not reserved)"
+                        if args.long_prefill_tokens else "")
+            args.long_prefill_tokens = 0
             return 0
         tb, sb = self.token_buckets, self.seq_buckets
-        t0 = time.perf_counter()
         from k3jax.layer_stack import stack_layers, unstack_layers
         layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them
         params = jax.eval_shape(lambda p: layout(p, c), self.model.params)
-        temp = step_temp_bytes(c, params, num_tokens=tb[-1], num_seqs=sb[-1], page_size=args.page_size,
-                               max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
-                               backend=getattr(self.model, "backend", None))
-        log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
-                 tb[-1], sb[-1], temp / 2**30, time.perf_counter() - t0)
-        return temp
+
+        def measure(T: int, N: int) -> int:
+            t0 = time.perf_counter()
+            temp = step_temp_bytes(c, params, num_tokens=T, num_seqs=N, page_size=args.page_size,
+                                   max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
+                                   backend=getattr(self.model, "backend", None))
+            log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
+                     T, N, temp / 2**30, time.perf_counter() - t0)
+            return temp
+        long = long_buckets(tb[-1], args.long_prefill_tokens)
+        if long:
+            # a lone long prompt's step has the most tokens (activations grow with them: MoE rows, KDA chunk states,
+            # the MLA key window); the regular largest step's extra sequences add only their logits rows. It must
+            # not cost context: kept when the cache still holds max_model_len (the model's window when unset).
+            temp = measure(long[-1], sb[0]) + (sb[-1] - sb[0]) * c.vocab_size * 4
+            free = device_free_bytes(weight_bytes)
+            holds = (budget_pages(args, c, cache_budget(args, free, temp), cache_dtype) - 1) * args.page_size
+            if holds >= self.max_model_len:
+                return temp
+            log.warning("long_prefill_tokens %d off: with its step's activations the cache holds %d tokens, under "
+                        "the context of %d; lower it, or the context, to keep it", args.long_prefill_tokens,
+                        max(holds, 0), self.max_model_len)
+            args.long_prefill_tokens = 0
+        return measure(tb[-1], sb[-1])
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -48,6 +48,12 @@ def claim_device_memory(fraction: float = ALLOCATOR_MEMORY_FRACTION) -> None:
 CPU_BATCH_DEFAULTS = (16, 512)
 SPECULATIVE = ("off", "ngram", "draft")
 ACCELERATOR_BATCH_DEFAULTS = (64, 4096)
+# long_prefill_tokens when unset: a lone long prompt's step on an accelerator. Each step reads every weight and
+# decompresses the prompt's cached prefix once (the expanded MLA form), and the routed experts' grouped matmuls
+# fill their 256-row tiles only from ~8k tokens a step (8 of 256 experts a token); 16,384 tokens is ~4x
+# ACCELERATOR_BATCH_DEFAULTS' step in activations, sized by the engine's measurement (LLMEngine._activation_bytes).
+# CPU: off (a CPU step's cost grows with its tokens; nothing to amortize).
+ACCELERATOR_LONG_PREFILL_TOKENS = 16384
 
 
 # Decode steps per launch when unset, on an accelerator: one sequence's step is a few milliseconds of kernels
@@ -97,7 +103,8 @@ class EngineArgs:
                                                   # sequence, else the longest it holds (default_max_model_len)
     page_size: int = 16
     prefix_match_unit: int = 16
-    state_block_size: int = 1024                  # periodic KDA checkpoints in long prompts (0 = off)
+    state_block_size: int = 1024                  # KDA checkpoints in long prompts on this grid: a chunk reaching past a
+                                                  # multiple ends at the last one inside it (0 = off)
     enable_prefix_caching: bool = True
     cache_finished_state: bool = True             # a finished request's final state stays cached (follow-up turns
                                                   # resume at its end; one KDA slot each until evicted)
@@ -105,6 +112,10 @@ class EngineArgs:
                                                   # for its checkpoint up to this many steps (0 = admit at once)
     interactive_prefill_pairs: int = 1 << 26      # while decode rows run, a prefill chunk's (query, key) pairs at
                                                   # most: long prompts' steps stay short (serving/scheduler.py; 0 = off)
+    long_prefill_tokens: Optional[int] = None     # a lone long prompt's step (nothing else running or waiting) takes
+                                                  # this many tokens (default: 16384 on an accelerator, off on CPU;
+                                                  # <= max_num_batched_tokens: off); the engine drops it when its
+                                                  # activations would shorten max_model_len, and on a mesh
     verify_prefix_cache: float = 0.0              # recompute this fraction of prefix-cache hits from scratch and
                                                   # compare the first token's log-probabilities (0 = off)
     verify_prefix_cache_tolerance: float = 0.25   # largest |log-prob difference| counted as equal (bf16 chunking noise)
@@ -170,6 +181,11 @@ class EngineArgs:
                 self.max_num_seqs = min(seqs, given_tokens) if isinstance(given_tokens, int) else seqs
             if given_tokens is None:        # more sequences given: a token for each
                 self.max_num_batched_tokens = max(tokens, given_seqs) if isinstance(given_seqs, int) else tokens
+        if self.long_prefill_tokens is None:
+            import jax
+            self.long_prefill_tokens = 0 if jax.default_backend() == "cpu" else ACCELERATOR_LONG_PREFILL_TOKENS
+        if not isinstance(self.long_prefill_tokens, int) or self.long_prefill_tokens < 0:
+            raise ValueError(f"long_prefill_tokens must be a non-negative int, got {self.long_prefill_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_match_unit", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -291,6 +307,18 @@ def jax_device_stats():
     return jax.devices()[0].memory_stats()
 
 
+def cache_budget(args: EngineArgs, free: int, activation_bytes: int) -> int:
+    """The cache's bytes when sized from device memory: memory_fraction of what the largest step leaves."""
+    return int((free - activation_bytes) * args.memory_fraction)
+
+
+def budget_pages(args: EngineArgs, config, budget: int, cache_dtype) -> int:
+    """MLA pages a cache budget gives (page 0 reserved included), as size_pools splits it."""
+    from k3jax.cache import pool_bytes_per_page
+    return args.num_pages or int(budget * (1 - args.state_fraction) // max(pool_bytes_per_page(config, args.page_size,
+                                                                                                 cache_dtype), 1))
+
+
 def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0) -> tuple[int, int]:
     """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0.
     activation_bytes: the largest step's scratch memory, kept free of the cache (measured by the engine)."""
@@ -304,13 +332,13 @@ def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activat
             raise ValueError(f"the largest step needs {activation_bytes / 2**30:.2f} GiB of activations but only "
                              f"{free / 2**30:.2f} GiB of device memory is free after the weights: lower "
                              f"max_num_batched_tokens / max_num_seqs")
-        budget = int((free - activation_bytes) * args.memory_fraction) if free else 256 << 20
+        budget = cache_budget(args, free, activation_bytes) if free else 256 << 20
         if free:
             log.info("device memory: %.2f GiB free after the weights, %.2f GiB kept for the largest step's "
                      "activations, cache budget %.2f GiB (memory_fraction %.2f)", free / 2**30,
                      activation_bytes / 2**30, budget / 2**30, args.memory_fraction)
     slots = args.num_slots or int(budget * args.state_fraction // per_slot)
-    pages = args.num_pages or int(budget * (1 - args.state_fraction) // per_page)
+    pages = budget_pages(args, config, budget, cache_dtype)
     min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint
     max_len = args.max_model_len or 0
     min_pages = -(-max_len // args.page_size) + 1

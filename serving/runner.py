@@ -88,8 +88,30 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, *, on_cpu: bool
     return sorted(tb), sorted(sb)
 
 
-def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False) -> list:
-    """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal)."""
+def long_buckets(max_num_batched_tokens: int, long_prefill_tokens: int) -> list:
+    """Token buckets of a lone long prompt's steps (scheduler: long_prefill_tokens), above the regular ones:
+    doubling from 2 x max_num_batched_tokens up to long_prefill_tokens (its last chunk pads at most 2x); one
+    sequence bucket each. Empty when long_prefill_tokens <= max_num_batched_tokens (off)."""
+    out, b = [], 2 * max_num_batched_tokens
+    while b < long_prefill_tokens:
+        out.append(b)
+        b *= 2
+    return out + [long_prefill_tokens] if long_prefill_tokens > max_num_batched_tokens else []
+
+
+def step_shape(num_tokens: int, num_seqs: int, token_buckets: Sequence[int], seq_buckets: Sequence[int],
+               long_token_buckets: Sequence[int] = ()) -> tuple[int, int]:
+    """The (tokens, sequences) bucket of a step: the regular buckets, or a long bucket for a step of more tokens
+    than they hold and few enough sequences (a lone long prompt's)."""
+    if num_tokens > token_buckets[-1] and long_token_buckets and num_seqs <= seq_buckets[0]:
+        return _fit(long_token_buckets, num_tokens), seq_buckets[0]
+    return _fit(token_buckets, num_tokens), _fit(seq_buckets, num_seqs)
+
+
+def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], multimodal: bool = False,
+                  long_token_buckets: Sequence[int] = ()) -> list:
+    """Every step variant warm-up compiles, as (tokens, sequences, decode_only, multimodal); a lone long
+    prompt's buckets (long_token_buckets) with the smallest sequence bucket, text only."""
     out = []
     for T in token_buckets:
         for N in seq_buckets:
@@ -100,7 +122,7 @@ def warmup_shapes(token_buckets: Sequence[int], seq_buckets: Sequence[int], mult
                 out.append((T, N, True, False))
             if multimodal:
                 out.append((T, N, False, True))
-    return out
+    return out + [(T, min(seq_buckets), False, False) for T in long_token_buckets]
 
 
 def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, decode: bool, mm: bool, dtype):
@@ -218,7 +240,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
                  backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None,
-                 spec_width: int = 0, decode_steps: int = 1, decode_steps_max_seqs: int = 0):
+                 spec_width: int = 0, decode_steps: int = 1, decode_steps_max_seqs: int = 0,
+                 long_prefill_tokens: int = 0):
         self.config = config
         # several decode steps per launch (launch_decode_steps): `decode_steps` of them for steps of at most
         # `decode_steps_max_seqs` sequences (1 / 0: off)
@@ -238,6 +261,8 @@ class ModelRunner:
         self.token_buckets, self.seq_buckets = step_buckets(
             max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
             token_buckets=token_buckets, seq_buckets=seq_buckets)
+        # a lone long prompt's steps (one sequence, more tokens than the regular buckets hold)
+        self.long_token_buckets = long_buckets(self.token_buckets[-1], long_prefill_tokens)
         self.key_data = make_key_data(seed)
         self.guard = False
         self._seen: set = set()
@@ -320,8 +345,8 @@ class ModelRunner:
     def _step_inputs(self, chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks, top_logprobs,
                      spec_width: int = 0):
         """(T, N, batch, sampling arrays, counters) of a step over `chunks`, padded to its shape bucket."""
-        T = _fit(self.token_buckets, sum(len(ch.tokens) for ch in chunks))
-        N = _fit(self.seq_buckets, len(chunks))
+        T, N = step_shape(sum(len(ch.tokens) for ch in chunks), len(chunks), self.token_buckets, self.seq_buckets,
+                          self.long_token_buckets)
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
                                 spec_width=spec_width)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
@@ -394,6 +419,7 @@ class ModelRunner:
         traced one after another and compiled on `threads` host threads (default: half the cores, up
         to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
+        long = warmup_shapes((), self.seq_buckets, long_token_buckets=self.long_token_buckets)
         t0 = time.perf_counter()
         # sampler variants of every sequence bucket, (penalties, masked) x (top-k/top-p sort, top logprobs): the
         # common ones, or all 16 when a compile after warm-up would be an error (all_sampler_variants); a
@@ -402,9 +428,9 @@ class ModelRunner:
                     if all_sampler_variants or not any(v[2:]) or not any(v[:2])]
         lower_s = compile_s = 0.0
         if self._aot:
-            lower_s, compile_s = self._compile_steps(shapes, progress, threads, variants)
+            lower_s, compile_s = self._compile_steps(shapes + long, progress, threads, variants)
         t_run = time.perf_counter()
-        for T, N, decode, mm in tqdm_if(shapes, progress and not self._aot):
+        for T, N, decode, mm in tqdm_if(shapes + long, progress and not self._aot):
             self._run_padding(T, N, decode=decode, mm=mm)
         # each variant once, on the smallest step that holds its bucket (compiled above, or here)
         for N in self.seq_buckets:
@@ -424,7 +450,7 @@ class ModelRunner:
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.pools)
         log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
-                 len(shapes), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
+                 len(shapes) + len(long), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
 
     def _compile_steps(self, shapes, progress: bool, threads: int | None, sampler_variants=()):
         """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes and of the sampler

@@ -1,15 +1,28 @@
 """Continuous-batching scheduler (host side): decides each step's token chunks.
 
 Per step: a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs); decodes go
-first, then running prefills, then new requests (priority, then FCFS); prefill chunks stop at
-planned prefix-cache checkpoints so a KDA state is registered only where the model really
-stopped; pages and slots come from ref-counted allocators, evicting unreferenced cache entries
-and then preempting (by recompute) the lowest-priority running request when they run out.
+first, then running prefills, then new requests (priority, then FCFS); pages and slots come from
+ref-counted allocators, evicting unreferenced cache entries and then preempting (by recompute) the
+lowest-priority running request when they run out.
+
+KDA checkpoints: a state is registered only where the model really stopped (a chunk's end). Planned
+checkpoints (the prompt's end, a junction with another prompt, a prefix a waiting request needs) cut
+chunks there. Periodic ones (`state_block_size`) are not planned one per block: a prompt chunk that
+reaches past a multiple of state_block_size ends at the last such multiple inside it and checkpoints
+there. A chunk smaller than a block so stops at each multiple; a chunk of whole blocks (the budget a
+multiple of the block) keeps its size, so a long prompt advances a whole budget a step, with one
+checkpoint a step, on the block grid; the last one before the prompt's end is the one a later prompt
+repeating the document with another question resumes from.
+
+A lone long prompt (nothing else running or waiting) takes `long_prefill_tokens` a step instead of
+max_num_batched_tokens: each step reads every weight once and decompresses the prompt's whole cached
+prefix for the expanded MLA form, so fewer, larger steps are what a long prompt costs least in.
 
 Streams keep moving during long prompts: every running decode row is scheduled before any prefill, and
 while a step carries decode rows, a prefill chunk is cut to `interactive_prefill_pairs` (query, key) pairs
 (attention work, which grows with the context: a 4096-token chunk at 128k context is ~30x the one at 4k), so
-such steps stay short at any context; steps without decode rows take the full token budget.
+such steps stay short at any context; steps without decode rows take the full token budget (a lone long
+prompt's, long_prefill_tokens).
 
 Prefix-aware admission: a waiting request whose prompt shares a longer prefix with a running
 prefill than the cache holds now is passed over (the requests behind it go first) until that
@@ -83,6 +96,7 @@ class SchedulerConfig:
     prefix_wait_steps: int = 64      # prefix-aware admission: most schedules a request waits (0 = off)
     interactive_prefill_pairs: int = 1 << 26  # while decode rows run: a prefill chunk's (query, key) pairs at most
                                                # (see _chunk_tokens; 0 = no cap)
+    long_prefill_tokens: int = 0     # a lone long prompt's step tokens (see _lone_budget; <= max_num_batched_tokens: off)
 
 
 class Scheduler:
@@ -219,18 +233,45 @@ class Scheduler:
             if start < p < end:
                 end = p
                 break
+        grid = self._last_block_end(req, start, end)
+        if grid:                             # a periodic checkpoint: the chunk ends there
+            end = grid
         if req.images:
             end = self._fit_encoder(req, start, end)
             if end <= start:
                 return None
         ckpt = 0
-        if self.cache is not None and end in req.checkpoints and not self.cache.has_checkpoint(req.hashes, end):
+        if (self.cache is not None and (end in req.checkpoints or end == grid)
+                and not self.cache.has_checkpoint(req.hashes, end)):
             ckpt = self._alloc_slot()
         if req.hit is not None:
             src = req.hit.checkpoint_slot
         else:
             src = req.slot if start else -1
         return ScheduledChunk(req, start, end, src, ckpt, self._drafts(req, start, end, budget))
+
+    def _last_block_end(self, req: Request, start: int, end: int) -> int:
+        """The periodic checkpoint of a prompt chunk [start, end): the last multiple of state_block_size in
+        (start, end] before the prompt's end (0: none). The chunk ends there, so a chunk of a whole number of
+        blocks from a block boundary keeps its size, and checkpoints stay on the block grid (where another
+        prompt sharing a prefix finds one: the last block boundary before the shared part ends)."""
+        b = self.cfg.state_block_size
+        if not b or self.cache is None or not req.use_cache or req.is_decode:
+            return 0
+        last = min(end, len(req.prompt_ids) - 1) // b * b
+        return last if last > start and last % self.cfg.prefix_match_unit == 0 else 0
+
+    def _lone_budget(self, order: list, decoding: bool) -> int:
+        """This step's token budget: long_prefill_tokens when the step can hold only one request, a text prompt
+        with more than max_num_batched_tokens left to compute (nothing else running or waiting, so no one
+        waits behind its larger step), else max_num_batched_tokens."""
+        cfg = self.cfg
+        if decoding or cfg.long_prefill_tokens <= cfg.max_num_batched_tokens or len(order) + len(self.waiting) != 1:
+            return cfg.max_num_batched_tokens
+        req = order[0] if order else self.waiting[0]
+        if req.is_decode or req.images or req.num_tokens - req.num_computed <= cfg.max_num_batched_tokens:
+            return cfg.max_num_batched_tokens
+        return cfg.long_prefill_tokens
 
     def _drafts(self, req: Request, start: int, end: int, budget: int) -> list:
         """The speculative drafts a decode chunk feeds after its token (serving/spec): within the budget
@@ -313,21 +354,12 @@ class Scheduler:
                 req.num_cached_tokens = hit.num_tokens
             junction = self.junctions.common_prefix(req.hashes)
             self.junctions.add(req.hashes)
-            plan = set(self.cache.suggest_checkpoints(len(req.prompt_ids), req.hashes, hit.num_tokens, junction))
-            b = self.cfg.state_block_size
-            if b:
-                plan |= {p for p in range(b, len(req.prompt_ids), b)
-                         if p > hit.num_tokens and not self.cache.has_checkpoint(req.hashes, p)}
-            req.checkpoints = sorted(plan)
+            # periodic checkpoints are not planned: chunks end on the block grid (_last_block_end)
+            req.checkpoints = self.cache.suggest_checkpoints(len(req.prompt_ids), req.hashes, hit.num_tokens, junction)
         return True
 
     def _should_wait(self, req: Request, scheduled: dict) -> tuple:
-        """Streams keep moving during long prompts: every running decode row is scheduled before any prefill, and
-while a step carries decode rows, a prefill chunk is cut to `interactive_prefill_pairs` (query, key) pairs
-(attention work, which grows with the context: a 4096-token chunk at 128k context is ~30x the one at 4k), so
-such steps stay short at any context; steps without decode rows take the full token budget.
-
-Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
+        """Prefix-aware admission: (whether `req` should stay waiting for a running prefill that is computing a
         longer prefix of its prompt than the cache holds now, budget tokens freed by cutting that prefill's chunk
         at the junction). See the module docstring. scheduled: request id -> this step's chunk."""
         limit = self.cfg.prefix_wait_steps
@@ -432,12 +464,12 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
         cfg = self.cfg
         out = SchedulerOutput([], [], [])
         self._encode = {}
-        budget = cfg.max_num_batched_tokens
         # (a request whose last token is sampled by the step in flight has nothing left to run)
         order = sorted((r for r in self.running if not r.final_sampled),
                        key=lambda r: (not r.is_decode, r.priority, r.arrival))
         scheduled = {}                       # request id -> its chunk of this step
         decoding = any(r.is_decode for r in order)
+        budget = self._lone_budget(order, decoding)
         while order and budget > 0 and len(out.chunks) < cfg.max_num_seqs:
             req = order.pop(0)
             ch = self._chunk(req, budget, decoding)
@@ -505,8 +537,9 @@ Prefix-aware admission: (whether `req` should stay waiting for a running prefill
                 self.cache.release_copy_sources(req.hit)
                 req.hit = None
             prompt_len = len(req.prompt_ids)
-            if ch.start < prompt_len:
-                self.cache.register_pages(req.hashes, req.pages, min(ch.end, prompt_len))
+            if ch.start < prompt_len:      # the pages before the chunk's first were registered by earlier steps
+                self.cache.register_pages(req.hashes, req.pages, min(ch.end, prompt_len),
+                                          from_page=ch.start // self.cfg.page_size)
             if ch.ckpt_dst:
                 if not self.cache.register_checkpoint(req.hashes, ch.end, ch.ckpt_dst, req.pages):
                     self.slots.decref([ch.ckpt_dst])

@@ -110,3 +110,36 @@ def test_import_has_no_side_effects_and_loading_claims_the_allocator(monkeypatch
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     engine_args.claim_device_memory()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"                 # the user's value wins
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_long_prefill_tokens_never_costs_context(monkeypatch, fits):
+    """Sized from device memory, the engine reserves a lone long prompt's step activations (the long bucket's) and
+    keeps long_prefill_tokens only while the cache still holds max_model_len; otherwise it drops it (the regular
+    buckets' activations, no long buckets). Device memory and the step's measurement are stand-ins here."""
+    from k3jax import load_model
+    from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
+    from serving import engine
+    model = load_model("tiny-random", dtype="float32")
+    c = model.config
+    args = dict(max_num_seqs=2, max_num_batched_tokens=64, long_prefill_tokens=256, max_model_len=1024, warmup=False,
+                compilation_cache_dir=None, memory_fraction=0.5)
+    need = max(66 * pool_bytes_per_page(c, 16, jnp.float32), 8 * pool_bytes_per_slot(c, jnp.float32)) * 4 + 4096
+    per_token = need // 100
+    measured = []
+
+    def step_temp_bytes(config, params, *, num_tokens, num_seqs, **kw):
+        measured.append((num_tokens, num_seqs))
+        return num_tokens * per_token
+    free = need + (256 if fits else 64) * per_token      # the cache holds 1024 tokens after the long (regular) step
+    monkeypatch.setattr(engine, "step_temp_bytes", step_temp_bytes)
+    for mod in (engine, engine_args):
+        monkeypatch.setattr(mod, "device_free_bytes", lambda weight_bytes: free)
+    eng = engine.LLMEngine(model, EngineArgs(**args))
+    assert eng.max_model_len == 1024
+    if fits:
+        assert measured == [(256, 2)] and eng.args.long_prefill_tokens == 256
+        assert eng.runner.long_token_buckets == [128, 256] and eng.scheduler.cfg.long_prefill_tokens == 256
+    else:
+        assert measured == [(256, 2), (64, 2)] and eng.args.long_prefill_tokens == 0
+        assert eng.runner.long_token_buckets == [] and eng.scheduler.cfg.long_prefill_tokens == 0

@@ -11,7 +11,6 @@ from pallas_kernels.backend import detect
 from serving.engine_args import EngineArgs
 from serving.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow      # ~2-4 min on 2 cores (full forwards of 8k tokens, two engines' compiles)
 
 TOP = 8
 
@@ -42,6 +41,7 @@ def _full(model, prompt):
     return {int(i): lp[i] for i in ids}
 
 
+@pytest.mark.slow      # ~2-4 min on 2 cores (full forwards of 8k tokens, two engines' compiles)
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_chunked_8k_prompt_equals_full_forward(model, prefix_caching, monkeypatch):
     from k3jax.layers import mla
@@ -61,3 +61,41 @@ def test_chunked_8k_prompt_equals_full_forward(model, prefix_caching, monkeypatc
     # the second prompt hit the cache (a KDA checkpoint at 7168 and the pages before it) only when enabled
     assert (out.num_cached_tokens > 0) == prefix_caching, out.num_cached_tokens
     assert jax.default_backend() == "cpu"
+
+
+def test_lone_long_prompt_in_big_steps_checkpoints_where_a_later_prompt_resumes(model, monkeypatch):
+    """A lone prompt of 600 tokens runs in long_prefill_tokens steps (128, 2x the 64-token budget: the runner's
+    long bucket) with the prefix cache on; its chunks end on the 128-token block grid and checkpoint there, and
+    the first token's log-probabilities equal a full forward's. A second prompt sharing 540 tokens resumes at 512
+    (the last checkpoint at or below the shared part) and equals its full forward too."""
+    from k3jax.layers import mla
+    from serving.engine import LLMEngine
+    monkeypatch.setattr(mla, "EXPANDED_MIN_WINDOW_KEYS", 0)      # 2 keys per step token: several windows a step
+    rng = np.random.RandomState(12)
+    a = rng.randint(0, 768, 600).tolist()
+    b = a[:540] + rng.randint(0, 768, 60).tolist()               # the same length: one full-forward compile
+    eng = LLMEngine(model, EngineArgs(max_num_seqs=2, max_num_batched_tokens=64, long_prefill_tokens=128,
+                                      page_size=16, prefix_match_unit=16, state_block_size=128, max_model_len=768,
+                                      warmup=False, compilation_cache_dir=None, num_pages=100, num_slots=16,
+                                      token_buckets=(64,)))     # two step shapes: 64 and the long 128
+    assert eng.runner.long_token_buckets == [128]
+    steps = []
+    launch = eng.runner.launch
+
+    def spy(chunks, *args, **kw):
+        steps.append([(c.context_len, c.context_len + len(c.tokens), c.ckpt_dst > 0) for c in chunks])
+        return launch(chunks, *args, **kw)
+    eng.runner.launch = spy
+    for prompt, cached, want_steps in (
+            # whole long steps, then to the end checkpoint (592: an identical prompt hits) and the rest
+            (a, 0, [[(0, 128, True)], [(128, 256, True)], [(256, 384, True)], [(384, 512, True)], [(512, 592, True)],
+                    [(592, 600, False)]]),
+            # from the checkpoint at 512: to the junction with the first prompt (528), its end checkpoint, the rest
+            (b, 512, [[(512, 528, True)], [(528, 592, True)], [(592, 600, False)]])):
+        steps.clear()
+        got, out = _first_token_logprobs(eng, prompt)
+        want = _full(model, prompt)
+        assert list(got) == list(want)[:len(got)] or set(got) == set(want), (got, want)
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=0, atol=2e-4)
+        assert out.num_cached_tokens == cached
+        assert steps == want_steps, steps

@@ -96,8 +96,9 @@ def test_requests_behind_a_waiting_one_go_first(wait_steps):
 def test_the_issue_workload_reaches_the_possible_hit_fraction(grouped):
     """The issue's H200 run, scheduled on the host alone: 64 requests = 8 groups x 8 sharing a 3072-token prefix +
     64 own tokens, 4096 tokens a step, state blocks of 1024, 16 output tokens. Admitted at once, requests of a group
-    arriving together got 45.9% of their prompt tokens from the cache (as measured there); waiting for the group's
-    prefix, every request after the first of its group hits the whole prefix: 7/8 x 3072/3136 = 85.7%."""
+    arriving together find only part of the prefix cached (45.9% of their prompt tokens there, with chunks cut at
+    every block; 66.8% with chunks ending at the last block boundary inside them); waiting for the group's prefix,
+    every request after the first of its group hits the whole prefix: 7/8 x 3072/3136 = 85.7%."""
     rng = np.random.RandomState(0)
     prefixes = [rng.randint(0, 160000, 3072).tolist() for _ in range(8)]
     prompts = [prefixes[i // 8 if grouped else i % 8] + rng.randint(0, 160000, 64).tolist() for i in range(64)]
@@ -119,4 +120,4 @@ def test_the_issue_workload_reaches_the_possible_hit_fraction(grouped):
                         sched.finish(c.req, keep_state=True)
         hit[wait] = sum(r.num_cached_tokens for r in reqs) / sum(map(len, prompts))
     assert hit[64] == pytest.approx(7 / 8 * 3072 / 3136)
-    assert hit[0] == pytest.approx(0.459, abs=5e-4) if grouped else hit[0] < hit[64]
+    assert hit[0] == pytest.approx(0.668, abs=5e-4) if grouped else hit[0] < hit[64]

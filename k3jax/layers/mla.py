@@ -34,11 +34,24 @@ _LATENT_NORM_EPS = 1e-6
 # hundred tokens while decode rows run, and such a chunk absorbed at 128k context costs ~3.4x the expanded
 # FLOPs; the measured per-layer trade-offs are in docs/performance.md ("Tuning of record").
 EXPANDED_MIN_TOKENS = 512
-EXPANDED_MIN_SEQ_TOKENS = 16     # below: decode and draft rows (absorbed); short prompts' chunks are above
+# Below it: decode rows (1 token) and speculative verify rows (K + 1), absorbed. Not a cost break-even: by FLOPs
+# a chunk of n tokens over a long cache is cheaper expanded from n ~ L (Dn + Dv) / (2L - Dn - Dv) = 171 tokens
+# (L 512, Dn = Dv = 128: each key's decompress, 2 L H (Dn + Dv) FLOPs, against the 2 H (2L - Dn - Dv) the
+# expanded form saves per (query, key) pair, at equal kernel rates); a step of >= EXPANDED_MIN_TOKENS holds such
+# a chunk only beside other prefill chunks (the interactive cut at long context, ~2^26 / context tokens beside at
+# most max_num_seqs decode rows, makes steps under 512 tokens, which run absorbed whole).
+EXPANDED_MIN_SEQ_TOKENS = 16
+# Window rows per step token. Each window merges the fp32 accumulator of every step token (o [T, H, Dv] and its
+# log-sum-exp, ~12 T H Dv bytes read and written) and decompresses its keys (2 L H (Dn + Dv) FLOPs a key): at k
+# keys a token that is k x 2 L (Dn + Dv) / (12 Dv) = 171 k FLOPs a byte, and 2 is the least k above an H200's
+# ~206 FLOPs a byte of HBM (990 TFLOP/s over 4.8 TB/s), so the merges never outlast the decompress; the window's
+# bf16 K/V (k T H (Dn + Dv) x 2 bytes) is then twice the accumulator, so the step's memory stays linear in T.
 EXPANDED_KEYS_PER_TOKEN = 2
 # ... and at least this many: a window is one gather, decompress and kernel launch per MLA layer, so a short
 # chunk over a long context (a 512-token interactive chunk at 128k: 128 windows of 1,024 keys) paid that fixed
-# cost per window; 8,192 keys is the largest step's window (4,096 tokens), so its memory is unchanged.
+# cost per window; 8,192 keys is the regular largest step's window (4,096 tokens), so its memory is unchanged.
+# A lone long prompt's 16,384-token step (EngineArgs.long_prefill_tokens) walks 32,768-key windows: 4 at 128k
+# context, 32 at 1M (512 MiB of K/V at 32 heads, 1.5 GiB at 96, in the step's measured activations).
 EXPANDED_MIN_WINDOW_KEYS = 8192
 
 
