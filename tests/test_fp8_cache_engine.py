@@ -59,6 +59,12 @@ def test_fp8_pool_shape_and_sizing():
     n = len(k3.mla_layers) * 64
     assert pool_bytes_per_page(k3, 64, jnp.float8_e4m3fn) == n * 656
     assert pool_bytes_per_page(k3, 64, jnp.bfloat16) == n * 1152
+    # the memory plan counts the smaller pages: more sequences of a context fit the same budget
+    from k3jax.plan import plan
+    kw = dict(device=None, memory_gib=0.25, context=4096, step_tokens=256, dtype=jnp.bfloat16)
+    auto, fp8 = (plan(c, "data=1", kv_cache_dtype=d, **kw) for d in ("auto", "fp8_e4m3"))
+    assert fp8["per_sequence_bytes"]["mla"] * 160 == auto["per_sequence_bytes"]["mla"] * 100    # bytes a row (L 64, R 16)
+    assert fp8["max_batch_at_context"] > auto["max_batch_at_context"] > 0
 
 
 def test_page_copy_and_kv_transfer_format_carry_the_scales(model, tmp_path_factory):
