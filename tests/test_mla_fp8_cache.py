@@ -126,3 +126,20 @@ def test_long_prefix_on_fp8_pages():
     got = run(fp8["kv_pages"])
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size,transposed", [(16, True), (64, False)])
+def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed):
+    """The kernel's FP8 path (byte assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
+    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms."""
+    from pallas_kernels.mla.paged import _kernel_path
+    n, heads, pages = 2, 32, 4
+    args = (jax.ShapeDtypeStruct((n, heads, 512), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n * pages + 1, page_size, 656), jnp.uint8),
+            jax.ShapeDtypeStruct((n, pages), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32))
+
+    def decode(ql, qr, kv, bt, lens):
+        return _kernel_path(ql, qr, kv, bt, jnp.arange(n + 1, dtype=jnp.int32), lens, scale=0.1, decode=True,
+                            interpret=None, config={"transposed": transposed})
+    text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "mla_paged_r" in text      # the kernel, as a Triton custom call
