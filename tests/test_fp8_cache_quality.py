@@ -18,7 +18,7 @@ def _check(res):
 
 
 def test_fp8_cache_quality_small(tiny):
-    _check(compare(tiny, 4, 32))
+    _check(compare(tiny, 4, 24))
 
 
 @pytest.mark.slow
