@@ -95,9 +95,11 @@ def _recording_copies(engine):
     return copies
 
 
-def test_prefix_hit_mid_page_copies_the_packed_rows(model, tmp_path_factory):
+def test_prefix_hit_mid_page_copies_the_packed_rows(model, tmp_path_factory, caplog):
     """A prefix hit that ends inside a page copies that page (copy-on-write) with its scales: the hit request
-    reads the same quantized rows its first run wrote, so its greedy output is the same."""
+    reads the same quantized rows its first run wrote, so its greedy output is the same. The start-up log
+    names the cache dtype."""
+    caplog.set_level("INFO", logger="serving.engine_args")
     eng = _engine(model, tmp_path_factory, page_size=32, state_block_size=48, token_buckets=(64,), seq_buckets=(2,),
                   max_num_seqs=2, max_num_batched_tokens=64)
     copies = _recording_copies(eng)
@@ -108,6 +110,7 @@ def test_prefix_hit_mid_page_copies_the_packed_rows(model, tmp_path_factory):
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 48          # ends inside page 2
     assert copies, "the hit's partial page must be copied"
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert any("MLA cache fp8_e4m3" in r.getMessage() for r in caplog.records), caplog.text
 
 
 @pytest.mark.slow

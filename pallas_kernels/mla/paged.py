@@ -250,7 +250,8 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
 
 def _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
     """The Mosaic GPU decode kernel takes this step (backend.mla_decode == "mosaic", the default on
-    Hopper, where its tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports)."""
+    Hopper, where its tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports; an FP8 cache's packed rows
+    take the Triton kernel, which dequantizes them per key block)."""
     if decode_kernel != "mosaic":
         return False
     from pallas_kernels.mla import mosaic_gpu
