@@ -1,4 +1,4 @@
-"""The kernel table: KDA decode, paged MLA decode (Triton and the Mosaic GPU kernel; bf16 vs FP8 pages), KDA chunked prefill
+"""The kernel table: KDA decode, paged MLA decode (Triton and the Mosaic GPU kernel; FP8 pages), KDA chunked prefill
 and the MoE's routed experts (section moe: benchmarks/kernels_moe.py), each timed isolated AND as the model
 calls it (the ops entry point with the dtypes, padding and engine layout of a real step of
 Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors measured in the same
@@ -308,7 +308,8 @@ def mla_fp8_rows(run, shapes, page_size=64):
             tb_s = n_bytes / t / 1e12
             variant, target, vs = f"{name} pages", None, None
             if name == "fp8_e4m3":
-                err = rel_err(f(ql, qr, pages, bt, lens), mla_decode_reference(ql, qr, pages, bt, lens, scale=192 ** -0.5))
+                want = mla_decode_reference(ql, qr, pages, bt, lens, scale=192 ** -0.5)
+                err = rel_err(f(ql, qr, pages, bt, lens), want)
                 variant += f" (rel err {err:.1e} vs jnp on the same pages)"
                 if "bf16" in times:
                     ratio = tb_s / (n * ctx * widths["bf16"] / times["bf16"] / 1e12)

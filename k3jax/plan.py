@@ -188,7 +188,8 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     return {
         "model_layers": config.num_layers, "mesh": sizes, "devices": math.prod(sizes.values()),
         "device": device, "device_bytes": int(memory_gib * GiB), "budget_bytes": budget,
-        "page_size": page_size, "kv_cache_dtype": kv_cache_dtype, "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
+        "page_size": page_size, "kv_cache_dtype": kv_cache_dtype,
+        "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
         "weights_bytes": w, "vision_bytes": vis, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
         "activations_bytes": act, "total_bytes": total, "headroom_bytes": budget - total,
         "memory_fraction": memory_fraction, "cache_budget_bytes": int(max(budget - w - vis - act, 0) * memory_fraction),

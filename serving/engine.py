@@ -91,7 +91,8 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, mla_cache_dtype=mla_dtype, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets, mesh=mesh,
+            cache_dtype=cache_dtype, mla_cache_dtype=mla_dtype, token_buckets=self.token_buckets,
+            seq_buckets=self.seq_buckets, mesh=mesh,
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None,

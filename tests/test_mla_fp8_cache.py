@@ -122,8 +122,9 @@ def test_long_prefix_on_fp8_pages():
                    np.asarray(fp8_cache.dequantize(jnp.asarray(fp8["kv_pages"]), L, jnp.float32)))
 
     def run(pages):
-        return np.asarray(prefix_attention(q, jnp.asarray(pages), *_args(case, ("block_tables", "cu_seqlens", "kv_lens")),
-                                           kv_b, nope_dim=nope, scale=SCALE, block_keys=16))
+        meta = _args(case, ("block_tables", "cu_seqlens", "kv_lens"))
+        return np.asarray(prefix_attention(q, jnp.asarray(pages), *meta, kv_b, nope_dim=nope, scale=SCALE,
+                                           block_keys=16))
     got = run(fp8["kv_pages"])
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)

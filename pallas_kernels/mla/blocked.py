@@ -20,7 +20,8 @@ from pallas_kernels.mla import fp8_cache
 def ragged_paged_mla_blocked(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
                              pages_per_block: int = 8, batch_size: int = 8):
     """reference.ragged_paged_mla_reference's contract: q_latent [T, H, L], q_rope [T, H, R], kv_pages
-    [P, page_size, L+R] (16-bit float bits read as q_latent's dtype; packed FP8 rows dequantized a block at a time), block_tables [N, max_pages],
+    [P, page_size, L+R] (16-bit float bits read as q_latent's dtype; packed FP8 rows dequantized a block at a
+    time), block_tables [N, max_pages],
     cu_seqlens [N+1], kv_lens [N] (after this step's writes). Returns o_latent [T, H, L] in q_latent's
     dtype; padding tokens get zeros. Work per token: its pages up to its position, pages_per_block at a
     time; memory per map iteration ~ batch_size * pages_per_block * page_size * (L+R)."""

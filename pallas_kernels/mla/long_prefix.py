@@ -43,7 +43,8 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     """Expanded-form MLA attention of ragged query chunks over their paged caches, any length.
 
     q [T, H, Dn + Dr] (nope, then rope; the compute dtype of the attention), kv_pages [P, page_size,
-    L + Dr] (16-bit float bits read as q's dtype; an FP8 pool's packed rows dequantized a window at a time), block_tables [N, max_pages], cu_seqlens [N+1],
+    L + Dr] (16-bit float bits read as q's dtype; an FP8 pool's packed rows dequantized a window at a time),
+    block_tables [N, max_pages], cu_seqlens [N+1],
     kv_lens [N] (cache length after this step's writes; a sequence with kv_len 0 gets zeros),
     kv_b [L, H * (Dn + Dv)] (kv_b_proj, per head: key nope then value). block_keys (static): rows of
     a window. impl: each window's attention by "triton" (the Pallas Triton kernel; interpret: in the Pallas
