@@ -1,4 +1,4 @@
-"""The kernel table: KDA decode, paged MLA decode (Triton and the Mosaic GPU kernel), KDA chunked prefill
+"""The kernel table: KDA decode, paged MLA decode (Triton and the Mosaic GPU kernel; FP8 pages), KDA chunked prefill
 and the MoE's routed experts (section moe: benchmarks/kernels_moe.py), each timed isolated AND as the model
 calls it (the ops entry point with the dtypes, padding and engine layout of a real step of
 Kimi-Linear-48B and of K3), with the kernel variants side by side and the anchors measured in the same
@@ -279,6 +279,47 @@ def mla_decode_model_rows(run, cases):
                 continue
             _mla_row(run, case, f"as model: {model}", variant, t, n_bytes, flops, heads)
         del kv, bt, lens, ql, qr
+
+
+# ---- MLA decode on an FP8 cache (--kv-cache-dtype fp8_e4m3) next to the bf16 cache ---------------
+def mla_fp8_rows(run, shapes, page_size=64):
+    """mla_paged_decode (the Triton kernel; FP8 pools never take the Mosaic one) on the same cache as bf16
+    pages and as packed FP8 rows (pallas_kernels/mla/fp8_cache.py: 656 bytes a token at L=512, R=64, against
+    1,152). TB/s counts the bytes each reads; the target is the FP8 kernel's TB/s >= 0.9x the bf16 kernel's.
+    `vs anchor`: the FP8 row's speed-up in tokens a second. Each FP8 row also checks its output against the
+    jnp reference on the same FP8 pages (rel err in the variant)."""
+    from pallas_kernels.mla import fp8_cache, mla_decode_reference, mla_paged_decode
+    lat, rope = run.lat, run.rope
+    widths = {"bf16": (lat + rope) * 2, "fp8_e4m3": fp8_cache.packed_width(lat, rope)}
+    for n, ctx, heads in shapes:
+        case = f"N={n} ctx={ctx} H={heads} page {page_size}"
+        ql, qr, kv, bt, lens = mla_cache(jax.random.PRNGKey(7), n, ctx, heads, lat, rope, page_size, jnp.bfloat16)
+        pools = {"bf16": kv, "fp8_e4m3": jax.jit(fp8_cache.quantize, static_argnums=1)(kv, lat)}
+        del kv
+        f = functools.partial(mla_paged_decode, scale=192 ** -0.5, interpret=run.interpret)
+        times = {}
+        for name, pages in pools.items():
+            t = run.timed("MLA decode FP8", case, "isolated", f"{name} pages",
+                          lambda pages=pages: time_jax(f, ql, qr, pages, bt, lens, reps=run.reps, samples=3))
+            if t is None:
+                continue
+            times[name] = t
+            n_bytes = n * ctx * widths[name]
+            tb_s = n_bytes / t / 1e12
+            variant, target, vs = f"{name} pages", None, None
+            if name == "fp8_e4m3":
+                want = mla_decode_reference(ql, qr, pages, bt, lens, scale=192 ** -0.5)
+                err = rel_err(f(ql, qr, pages, bt, lens), want)
+                variant += f" (rel err {err:.1e} vs jnp on the same pages)"
+                if "bf16" in times:
+                    ratio = tb_s / (n * ctx * widths["bf16"] / times["bf16"] / 1e12)
+                    vs = times["bf16"] / t
+                    target = (f"met ({ratio:.2f}x bf16's bytes/s >= 0.9x)" if ratio >= 0.9
+                              else f"missed: {ratio:.2f}x bf16's bytes/s (< 0.9x)")
+            run.add(kernel="MLA decode FP8", case=case, call="isolated", variant=variant, us=t * 1e6, tb_s=tb_s,
+                    mtok_s=n * ctx / t / 1e6, roof=n_bytes / t / run.copy_bw,
+                    anchor="bf16 pages" if vs is not None else None, vs_anchor=vs, target=target)
+        del pools
 
 
 # ---- MLA decode on Mosaic GPU (opt-in kernel) next to the Triton kernel ---------------------------
@@ -573,7 +614,8 @@ def plan(tiny):
                                                 ("R-w8-bk16", "R-w8-bk16")]},
             mla_model=[("K3", 2, 3, 48, 4, 16, (True, False, ("one group", "R-w8-r64")))],
             prefill=[(1, 64, 2)], prefill_model=[("K3", [30, 20], 64, 3, 2, True)],
-            mla_mosaic=[(2, 64, 96, 64), (2, 64, 32, 64)], mla_mosaic_model=[("K3", 2, 3, 48, 96, 16)])
+            mla_mosaic=[(2, 64, 96, 64), (2, 64, 32, 64)], mla_mosaic_model=[("K3", 2, 3, 48, 96, 16)],
+            mla_fp8=[(2, 64, 4)])
     return dict(
         kda_decode=[(256, 32), (256, 96)], kda_decode_variants=[(256, 32), (256, 96)],
         kda_decode_model=[("Kimi-Linear-48B", 250, 256, 32, 312), ("K3 (DP attention)", 250, 256, 96, 312)],
@@ -589,12 +631,13 @@ def plan(tiny):
                        ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)],
         mla_mosaic=[(64, 8192, 96, 64), (16, 131072, 96, 64), (64, 8192, 32, 64)],
         mla_mosaic_model=[("K3 (DP attention)", 60, 64, 8192, 96, 16), ("K3 (DP attention)", 60, 64, 8192, 96, 64),
-                          ("K3 (DP attention)", 16, 16, 131072, 96, 16)])
+                          ("K3 (DP attention)", 16, 16, 131072, 96, 16)],
+        mla_fp8=[(64, 8192, 32), (16, 131072, 32), (64, 8192, 96), (16, 131072, 96)])
 
 
 # run order: defaults first, the checks of every timed config, then the variants
 SECTIONS = ("kda_decode", "kda_decode_model", "mla_decode", "mla_model", "kda_prefill", "kda_prefill_model",
-            "moe", "checks", "kda_decode_variants", "mla_variants", "mla_mosaic")
+            "moe", "checks", "kda_decode_variants", "mla_variants", "mla_mosaic", "mla_fp8")
 
 
 def main(argv=None):
@@ -639,7 +682,8 @@ def main(argv=None):
         checks=lambda: checks(run),
         mla_variants=lambda: mla_decode_rows(run, [s for s in p["mla"] if s[2] in p["mla_variants"]],
                                              p["mla_variants"], with_default=False),
-        mla_mosaic=lambda: mla_mosaic_section(run, p))
+        mla_mosaic=lambda: mla_mosaic_section(run, p),
+        mla_fp8=lambda: mla_fp8_rows(run, p["mla_fp8"]))
     for name in SECTIONS:
         if name in only:
             steps[name]()

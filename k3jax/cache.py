@@ -3,6 +3,7 @@
 Pools (donated through the step so XLA updates them in place), one array per kind, with every
 layer of that kind side by side inside each page / slot (j = the layer's index among its kind):
   mla_kv     [num_pages, n_mla, page_size, kv_lora_rank + rope]   page 0 = garbage sink
+             (an FP8 cache: uint8 rows of mla_row_width bytes, pallas_kernels/mla/fp8_cache.py)
   kda_state  [num_slots, n_kda, H, K, V] fp32                      slot 0 = garbage sink
   kda_conv   [num_slots, n_kda, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
 Pages / slots are the major axis: that is what gets sharded, what the allocator hands out, and a
@@ -19,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from k3jax.config import ModelConfig
+from pallas_kernels.mla import fp8_cache
 from pallas_kernels.scatter import storage_dtype
 
 
@@ -45,30 +47,46 @@ class CachePools:
         return getattr(self, kind)[:, j]
 
 
+def mla_row_width(c: ModelConfig, mla_dtype) -> int:
+    """Elements of one MLA cache row: kv_lora_rank + rope, or an FP8 cache's packed bytes."""
+    if jnp.dtype(mla_dtype) == fp8_cache.FP8:
+        return fp8_cache.packed_width(c.kv_lora_rank, c.qk_rope_head_dim)
+    return c.mla_cache_dim
+
+
+def mla_storage_dtype(mla_dtype, bits: bool):
+    """The MLA pool's element type: uint8 for an FP8 cache (packed rows), else storage_dtype's."""
+    return fp8_cache.STORAGE if jnp.dtype(mla_dtype) == fp8_cache.FP8 else storage_dtype(mla_dtype, bits)
+
+
 def pool_shapes(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16,
-                bits: bool = False):
+                bits: bool = False, mla_dtype=None):
     """ShapeDtypeStruct pools (for planning and eval_shape); bits: 16-bit float pools stored as uint16
-    (Backend.pool_bits, pallas_kernels/scatter.py)."""
+    (Backend.pool_bits, pallas_kernels/scatter.py). mla_dtype: the MLA pages' (None: dtype; float8_e4m3fn:
+    packed FP8 rows)."""
+    mla_dtype = dtype if mla_dtype is None else mla_dtype
     dtype = storage_dtype(dtype, bits)
     H, K = c.kda_num_heads, c.kda_head_dim
     nm, nk = len(c.mla_layers), len(c.kda_layers)
-    kv = jax.ShapeDtypeStruct((num_pages, nm, page_size, c.mla_cache_dim), dtype)
+    kv = jax.ShapeDtypeStruct((num_pages, nm, page_size, mla_row_width(c, mla_dtype)),
+                              mla_storage_dtype(mla_dtype, bits))
     st = jax.ShapeDtypeStruct((num_slots, nk, H, K, K), jnp.float32)
     cv = jax.ShapeDtypeStruct((num_slots, nk, c.conv_kernel - 1, 3 * H * K), dtype)
     return CachePools(mla_kv=kv, kda_state=st, kda_conv=cv)
 
 
 def make_pools(c: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype=jnp.bfloat16,
-               bits: bool = False) -> CachePools:
-    """Zero-filled pools. num_pages / num_slots include the reserved id 0; bits: see pool_shapes."""
+               bits: bool = False, mla_dtype=None) -> CachePools:
+    """Zero-filled pools. num_pages / num_slots include the reserved id 0; bits, mla_dtype: see pool_shapes."""
     if num_pages < 2 or num_slots < 2:
         raise ValueError("pools need at least 2 pages and 2 slots (id 0 is reserved)")
-    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype, bits)
+    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype, bits, mla_dtype)
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def pool_bytes_per_page(c: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
-    return len(c.mla_layers) * page_size * c.mla_cache_dim * jnp.dtype(dtype).itemsize
+    """Bytes of one MLA page (every layer); dtype: the MLA pages' (float8_e4m3fn: packed FP8 rows)."""
+    return len(c.mla_layers) * page_size * mla_row_width(c, dtype) * mla_storage_dtype(dtype, False).itemsize
 
 
 def pool_bytes_per_slot(c: ModelConfig, dtype=jnp.bfloat16) -> int:

@@ -27,7 +27,8 @@ from k3jax.cli_help import DefaultsHelpFormatter
 from k3jax.cache import pool_shapes
 from k3jax.config import ModelConfig
 from k3jax.params import param_shapes
-from serving.engine_args import ACCELERATOR_BATCH_DEFAULTS, ALLOCATOR_MEMORY_FRACTION, field_default
+from serving.engine_args import (ACCELERATOR_BATCH_DEFAULTS, ALLOCATOR_MEMORY_FRACTION, CHOICES, EngineArgs,
+                                 field_default)
 
 GiB = 1 << 30
 # Nominal HBM per device (GiB); the engine's allocator holds ALLOCATOR_MEMORY_FRACTION of it.
@@ -78,10 +79,11 @@ def vision_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
 
 
 def pool_bytes(c: ModelConfig, sizes: dict, num_pages: int, page_size: int, num_slots: int,
-               dtype=jnp.bfloat16) -> dict:
-    """Per-device bytes of the cache pools: {"mla": ..., "kda": ...} (ids 0 included)."""
+               dtype=jnp.bfloat16, mla_dtype=None) -> dict:
+    """Per-device bytes of the cache pools: {"mla": ..., "kda": ...} (ids 0 included); mla_dtype: the MLA
+    pages' (EngineArgs.mla_cache_dtype; float8_e4m3fn: packed FP8 rows)."""
     from sharding.rules import pool_specs
-    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype)
+    shapes = pool_shapes(c, num_pages, page_size, num_slots, dtype, mla_dtype=mla_dtype)
     specs = pool_specs(shapes, sizes)
     mla = _tree_device_bytes(shapes.mla_kv, specs.mla_kv, sizes)
     kda = _tree_device_bytes([shapes.kda_state, shapes.kda_conv], [specs.kda_state, specs.kda_conv], sizes)
@@ -121,7 +123,8 @@ def _round_up(x: int, m: int) -> int:
 def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_size: int = field_default("page_size"),
          context: int = 131072, batch: int | None = None, dtype=jnp.bfloat16,
          memory_fraction: float = field_default("memory_fraction"), memory_gib: float | None = None,
-         step_tokens: int = ACCELERATOR_BATCH_DEFAULTS[1], extra_slots: int = 0) -> dict:
+         step_tokens: int = ACCELERATOR_BATCH_DEFAULTS[1], extra_slots: int = 0,
+         kv_cache_dtype: str = field_default("kv_cache_dtype")) -> dict:
     """Per-device memory plan. Returns a dict of bytes and the largest batch/context that fit.
 
     mesh_spec: "data=8,expert=64" / dict (sizes must be explicit; the product is the device count).
@@ -129,6 +132,7 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     memory_fraction: EngineArgs.memory_fraction, the cache's share of the memory the allocator holds
     after the weights and activations. step_tokens: the largest step (EngineArgs.max_num_batched_tokens).
     extra_slots: KDA checkpoint slots kept for prefix caching (on top of one per sequence).
+    kv_cache_dtype: EngineArgs.kv_cache_dtype ("fp8_e4m3": smaller MLA pages, more tokens in the budget).
     """
     from sharding.mesh import parse_mesh_spec, spec_items
     for name, value, low in (("page_size", page_size, 1), ("context", context, 1), ("step_tokens", step_tokens, 1),
@@ -148,6 +152,8 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
             raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)} (or memory_gib=)")
         memory_gib = DEVICES[device]
     budget = int(memory_gib * GiB * ALLOCATOR_MEMORY_FRACTION)       # what the engine's allocator holds
+    cache_args = EngineArgs(kv_cache_dtype=kv_cache_dtype)
+    cache_dtype, mla_dtype = cache_args.cache_dtype(dtype), cache_args.mla_cache_dtype(dtype)
     split = sizes["data"] * sizes["expert"]                    # pages and slots split over these
     w = weight_bytes(config, sizes, dtype)
     vis = vision_bytes(config, sizes, dtype)
@@ -155,7 +161,7 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     def seqs_fit(B: int, L: int) -> tuple[int, dict, int, int, bool]:
         pages = _round_up(B * -(-L // page_size) + 1, split)
         slots = _round_up(B + extra_slots + 1, split)
-        pb = pool_bytes(config, sizes, pages, page_size, slots, dtype)
+        pb = pool_bytes(config, sizes, pages, page_size, slots, cache_dtype, mla_dtype)
         act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
         fixed = w + vis + act
         fits = pb["mla"] + pb["kda"] <= (budget - fixed) * memory_fraction     # the engine's cache budget
@@ -178,11 +184,12 @@ def plan(config: ModelConfig, mesh_spec, device: str | None = "h200", *, page_si
     B = batch if batch is not None else max_batch
     total, pb, pages, slots, fits = seqs_fit(B, context)
     act = activation_bytes(config, sizes, step_tokens, max(B, 1), dtype)
-    per_seq = pool_bytes(config, sizes, -(-context // page_size) * split, page_size, split, dtype)
+    per_seq = pool_bytes(config, sizes, -(-context // page_size) * split, page_size, split, cache_dtype, mla_dtype)
     return {
         "model_layers": config.num_layers, "mesh": sizes, "devices": math.prod(sizes.values()),
         "device": device, "device_bytes": int(memory_gib * GiB), "budget_bytes": budget,
-        "page_size": page_size, "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
+        "page_size": page_size, "kv_cache_dtype": kv_cache_dtype,
+        "context": context, "batch": B, "num_pages": pages, "num_slots": slots,
         "weights_bytes": w, "vision_bytes": vis, "mla_pages_bytes": pb["mla"], "kda_states_bytes": pb["kda"],
         "activations_bytes": act, "total_bytes": total, "headroom_bytes": budget - total,
         "memory_fraction": memory_fraction, "cache_budget_bytes": int(max(budget - w - vis - act, 0) * memory_fraction),
@@ -204,7 +211,8 @@ def format_plan(r: dict) -> str:
         f"allocator {r['budget_bytes'] / GiB:.1f} GiB per device)",
         f"  weights            {_gib(r['weights_bytes'])}",
         f"  vision tower       {_gib(r['vision_bytes'])}   (replicated)",
-        f"  MLA pages          {_gib(r['mla_pages_bytes'])}   ({r['num_pages']} pages of {r['page_size']} tokens)",
+        f"  MLA pages          {_gib(r['mla_pages_bytes'])}   ({r['num_pages']} pages of {r['page_size']} tokens, "
+        f"cache {r['kv_cache_dtype']})",
         f"  KDA states         {_gib(r['kda_states_bytes'])}   ({r['num_slots']} slots)",
         f"  activations (est.) {_gib(r['activations_bytes'])}",
         f"  total              {_gib(r['total_bytes'])}   headroom {_gib(r['headroom_bytes'])}",
@@ -243,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--step-tokens", type=int, default=ACCELERATOR_BATCH_DEFAULTS[1],
                     help="tokens of the largest engine step (activations; k3jax.serve's --max-num-batched-tokens)")
     ap.add_argument("--extra-slots", type=int, default=0, help="KDA checkpoint slots for prefix caching")
+    ap.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=field_default("kv_cache_dtype"),
+                    help="as k3jax.serve's (fp8_e4m3: MLA pages in FP8 with scales)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from k3jax.presets import resolve_config
@@ -250,7 +260,7 @@ def main(argv=None):
         cfg = resolve_config(args.model)
         r = plan(cfg, args.mesh, args.device, page_size=args.page_size, context=args.context, batch=args.batch,
                  memory_fraction=args.memory_fraction, memory_gib=args.memory_gib, step_tokens=args.step_tokens,
-                 extra_slots=args.extra_slots)
+                 extra_slots=args.extra_slots, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

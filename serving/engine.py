@@ -64,10 +64,11 @@ class LLMEngine:
         self.spec = make_speculator(args, model, self.max_model_len, load_model=load_model)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
         weight_dtype = model.params["embed"].dtype
-        cache_dtype = args.cache_dtype(weight_dtype)
+        cache_dtype, mla_dtype = args.cache_dtype(weight_dtype), args.mla_cache_dtype(weight_dtype)
         mesh = getattr(model, "mesh", None)
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
-                                          self._activation_bytes(c, weight_bytes, cache_dtype, mesh))
+                                          self._activation_bytes(c, weight_bytes, cache_dtype, mesh, mla_dtype),
+                                          mla_dtype=mla_dtype)
         shards = 1
         if mesh is not None:           # pages and slots split evenly over the data x expert shards
             shards = mesh.shape["data"] * mesh.shape["expert"]
@@ -94,7 +95,8 @@ class LLMEngine:
             c, model.params, num_pages=num_pages, num_slots=num_slots, page_size=args.page_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
-            cache_dtype=cache_dtype, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets, mesh=mesh,
+            cache_dtype=cache_dtype, mla_cache_dtype=mla_dtype, token_buckets=self.token_buckets,
+            seq_buckets=self.seq_buckets, mesh=mesh,
             scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None,
@@ -136,7 +138,7 @@ class LLMEngine:
         if self.encoder is not None:
             self.encoder.guard = args.forbid_compile_after_warmup
 
-    def _activation_bytes(self, c, weight_bytes: int, cache_dtype, mesh) -> int:
+    def _activation_bytes(self, c, weight_bytes: int, cache_dtype, mesh, mla_dtype=None) -> int:
         """Scratch memory of the largest step bucket, measured by an ahead-of-time compile, when the cache
         is sized from device memory (accelerators; CPU has no memory stats and a fixed budget)."""
         args = self.args
@@ -159,7 +161,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             temp = step_temp_bytes(c, params, num_tokens=T, num_seqs=N, page_size=args.page_size,
                                    max_pages=-(-self.max_model_len // args.page_size), cache_dtype=cache_dtype,
-                                   backend=getattr(self.model, "backend", None))
+                                   mla_cache_dtype=mla_dtype, backend=getattr(self.model, "backend", None))
             log.info("largest step (%d tokens, %d sequences): %.2f GiB of activations (compiled in %.1fs)",
                      T, N, temp / 2**30, time.perf_counter() - t0)
             return temp
@@ -170,7 +172,7 @@ class LLMEngine:
             # not cost context: kept when the cache still holds max_model_len (the model's window when unset).
             temp = measure(long[-1], sb[0]) + (sb[-1] - sb[0]) * c.vocab_size * 4
             free = device_free_bytes(weight_bytes)
-            holds = (budget_pages(args, c, cache_budget(args, free, temp), cache_dtype) - 1) * args.page_size
+            holds = (budget_pages(args, c, cache_budget(args, free, temp), mla_dtype) - 1) * args.page_size
             if holds >= self.max_model_len:
                 return temp
             log.warning("long_prefill_tokens %d off: with its step's activations the cache holds %d tokens, under "

@@ -11,8 +11,12 @@ from pallas_kernels.backend import MLA_DECODE_KERNELS, MLA_PREFILL_FORMS, MODES
 log = logging.getLogger(__name__)
 
 # The KV cache's element type, by name ("auto": the weights' dtype). A new cache type is one entry here;
-# the CLIs' --kv-cache-dtype choices and EngineArgs' check read this table.
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16"}
+# the CLIs' --kv-cache-dtype choices and EngineArgs' check read this table. "fp8_e4m3": the MLA pages hold
+# float8_e4m3fn latents with an fp32 scale per 128 values and the rope key in bf16 (pallas_kernels/mla/
+# fp8_cache.py: 656 bytes a token at K3's dims instead of 1,152); the KDA state and conv pools keep the
+# weights' dtype.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+FP8_CACHE = "fp8_e4m3"
 
 # The values of EngineArgs' choice fields: what __post_init__ accepts and what the CLIs offer.
 CHOICES = {
@@ -144,7 +148,8 @@ class EngineArgs:
     encoder_budget: Optional[int] = None          # image tokens encoded per step (default: max_num_batched_tokens)
     encoder_cache_bytes: int = 256 << 20          # encoder-output cache (image digest -> embeddings)
     kv_cache_dtype: str = "auto"                  # element type of the cache pools (KV_CACHE_DTYPES; auto: the
-                                                  # weights'; for now a named one must equal the weights')
+                                                  # weights'; bfloat16 must equal them; fp8_e4m3: MLA pages in
+                                                  # FP8 with per-128-value scales, KDA pools as the weights)
     # ---- advanced: kernel and layout choices (pallas_kernels/backend.py); the defaults pick per device
     kernels: str = "auto"                         # auto: Pallas kernels on GPU/TPU, jnp references on CPU;
                                                   # reference | pallas (interpret mode on CPU)
@@ -243,12 +248,13 @@ class EngineArgs:
         return {name: getattr(self, name) for name in LOAD_FIELDS}
 
     def cache_dtype(self, weight_dtype):
-        """The cache pools' dtype: kv_cache_dtype, or the weights' dtype for "auto". The model's cache reads
-        and writes take the pools in the activations' dtype (pallas_kernels/scatter.py: a CPU pool of
-        16-bit floats is stored as bits whose value dtype is the activations'), so another dtype is refused
-        until the layers convert at the pool."""
+        """The KDA pools' dtype (and the MLA pages' unless FP8, see mla_cache_dtype): kv_cache_dtype, or the
+        weights' dtype for "auto" and "fp8_e4m3". The model's cache reads and writes take the pools in the
+        activations' dtype (pallas_kernels/scatter.py: a CPU pool of 16-bit floats is stored as bits whose
+        value dtype is the activations'), so another 16-bit dtype is refused until the layers convert at the
+        pool."""
         name = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if name is None:
+        if name is None or self.kv_cache_dtype == FP8_CACHE:
             return weight_dtype
         import jax.numpy as jnp
         dtype = jnp.dtype(name)
@@ -256,6 +262,14 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} with {jnp.dtype(weight_dtype).name} weights: "
                              f"the cache takes the weights' dtype (use 'auto', or load the model in {dtype.name})")
         return dtype.type
+
+    def mla_cache_dtype(self, weight_dtype):
+        """The MLA pages' dtype: float8_e4m3fn for "fp8_e4m3" (the pool stores packed rows, k3jax/cache.py),
+        else cache_dtype's."""
+        if self.kv_cache_dtype == FP8_CACHE:
+            import jax.numpy as jnp
+            return jnp.float8_e4m3fn
+        return self.cache_dtype(weight_dtype)
 
 
 def field_default(name: str):
@@ -279,7 +293,8 @@ def add_advanced_args(parser, *, engine: bool = True):
                    help="one GPU running the kernels: load the routed experts with gate and up merged (default: off)")
     if engine:
         g.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=field_default("kv_cache_dtype"),
-                       help="element type of the KV cache pools (auto: the weights' dtype)")
+                       help="element type of the KV cache pools (auto: the weights' dtype; fp8_e4m3: MLA pages "
+                            "in FP8 with a scale per 128 values, ~1.76x the tokens; KDA state as the weights)")
         g.add_argument("--no-dense-in-place", dest="dense_in_place", action="store_false",
                        help="one GPU running the kernels: slice the scanned layers' dense weights for few-row "
                             "steps (default: read in place)")
@@ -312,18 +327,21 @@ def cache_budget(args: EngineArgs, free: int, activation_bytes: int) -> int:
     return int((free - activation_bytes) * args.memory_fraction)
 
 
-def budget_pages(args: EngineArgs, config, budget: int, cache_dtype) -> int:
-    """MLA pages a cache budget gives (page 0 reserved included), as size_pools splits it."""
+def budget_pages(args: EngineArgs, config, budget: int, mla_dtype) -> int:
+    """MLA pages a cache budget gives (page 0 reserved included), as size_pools splits it (mla_dtype: the pages')."""
     from k3jax.cache import pool_bytes_per_page
     return args.num_pages or int(budget * (1 - args.state_fraction) // max(pool_bytes_per_page(config, args.page_size,
-                                                                                                 cache_dtype), 1))
+                                                                                                 mla_dtype), 1))
 
 
-def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0) -> tuple[int, int]:
+def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0,
+               mla_dtype=None) -> tuple[int, int]:
     """(num_pages, num_slots) from explicit sizes or the memory budget; both include reserved id 0.
-    activation_bytes: the largest step's scratch memory, kept free of the cache (measured by the engine)."""
+    activation_bytes: the largest step's scratch memory, kept free of the cache (measured by the engine).
+    mla_dtype: the MLA pages' dtype (EngineArgs.mla_cache_dtype; None: cache_dtype)."""
     from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
-    per_page = max(pool_bytes_per_page(config, args.page_size, cache_dtype), 1)
+    mla_dtype = cache_dtype if mla_dtype is None else mla_dtype
+    per_page = max(pool_bytes_per_page(config, args.page_size, mla_dtype), 1)
     per_slot = max(pool_bytes_per_slot(config, cache_dtype), 1)
     budget = args.cache_memory_bytes
     if budget is None:
@@ -346,6 +364,15 @@ def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activat
         raise ValueError(f"cache budget {budget / 2**20:.0f} MiB gives {pages} pages / {slots} slots; need at least "
                          f"{min_pages} pages (one max-length sequence) and {min_slots} slots "
                          f"(max_num_seqs + 2): raise the budget or lower max_num_seqs / max_model_len")
-    log.info("cache pools: %d pages of %d tokens (%.1f MiB), %d KDA state slots (%.1f MiB)", pages, args.page_size,
-             pages * per_page / 2**20, slots, slots * per_slot / 2**20)
+    log.info("cache pools: %d pages of %d tokens (%.1f MiB, MLA cache %s), %d KDA state slots (%.1f MiB, %s)",
+             pages, args.page_size, pages * per_page / 2**20, cache_dtype_name(mla_dtype), slots,
+             slots * per_slot / 2**20, cache_dtype_name(cache_dtype))
     return pages, slots
+
+
+def cache_dtype_name(dtype) -> str:
+    """How the start-up log names a pool's dtype ("fp8_e4m3 (...)" for packed FP8 MLA pages)."""
+    import jax.numpy as jnp
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        return "fp8_e4m3 (float8_e4m3fn latent, fp32 scale per 128 values, bf16 rope)"
+    return jnp.dtype(dtype).name

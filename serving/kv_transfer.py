@@ -67,10 +67,25 @@ def import_prefix(engine, prompt_ids, desc: dict, flat, extra_keys=None) -> bool
         log.warning("prefix transfer: the peer's hash chain differs from ours (another model or namespace?)")
         return False
     rows, (n_mla, n_kda) = int(desc["num_rows"]), desc["layout"]
+    if not _same_format(engine.runner.pools, desc["specs"], n_mla, n_kda):
+        log.warning("prefix transfer: the peer's cache rows differ from ours (another kv_cache_dtype?)")
+        return False
     entry = HostEntry(n, [hashes[(j + 1) * cache.upp - 1] for j in range(k)], [m[:rows] for m in flat[:n_mla]],
                       list(flat[n_mla:n_mla + n_kda]), list(flat[n_mla + n_kda:]))
     sched.host.put(hashes[-1], entry)
     return hashes[-1] in sched.host
+
+
+def _same_format(pools, specs, n_mla: int, n_kda: int) -> bool:
+    """The peer's arrays (export_prefix's specs: MLA pages per layer, then KDA state, then conv) have this
+    engine's row shapes and dtypes: an FP8 cache's packed rows (pallas_kernels/mla/fp8_cache.py, scales inside)
+    never land in a 16-bit pool or the other way round."""
+    kinds = [pools.mla_kv] * n_mla + [pools.kda_state] * n_kda + [pools.kda_conv] * (len(specs) - n_mla - n_kda)
+    for (shape, dtype), pool in zip(specs, kinds):
+        tail = tuple(pool.shape[2:])                  # a pool is [pages | slots, layers, ...]
+        if tuple(shape[len(shape) - len(tail):]) != tail or jax.numpy.dtype(dtype) != pool.dtype:
+            return False
+    return True
 
 
 class Transport:

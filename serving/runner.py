@@ -159,13 +159,14 @@ def step_compiler_options() -> dict:
 
 
 def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size: int, max_pages: int,
-                    cache_dtype, backend: Backend | None = None) -> int:
+                    cache_dtype, backend: Backend | None = None, mla_cache_dtype=None) -> int:
     """Scratch memory (activations) of one step of the given bucket, from XLA's buffer assignment of an
     ahead-of-time compile against abstract pools (nothing allocated; pools are donated, so their size
     does not change the scratch). vLLM sizes its cache after a profile run of the largest batch; this is
     the same measurement without running."""
     from k3jax.cache import pool_shapes
-    pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype, bits=resolve(backend).pool_bits)
+    pools = pool_shapes(config, max_pages + 1, page_size, num_seqs + 2, cache_dtype, bits=resolve(backend).pool_bits,
+                        mla_dtype=mla_cache_dtype)
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
@@ -238,7 +239,8 @@ class ModelRunner:
     @multihost.announce_init    # multi-host: followers build the same runner (serving/multihost.py)
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
-                 cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None, scan_layers: bool = True,
+                 cache_dtype=None, mla_cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None,
+                 scan_layers: bool = True,
                  backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None,
                  spec_width: int = 0, decode_steps: int = 1, decode_steps_max_seqs: int = 0,
                  long_prefill_tokens: int = 0):
@@ -257,7 +259,7 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs
         self.pools = make_pools(config, num_pages, page_size, num_slots, cache_dtype or params["embed"].dtype,
-                                bits=self.backend.pool_bits)
+                                bits=self.backend.pool_bits, mla_dtype=mla_cache_dtype)
         self.token_buckets, self.seq_buckets = step_buckets(
             max_num_seqs, max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
             token_buckets=token_buckets, seq_buckets=seq_buckets)

@@ -30,7 +30,7 @@ def test_every_cli_has_the_advanced_group_with_the_engines_choices(cli):
         assert tuple(actions[field].choices) == CHOICES[field] and actions[field].default == field_default(field)
     assert actions["merged_experts"].default is field_default("merged_experts") is False
     if cli is not eval_cli:                   # an engine: its cache dtype and dense-weight reads too
-        assert tuple(actions["kv_cache_dtype"].choices) == CHOICES["kv_cache_dtype"] == ("auto", "bfloat16")
+        assert tuple(actions["kv_cache_dtype"].choices) == CHOICES["kv_cache_dtype"] == ("auto", "bfloat16", "fp8_e4m3")
         assert actions["dense_in_place"].default is field_default("dense_in_place") is True
     args = parser.parse_args((["-i", "x", "-o", "y"] if cli is batch else ["--data", "x"] if cli is eval_cli else [])
                              + ["--kernels", "reference", "--mla-prefill", "expanded", "--merged-experts"])
@@ -95,6 +95,9 @@ def test_kv_cache_dtype():
     assert llm.engine.runner.pools.mla_kv.dtype.itemsize == 2            # bf16 (stored as its bits on CPU)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(load_model("tiny-random", dtype="float32"), kv_cache_dtype="bfloat16", **kw)
+    # fp8_e4m3 with any weights: packed FP8 MLA pages (uint8 rows), the KDA pools in the weights' dtype
+    fp8 = LLM(load_model("tiny-random", dtype="float32"), kv_cache_dtype="fp8_e4m3", **kw).engine.runner.pools
+    assert fp8.mla_kv.dtype == jnp.uint8 and fp8.kda_conv.dtype == jnp.float32
 
 
 def test_import_has_no_side_effects_and_loading_claims_the_allocator(monkeypatch):

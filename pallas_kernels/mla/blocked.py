@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mla.reference import token_positions
-from pallas_kernels.scatter import values
+from pallas_kernels.mla import fp8_cache
 
 
 def ragged_paged_mla_blocked(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
                              pages_per_block: int = 8, batch_size: int = 8):
     """reference.ragged_paged_mla_reference's contract: q_latent [T, H, L], q_rope [T, H, R], kv_pages
-    [P, page_size, L+R] (16-bit float bits read as q_latent's dtype), block_tables [N, max_pages],
+    [P, page_size, L+R] (16-bit float bits read as q_latent's dtype; packed FP8 rows dequantized a block at a
+    time), block_tables [N, max_pages],
     cu_seqlens [N+1], kv_lens [N] (after this step's writes). Returns o_latent [T, H, L] in q_latent's
     dtype; padding tokens get zeros. Work per token: its pages up to its position, pages_per_block at a
     time; memory per map iteration ~ batch_size * pages_per_block * page_size * (L+R)."""
@@ -41,7 +42,7 @@ def ragged_paged_mla_blocked(q_latent, q_rope, kv_pages, block_tables, cu_seqlen
         def block(j, carry):
             m, l, acc = carry
             pages = jax.lax.dynamic_slice(tables[n], (j * ppb,), (ppb,))
-            kv = values(kv_pages[pages].reshape(block_keys, width), ql.dtype)
+            kv = fp8_cache.values(kv_pages[pages].reshape(block_keys, width), ql.dtype, lat)  # FP8: per block
             keys = j * block_keys + jnp.arange(block_keys, dtype=jnp.int32)
             visible = keys <= p
             kv = jnp.where(visible[:, None], kv, jnp.zeros((), kv.dtype))   # garbage (even NaN) cannot leak

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import scatter
+from pallas_kernels.mla import fp8_cache
 from pallas_kernels.mla.expanded import block_attention, block_attention_reference, gather_latents
 
 
@@ -43,14 +43,15 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     """Expanded-form MLA attention of ragged query chunks over their paged caches, any length.
 
     q [T, H, Dn + Dr] (nope, then rope; the compute dtype of the attention), kv_pages [P, page_size,
-    L + Dr] (16-bit float bits read as q's dtype), block_tables [N, max_pages], cu_seqlens [N+1],
+    L + Dr] (16-bit float bits read as q's dtype; an FP8 pool's packed rows dequantized a window at a time),
+    block_tables [N, max_pages], cu_seqlens [N+1],
     kv_lens [N] (cache length after this step's writes; a sequence with kv_len 0 gets zeros),
     kv_b [L, H * (Dn + Dv)] (kv_b_proj, per head: key nope then value). block_keys (static): rows of
     a window. impl: each window's attention by "triton" (the Pallas Triton kernel; interpret: in the Pallas
     interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU) or "reference" (jnp). Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
     """
     n_tok, heads, _ = q.shape
-    lat = kv_pages.shape[-1] - (q.shape[-1] - nope_dim)
+    lat = kv_b.shape[0]
     dv = kv_b.shape[-1] // heads - nope_dim
     kv_lens = kv_lens.astype(jnp.int32)
     cu_seqlens = cu_seqlens.astype(jnp.int32)
@@ -73,7 +74,7 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     def window(j, carry):
         offset = j * block_keys
         rows, starts = gather_latents(kv_pages, block_tables, kv_lens, block_keys, offset)
-        rows = scatter.values(rows, q.dtype)
+        rows = fp8_cache.values(rows, q.dtype, lat)       # an FP8 pool's window dequantized here
         kv = (rows[:, :lat].astype(kv_b.dtype) @ kv_b).astype(q.dtype).reshape(block_keys, heads, nope_dim + dv)
         o_b, lse_b = attend(kv, rows, starts - offset)
         return merge(*carry, o_b, lse_b)

@@ -1,7 +1,9 @@
 """Public paged MLA entry points: tile schedule, config choice, backend dispatch.
 
 GPU -> Pallas Triton kernel (triton_kernel.py). TPU and CPU -> the jnp reference, unless
-``interpret=True`` (kernel run by the Pallas interpreter, used by the CPU tests).
+``interpret=True`` (kernel run by the Pallas interpreter, used by the CPU tests). An FP8 pool (packed rows,
+fp8_cache.py) is dequantized per key block by the Triton kernel and by the references; on TPU it takes the
+reference.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.device_info import num_sms, smem_per_block
-from pallas_kernels.mla import reference
+from pallas_kernels.mla import fp8_cache, reference
 from pallas_kernels.mla.splits import pick_splits
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
@@ -210,6 +212,12 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     return out.reshape(n_tok, num_heads, lat).astype(q_latent.dtype)
 
 
+def _tpu_kernel(platform, kv_pages):
+    """The Mosaic TPU kernel takes the step: on TPU, for 16/32-bit caches. An FP8 pool's packed rows take the
+    jnp reference there (the kernel has no per-block dequantization yet)."""
+    return (platform or jax.default_backend()) == "tpu" and not fp8_cache.is_fp8(kv_pages)
+
+
 def _use_kernel(interpret):
     if interpret is not None:
         return True
@@ -227,12 +235,12 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
     (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages, transposed;
     see triton_kernel).
     """
-    if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
+    if _tpu_kernel(platform, kv_pages):  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu
         return mla_paged_decode_tpu(q_latent, q_rope, kv_pages, block_tables, kv_lens,
                                     scale=scale, interpret=bool(interpret))
     cfg = dict(config) if config else None
-    if not _use_kernel(interpret):
+    if not _use_kernel(interpret) or (platform or jax.default_backend()) == "tpu":
         return reference.mla_decode_reference(q_latent, q_rope, kv_pages, block_tables,
                                               kv_lens, scale=scale)
     cu = jnp.arange(kv_lens.shape[0] + 1, dtype=jnp.int32)
@@ -242,7 +250,8 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
 
 def _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
     """The Mosaic GPU decode kernel takes this step (backend.mla_decode == "mosaic", the default on
-    Hopper, where its tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports)."""
+    Hopper, where its tiling fits: >= 64 heads, 16-bit cache, mosaic_gpu.supports; an FP8 cache's packed rows
+    take the Triton kernel, which dequantizes them per key block)."""
     if decode_kernel != "mosaic":
         return False
     from pallas_kernels.mla import mosaic_gpu
@@ -265,12 +274,12 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     decode_kernel (static): "mosaic" runs decode-only steps on the Mosaic GPU kernel where it fits
     (backend.mla_decode, detect()'s choice on Hopper); None / "triton": the Triton kernel.
     """
-    if (platform or jax.default_backend()) == "tpu":  # Mosaic kernel (interpreted if asked)
+    if _tpu_kernel(platform, kv_pages):  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
         return ragged_paged_mla_tpu(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=bool(interpret))
     cfg = dict(config) if config else None
-    if not _use_kernel(interpret):
+    if not _use_kernel(interpret) or (platform or jax.default_backend()) == "tpu":
         return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
                                                     cu_seqlens, kv_lens, scale=scale)
     if decode_only and _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.scatter import set_rows, values
+from pallas_kernels.mla import fp8_cache
+from pallas_kernels.scatter import set_rows
 
 
 def write_kv_pages(kv_pages, new_kv, slot_mapping):
@@ -23,7 +24,7 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
     Args:
       kv_pages: [P, page_size, L+R] page pool (donate it under jit for an in-place update).
       new_kv: [T, L+R] rows to write (cast to kv_pages.dtype; a pool of 16-bit float bits takes them in its
-        value dtype, pallas_kernels/scatter.py).
+        value dtype, pallas_kernels/scatter.py; an FP8 pool quantizes them, fp8_cache.py).
       slot_mapping: [T] int32, ``page_id * page_size + offset``; negative = padding, dropped.
     Returns:
       the updated kv_pages [P, page_size, L+R].
@@ -34,7 +35,7 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     # .at[] wraps negative indices numpy-style, so send them out of bounds explicitly.
     slots = jnp.where(slots < 0, total, slots)
-    flat = set_rows(flat, slots, new_kv, mode="drop")
+    flat = set_rows(flat, slots, fp8_cache.encode(flat, new_kv), mode="drop")
     return flat.reshape(num_pages, page_size, width)
 
 
@@ -85,7 +86,8 @@ def ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seql
     Args:
       q_latent: [T, H, L] queries folded through kv_b_proj's key half.
       q_rope: [T, H, R].
-      kv_pages: [P, page_size, L+R] page pool (16-bit float bits are read as q_latent's dtype).
+      kv_pages: [P, page_size, L+R] page pool (16-bit float bits are read as q_latent's dtype; an FP8 pool's
+        packed rows [P, page_size, fp8_cache.packed_width(L, R)] are dequantized to it).
       block_tables: [N, max_pages] int32 page ids per sequence.
       cu_seqlens: [N+1] int32; tokens cu_seqlens[n]..cu_seqlens[n+1]-1 belong to sequence n.
       kv_lens: [N] int32 cache length of each sequence AFTER this step's writes.
@@ -101,7 +103,7 @@ def ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seql
 
     def one(args):
         ql, qr, n, p = args
-        kv = values(kv_pages[block_tables[n]].reshape(-1, width), ql.dtype)   # gathered as stored: bits on CPU
+        kv = fp8_cache.values(kv_pages[block_tables[n]].reshape(-1, width), ql.dtype, ql.shape[-1])  # as stored
         return _attend_one(ql, qr, kv, p, scale)
 
     out = jax.lax.map(one, (q_latent, q_rope, seq, pos), batch_size=min(batch_size, num_tokens))
@@ -117,7 +119,8 @@ def mla_decode_reference(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, s
     """
     _, page_size, width = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    kv = values(kv_pages[block_tables].reshape(n_seqs, max_pages * page_size, width), q_latent.dtype)
+    kv = fp8_cache.values(kv_pages[block_tables].reshape(n_seqs, max_pages * page_size, width), q_latent.dtype,
+                          q_latent.shape[-1])
     out = jax.vmap(lambda ql, qr, k, p: _attend_one(ql, qr, k, p, scale))(
         q_latent, q_rope, kv, kv_lens.astype(jnp.int32) - 1)
     return out.astype(q_latent.dtype)

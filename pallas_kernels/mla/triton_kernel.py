@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.mla import fp8_cache
+
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
 
@@ -58,8 +60,15 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     row_ok = (r < bq * bh) & (tok < n_valid)
     pos = base_pos + tok  # causal limit of each row (keys <= pos are visible)
 
+    rope = qr_ref.shape[1]
+    fp8 = kv_ref.dtype == fp8_cache.STORAGE
+    # the latent's column tiles: one for a 16-bit cache; an FP8 cache's scale tiles, each dequantized and
+    # contracted on its own (Triton has no tensor slicing, so per-tile operands are loaded per tile)
+    width = fp8_cache.tile(lat) if fp8 else lat
+    col_tiles = [(c0, width) for c0 in range(0, lat, width)]
+
     row_sl = pl.ds(start_row, rows)
-    ql = plgpu.load(ql_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
+    ql = [plgpu.load(ql_ref.at[row_sl, pl.ds(c0, w)], mask=row_ok[:, None], other=0) for c0, w in col_tiles]
     qr = plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
 
     kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
@@ -67,8 +76,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     k_hi = jnp.minimum(k_lo + keys_per_split, kv_end)
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
-    kdt = kv_ref.dtype
-    rope = kv_ref.shape[1] - lat
+    kdt = ql_ref.dtype if fp8 else kv_ref.dtype
     contiguous = page_size % bk == 0  # block inside one page: contiguous rows
 
     def lookup(k0):
@@ -80,35 +88,64 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         return plgpu.load(bt_ref.at[pidx], mask=keys < k_hi, other=0)
 
     def load(k0, pages):
-        """(ckv [bk, L], krope [bk, R]) of the block at k0; keys >= k_hi read as zeros."""
+        """(ckv tiles [bk, width] each, krope [bk, R]) of the block at k0 in kdt; keys >= k_hi read as zeros."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         ok = (keys < k_hi)[:, None]
-        if contiguous:
-            kv_rows = pl.ds(pages * page_size + k0 % page_size, bk)
-            lat_cols, rope_cols = pl.ds(0, lat), pl.ds(lat, rope)
-        else:  # gather rows through the block table (int-array rows need int-array cols)
-            kv_rows = (pages * page_size + keys % page_size)[:, None]
-            lat_cols = jnp.arange(lat, dtype=jnp.int32)[None, :]
-            rope_cols = lat + jnp.arange(rope, dtype=jnp.int32)[None, :]
-        ckv = plgpu.load(kv_ref.at[kv_rows, lat_cols], mask=ok, other=0)
-        kr = plgpu.load(kv_ref.at[kv_rows, rope_cols], mask=ok, other=0)
+        offsets = k0 % page_size + jnp.arange(bk, dtype=jnp.int32) if contiguous else keys % page_size
+        row_idx = (pages * page_size + offsets)[:, None]                  # the block's pool rows
+
+        def cols(c0, n):
+            """Columns [c0, c0 + n) of the block's rows."""
+            if contiguous:
+                return plgpu.load(kv_ref.at[pl.ds(pages * page_size + k0 % page_size, bk), pl.ds(c0, n)],
+                                  mask=ok, other=0)
+            # gather rows through the block table (int-array rows need int-array cols)
+            return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0)
+
+        if not fp8:
+            return [cols(0, lat)], cols(lat, rope)
+        # packed row (fp8_cache.py): fp8 codes, one little-endian fp32 scale a tile, bf16 rope; the byte
+        # assembly runs in 32-bit integers (Triton bitcasts only between equal widths)
+        u32 = jnp.uint32
+        n_sc = len(col_tiles)
+        sc_bytes = cols(lat, 4 * n_sc).astype(u32)                           # [bk, 4 * tiles]
+        byte = jnp.arange(4 * n_sc, dtype=jnp.int32)[None, :]
+        ckv = []
+        for t, (c0, w) in enumerate(col_tiles):
+            bits = jnp.zeros((bk,), u32)
+            for b in range(4):
+                bits = bits | (jnp.sum(jnp.where(byte == 4 * t + b, sc_bytes, 0), axis=1).astype(u32) << (8 * b))
+            sc = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            codes = jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8).astype(jnp.float32)
+            ckv.append((codes * sc[:, None]).astype(kdt))
+        base = lat + 4 * n_sc
+        pair = base + 2 * jnp.arange(rope, dtype=jnp.int32)[None, :]
+        lo = plgpu.load(kv_ref.at[row_idx, pair], mask=ok, other=0).astype(u32)
+        hi = plgpu.load(kv_ref.at[row_idx, pair + 1], mask=ok, other=0).astype(u32)
+        kr = jax.lax.bitcast_convert_type((lo | (hi << 8)).astype(jnp.uint16), fp8_cache.ROPE).astype(kdt)
         return ckv, kr
 
     def step(k0, ckv, kr, acc, m, l):
         """One online-softmax block."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
-            st = plgpu.dot(ckv, ql, trans_b=True) + plgpu.dot(kr, qr, trans_b=True)
+            st = plgpu.dot(ckv[0], ql[0], trans_b=True)
+            for c, q in zip(ckv[1:], ql[1:]):
+                st = st + plgpu.dot(c, q, trans_b=True)
+            st = st + plgpu.dot(kr, qr, trans_b=True)
             st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
             m_new = jnp.maximum(m, jnp.max(st, axis=0))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            acc = acc * alpha[None, :] + plgpu.dot(ckv, pt.astype(kdt), trans_a=True)
+            acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=True) for a, c in zip(acc, ckv)]
             return acc, m_new, l_new
-        s = plgpu.dot(ql, ckv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)
+        s = plgpu.dot(ql[0], ckv[0], trans_b=True)
+        for c, q in zip(ckv[1:], ql[1:]):
+            s = s + plgpu.dot(q, c, trans_b=True)
+        s = s + plgpu.dot(qr, kr, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kdt), ckv)
+        acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
@@ -118,16 +155,15 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         ckv, kr = load(k0, lookup(k0))
         return step(k0, ckv, kr, *carry)
 
-    acc_shape = (lat, rows) if transposed else (rows, lat)
-    acc0 = jnp.zeros(acc_shape, jnp.float32)
+    acc0 = [jnp.zeros((w, rows) if transposed else (rows, w), jnp.float32) for _, w in col_tiles]
     m0 = jnp.full((rows,), _MASK, jnp.float32)
     l0 = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
-    if transposed:
-        acc = acc.T
 
-    o = acc / jnp.where(l > 0, l, 1.0)[:, None]  # normalised per split: halves bf16 traffic
-    plgpu.store(o_ref.at[split, row_sl, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
+    denom = jnp.where(l > 0, l, 1.0)[:, None]
+    for (c0, w), a in zip(col_tiles, acc):
+        o = (a.T if transposed else a) / denom  # normalised per split: halves bf16 traffic
+        plgpu.store(o_ref.at[split, row_sl, pl.ds(c0, w)], o.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(m_ref.at[split, row_sl], m, mask=row_ok)
     plgpu.store(l_ref.at[split, row_sl], l, mask=row_ok)
 
