@@ -4,8 +4,9 @@ Parameters declare their LOGICAL axes where they are created, in their module's 
 (k3jax/layers/: one name per dimension, e.g. q_proj ("embed", "kda_heads"), routed experts
 ("experts", "expert_embed", "expert_mlp"), a scanned stack's leading "layers"; read off the
 modules as k3jax.params.param_spec); LOGICAL_AXES maps those names to mesh axes.
-Cache pools and the vision tower match a regex table by path ("mla_kv", "blocks.3.wqkv.w"): each rule is
-(regex matched against the whole path, one logical axis name or None per dimension).
+Cache pools declare theirs on their fields (k3jax/cache.py, CachePools.pool_axes). The vision tower
+matches a regex table by path ("blocks.3.wqkv.w"): each rule is (regex matched against the whole
+path, one logical axis name or None per dimension).
 
 Logical axes -> mesh axes (docs/sharding.md explains the choices):
   kda_heads, mla_heads  tensor   attention heads (head-aligned: the head count must divide)
@@ -49,15 +50,6 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "embed": (), "layers": (), "head_dim": (), "conv": (), "q_lora": (), "kv_lora": (), "routes": (),
     "latent": (), "expert_embed": (),
 }
-
-POOL_RULES: tuple[tuple[str, tuple], ...] = (
-    # [pages, layers, page_size, latent+rope]: the latent is shared by all heads -> replicated over tensor
-    (r"mla_kv", ("batch", None, None, None)),
-    # [slots, layers, H, K, V] fp32: slots over data*expert, heads over tensor
-    (r"kda_state", ("batch", None, "kda_heads", None, None)),
-    # [slots, layers, Kc-1, 3*H*K]: packed q|k|v channels are not head-contiguous -> replicated over tensor
-    (r"kda_conv", ("batch", None, None, None)),
-)
 
 # Vision tower (k3jax/vision; paths inside model.vision.params): replicated. It is small next to
 # the LLM (~0.4 B parameters for K3) and each process encodes its own requests' images, so
@@ -155,7 +147,7 @@ def spec_for(path: str, shape, sizes, rules) -> P:
 
 
 def tree_specs(tree, mesh=None, *, rules):
-    """PartitionSpec tree of a tree matched by a regex table (POOL_RULES, VISION_RULES)."""
+    """PartitionSpec tree of a tree matched by a regex table (VISION_RULES)."""
     sizes = None if mesh is None else axis_sizes(mesh)
     return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(path_str(p), x.shape, sizes, rules), tree)
 
@@ -239,8 +231,11 @@ def shard_params(params, mesh, config):
 
 
 def pool_specs(pools, mesh=None):
-    """PartitionSpec tree of CachePools (arrays or ShapeDtypeStructs)."""
-    return tree_specs(pools, mesh, rules=POOL_RULES)
+    """PartitionSpec tree of CachePools (arrays or ShapeDtypeStructs), from the axes each pool declares."""
+    sizes = None if mesh is None else axis_sizes(mesh)
+    return pools.replace(**{name: None if getattr(pools, name) is None else
+                            logical_spec(axes, getattr(pools, name).shape, sizes, what=name)
+                            for name, axes in pools.pool_axes().items()})
 
 
 def pool_shardings(config, mesh, pools):
@@ -265,8 +260,12 @@ def replicated(mesh):
 
 
 def explain(tree, mesh=None, *, config=None, rules=None) -> list[tuple[str, tuple, P]]:
-    """(path, logical axes, spec) for every leaf: a parameter tree (config given) by its declared
-    axes, a pool / vision tree by its regex table (`rules`)."""
+    """(path, logical axes, spec) for every leaf: a parameter tree (config given) or CachePools by
+    their declared axes, a vision tree by its regex table (`rules`)."""
+    if hasattr(tree, "pool_axes"):
+        specs = pool_specs(tree, mesh)
+        return [(name, axes, getattr(specs, name)) for name, axes in tree.pool_axes().items()
+                if getattr(tree, name) is not None]
     if rules is None:
         specs = jax.tree_util.tree_leaves(param_tree_specs(tree, mesh, config), is_leaf=lambda x: isinstance(x, P))
         return [(path, leaf.axes, s) for (path, _, leaf), s in zip(_spec_leaves(tree, config), specs)]

@@ -69,7 +69,7 @@ def test_every_leaf_has_an_explicit_rule(name):
               for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
     for mesh in (None, {"data": 2, "expert": 4, "tensor": 1}, {"data": 1, "expert": 4, "tensor": 2}):
         params = rules.explain(pshapes, mesh, config=c)
-        pools = rules.explain(poshapes, mesh, rules=rules.POOL_RULES)
+        pools = rules.explain(poshapes, mesh)
         assert len(params) == len(shapes) - len(pools) and len(params) > 10
         assert [p for p, *_ in pools] == ["mla_kv", "kda_state", "kda_conv"]    # one array per kind
         for path, axes, spec in params + pools:
