@@ -21,7 +21,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import experts_merged
-from k3jax.layer_stack import layer_stack_plan
+from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.layers.common import AttnRes, DenseMLP, OutputAttnRes
 from k3jax.layers.decoder import DecoderBlock, DecoderLayer
 from k3jax.layers.kda import KDA
@@ -69,10 +69,12 @@ def make_step(config: ModelConfig, backend: Backend | None = None, graph: ModelG
     """The engine step's body, the one every jitted step wraps (the engine's, the sharded one, the
     scratch-memory measurement): (params, pools, batch) -> (logits [N, V], pools), the model merged
     from `graph` and params inside the trace (graph None: the graph of the config and the params'
-    layout), closed over one backend (None: detected now, once)."""
+    layout; a checkpoint-layout tree is stacked in the trace), closed over one backend (None: detected now, once)."""
     backend = resolve(backend)
 
     def step(params, pools, batch):
+        if graph is None:           # a tree of the checkpoint layout is stacked here (a copy in the step)
+            params = stack_layers(params, config)
         model = (graph or graph_for(config, params)).merge(params)
         with jax.named_scope("model"):
             return model(batch.tokens, pools, batch, backend=backend)
