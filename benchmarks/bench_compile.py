@@ -18,7 +18,7 @@ from benchmarks.harness import header
 
 
 def measure(model: str, buckets: str | None = None, max_shapes: int | None = None, dtype: str = "bfloat16",
-            on_shape=None, unrolled: bool = False) -> dict:
+            on_shape=None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -39,9 +39,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     max_pages = -(-max_len // args.page_size)
     tb, sb = step_buckets(args.max_num_seqs, args.max_num_batched_tokens, on_cpu=on_cpu)
     shapes = warmup_shapes(tb, sb)[:max_shapes]
-    params = param_shapes(c, dt)
-    if not unrolled:                                    # the runner's layout (stacked at load)
-        params = jax.eval_shape(lambda p: stack_layers(p, c), params)
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, dt))   # the runner's layout
     from pallas_kernels.backend import detect
     pools = pool_shapes(c, args.max_num_seqs * max_pages + 1, args.page_size, args.max_num_seqs + 2, dt,
                         bits=detect().pool_bits)                  # as the runner stores them
@@ -59,7 +57,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
         rows.append(row)
         if on_shape:
             on_shape(row)
-    return {"model": model, "layers": c.num_layers, "backend": jax.default_backend(), "unrolled": unrolled,
+    return {"model": model, "layers": c.num_layers, "backend": jax.default_backend(),
             "buckets": "cpu" if on_cpu else "accelerator", "jax": jax.__version__, "shapes": rows,
             "total_s": round(sum(r["trace_s"] + r["compile_s"] for r in rows), 2),
             "shapes_total": len(warmup_shapes(tb, sb))}
@@ -72,7 +70,6 @@ def main(argv=None):
                     help="bucket set of the runner on this kind of backend (default: this machine's)")
     ap.add_argument("--max-shapes", type=int, default=None, help="measure only the first N warm-up shapes")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--unrolled", action="store_true", help="the checkpoint layout: every layer traced (debug path)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     if not a.json:
@@ -80,11 +77,11 @@ def main(argv=None):
     show = None if a.json else (lambda r: print(f"T={r['tokens']:5d} N={r['seqs']:3d} decode={int(r['decode_only'])}"
                                                 f"  trace {r['trace_s']:7.2f}s  compile {r['compile_s']:7.2f}s",
                                                 flush=True))
-    res = measure(a.model, a.buckets, a.max_shapes, a.dtype, on_shape=show, unrolled=a.unrolled)
+    res = measure(a.model, a.buckets, a.max_shapes, a.dtype, on_shape=show)
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"{res['model']} ({res['layers']} layers{', unrolled' if a.unrolled else ''}, {res['backend']}, "
+        print(f"{res['model']} ({res['layers']} layers, {res['backend']}, "
               f"{res['buckets']} buckets): "
               f"{len(res['shapes'])}/{res['shapes_total']} shapes in {res['total_s']:.1f}s")
 

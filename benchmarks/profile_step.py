@@ -24,7 +24,7 @@ import time
 from benchmarks.bench_e2e import PARTS, floor_parts, part_of, truncated_preset
 from benchmarks.harness import copy_bandwidth, header
 
-STEP_MODULES = ("jit_step", "jit_run")      # the runner's step: unrolled / scanned (the async wrapper's name)
+STEP_MODULES = ("jit_step", "jit_run")      # the runner's step (plain / the async wrapper's name)
 _INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
 _META = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r'calls=%?([\w.\-]+)')
@@ -324,7 +324,6 @@ def main():
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
-    ap.add_argument("--unrolled", action="store_true", help="every layer traced (the engine's scan_layers=False)")
     ap.add_argument("--command-buffers", default="off",
                     help="off (kernels attributed to their ops), default (XLA's own), or XLA's "
                          "--xla_gpu_enable_command_buffer list, e.g. FUSION,CUBLAS,CUSTOM_CALL,WHILE")
@@ -346,7 +345,7 @@ def main():
     jax.block_until_ready(model.params)
     print(header(f"profile_step {name}"), flush=True)
     print(f"# load {time.perf_counter() - t0:.1f}s; "
-          f"kernels {args.kernels}; layers {'unrolled' if args.unrolled else 'scanned'}; "
+          f"kernels {args.kernels}; "
           f"command buffers {args.command_buffers}", flush=True)
     if args.kda_variants:
         print("\n## ops.kda_chunk, T=4096", flush=True)
@@ -359,7 +358,7 @@ def main():
         sc.startswith("decode") for sc in scenarios) else None
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
-              compilation_cache_dir=None, scan_layers=not args.unrolled, **kw)
+              compilation_cache_dir=None, **kw)
     eng = llm.engine
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)

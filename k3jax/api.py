@@ -250,9 +250,9 @@ def _preset_vision(config: ModelConfig, tokenizer, name: str, seed: int, dtype) 
     from k3jax.presets import TINY_IMAGE_PROCESSOR
     from k3jax.vision.config import VisionConfig
     from k3jax.vision.preprocess import ImageProcessorConfig
-    from k3jax.vision.tower import init_vision_params_numpy
+    from k3jax.vision.tower import init_vision_params_numpy, tower_of
     vcfg = VisionConfig.from_dict(config.vision, text_hidden_size=config.hidden_size)
     # (the text weights come from `seed`; the tower's own stream keeps them unchanged)
     params = init_vision_params_numpy(vcfg, seed + 1, config.hidden_size, dtype)
-    return VisionModel(vcfg, params, ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
+    return VisionModel(vcfg, tower_of(params, vcfg), ImageProcessorConfig.from_dict(TINY_IMAGE_PROCESSOR),
                        media_pad_id(config, tokenizer))

@@ -8,6 +8,8 @@ layer of that kind side by side inside each page / slot (j = the layer's index a
   kda_conv   [num_slots, n_kda, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
 Pages / slots are the major axis: that is what gets sharded, what the allocator hands out, and a
 page copy moves every layer at once. The model views a pool as [rows * layers, ...] (model.py).
+Each pool declares its logical axes next to its field (`pool_axes`; sharding/rules.py maps them to a
+mesh): pages / slots ("batch") are what is sharded.
 """
 from __future__ import annotations
 
@@ -24,11 +26,19 @@ from pallas_kernels.mla import fp8_cache
 from pallas_kernels.scatter import storage_dtype
 
 
+def _pool(*axes):
+    """A pool field with its logical axes (one name or None per dimension)."""
+    return struct.field(metadata={"logical_axes": axes})
+
+
 @struct.dataclass
 class CachePools:
-    mla_kv: jax.Array
-    kda_state: jax.Array
-    kda_conv: jax.Array
+    # the latent is shared by all heads: replicated over tensor
+    mla_kv: jax.Array = _pool("batch", None, None, None)
+    # fp32 states: slots over the data axes, heads over tensor
+    kda_state: jax.Array = _pool("batch", None, "kda_heads", None, None)
+    # packed q|k|v channels are not head-contiguous: replicated over tensor
+    kda_conv: jax.Array = _pool("batch", None, None, None)
 
     @property
     def page_size(self) -> int:
@@ -41,6 +51,16 @@ class CachePools:
     @property
     def num_slots(self) -> int:
         return self.kda_state.shape[0]
+
+    @classmethod
+    def pool_axes(cls) -> dict[str, tuple]:
+        """{pool name: its declared logical axes}, every pool (ValueError for one that declares none)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if "logical_axes" not in f.metadata:
+                raise ValueError(f"CachePools.{f.name} declares no logical axes (k3jax/cache.py, _pool(...))")
+            out[f.name] = f.metadata["logical_axes"]
+        return out
 
     def layer(self, kind: str, j: int):
         """One layer's view (a copy) of a pool: kind "mla_kv" | "kda_state" | "kda_conv"."""

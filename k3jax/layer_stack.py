@@ -1,11 +1,12 @@
 """Which layers run as one scanned block, and the parameter layout that scanning needs.
 
 Kimi Linear and K3 repeat (KDA, KDA, KDA, MLA) with the same MLP kind; only a dense first layer
-and a short tail break the pattern. `layer_stack_plan` finds the longest run of a repeating unit;
-`stack_layers` turns the checkpoint layout (params["layers"] a list, one dict per layer) into the
-scan layout (params["layers"] = {"head": [...], "units": [U trees stacked over the run], "tail":
-[...]}), once at load, so a step never copies weights. `unstack_layers` goes back (names stay
-those of the checkpoint). The model accepts both layouts; the list one runs unrolled (debugging).
+and a short tail break the pattern. `layer_stack_plan` finds the longest run of a repeating unit
+(the model's `DecoderBlock`); `stack_layers` turns the checkpoint layout (params["layers"] a list,
+one dict per layer) into the model's layout (params["layers"] = {"head": [...], "units": [U trees
+stacked over the run], "tail": [...]}; no "units" when nothing repeats), once at load, so a step
+never copies weights. `unstack_layers` goes back (names stay those of the checkpoint): checkpoint
+export and per-layer inspection.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def is_stacked(params) -> bool:
 def _stack_arrays(xs, donate: bool):
     """Same-shaped arrays stacked on a new leading axis, keeping their sharding. donate: free each
     source once it is stacked, so loading peaks at one stacked leaf over the weights."""
+    if isinstance(xs[0], jax.ShapeDtypeStruct):       # abstract parameters stack abstractly
+        return jax.ShapeDtypeStruct((len(xs),) + tuple(xs[0].shape), xs[0].dtype)
     try:
         sh = xs[0].sharding                 # tracers (eval_shape, jit) have none to keep
     except Exception:
@@ -88,35 +91,36 @@ def _stack_arrays(xs, donate: bool):
 
 
 def stack_layers(params, c: ModelConfig, donate: bool = False, stack=None):
-    """Checkpoint layout -> scan layout (returned unchanged if already stacked or nothing repeats).
+    """Checkpoint layout -> scan layout (returned unchanged if already stacked).
     donate: the stacked layers' arrays in `params` are deleted (the caller owns them; load_model).
     stack(list of one leaf per repeat) -> stacked leaf: arrays by default; k3jax.params stacks the
     parameter spec's leaves with it."""
     if is_stacked(params):
         return params
     plan = layer_stack_plan(c)
-    if not plan.repeats:
-        return params
     one = stack or (lambda xs: _stack_arrays(xs, donate))
     layers = params["layers"]
-    units = [jax.tree_util.tree_map(lambda *xs: one(list(xs)), *[layers[plan.layer(r, j)] for r in range(plan.repeats)])
-             for j in range(plan.unit)]
     out = dict(params)
-    out["layers"] = {"head": [layers[i] for i in plan.head], "units": units,
-                     "tail": [layers[i] for i in plan.tail]}
+    out["layers"] = {"head": [layers[i] for i in plan.head], "tail": [layers[i] for i in plan.tail]}
+    if plan.repeats:
+        out["layers"]["units"] = [
+            jax.tree_util.tree_map(lambda *xs: one(list(xs)), *[layers[plan.layer(r, j)] for r in range(plan.repeats)])
+            for j in range(plan.unit)]
     return out
 
 
-def unstack_layers(params, c: ModelConfig):
-    """Scan layout -> checkpoint layout (params["layers"] a list of per-layer dicts)."""
+def unstack_layers(params, c: ModelConfig, take=None, is_leaf=None):
+    """Scan layout -> checkpoint layout (params["layers"] a list of per-layer dicts). take(leaf, r):
+    repeat r of a stacked leaf (default: the array's slice; k3jax.params unstacks spec leaves)."""
     if not is_stacked(params):
         return params
     plan = layer_stack_plan(c)
+    take = take or (lambda x, r: x[r])
     st = params["layers"]
     layers = list(st["head"])
     for r in range(plan.repeats):
         for j in range(plan.unit):
-            layers.append(jax.tree_util.tree_map(lambda x: x[r], st["units"][j]))
+            layers.append(jax.tree_util.tree_map(lambda x: take(x, r), st["units"][j], is_leaf=is_leaf))
     layers += st["tail"]
     out = dict(params)
     out["layers"] = layers

@@ -1,11 +1,12 @@
 """The decoder as a Flax NNX module: embedding, hybrid KDA/MLA layers with MLP/MoE, Attention
 Residuals, LM head.
 
-`K3Model(config, params)` wraps a parameter tree of either layout (no copies): the checkpoint layout
-(params["layers"] a list, one `DecoderLayer` per layer, run unrolled: debugging) or the scan layout
-(k3jax/layer_stack.py: a `LayerStack` whose repeating block of layers runs as one lax.scan, so trace
-and compile time hardly grow with depth). Each module's variants are fixed when it is built from the
-config; the layer maths are the modules' methods (k3jax/layers/).
+One layout: the layers are a `LayerStack` (k3jax/layer_stack.py plans it) whose repeating unit is one
+`DecoderBlock` stacked over its repeats and run by one lax.scan, so trace and compile time hardly
+grow with depth. `K3Model(config, params)` wraps a parameter tree of the scan layout (the same arrays);
+one of the checkpoint layout (params["layers"] a list) is stacked first (a copy). Each module's
+variants are fixed when it is built from the config; the layer maths are the modules' methods
+(k3jax/layers/).
   model(tokens [B, T], mm_embeds=, mm_mask=, backend=) -> logits [B, T, V]        no cache
   model(tokens [T], pools, batch, backend=) -> (logits [N, V], pools)      ragged chunks over cache pools
 Both share `K3Model.decode`; only the attention call differs. k3jax.nnx_model.make_step is the jitted
@@ -24,26 +25,91 @@ from flax import nnx
 from k3jax.cache import CachePools, StepBatch
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import experts_merged
-from k3jax.layer_stack import is_stacked, layer_stack_plan
+from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.layers.common import OutputAttnRes, norm_param, rms_norm, upcast
-from k3jax.layers.decoder import DecoderLayer, blocks_before, num_sources
+from k3jax.layers.decoder import DecoderBlock, DecoderLayer, blocks_before, num_sources
 from k3jax.layers.module import List, Module, StackedWeight, fill, param, right_operand_mask, split_module, \
     stack_modules, value
 from pallas_kernels.backend import Backend, resolve
 
 
 class LayerStack(Module):
-    """The scan layout: unrolled `head` layers, the scanned `units` (one DecoderLayer per position of
-    the repeating unit, each parameter with a leading "layers" axis over the repeats), `tail` layers."""
+    """The decoder's layers: unrolled `head` layers, the repeating unit as one `DecoderBlock` stacked
+    over its repeats (`units`; every parameter with a leading "layers" axis), `tail` layers
+    (k3jax/layer_stack.py plans which)."""
 
     def __init__(self, config: ModelConfig, **kw):
-        plan = layer_stack_plan(config)
+        plan = self.plan = layer_stack_plan(config)
         self.head = List([DecoderLayer(config, i, **kw) for i in plan.head])
-        # random parameters: one draw per repeat; abstract ones: one layer stacked abstractly
-        repeats = plan.repeats if kw.get("rngs") is not None else 1
-        self.units = List([stack_modules([DecoderLayer(config, plan.layer(r, j), **kw) for r in range(repeats)],
-                                         plan.repeats) for j in range(plan.unit)])
+        if plan.repeats:
+            # random parameters: one draw per repeat; abstract ones: one block stacked abstractly
+            repeats = plan.repeats if kw.get("rngs") is not None else 1
+            self.units = stack_modules([DecoderBlock(config, plan.layer(r, 0), plan.unit, **kw)
+                                        for r in range(repeats)], plan.repeats)
         self.tail = List([DecoderLayer(config, i, **kw) for i in plan.tail])
+
+    def __getitem__(self, i: int) -> DecoderLayer:
+        """Layer i's module (a scanned layer's: its block position, parameters stacked over the repeats)."""
+        plan = self.plan
+        if i in plan.head:
+            return self.head[i]
+        if i in plan.tail:
+            return self.tail[i - plan.stop]
+        return self.units[(i - plan.start) % plan.unit]
+
+    def __call__(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend):
+        """Every layer: head, the block scanned over its repeats, tail. attention(kind, ordinal, attn,
+        x, cache) -> (out, cache), ordinal the layer's index among its kind's (traced in the scan)."""
+        plan = self.plan
+        ordinal = {i: j for kind in ("kda", "mla") for j, i in
+                   enumerate(k for k, t in enumerate(c.layer_types) if t == kind)}
+
+        def unrolled(layer, i, stream, cache):
+            kind = c.layer_types[i]
+            return layer(c, i, stream, cache, lambda m, x, ch: attention(kind, ordinal[i], m, x, ch), backend)
+
+        for i, layer in zip(plan.head, self.head):
+            stream, cache = unrolled(layer, i, stream, cache)
+        if plan.repeats:
+            stream, cache = self._scan(c, stream, cache, attention, backend, ordinal)
+        for i, layer in zip(plan.tail, self.tail):
+            stream, cache = unrolled(layer, i, stream, cache)
+        return stream, cache
+
+    def _scan(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend, ordinal: dict):
+        """The block over its repeats, one lax.scan. The block is split once, here; the body merges
+        its graph over one repeat's slices (once per trace). Routed experts stay whole (closed over,
+        not scanned): the MoE kernels read repeat r's experts inside the stack, where a scanned slice
+        would be a copy of the layer's experts on GPU. backend.dense_in_place: the weights used only
+        as `x @ w` stay whole too, read in place (StackedWeight)."""
+        plan, block = self.plan, self.units
+        kinds = block.kinds
+        per_unit = {k: kinds.count(k) for k in ("kda", "mla")}
+        graph, tree = split_module(block)
+        experts = [t["mlp"]["experts"] if backend.experts_in_place and layer.moe else None
+                   for t, layer in zip(tree, block)]
+        tree = [dict(t, mlp={k: v for k, v in t["mlp"].items() if k != "experts"}) if e is not None else t
+                for t, e in zip(tree, experts)]
+        tree, held = _hold(tree, right_operand_mask(block)) if backend.dense_in_place else (tree, None)
+
+        def attend(r):
+            def one(j, m, x, ch):
+                kind = kinds[j]
+                return attention(kind, ordinal[plan.layer(0, j)] + r * per_unit[kind], m, x, ch)
+            return one
+
+        def body(carry, xs):
+            stream, cache = carry
+            sliced, r = xs
+            t = _rejoin(sliced, held, r, backend) if held is not None else sliced
+            t = [dict(x, mlp=dict(x["mlp"], experts=e)) if e is not None else x for x, e in zip(t, experts)]
+            in_place = any(e is not None for e in experts)
+            return graph.merge(t)(c, r, stream, cache, attend(r), backend,
+                                  stack_index=r if in_place else None), None
+
+        (stream, cache), _ = jax.lax.scan(body, (stream, cache),
+                                          (tree, jnp.arange(plan.repeats, dtype=jnp.int32)))
+        return stream, cache
 
 
 class K3Model(Module):
@@ -51,22 +117,22 @@ class K3Model(Module):
 
     K3Model(config, rngs=nnx.Rngs(0))   random parameters;
     K3Model(config)                     abstract ones (jax.ShapeDtypeStruct), for the loaders to fill;
-    K3Model(config, params)             over a parameter dict of either layout (the same arrays).
-    stacked: the scan layout (k3jax/layer_stack.py); merged_experts: routed experts with one
-    gate/up weight (k3jax/expert_layout.py); both read off `params` when it is given."""
+    K3Model(config, params)             over a parameter dict (the same arrays in the scan layout;
+                                        the checkpoint layout is stacked first, a copy).
+    merged_experts: routed experts with one gate/up weight (k3jax/expert_layout.py); read off
+    `params` when it is given."""
 
-    def __init__(self, config: ModelConfig, params: dict | None = None, *, stacked: bool = False,
-                 merged_experts: bool = False, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: ModelConfig, params: dict | None = None, *, merged_experts: bool = False,
+                 dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         if params is not None:
-            stacked, merged_experts, rngs = is_stacked(params), experts_merged(params), None
+            params = stack_layers(params, config)
+            merged_experts, rngs = experts_merged(params), None
         c = self.config = config
         D, V = c.hidden_size, c.vocab_size
-        self.stacked = stacked and bool(layer_stack_plan(c).repeats)
         self.tied_embeddings = bool(c.tie_word_embeddings)
         kw = dict(merged_experts=merged_experts, dtype=dtype, rngs=rngs)
         self.embed = param((V, D), ("vocab", "embed"), dtype=dtype, rngs=rngs)
-        self.layers = (LayerStack(c, **kw) if self.stacked
-                       else List([DecoderLayer(c, i, **kw) for i in range(c.num_layers)]))
+        self.layers = LayerStack(c, **kw)
         self.final_norm = norm_param(c, dtype, rngs)
         if not self.tied_embeddings:
             self.lm_head = param((D, V), ("embed", "vocab"), dtype=dtype, rngs=rngs)
@@ -96,58 +162,7 @@ class K3Model(Module):
         stream = h0
         if B:
             stream = jnp.zeros((num_sources(c),) + h0.shape, h0.dtype).at[0].set(h0)
-        ordinal = {i: j for kind in ("kda", "mla") for j, i in
-                   enumerate(k for k, t in enumerate(c.layer_types) if t == kind)}
-
-        def unrolled(layer, i, stream, cache):
-            kind = c.layer_types[i]
-            return layer(c, i, stream, cache, lambda m, x, ch: attention(kind, ordinal[i], m, x, ch), backend)
-
-        if not self.stacked:
-            for i, layer in enumerate(self.layers):
-                stream, cache = unrolled(layer, i, stream, cache)
-        else:
-            plan = layer_stack_plan(c)
-            st = self.layers
-            for i, layer in zip(plan.head, st.head):
-                stream, cache = unrolled(layer, i, stream, cache)
-            kinds = [c.layer_types[plan.layer(0, j)] for j in range(plan.unit)]
-            per_unit = {k: kinds.count(k) for k in ("kda", "mla")}
-            # Each unit position runs as its module merged over one repeat's slices. Routed experts
-            # stay whole (closed over, not scanned): the MoE kernels read repeat r's experts inside
-            # the stack, where a scanned slice would be a copy of the layer's experts on GPU.
-            # backend.dense_in_place: the weights used only as `x @ w` stay whole too (StackedWeight).
-            graphs, sliced, experts, held = [], [], [], []
-            for u in st.units:
-                graph, tree = split_module(u)
-                in_place = backend.experts_in_place and u.moe
-                graphs.append(graph)
-                experts.append(tree["mlp"]["experts"] if in_place else None)
-                tree = dict(tree, mlp={k: v for k, v in tree["mlp"].items() if k != "experts"}) if in_place else tree
-                tree, hold = _hold(tree, right_operand_mask(u)) if backend.dense_in_place else (tree, None)
-                sliced.append(tree)
-                held.append(hold)
-
-            def body(carry, xs):
-                stream, cache = carry
-                units, r = xs
-                for j, tree in enumerate(units):
-                    kind, i0 = kinds[j], plan.layer(0, j)
-                    idx = ordinal[i0] + r * per_unit[kind]
-                    if held[j] is not None:
-                        tree = _rejoin(tree, held[j], r, backend)
-                    if experts[j] is not None:
-                        tree = dict(tree, mlp=dict(tree["mlp"], experts=experts[j]))
-                    stream, cache = graphs[j].merge(tree)(
-                        c, i0 + r * plan.unit, stream, cache,
-                        lambda m, x, ch, kind=kind, idx=idx: attention(kind, idx, m, x, ch),
-                        backend, stack_index=None if experts[j] is None else r)
-                return (stream, cache), None
-
-            (stream, cache), _ = jax.lax.scan(body, (stream, cache),
-                                              (sliced, jnp.arange(plan.repeats, dtype=jnp.int32)))
-            for i, layer in zip(plan.tail, st.tail):
-                stream, cache = unrolled(layer, i, stream, cache)
+        stream, cache = self.layers(c, stream, cache, attention, backend)
         if B:
             stream = self.output_attn_res(stream, blocks_before(c.num_layers, B), eps)
         return rms_norm(stream, value(self.final_norm), eps), cache
@@ -257,10 +272,10 @@ def _flat(x):
 
 
 def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None, backend: Backend | None = None):
-    """K3Model(c, params)(tokens, ...): logits fp32 [B, T, V] of a parameter dict of either layout."""
+    """K3Model(c, params)(tokens, ...): logits fp32 [B, T, V] of a parameter dict."""
     return K3Model(c, params)(tokens, mm_embeds=mm_embeds, mm_mask=mm_mask, backend=backend)
 
 
 def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch, backend: Backend | None = None):
-    """K3Model(c, params)(batch.tokens, pools, batch): one engine step on a parameter dict of either layout."""
+    """K3Model(c, params)(batch.tokens, pools, batch): one engine step on a parameter dict."""
     return K3Model(c, params)(batch.tokens, pools, batch, backend=backend)

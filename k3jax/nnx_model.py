@@ -1,9 +1,9 @@
 """The model as Flax NNX modules, used functionally.
 
-`K3Model` (k3jax/model.py) is an `nnx.Module` tree: embedding, one `DecoderLayer` per layer
-(attention `KDA` or `MLA`, MLP `DenseMLP` or `MoE` with `RoutedExperts`, `AttnRes` mixing weights),
-or in the scan layout a `LayerStack` whose `units` hold each unit position's parameters stacked over
-the scanned repeats. Every parameter is an `nnx.Param` named as in the checkpoint and carrying the
+`K3Model` (k3jax/model.py) is an `nnx.Module` tree: embedding, a `LayerStack` of `DecoderLayer`s
+(attention `KDA` or `MLA`, MLP `DenseMLP` or `MoE` with `RoutedExperts`, `AttnRes` mixing weights):
+unrolled head and tail layers around the repeating unit, one `DecoderBlock` whose parameters are
+stacked over its repeats and which one scan runs. Every parameter is an `nnx.Param` named as in the checkpoint and carrying the
 logical axes it was declared with (k3jax/params.py; metadata `logical_axes`), which sharding/rules.py
 maps to a mesh. Each module's variants are fixed from the config when it is built and its methods are
 the layer maths (k3jax/layers/).
@@ -21,9 +21,9 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import experts_merged
-from k3jax.layer_stack import is_stacked, layer_stack_plan
+from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.layers.common import AttnRes, DenseMLP, OutputAttnRes
-from k3jax.layers.decoder import DecoderLayer
+from k3jax.layers.decoder import DecoderBlock, DecoderLayer
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
 from k3jax.layers.module import Graph, Group, List, Module, split_module
@@ -32,7 +32,7 @@ from k3jax.model import K3Model, LayerStack
 from k3jax.params import tree_parameter_count
 from pallas_kernels.backend import Backend, resolve
 
-__all__ = ["AttnRes", "DecoderLayer", "DenseMLP", "Graph", "Group", "K3Model", "KDA", "LayerStack",
+__all__ = ["AttnRes", "DecoderBlock", "DecoderLayer", "DenseMLP", "Graph", "Group", "K3Model", "KDA", "LayerStack",
            "List", "MLA", "Module", "MoE", "ModelGraph", "make_step", "OutputAttnRes", "RoutedExperts", "graph_for", "logical_axes",
            "model_graph", "named_params", "split_model", "split_module", "summary"]
 
@@ -51,28 +51,30 @@ def split_model(model: K3Model) -> tuple[ModelGraph, dict]:
 _graphs: dict = {}
 
 
-def model_graph(config: ModelConfig, stacked: bool, merged_experts: bool = False) -> ModelGraph:
-    """The graph of a model of this config and layout, from abstract parameters (nothing allocated;
+def model_graph(config: ModelConfig, merged_experts: bool = False) -> ModelGraph:
+    """The graph of a model of this config, from abstract parameters (nothing allocated;
     memoized: configs hold dicts, so they are keyed by repr)."""
-    key = (repr(config), stacked, merged_experts)
+    key = (repr(config), merged_experts)
     if key not in _graphs:
-        _graphs[key] = split_model(K3Model(config, stacked=stacked, merged_experts=merged_experts))[0]
+        _graphs[key] = split_model(K3Model(config, merged_experts=merged_experts))[0]
     return _graphs[key]
 
 
 def graph_for(config: ModelConfig, params) -> ModelGraph:
-    """The graph for a parameter tree of any layout (layers stacked or not, experts merged or not)."""
-    return model_graph(config, is_stacked(params), experts_merged(params))
+    """The graph for a parameter tree of the model's layout (experts merged or not)."""
+    return model_graph(config, experts_merged(params))
 
 
 def make_step(config: ModelConfig, backend: Backend | None = None, graph: ModelGraph | None = None):
     """The engine step's body, the one every jitted step wraps (the engine's, the sharded one, the
     scratch-memory measurement): (params, pools, batch) -> (logits [N, V], pools), the model merged
     from `graph` and params inside the trace (graph None: the graph of the config and the params'
-    layout), closed over one backend (None: detected now, once)."""
+    layout; a checkpoint-layout tree is stacked in the trace), closed over one backend (None: detected now, once)."""
     backend = resolve(backend)
 
     def step(params, pools, batch):
+        if graph is None:           # a tree of the checkpoint layout is stacked here (a copy in the step)
+            params = stack_layers(params, config)
         model = (graph or graph_for(config, params)).merge(params)
         with jax.named_scope("model"):
             return model(batch.tokens, pools, batch, backend=backend)
@@ -106,13 +108,10 @@ def summary(model: K3Model) -> list[dict]:
     k3jax.info counts them: MXFP4 bytes hold two, scales are none; a scanned position's parameters
     split evenly over its repeats)."""
     c = model.config
-    if isinstance(model.layers, LayerStack):
-        plan = layer_stack_plan(c)
-        by_index = dict(zip(plan.head, model.layers.head)) | dict(zip(plan.tail, model.layers.tail))
-        scanned = {plan.layer(r, j): (u, plan.repeats) for j, u in enumerate(model.layers.units)
-                   for r in range(plan.repeats)}
-    else:
-        by_index, scanned = dict(enumerate(model.layers)), {}
+    plan = layer_stack_plan(c)
+    by_index = dict(zip(plan.head, model.layers.head)) | dict(zip(plan.tail, model.layers.tail))
+    block = model.layers.units if plan.repeats else ()
+    scanned = {plan.layer(r, j): (u, plan.repeats) for j, u in enumerate(block) for r in range(plan.repeats)}
     rows = []
     for i in range(c.num_layers):
         layer, share = scanned.get(i, (by_index.get(i), 1))

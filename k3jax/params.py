@@ -47,11 +47,21 @@ def _memo(key, make):
 
 def param_spec(c: ModelConfig, stacked: bool = False, merged_experts: bool = False) -> dict:
     """Nested dict of Leaf: the parameter tree (shapes, init kinds, logical axes) as the modules
-    declare it. stacked: the scan layout (k3jax.layer_stack), scanned leaves with a leading
-    "layers" axis. merged_experts: routed experts with one gate/up weight (k3jax.expert_layout)."""
+    declare it. stacked: the model's layout (k3jax.layer_stack), scanned leaves with a leading
+    "layers" axis; otherwise the checkpoint's (params["layers"] a list, one dict per layer).
+    merged_experts: routed experts with one gate/up weight (k3jax.expert_layout)."""
+    from k3jax.layer_stack import unstack_layers
     from k3jax.model import K3Model
-    return _memo((repr(c), "model", stacked, merged_experts),
-                 lambda: K3Model(c, stacked=stacked, merged_experts=merged_experts).spec())
+
+    def make():
+        spec = K3Model(c, merged_experts=merged_experts).spec()
+        return spec if stacked else unstack_layers(spec, c, take=_unstacked_leaf, is_leaf=is_leaf)
+    return _memo((repr(c), "model", stacked, merged_experts), make)
+
+
+def _unstacked_leaf(leaf: Leaf, r: int) -> Leaf:
+    """One repeat's Leaf of a stacked Leaf (the leading "layers" axis dropped)."""
+    return dataclasses.replace(leaf, shape=leaf.shape[1:], axes=leaf.axes[1:])
 
 
 def kda_spec(c: ModelConfig) -> dict:
@@ -133,9 +143,10 @@ def init_params_by_leaf(c: ModelConfig, key, dtype=jnp.bfloat16, std: float = IN
             programs[sig] = jax.jit(jax.vmap(f) if k.ndim else f, **({"out_shardings": sh} if sh else {}))
         return programs[sig](k)
 
-    from k3jax.layer_stack import layer_stack_plan
+    from k3jax.layer_stack import layer_stack_plan, stack_layers
     plan = layer_stack_plan(c)
-    stacked = stacked and bool(plan.repeats)
+    if stacked and not plan.repeats:
+        return stack_layers(init_params_by_leaf(c, key, dtype, std, shardings=shardings), c)
     sh_tree = shardings if shardings is not None else \
         jax.tree_util.tree_map(lambda _: False, param_spec(c, stacked=stacked), is_leaf=is_leaf)
     init = lambda s, k, sh: jax.tree_util.tree_map(make, s, k, sh, is_leaf=is_leaf)  # noqa: E731

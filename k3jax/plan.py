@@ -65,17 +65,17 @@ def weight_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
 
 
 def vision_bytes(c: ModelConfig, sizes: dict, dtype=jnp.bfloat16) -> int:
-    """Per-device bytes of the vision tower (0 for text-only configs), by sharding.rules.VISION_RULES."""
+    """Per-device bytes of the vision tower (0 for text-only configs), by the axes its parameters declare."""
     if not c.vision:
         return 0
     from k3jax.vision.config import VisionConfig
     from k3jax.vision.tower import vision_param_spec
     from k3jax.params import is_leaf
-    from sharding.rules import VISION_RULES, tree_specs
+    from sharding.rules import spec_tree_specs
     spec = vision_param_spec(VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size), c.hidden_size)
     shapes = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype(dtype)), spec,
                                     is_leaf=is_leaf)
-    return _tree_device_bytes(shapes, tree_specs(shapes, sizes, rules=VISION_RULES), sizes)
+    return _tree_device_bytes(shapes, spec_tree_specs(spec, sizes), sizes)
 
 
 def pool_bytes(c: ModelConfig, sizes: dict, num_pages: int, page_size: int, num_slots: int,

@@ -167,8 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forbid-compile-after-warmup", action="store_true", help="fail a step that would compile after warm-up")
     ap.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM; then they end with an error event")
-    ap.add_argument("--unrolled-layers", action="store_true",
-                    help="trace every layer instead of scanning the repeating block (debugging; more memory)")
     ap.add_argument("--reasoning", choices=["auto", "on", "off"], default="auto",
                     help="does the model start its answer with reasoning? auto: the model's own default (K3 yes; Kimi Linear and the embedded tiny no)")
     ap.add_argument("--allow-remote-images", action="store_true",
@@ -244,7 +242,7 @@ def build_state(args, request_matcher=None):
         memory_fraction=args.memory_fraction,
         cache_memory_bytes=args.cache_memory_mb << 20 if args.cache_memory_mb else None,
         max_waiting=args.max_waiting, warmup=not args.no_warmup, compile_threads=args.compile_threads,
-        forbid_compile_after_warmup=args.forbid_compile_after_warmup, scan_layers=not args.unrolled_layers,
+        forbid_compile_after_warmup=args.forbid_compile_after_warmup,
         async_scheduling=not args.no_async_scheduling, decode_steps_per_launch=args.decode_steps_per_launch,
         decode_steps_max_seqs=args.decode_steps_max_seqs,
         encoder_cache_bytes=args.encoder_cache_mb << 20,

@@ -97,7 +97,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens, max_logprobs=args.max_logprobs, seed=args.seed,
             cache_dtype=cache_dtype, mla_cache_dtype=mla_dtype, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, mesh=mesh,
-            scan_layers=args.scan_layers, backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
+            backend=getattr(model, "backend", None), dense_in_place=args.dense_in_place,
             executable_cache=ExecutableCache(os.path.join(args.compilation_cache_dir, "executables"))
             if args.compilation_cache_dir and args.executable_cache else None,
             spec_width=args.num_speculative_tokens + 1 if args.speculative != "off" else 0,
@@ -153,9 +153,8 @@ class LLMEngine:
             args.long_prefill_tokens = 0
             return 0
         tb, sb = self.token_buckets, self.seq_buckets
-        from k3jax.layer_stack import stack_layers, unstack_layers
-        layout = stack_layers if args.scan_layers else unstack_layers          # as the runner will hold them
-        params = jax.eval_shape(lambda p: layout(p, c), self.model.params)
+        from k3jax.layer_stack import stack_layers
+        params = jax.eval_shape(lambda p: stack_layers(p, c), self.model.params)   # as the runner holds them
 
         def measure(T: int, N: int) -> int:
             t0 = time.perf_counter()

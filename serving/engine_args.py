@@ -140,8 +140,6 @@ class EngineArgs:
     executable_cache: bool = False                # warm-up's compiled programs kept in compilation_cache_dir/executables:
                                                   # a restart skips tracing and lowering (serve turns it on)
     token_buckets: Optional[tuple] = None
-    scan_layers: bool = True                      # the repeating layers as one scanned block (False: every
-                                                  # layer traced, a debug path holding a second weight copy)
     seq_buckets: Optional[tuple] = None
     vision: bool = True                           # accept images when the model has a tower (False: text only,
                                                   # no tower warm-up or encoder cache)

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
-from k3jax.layer_stack import stack_layers, unstack_layers
 from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.nnx_model import K3Model, make_step, split_model
 from pallas_kernels.backend import Backend, resolve
@@ -240,7 +239,6 @@ class ModelRunner:
     def __init__(self, config, params, *, num_pages: int, num_slots: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_logprobs: int = 20, seed: int = 0,
                  cache_dtype=None, mla_cache_dtype=None, token_buckets=None, seq_buckets=None, mesh=None,
-                 scan_layers: bool = True,
                  backend: Backend | None = None, dense_in_place: bool = True, executable_cache=None,
                  spec_width: int = 0, decode_steps: int = 1, decode_steps_max_seqs: int = 0,
                  long_prefill_tokens: int = 0):
@@ -251,10 +249,9 @@ class ModelRunner:
         self.decode_steps_max_seqs = decode_steps_max_seqs if decode_steps > 1 else 0
         self.spec_width = spec_width        # speculative decoding: K + 1 tokens per verify row (0 = off)
         self.backend = resolve(backend)     # closed over by the step (expert parallelism added on a mesh)
-        # scan layout (a no-op when load_model did it); unrolled: per-layer slices, a second copy.
-        # Split once: the step merges the NNX model from (graph, params) inside its trace.
-        self.graph, self.params = split_model(
-            K3Model(config, stack_layers(params, config) if scan_layers else unstack_layers(params, config)))
+        # the model's layout (stacked by load_model already: then no copy). Split once: the step
+        # merges the NNX model from (graph, params) inside its trace.
+        self.graph, self.params = split_model(K3Model(config, params))
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.max_logprobs = max_logprobs

@@ -33,7 +33,8 @@ def patch_buckets(largest: int, merge: int, smallest: int = 64) -> list:
 
 class VisionEncoder:
     def __init__(self, vision, *, cache_bytes: int, out_dtype, mesh=None, max_patches: int | None = None):
-        from k3jax.vision.tower import encode_images, stack_blocks
+        from k3jax.layers.module import split_module
+        from k3jax.vision.tower import stack_blocks, tower_of
         self.vision = vision
         self.config = cfg = vision.config
         self.pad_id = vision.pad_id
@@ -41,13 +42,15 @@ class VisionEncoder:
         self.cache = EncoderCache(cache_bytes)
         largest = max_patches or vision.max_patches
         self.buckets = patch_buckets(largest, cfg.merge_size)
-        self.params = stack_blocks(vision.params)     # the layers run under one scan: one compiled block
-        # The tower is small next to the LLM: replicate it. Multi-host: it runs on process 0's own
-        # device only, and its embeddings reach the other processes in the step batch (serving/multihost.py).
+        tower = tower_of(stack_blocks(vision.params), cfg)     # the layers run under one scan: one compiled block
+        # The tower declares its parameters replicated (small next to the LLM). Multi-host: it runs on
+        # process 0's own device only, and its embeddings reach the other processes in the step batch
+        # (serving/multihost.py).
         if mesh is not None and jax.process_count() == 1:
             from sharding.rules import shard_vision
-            self.params = shard_vision(self.params, mesh)
-        self._fn = jax.jit(lambda p, px, vb: encode_images(p, cfg, px, vb))
+            tower = shard_vision(tower, mesh)
+        graph, self.params = split_module(tower)               # split once; merged inside the trace
+        self._fn = jax.jit(lambda p, px, vb: graph.merge(p)(px, vb))
         self.guard = False
         self._seen: set = set()
         self.counters = {"encoded_images": 0, "encoded_tokens": 0, "encoder_time": 0.0}

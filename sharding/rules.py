@@ -4,8 +4,8 @@ Parameters declare their LOGICAL axes where they are created, in their module's 
 (k3jax/layers/: one name per dimension, e.g. q_proj ("embed", "kda_heads"), routed experts
 ("experts", "expert_embed", "expert_mlp"), a scanned stack's leading "layers"; read off the
 modules as k3jax.params.param_spec); LOGICAL_AXES maps those names to mesh axes.
-Cache pools and the vision tower match a regex table by path ("mla_kv", "blocks.3.wqkv.w"): each rule is
-(regex matched against the whole path, one logical axis name or None per dimension).
+Cache pools declare theirs on their fields (k3jax/cache.py, CachePools.pool_axes), the vision
+tower's modules on their parameters (k3jax/vision/tower.py: replicated).
 
 Logical axes -> mesh axes (docs/sharding.md explains the choices):
   kda_heads, mla_heads  tensor   attention heads (head-aligned: the head count must divide)
@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import re
 from typing import Mapping
 
 import jax
@@ -50,27 +49,6 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "latent": (), "expert_embed": (),
 }
 
-POOL_RULES: tuple[tuple[str, tuple], ...] = (
-    # [pages, layers, page_size, latent+rope]: the latent is shared by all heads -> replicated over tensor
-    (r"mla_kv", ("batch", None, None, None)),
-    # [slots, layers, H, K, V] fp32: slots over data*expert, heads over tensor
-    (r"kda_state", ("batch", None, "kda_heads", None, None)),
-    # [slots, layers, Kc-1, 3*H*K]: packed q|k|v channels are not head-contiguous -> replicated over tensor
-    (r"kda_conv", ("batch", None, None, None)),
-)
-
-# Vision tower (k3jax/vision; paths inside model.vision.params): replicated. It is small next to
-# the LLM (~0.4 B parameters for K3) and each process encodes its own requests' images, so
-# sharding it would only add communication. Stacked blocks (one scan over layers) add a leading L.
-VISION_RULES: tuple[tuple[str, tuple], ...] = (
-    (r"(patch_embed|projector\.(proj0|proj2))\.w|blocks\.\d+\.(wqkv|wo|fc0|fc1)\.w", (None, None)),
-    (r"pos_emb", (None, None, None)),
-    (r"blocks\.(wqkv|wo|fc0|fc1)\.w", (None, None, None)),
-    (r"blocks\.\d+\.\w+\.[wb]|(patch_embed|final_norm|projector\.\w+)\.b"
-     r"|(final_norm|projector\.(pre_norm|post_norm))\.w", (None,)),
-    (r"blocks\.\w+\.[wb]", (None, None)),
-)
-
 _noted: set = set()
 
 
@@ -85,14 +63,6 @@ def path_str(path) -> str:
         else:
             parts.append(str(k))
     return ".".join(parts)
-
-
-def match_rule(path: str, rules) -> tuple[str, tuple]:
-    """The (regex, logical dims) rule for a path; KeyError when none matches."""
-    for pattern, dims in rules:
-        if re.fullmatch(pattern, path):
-            return pattern, dims
-    raise KeyError(f"no partition rule matches {path!r}: add one to sharding/rules.py")
 
 
 def axis_units(config) -> dict[str, int]:
@@ -146,18 +116,11 @@ def logical_spec(axes, shape, sizes=None, units: Mapping[str, int] | None = None
                for a, d in zip(axes, shape)))
 
 
-def spec_for(path: str, shape, sizes, rules) -> P:
-    """PartitionSpec of one pool / vision leaf by its path's rule."""
-    pattern, dims = match_rule(path, rules)
-    if len(dims) != len(shape):
-        raise ValueError(f"rule {pattern!r} has {len(dims)} dims but {path!r} has shape {tuple(shape)}")
-    return logical_spec(dims, shape, sizes, what=path)
-
-
-def tree_specs(tree, mesh=None, *, rules):
-    """PartitionSpec tree of a tree matched by a regex table (POOL_RULES, VISION_RULES)."""
+def spec_tree_specs(spec, mesh=None):
+    """PartitionSpec tree of a declared-parameter tree (k3jax.params.Leaf leaves: a module's .spec())."""
+    from k3jax.params import is_leaf
     sizes = None if mesh is None else axis_sizes(mesh)
-    return jax.tree_util.tree_map_with_path(lambda p, x: spec_for(path_str(p), x.shape, sizes, rules), tree)
+    return jax.tree_util.tree_map(lambda leaf: logical_spec(leaf.axes, leaf.shape, sizes), spec, is_leaf=is_leaf)
 
 
 def _spec_leaves(tree, config):
@@ -239,8 +202,11 @@ def shard_params(params, mesh, config):
 
 
 def pool_specs(pools, mesh=None):
-    """PartitionSpec tree of CachePools (arrays or ShapeDtypeStructs)."""
-    return tree_specs(pools, mesh, rules=POOL_RULES)
+    """PartitionSpec tree of CachePools (arrays or ShapeDtypeStructs), from the axes each pool declares."""
+    sizes = None if mesh is None else axis_sizes(mesh)
+    return pools.replace(**{name: None if getattr(pools, name) is None else
+                            logical_spec(axes, getattr(pools, name).shape, sizes, what=name)
+                            for name, axes in pools.pool_axes().items()})
 
 
 def pool_shardings(config, mesh, pools):
@@ -254,9 +220,10 @@ def shard_pools(pools, mesh):
     return place(pools, _named(mesh, pool_specs(pools, mesh)))
 
 
-def shard_vision(params, mesh):
-    """The vision tower's parameters placed by VISION_RULES (replicated)."""
-    return place(params, _named(mesh, tree_specs(params, mesh, rules=VISION_RULES)))
+def shard_vision(tower, mesh):
+    """The vision tower (a VisionTower) over its parameters placed by the axes they declare (replicated)."""
+    from k3jax.vision.tower import tower_of
+    return tower_of(place(tower.tree(), _named(mesh, spec_tree_specs(tower.spec(), mesh))), tower.config)
 
 
 def replicated(mesh):
@@ -264,15 +231,20 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def explain(tree, mesh=None, *, config=None, rules=None) -> list[tuple[str, tuple, P]]:
-    """(path, logical axes, spec) for every leaf: a parameter tree (config given) by its declared
-    axes, a pool / vision tree by its regex table (`rules`)."""
-    if rules is None:
-        specs = jax.tree_util.tree_leaves(param_tree_specs(tree, mesh, config), is_leaf=lambda x: isinstance(x, P))
-        return [(path, leaf.axes, s) for (path, _, leaf), s in zip(_spec_leaves(tree, config), specs)]
-    specs = jax.tree_util.tree_leaves(tree_specs(tree, mesh, rules=rules), is_leaf=lambda x: isinstance(x, P))
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(path_str(p), match_rule(path_str(p), rules)[1], s) for (p, _), s in zip(flat, specs)]
+def explain(tree, mesh=None, *, config=None) -> list[tuple[str, tuple, P]]:
+    """(path, logical axes, spec) for every leaf: a parameter tree (config given), CachePools or a
+    module (the vision tower), each by its declared axes."""
+    if hasattr(tree, "pool_axes"):
+        specs = pool_specs(tree, mesh)
+        return [(name, axes, getattr(specs, name)) for name, axes in tree.pool_axes().items()
+                if getattr(tree, name) is not None]
+    if hasattr(tree, "spec"):
+        from k3jax.params import is_leaf
+        flat = jax.tree_util.tree_flatten_with_path(tree.spec(), is_leaf=is_leaf)[0]
+        specs = jax.tree_util.tree_leaves(spec_tree_specs(tree.spec(), mesh), is_leaf=lambda x: isinstance(x, P))
+        return [(path_str(p), leaf.axes, s) for (p, leaf), s in zip(flat, specs)]
+    specs = jax.tree_util.tree_leaves(param_tree_specs(tree, mesh, config), is_leaf=lambda x: isinstance(x, P))
+    return [(path, leaf.axes, s) for (path, _, leaf), s in zip(_spec_leaves(tree, config), specs)]
 
 
 def shard_shape(shape, spec: P, mesh) -> tuple[int, ...]:

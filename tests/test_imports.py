@@ -37,12 +37,9 @@ ALLOWED_ENV = {
     ("serving.engine_args", "XLA_PYTHON_CLIENT_MEM_FRACTION"),   # claim_device_memory: the user's value wins
 }
 
-# Private names imported across packages that the model restructuring removes (k3jax/params.py's random
-# initialisers, used by the vision tower; checkpoint/hf_names.py's source pickers, used by vision/names.py).
+# Private names imported across packages that the model restructuring removes (checkpoint/hf_names.py's
+# source pickers, used by vision/names.py).
 KNOWN_PRIVATE = {
-    ("k3jax.vision.tower", "k3jax.params._init_leaf"),
-    ("k3jax.vision.tower", "k3jax.params._JaxRandom"),
-    ("k3jax.vision.tower", "k3jax.params._NumpyRandom"),
     ("k3jax.vision.names", "k3jax.checkpoint.hf_names._first_available"),
     ("k3jax.vision.names", "k3jax.checkpoint.hf_names._select"),
 }

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from k3jax import nnx_model
-from k3jax.layer_stack import layer_stack_plan, stack_layers
+from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
 from k3jax.layers.module import value
 from k3jax.model import forward_full
 from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
@@ -20,11 +20,10 @@ def tiny():
     return c, init_params_numpy(c, 0, jnp.float32)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_merged_model_traces_the_functional_core(tiny, stacked):
+def test_merged_model_traces_the_functional_core(tiny):
     """The model merged from (graph, params) inside a trace runs exactly the functional forward."""
     c, params = tiny
-    params = stack_layers(params, c) if stacked else params
+    params = stack_layers(params, c)
     graph, flat = nnx_model.split_model(nnx_model.K3Model(c, params))
     assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat), jax.tree_util.tree_leaves(params)))
     toks = (np.arange(10, dtype=np.int32).reshape(2, 5) * 37) % c.vocab_size
@@ -35,6 +34,28 @@ def test_merged_model_traces_the_functional_core(tiny, stacked):
     assert str(jax.make_jaxpr(lambda p, t: nnx_model.graph_for(c, p).merge(p)(t))(params, toks)) == str(direct)
     with pytest.raises(ValueError, match="parameter arrays for a model graph"):
         graph.merge({"embed": params["embed"]})
+    # the checkpoint layout is stacked into the one model layout (the same program)
+    assert str(jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(stack_layers(params, c), toks)) == str(direct)
+
+
+def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
+    """The (KDA, KDA, ..) unit is one DecoderBlock whose parameters are stacked over the repeats,
+    and the forward holds one scan whose body runs the whole unit."""
+    c, params = tiny
+    plan = layer_stack_plan(c)
+    model = nnx_model.K3Model(c, params)
+    block = model.layers.units
+    assert isinstance(block, nnx_model.DecoderBlock) and len(block) == plan.unit
+    assert block.kinds == tuple(c.layer_types[plan.layer(0, j)] for j in range(plan.unit))
+    for j, layer in enumerate(block):
+        assert value(layer.input_norm).shape == (plan.repeats, c.hidden_size)
+        np.testing.assert_array_equal(value(layer.input_norm)[1], params["layers"][plan.layer(1, j)]["input_norm"])
+    assert model.layers[plan.layer(1, 1)] is block[1] and model.layers[0] is model.layers.head[0]
+    toks = np.zeros((1, 5), np.int32)
+    jaxpr = jax.make_jaxpr(lambda t: model(t))(toks)
+    # (the head's KDA layers scan over their 5 tokens; the block over its repeats)
+    scans = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert plan.repeats > 1 and scans.count(plan.repeats) == 1 and set(scans) == {5, plan.repeats}, scans
 
 
 def test_runner_step_traces_the_functional_step(tiny):
@@ -94,7 +115,7 @@ def test_logical_axes_resolve_for_every_parameter(preset):
     c = preset_config(preset)
     mesh = {"data": 2, "expert": 4, "tensor": 8}
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    for stacked in (False, True):
+    for stacked in (False, True):       # the model stacks a checkpoint-layout tree into its one layout
         abstract = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16),
                                           param_spec(c, stacked=stacked), is_leaf=is_leaf)
         model = nnx_model.K3Model(c, abstract)
@@ -102,10 +123,14 @@ def test_logical_axes_resolve_for_every_parameter(preset):
         shapes = {path: p.shape for path, p in nnx_model.named_params(model).items()}
         assert len(shapes) == len(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
         want = {rules.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-            rules.param_specs(c, mesh, stacked=stacked), is_leaf=is_spec)[0]}
+            rules.param_specs(c, mesh, stacked=True), is_leaf=is_spec)[0]}
         assert axes.keys() == want.keys() and len(want) > 10
         for path, names in axes.items():
             assert rules.logical_spec(names, shapes[path], mesh, rules.axis_units(c), path) == want[path], path
+    # the checkpoint layout's specs are the model's, one layer per repeat (the "layers" axis dropped)
+    unstacked = unstack_layers(rules.param_specs(c, mesh, stacked=True), c,
+                               take=lambda s, r: jax.sharding.PartitionSpec(*s[1:]), is_leaf=is_spec)
+    assert unstacked == rules.param_specs(c, mesh, stacked=False)
 
 
 def test_runner_splits_once_and_merges_only_while_tracing(monkeypatch):
@@ -134,16 +159,15 @@ def test_runner_splits_once_and_merges_only_while_tracing(monkeypatch):
     assert counts == {"split": 1, "merge": 1}           # one trace, three steps
 
 
-@pytest.mark.parametrize("stacked", [pytest.param(False, marks=pytest.mark.slow), True])   # (False: ~35 s)
-def test_modules_declare_their_parameters(stacked):
+def test_modules_declare_their_parameters():
     """The model's own __init__ makes its parameters: random ones from nnx.Rngs (each of the declared
     shape, dtype and logical axes, norms near one), abstract ones without rngs or under
     nnx.eval_shape, and the spec the loaders and rules read is exactly those declarations."""
     c = preset_config("tiny-random")
-    spec = param_spec(c, stacked=stacked)
-    model = nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32, rngs=nnx.Rngs(3))
-    abstract = nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32)
-    traced = nnx.eval_shape(lambda: nnx_model.K3Model(c, stacked=stacked, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    spec = param_spec(c, stacked=True)
+    model = nnx_model.K3Model(c, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    abstract = nnx_model.K3Model(c, dtype=jnp.float32)
+    traced = nnx.eval_shape(lambda: nnx_model.K3Model(c, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     flat_spec = jax.tree_util.tree_leaves(spec, is_leaf=is_leaf)
     for m in (model, abstract, traced):
         assert m.spec() == spec
@@ -153,9 +177,9 @@ def test_modules_declare_their_parameters(stacked):
     norms = [x for leaf, x in zip(flat_spec, jax.tree_util.tree_leaves(model.tree())) if leaf.kind == "norm"]
     assert all(0.5 < float(jnp.mean(x)) < 1.5 for x in norms)
     assert len({float(jnp.sum(x)) for x in jax.tree_util.tree_leaves(model.tree())}) > len(flat_spec) // 2
-    if stacked:       # a scanned unit's repeats are drawn separately, not one draw repeated
-        q = value(model.layers.units[0].attn.q_proj)
-        assert model.layers.units[0].attn.q_proj.logical_axes[0] == "layers" and not np.array_equal(q[0], q[1])
+    # a scanned unit's repeats are drawn separately, not one draw repeated
+    q = value(model.layers.units[0].attn.q_proj)
+    assert model.layers.units[0].attn.q_proj.logical_axes[0] == "layers" and not np.array_equal(q[0], q[1])
     logits = model(jnp.arange(6, dtype=jnp.int32).reshape(1, 6))
     assert logits.shape == (1, 6, c.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
     with pytest.raises(ValueError, match="without cache"):

@@ -42,10 +42,10 @@ def test_plan_matches_allocated_shards(spec):
     # the tiny tower, placed by the vision rules the way the engine places it, costs what the plan says
     from k3jax import load_model
     from sharding.rules import shard_vision
-    from k3jax.vision.tower import stack_blocks
-    tower = load_model("tiny-random").vision.params
-    for tree in (tower, stack_blocks(tower)):
-        v = _bytes_per_device(shard_vision(tree, mesh))
+    from k3jax.vision.tower import stack_blocks, tower_of
+    vision = load_model("tiny-random").vision
+    for tower in (vision.tower, tower_of(stack_blocks(vision.params), vision.config)):
+        v = _bytes_per_device(shard_vision(tower, mesh).tree())
         assert len(v) == 8 and set(v.values()) == {r["vision_bytes"]}
 
 

@@ -69,7 +69,7 @@ def test_every_leaf_has_an_explicit_rule(name):
               for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
     for mesh in (None, {"data": 2, "expert": 4, "tensor": 1}, {"data": 1, "expert": 4, "tensor": 2}):
         params = rules.explain(pshapes, mesh, config=c)
-        pools = rules.explain(poshapes, mesh, rules=rules.POOL_RULES)
+        pools = rules.explain(poshapes, mesh)
         assert len(params) == len(shapes) - len(pools) and len(params) > 10
         assert [p for p, *_ in pools] == ["mla_kv", "kda_state", "kda_conv"]    # one array per kind
         for path, axes, spec in params + pools:
@@ -160,17 +160,17 @@ def test_shard_params_and_pools_place_arrays():
 
 
 @pytest.mark.parametrize("preset", ["tiny-random", "kimi-k3"])
-def test_every_vision_leaf_has_a_replicated_rule(preset):
-    from k3jax.params import is_leaf
+def test_every_vision_parameter_is_declared_replicated(preset):
     from k3jax.vision.config import VisionConfig
-    from k3jax.vision.tower import stack_blocks, vision_param_spec
+    from k3jax.vision.tower import VisionTower
     c = preset_config(preset)
-    spec = vision_param_spec(VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size), c.hidden_size)
-    shapes = jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(l.shape, jnp.bfloat16), spec, is_leaf=is_leaf)
-    for tree in (shapes, jax.eval_shape(stack_blocks, shapes)):       # per-layer and scanned layouts
-        flat = rules.explain(tree, {"data": 2, "expert": 4, "tensor": 2}, rules=rules.VISION_RULES)
-        assert len(flat) == len(jax.tree_util.tree_leaves(tree))
-        assert all(all(d is None for d in spec_) for _, _, spec_ in flat)
+    vc = VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size)
+    for stacked in (False, True):                                     # per-layer and scanned layouts
+        tower = VisionTower(vc, c.hidden_size, stacked=stacked)      # abstract: nothing allocated
+        flat = rules.explain(tower, {"data": 2, "expert": 4, "tensor": 2})
+        assert len(flat) == len(jax.tree_util.tree_leaves(tower.tree())) > 10
+        assert all(len(axes) == len(spec_) and all(d is None for d in spec_) for _, axes, spec_ in flat)
+        assert any(path.startswith("blocks.wqkv") if stacked else path.startswith("blocks.0.wqkv") for path, _, _ in flat)
 
 
 def test_random_init_made_on_the_stacked_shardings(monkeypatch):

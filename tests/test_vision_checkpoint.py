@@ -35,6 +35,9 @@ def test_hf_dir_and_converted_dir_load_the_same_tower(hf_dir, tmp_path):
     src, tower = hf_dir
     m = load_model(src, dtype="bfloat16")
     assert m.vision is not None and m.vision.processor.max_patches == 128
+    from k3jax.vision.tower import VisionTower
+    assert isinstance(m.vision.tower, VisionTower)         # the loader filled the tower module's parameters
+    assert m.vision.tower.blocks[0].wqkv.w.logical_axes == (None, None)
     _assert_tree_equal(m.vision.params, tower)
     dst = str(tmp_path / "converted")
     summary = convert(src, dst, progress=False)

@@ -331,3 +331,28 @@ def test_bf16_params_and_rmsnorm_dtype_eps(k25_ref):
     ours = np.asarray(_norm_apply(p, xj, rms.norm_eps), np.float32)
     assert _rel(ours, ref) <= 1e-2
     assert _rel(np.asarray(_norm_apply(p, xj, 2.0 ** -7), np.float32), ref) > 0.5
+
+
+def test_tower_modules_declare_their_parameters():
+    """VisionTower declares every parameter (random from nnx.Rngs, abstract without); the stacked
+    tower (one block scanned) computes what the per-layer one does over the same weights."""
+    from flax import nnx
+    from k3jax.params import is_leaf
+    from k3jax.presets import preset_config
+    from k3jax.vision.tower import VisionTower, tower_of
+    c = preset_config("tiny-random")
+    vc = VisionConfig.from_dict(c.vision, text_hidden_size=c.hidden_size)
+    spec = vision_param_spec(vc, c.hidden_size)
+    assert VisionTower(vc, c.hidden_size).spec() == spec
+    # random parameters made by the modules' own __init__ (one jitted program)
+    params = jax.jit(lambda: VisionTower(vc, c.hidden_size, dtype=jnp.float32, rngs=nnx.Rngs(0)).tree())()
+    for leaf, x in zip(jax.tree_util.tree_leaves(spec, is_leaf=is_leaf), jax.tree_util.tree_leaves(params)):
+        assert x.shape == leaf.shape and leaf.axes == (None,) * len(leaf.shape)
+    assert len({float(jnp.sum(x)) for x in jax.tree_util.tree_leaves(params)}) > len(jax.tree_util.tree_leaves(params)) // 2
+    stacked = tower_of(stack_blocks(params), vc)
+    assert stacked.stacked and stacked.blocks.wqkv.w.logical_axes[0] == "layers"
+    px = np.random.RandomState(0).randn(48, 3, vc.patch_size, vc.patch_size).astype(np.float32)
+    vb = prepare_vision_batch(vc, [GRID_A])
+    run = jax.jit(lambda p, x: tower_of(p, vc)(x, vb))
+    a, b = (np.asarray(run(p, pad_pixel_values(px, vb)))[:vb.num_tokens] for p in (params, stack_blocks(params)))
+    assert np.abs(a).max() > 0 and np.abs(a - b).max() <= 1e-5 * np.abs(a).max()

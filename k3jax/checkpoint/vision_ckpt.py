@@ -70,12 +70,14 @@ def convert_vision(ckpt, config: ModelConfig, raw: dict, dst_dir: str, dtype) ->
     return sum(a.nbytes for a in tensors.values())
 
 
-def _tree(vcfg, config: ModelConfig, flat: dict, dtype):
-    """Our param tree from {key: numpy array}, each cast to its leaf's dtype."""
+def _tower(vcfg, config: ModelConfig, flat: dict, dtype):
+    """The VisionTower: an abstract one (its declared parameters) filled from {key: numpy array},
+    each cast to its parameter's dtype."""
     import jax.numpy as jnp
-    from k3jax.vision.tower import vision_param_spec
-    spec = vision_param_spec(vcfg, config.hidden_size)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)
+    from k3jax.layers.module import fill
+    from k3jax.vision.tower import VisionTower
+    tower = VisionTower(vcfg, config.hidden_size)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tower.spec(), is_leaf=is_leaf)
     keys = [path_str(p) for p, _ in paths]
     missing = [k for k in keys if k not in flat]
     if missing:
@@ -83,8 +85,8 @@ def _tree(vcfg, config: ModelConfig, flat: dict, dtype):
     for (p, leaf), k in zip(paths, keys):
         if tuple(flat[k].shape) != tuple(leaf.shape):
             raise ValueError(f"{VISION_FILE}: {k} has shape {tuple(flat[k].shape)}, expected {tuple(leaf.shape)}")
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[k], leaf.dtype(dtype))
-                                                  for (_, leaf), k in zip(paths, keys)])
+    return fill(tower, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[k], leaf.dtype(dtype))
+                                                              for (_, leaf), k in zip(paths, keys)]))
 
 
 def load_vision(path: str, config: ModelConfig, tokenizer, dtype):
@@ -100,7 +102,7 @@ def load_vision(path: str, config: ModelConfig, tokenizer, dtype):
     converted = os.path.join(path, VISION_FILE)
     if os.path.exists(converted):
         from safetensors.numpy import load_file
-        params = _tree(vcfg, config, load_file(converted), dtype)
+        tower = _tower(vcfg, config, load_file(converted), dtype)
     else:
         from k3jax.checkpoint.safetensors_dir import SafetensorsDir
         try:
@@ -111,6 +113,6 @@ def load_vision(path: str, config: ModelConfig, tokenizer, dtype):
         if plan is None:
             log.warning("%s: config has a vision_config but no vision tower weights: images are disabled", path)
             return None
-        params = _tree(vcfg, config, {key: _build(src, leaf, ckpt.get, key, dtype) for key, src, leaf in plan}, dtype)
+        tower = _tower(vcfg, config, {key: _build(src, leaf, ckpt.get, key, dtype) for key, src, leaf in plan}, dtype)
     from k3jax.vision.preprocess import ImageProcessorConfig
-    return VisionModel(vcfg, params, ImageProcessorConfig.from_checkpoint_dir(path), media_pad_id(config, tokenizer))
+    return VisionModel(vcfg, tower, ImageProcessorConfig.from_checkpoint_dir(path), media_pad_id(config, tokenizer))

@@ -16,7 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import AttnRes, DenseMLP, norm_param, add_to_source, rms_norm
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
-from k3jax.layers.module import Module, value
+from k3jax.layers.module import List, Module, value
 from k3jax.layers.moe import MoE
 from pallas_kernels.backend import Backend
 
@@ -76,3 +76,24 @@ class DecoderLayer(Module):
         m_in = self.attn_res.before_mlp(buf, n, eps)
         buf = add_to_source(buf, n, mlp(m_in))
         return buf, cache
+
+
+class DecoderBlock(List):
+    """The repeating unit of layers (Kimi: KDA, KDA, KDA, MLA with the same MLP kind), layers
+    `start` .. `start + unit - 1` of the config. The model stacks it over its repeats at construction
+    (each parameter with a leading "layers" axis, k3jax.layers.module.stack_modules) and runs it by
+    one scan; a call is one repeat. Its parameter tree is the list of its layers' trees."""
+
+    def __init__(self, config: ModelConfig, start: int, unit: int, **kw):
+        super().__init__([DecoderLayer(config, start + j, **kw) for j in range(unit)])
+        self.start, self.unit = start, unit
+        self.kinds = tuple(config.layer_types[start + j] for j in range(unit))
+
+    def __call__(self, c: ModelConfig, r, stream, cache, attend, backend: Backend, stack_index=None):
+        """Repeat r (traced) of the unit: its layers in order. attend(j, attn, x, cache) -> (out,
+        cache) runs position j's attention; stack_index: the routed experts are whole stacks over
+        the repeats (see DecoderLayer)."""
+        for j, layer in enumerate(self):
+            stream, cache = layer(c, self.start + r * self.unit + j, stream, cache,
+                                  lambda m, x, ch, j=j: attend(j, m, x, ch), backend, stack_index=stack_index)
+        return stream, cache

@@ -153,7 +153,11 @@ class StackedWeight:
 
 
 def _children(module):
-    """(name, Param | Module | List) of a module's parameters and sub-modules, in declaration order."""
+    """(name, Param | Module | List) of a module's parameters and sub-modules, in declaration order
+    (a List's: its items, named by position)."""
+    if isinstance(module, List):
+        yield from ((str(i), v) for i, v in enumerate(module))
+        return
     for name, v in vars(module).items():
         if isinstance(v, (nnx.Param, Module, List)):
             yield name, v
@@ -172,7 +176,7 @@ class Module(nnx.Module, pytree=False):
 
     def tree(self) -> dict:
         """The parameters as a dict of arrays (the same arrays), named as in the checkpoint."""
-        return _walk(self, value)
+        return tree_of(self)
 
     def spec(self) -> dict:
         """The declared parameters as a dict of Leaf (shape, initializer kind, logical axes)."""
@@ -182,7 +186,9 @@ class Module(nnx.Module, pytree=False):
 Group = Module      # the former name
 
 
-def _walk(module, leaf_fn) -> dict:
+def _walk(module, leaf_fn):
+    if isinstance(module, List):
+        return [_walk(x, leaf_fn) for x in module]
     out = {}
     for name, v in _children(module):
         if isinstance(v, nnx.Param):
@@ -252,8 +258,15 @@ def _named(module, prefix=""):
             yield from _named(v, f"{prefix}{name}.")
 
 
-def right_operand_mask(module: Module) -> dict:
-    """module.tree()'s layout with True at the parameters listed in their Module's right_operands."""
+def tree_of(module) -> dict | list:
+    """A Module's or List's parameters as a dict (a list for a List) of arrays, named as in the checkpoint."""
+    return _walk(module, value)
+
+
+def right_operand_mask(module: Module) -> dict | list:
+    """tree_of(module)'s layout with True at the parameters listed in their Module's right_operands."""
+    if isinstance(module, List):
+        return [right_operand_mask(x) for x in module]
     out = {}
     for name, v in _children(module):
         if isinstance(v, nnx.Param):
@@ -280,11 +293,11 @@ class Graph:
 
 
 def split_module(module: Module) -> tuple[Graph, dict]:
-    """(graph, module.tree()): the parameter dict is in the order of the nnx state's leaves (checked),
+    """(graph, tree_of(module)): the parameter dict is in the order of the nnx state's leaves (checked),
     so `graph.merge(tree)` rebuilds the module, with its variants, over other arrays of that layout."""
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    params = module.tree()
+    params = tree_of(module)
     if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(params), leaves)) or \
             len(jax.tree_util.tree_leaves(params)) != len(leaves):
         raise AssertionError("the nnx state's leaf order differs from the parameter tree's")

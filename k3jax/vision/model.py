@@ -6,12 +6,18 @@ import dataclasses
 
 @dataclasses.dataclass
 class VisionModel:
-    """The image side of a multimodal model: tower + projector weights, image preprocessing,
-    and the placeholder id whose embeddings the tower's output replaces."""
+    """The image side of a multimodal model: the tower + projector module (its parameters filled by
+    the checkpoint loader), image preprocessing, and the placeholder id whose embeddings the tower's
+    output replaces."""
     config: object               # k3jax.vision.config.VisionConfig
-    params: dict
+    tower: object                # k3jax.vision.tower.VisionTower
     processor: object            # k3jax.vision.preprocess.ImageProcessorConfig
     pad_id: int                  # <|media_pad|>
+
+    @property
+    def params(self) -> dict:
+        """The tower's parameters as a dict of arrays (the same arrays), named as in the checkpoint."""
+        return self.tower.tree()
 
     @property
     def max_patches(self) -> int:

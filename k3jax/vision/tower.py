@@ -1,4 +1,4 @@
-"""MoonViT vision tower + patch-merger projector as pure functions over an explicit param tree.
+"""MoonViT vision tower + patch-merger projector as NNX modules that declare their parameters.
 
 Layout (linear weights [in, out]; Q = qkv width, P = 3*p*p, k = kh*kw merged patches):
   patch_embed {w [P, D], b [D]}       the p x p stride-p conv as a matmul over (c, y, x)-flattened pixels
@@ -7,67 +7,187 @@ Layout (linear weights [in, out]; Q = qkv width, P = 3*p*p, k = kh*kw merged pat
   final_norm {w, b}
   projector: patchmerger   {pre_norm {w [D], b}, proj0 {w [kD, kD], b}, proj2 {w [kD, T], b}}
              patchmergerv2 {proj0 {w [kD, kD]}, proj2 {w [kD, T]}, post_norm {w [T]}}
-Biases exist only where the config has them; RMSNorm has no bias.
+Biases exist only where the config has them; RMSNorm has no bias. Every parameter is declared
+replicated (logical axes None): the tower is small next to the LLM (~0.4 B parameters for K3) and
+each process encodes its own requests' images, so sharding it would only add communication.
 
 q/k columns are in Moonshot's checkpoint order: per head, rope pairs interleaved (x0, y0, x1, ...)
 and rotated as complex numbers (names.py permutes transformers' rotate-half layout into it).
-`blocks` may also be stacked (`stack_blocks`): the layers then run under lax.scan (one compiled
-layer instead of num_layers).
+`VisionTower(config, stacked=True)` holds the blocks as one VisionBlock stacked over the layers,
+run under lax.scan (one compiled layer instead of num_layers). The functions below the modules
+(`encode_images`, ...) are the same over a parameter dict (the module built over it, no copies).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from k3jax.layers.common import upcast
-from k3jax.layers.module import JaxRandom, Leaf, NumpyRandom, init_value, is_leaf
+from k3jax.layers.module import JaxRandom, List, Module, NumpyRandom, init_value, is_leaf, param, split_module, \
+    stack_modules, value
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.positions import VisionBatch, time_table
 
 
+# ---- modules -----------------------------------------------------------------------------------
+
+def _replicated(*shape):
+    return (None,) * len(shape)
+
+
+class VisionLinear(Module):
+    """x @ w (+ b)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.w = param((n_in, n_out), _replicated(n_in, n_out), dtype=dtype, rngs=rngs)
+        if bias:
+            self.b = param((n_out,), _replicated(n_out), "bias", dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return _linear(_dict(self), x)
+
+
+class VisionNorm(Module):
+    """LayerNorm (with a bias) or RMSNorm (without)."""
+
+    def __init__(self, d: int, bias: bool, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.w = param((d,), _replicated(d), "norm", dtype=dtype, rngs=rngs)
+        if bias:
+            self.b = param((d,), _replicated(d), "bias", dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, eps):
+        return _norm_apply(_dict(self), x, eps)
+
+
+def _dict(m: Module) -> dict:
+    """{"w": array, "b": array (if declared)} of a VisionLinear / VisionNorm."""
+    return {k: value(v) for k, v in vars(m).items() if isinstance(v, nnx.Param)}
+
+
+class VisionBlock(Module):
+    """norm0 -> rotary packed attention -> norm1 -> MLP, both residual."""
+
+    def __init__(self, config: VisionConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        c = self.config = config
+        D, Q, I = c.hidden_size, c.qkv_dim, c.intermediate_size
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.norm0 = VisionNorm(D, c.norm == "layernorm", **kw)
+        self.norm1 = VisionNorm(D, c.norm == "layernorm", **kw)
+        self.wqkv = VisionLinear(D, 3 * Q, c.attn_bias, **kw)
+        self.wo = VisionLinear(Q, D, c.attn_bias, **kw)
+        self.fc0 = VisionLinear(D, I, c.mlp_bias, **kw)
+        self.fc1 = VisionLinear(I, D, c.mlp_bias, **kw)
+
+    def __call__(self, x, cos, sin, seg, q_block: int):
+        c = self.config
+        n = x.shape[0]
+        H, hd, Q = c.num_heads, c.head_dim, c.qkv_dim
+        y = self.norm0(x, c.norm_eps)
+        qkv = self.wqkv(y)
+        q, k, v = (qkv[:, i * Q:(i + 1) * Q].reshape(n, H, hd) for i in range(3))
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        x = x + self.wo(_attention(q, k, v, seg, q_block).reshape(n, Q))
+        y = self.norm1(x, c.norm_eps)
+        return x + self.fc1(_gelu(self.fc0(y), c.hidden_act))
+
+
+class Projector(Module):
+    """Merged patches [M, k, D] -> text embeddings [M, T] (patchmerger or patchmergerv2)."""
+
+    def __init__(self, config: VisionConfig, text_hidden_size: int, *, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        c = self.config = config
+        T, kD = text_hidden_size, config.hidden_size * config.merge_size
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.v2 = c.projector != "patchmerger"
+        if not self.v2:
+            self.pre_norm = VisionNorm(c.hidden_size, True, **kw)
+        self.proj0 = VisionLinear(kD, kD, not self.v2, **kw)
+        self.proj2 = VisionLinear(kD, T, not self.v2, **kw)
+        if self.v2:
+            self.post_norm = VisionNorm(T, False, **kw)
+
+    def __call__(self, merged):
+        c = self.config
+        m = merged.shape[0]
+        if not self.v2:
+            merged = self.pre_norm(merged, c.projector_eps)
+        h = self.proj2(_gelu(self.proj0(merged.reshape(m, -1)), c.projector_act))
+        return self.post_norm(h, c.projector_eps) if self.v2 else h
+
+
+class VisionTower(Module):
+    """The tower + projector. VisionTower(config, T, rngs=nnx.Rngs(0)): random parameters; without
+    rngs: abstract ones (jax.ShapeDtypeStruct) for the checkpoint loader to fill (`fill`, `.of`).
+    stacked: the blocks as one VisionBlock stacked over the layers (a leading "layers" axis), run by
+    one scan. T: the text model's hidden size (default config.text_hidden_size)."""
+
+    def __init__(self, config: VisionConfig, text_hidden_size: int | None = None, *, stacked: bool = False,
+                 dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        c = self.config = config
+        T = text_hidden_size or c.text_hidden_size
+        if not T:
+            raise ValueError("the vision tower needs the text hidden size (argument or VisionConfig.text_hidden_size)")
+        D = c.hidden_size
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.patch_embed = VisionLinear(c.patch_dim, D, c.patch_bias, **kw)
+        shape = (c.pos_emb_height, c.pos_emb_width, D)
+        self.pos_emb = param(shape, _replicated(*shape), dtype=dtype, rngs=rngs)
+        self.stacked = stacked
+        if stacked:           # random parameters: one draw per layer; abstract ones: one block stacked abstractly
+            n = c.num_layers if rngs is not None else 1
+            self.blocks = stack_modules([VisionBlock(c, **kw) for _ in range(n)], c.num_layers)
+        else:
+            self.blocks = List([VisionBlock(c, **kw) for _ in range(c.num_layers)])
+        self.final_norm = VisionNorm(D, c.norm == "layernorm", **kw)
+        self.projector = Projector(c, T, **kw)
+
+    def features(self, pixel_values, vb: VisionBatch, *, q_block: int = 1024):
+        """Patches [N, 3, p, p] -> final-normed patch features [N, D] (N = the batch's padded count)."""
+        c = self.config
+        n = vb.segment_ids.shape[0]
+        dtype = value(self.patch_embed.w).dtype
+        px = jnp.asarray(pixel_values)
+        if px.shape[0] < n:                                   # unpadded pixels: pad here (static shapes)
+            px = jnp.pad(px, [(0, n - px.shape[0])] + [(0, 0)] * (px.ndim - 1))
+        x = self.patch_embed(px.reshape(n, -1).astype(dtype))
+
+        # Resampled position table as a weighted gather, one tap at a time ([N, D] live, not [N, taps, D]).
+        table = upcast(value(self.pos_emb)).reshape(-1, c.hidden_size)
+        idx, wts = jnp.asarray(vb.pos_index), jnp.asarray(vb.pos_weight, jnp.float32)
+        pos = sum(wts[:, t, None] * table[idx[:, t]] for t in range(idx.shape[1]))
+        pos = pos + jnp.asarray(time_table(c.hidden_size, c.pos_emb_time))[vb.time_index]
+        x = x + pos.astype(dtype)
+
+        ang = _rope_angles(c, jnp.asarray(vb.rope_hw))
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        seg = jnp.asarray(vb.segment_ids)
+        if self.stacked:
+            graph, tree = split_module(self.blocks)           # split once; the body merges one layer's slices
+            x, _ = jax.lax.scan(lambda h, t: (graph.merge(t)(h, cos, sin, seg, q_block), None), x, tree)
+        else:
+            for block in self.blocks:
+                x = block(x, cos, sin, seg, q_block)
+        return self.final_norm(x, c.norm_eps)
+
+    def __call__(self, pixel_values, vb: VisionBatch, *, q_block: int = 1024):
+        """Tower + final norm + kh x kw merge + projector: [N_pad // k, text_hidden]; see encode_images."""
+        return self.projector(merge_patches(self.config, self.features(pixel_values, vb, q_block=q_block), vb))
+
+
+def tower_of(params: dict, c: VisionConfig) -> VisionTower:
+    """The VisionTower over a parameter dict (the same arrays; blocks a list, or stacked)."""
+    return VisionTower.of(c, params, text_hidden_size=params["projector"]["proj2"]["w"].shape[-1],
+                          stacked=not isinstance(params["blocks"], (list, tuple)))
+
+
 # ---- parameter spec / init ---------------------------------------------------------------------
 
-def _lin(cfg_bias: bool, n_in: int, n_out: int) -> dict:
-    d = {"w": Leaf((n_in, n_out))}
-    if cfg_bias:
-        d["b"] = Leaf((n_out,), "bias")
-    return d
-
-
-def _norm(c: VisionConfig, d: int) -> dict:
-    out = {"w": Leaf((d,), "norm")}
-    if c.norm == "layernorm":
-        out["b"] = Leaf((d,), "bias")
-    return out
-
-
 def vision_param_spec(c: VisionConfig, text_hidden_size: int | None = None) -> dict:
-    """Nested dict of k3jax.params.Leaf for the tower + projector."""
-    T = text_hidden_size or c.text_hidden_size
-    if not T:
-        raise ValueError("vision_param_spec needs the text hidden size (argument or VisionConfig.text_hidden_size)")
-    D, Q, I = c.hidden_size, c.qkv_dim, c.intermediate_size
-    kD = D * c.merge_size
-
-    def block():
-        return {
-            "norm0": _norm(c, D), "norm1": _norm(c, D),
-            "wqkv": _lin(c.attn_bias, D, 3 * Q), "wo": _lin(c.attn_bias, Q, D),
-            "fc0": _lin(c.mlp_bias, D, I), "fc1": _lin(c.mlp_bias, I, D),
-        }
-    if c.projector == "patchmerger":
-        proj = {"pre_norm": {"w": Leaf((D,), "norm"), "b": Leaf((D,), "bias")},
-                "proj0": _lin(True, kD, kD), "proj2": _lin(True, kD, T)}
-    else:
-        proj = {"proj0": _lin(False, kD, kD), "proj2": _lin(False, kD, T), "post_norm": {"w": Leaf((T,), "norm")}}
-    return {
-        "patch_embed": _lin(c.patch_bias, c.patch_dim, D),
-        "pos_emb": Leaf((c.pos_emb_height, c.pos_emb_width, D)),
-        "blocks": [block() for _ in range(c.num_layers)],
-        "final_norm": _norm(c, D),
-        "projector": proj,
-    }
+    """Nested dict of k3jax.params.Leaf for the tower + projector, as VisionTower declares them."""
+    return VisionTower(c, text_hidden_size).spec()
 
 
 def init_vision_params(c: VisionConfig, key, text_hidden_size: int | None = None, dtype=jnp.bfloat16):
@@ -163,44 +283,9 @@ def _attention(q, k, v, seg, q_block: int):
     return out.reshape(nb * q_block, h, hd)[:n]
 
 
-def _block(c: VisionConfig, p, x, cos, sin, seg, q_block):
-    n = x.shape[0]
-    H, hd, Q = c.num_heads, c.head_dim, c.qkv_dim
-    y = _norm_apply(p["norm0"], x, c.norm_eps)
-    qkv = _linear(p["wqkv"], y)
-    q, k, v = (qkv[:, i * Q:(i + 1) * Q].reshape(n, H, hd) for i in range(3))
-    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    x = x + _linear(p["wo"], _attention(q, k, v, seg, q_block).reshape(n, Q))
-    y = _norm_apply(p["norm1"], x, c.norm_eps)
-    return x + _linear(p["fc1"], _gelu(_linear(p["fc0"], y), c.hidden_act))
-
-
 def vision_tower(params, c: VisionConfig, pixel_values, vb: VisionBatch, *, q_block: int = 1024):
-    """Patches [N, 3, p, p] -> final-normed patch features [N, D] (N = the batch's padded count)."""
-    n = vb.segment_ids.shape[0]
-    dtype = params["patch_embed"]["w"].dtype
-    px = jnp.asarray(pixel_values)
-    if px.shape[0] < n:                                   # unpadded pixels: pad here (static shapes)
-        px = jnp.pad(px, [(0, n - px.shape[0])] + [(0, 0)] * (px.ndim - 1))
-    x = _linear(params["patch_embed"], px.reshape(n, -1).astype(dtype))
-
-    # Resampled position table as a weighted gather, one tap at a time ([N, D] live, not [N, taps, D]).
-    table = upcast(params["pos_emb"]).reshape(-1, c.hidden_size)
-    idx, wts = jnp.asarray(vb.pos_index), jnp.asarray(vb.pos_weight, jnp.float32)
-    pos = sum(wts[:, t, None] * table[idx[:, t]] for t in range(idx.shape[1]))
-    pos = pos + jnp.asarray(time_table(c.hidden_size, c.pos_emb_time))[vb.time_index]
-    x = x + pos.astype(dtype)
-
-    ang = _rope_angles(c, jnp.asarray(vb.rope_hw))
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    seg = jnp.asarray(vb.segment_ids)
-    blocks = params["blocks"]
-    if isinstance(blocks, (list, tuple)):
-        for p in blocks:
-            x = _block(c, p, x, cos, sin, seg, q_block)
-    else:
-        x, _ = jax.lax.scan(lambda h, p: (_block(c, p, h, cos, sin, seg, q_block), None), x, blocks)
-    return _norm_apply(params["final_norm"], x, c.norm_eps)
+    """Patches [N, 3, p, p] -> final-normed patch features [N, D] (VisionTower.features over `params`)."""
+    return tower_of(params, c).features(pixel_values, vb, q_block=q_block)
 
 
 def merge_patches(c: VisionConfig, x, vb: VisionBatch):
@@ -215,15 +300,7 @@ def merge_patches(c: VisionConfig, x, vb: VisionBatch):
 
 def project(params, c: VisionConfig, merged):
     """Merged patches [M, k, D] -> text embeddings [M, T]."""
-    p = params["projector"]
-    m = merged.shape[0]
-    if c.projector == "patchmerger":
-        merged = _norm_apply(p["pre_norm"], merged, c.projector_eps)
-    h = _gelu(_linear(p["proj0"], merged.reshape(m, -1)), c.projector_act)
-    h = _linear(p["proj2"], h)
-    if c.projector == "patchmergerv2":
-        h = _norm_apply(p["post_norm"], h, c.projector_eps)
-    return h
+    return tower_of(params, c).projector(merged)
 
 
 def encode_images(params, c: VisionConfig, pixel_values, vb: VisionBatch, *, q_block: int = 1024):
@@ -232,6 +309,4 @@ def encode_images(params, c: VisionConfig, pixel_values, vb: VisionBatch, *, q_b
     Jittable with `c` (and q_block) static; rows [0, vb.num_tokens) are the images' tokens in
     order (image i at vb.token_offsets[i]); the remaining rows come from padding and are garbage.
     """
-    x = vision_tower(params, c, pixel_values, vb, q_block=q_block)
-    return project(params, c, merge_patches(c, x, vb))
-
+    return tower_of(params, c)(pixel_values, vb, q_block=q_block)

@@ -84,7 +84,7 @@ class DraftModelDrafter:
             max_logprobs=0, seed=args.seed, cache_dtype=draft.params["embed"].dtype,
             token_buckets=args.token_buckets, seq_buckets=None if args.seq_buckets is None else
             tuple(b for b in args.seq_buckets if b <= seqs) or (seqs,),
-            scan_layers=args.scan_layers, backend=getattr(draft, "backend", None))
+            backend=getattr(draft, "backend", None))
         self.max_seqs = seqs
         self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(num_slots)
