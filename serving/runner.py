@@ -453,68 +453,73 @@ class ModelRunner:
 
     def _compile_steps(self, shapes, progress: bool, threads: int | None, sampler_variants=()):
         """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes and of the sampler
-        for each sequence bucket's variants (warmup's flags), kept by shape for _call; traced here in turn,
-        compiled concurrently. Returns (seconds lowering, seconds compiling)."""
+        for each sequence bucket's variants (warmup's flags), kept by shape for _call. Programs are traced and
+        lowered here one after another (Python, under the GIL) and each is compiled on a pool of `threads` host
+        threads as soon as it is lowered (XLA compiles outside the GIL), so lowering and compiling overlap.
+        Returns (seconds lowering, seconds compiling after the last program was lowered)."""
         import concurrent.futures
         t0 = time.perf_counter()
-        lowered, stored = {}, {}       # stored: shape key -> (executable cache key, args) to save once compiled
-        cache = self.executable_cache
-
-        def lower(key, fn, kind, *args):
-            if cache is not None:
-                ckey = cache.key(kind, repr(self.config), repr(self.backend), key, step_compiler_options())
-                exe = cache.load(ckey, args)
-                if exe is not None:
-                    self._compiled[key] = exe
-                    return
-                stored[key] = (ckey, args)
-            lowered[key] = fn.lower(*args)
+        jobs = []                      # (shape key, jitted function, executable-cache kind, example args)
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
-            lower(_step_key(batch), self._step, "step", self.params, self.pools, batch, self.last_tokens)
+            jobs.append((_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens)))
             if self.spec_width and not decode and not mm:      # the verification variant of the bucket
                 batch = self._padding_verify_batch(T, N)
-                lower(_step_key(batch), self._step, "step", self.params, self.pools, batch, self.last_tokens)
+                jobs.append((_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens)))
         for N in self.seq_buckets:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
             for v in sampler_variants:
                 _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
-                lower(_sampler_key(sarr), self._sample, "sample", logits, sarr, self.key_data,
-                      np.zeros(N, np.int32), self.last_tokens)
+                jobs.append((_sampler_key(sarr), self._sample, "sample",
+                             (logits, sarr, self.key_data, np.zeros(N, np.int32), self.last_tokens)))
                 if self.spec_width:
                     W = self.spec_width
                     wide = jax.ShapeDtypeStruct((N, W, logits.shape[1]), logits.dtype)
                     _, varr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
-                    lower(_verify_key(varr, W), self._verify, "verify", wide, varr, self.key_data,
-                          np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32), np.zeros(N, np.int32))
+                    jobs.append((_verify_key(varr, W), self._verify, "verify",
+                                 (wide, varr, self.key_data, np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32),
+                                  np.zeros(N, np.int32))))
         for T, N in self.multi_step_shapes():
             for truncate in (False, True):
                 batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
-                lower(_multi_key(batch, sarr, self.decode_steps), self._multi, "multi", self.params, self.pools, batch,
-                      self.last_tokens, sarr, self.key_data, np.zeros(N, np.int32))
-        if cache is not None:
-            log.info("executable cache: %d of %d step programs loaded from %s", len(self._compiled),
-                     len(self._compiled) + len(lowered), cache.directory)
-        t1 = time.perf_counter()
+                jobs.append((_multi_key(batch, sarr, self.decode_steps), self._multi, "multi",
+                             (self.params, self.pools, batch, self.last_tokens, sarr, self.key_data,
+                              np.zeros(N, np.int32))))
+        jobs = list({job[0]: job for job in jobs}.values())      # one program a key
+        cache = self.executable_cache
         # default: half the cores (up to 8); XLA's own compile passes use threads too
-        if not lowered:
-            return t1 - t0, 0.0
-        threads = max(1, min(len(lowered), threads or min(8, (os.cpu_count() or 2) // 2)))
+        threads = max(1, min(len(jobs), threads or min(8, (os.cpu_count() or 2) // 2)))
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(lowered), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
+            bar = tqdm(total=len(jobs), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
                        unit="program")
+        futures, stored, loaded = {}, {}, 0   # stored: shape key -> (executable cache key, args) to save once compiled
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
-            futures = {pool.submit(low.compile): key for key, low in lowered.items()}
+            for key, fn, kind, args in jobs:
+                if cache is not None:
+                    ckey = cache.key(kind, repr(self.config), repr(self.backend), key, step_compiler_options())
+                    exe = cache.load(ckey, args)
+                    if exe is not None:
+                        self._compiled[key] = exe
+                        loaded += 1
+                        if bar is not None:
+                            bar.update()
+                        continue
+                    stored[key] = (ckey, args)
+                fut = pool.submit(fn.lower(*args).compile)
+                if bar is not None:
+                    fut.add_done_callback(lambda _: bar.update())
+                futures[fut] = key
+            t1 = time.perf_counter()
+            if cache is not None:
+                log.info("executable cache: %d of %d step programs loaded from %s", loaded, len(jobs), cache.directory)
             for done in concurrent.futures.as_completed(futures):
                 key = futures[done]
                 self._compiled[key] = done.result()
                 if key in stored:
                     cache.save(*stored[key], self._compiled[key])
-                if bar is not None:
-                    bar.update()
         if bar is not None:
             bar.close()
         return t1 - t0, time.perf_counter() - t1
