@@ -283,7 +283,7 @@ def main(argv=None):
                     help="prompt lengths of the prefill rows (default: 2k, 8k, 32k, 128k, 1M; tiny: 256, 512, 1024)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's (the model's window "
                     "when the cache holds it)")
-    ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn"), default=None,
+    ap.add_argument("--mla-prefix-kernel", choices=("triton", "cudnn", "cudnn-split"), default=None,
                     help="GPU attention of the expanded MLA key windows (default: the backend's)")
     ap.add_argument("--state-block-size", type=int, default=None,
                     help="the prefix cache's periodic KDA checkpoints (default: the engine's; taken where a long "

@@ -39,6 +39,8 @@ class Backend:
     mla_decode: str = "triton"        # decode-only MLA kernel: "triton" | "mosaic" (Hopper; detect() picks)
     mla_prefix_kernel: str = "triton" # GPU attention of the expanded MLA form's key windows: "triton" (Pallas)
                                       # | "cudnn" (jax's cuDNN fused attention; pallas_kernels/mla/long_prefix_cudnn.py)
+                                      # | "cudnn-split" (one sequence's prefix unmasked + its chunk causal in
+                                      # cuDNN, else "triton"; pallas_kernels/mla/long_prefix_split.py)
     experts_in_place: bool = True     # scanned layers: the MoE kernels read a layer's experts in the stack
     dense_in_place: bool = False      # scanned layers: few-row steps' dense matmuls read the layer's weight
                                       # in the stack (GPU kernels, unsharded weights: serving.runner sets it

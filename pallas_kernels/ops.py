@@ -89,7 +89,8 @@ def mla_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *
                          backend: Backend | None = None):
     """Expanded-form MLA attention of ragged chunks over their whole paged caches (any length), the keys
     decompressed by kv_b_proj a window of block_keys at a time (pallas_kernels/mla/long_prefix.py). GPU: each
-    window's attention by backend.mla_prefix_kernel (the Triton varlen kernel, or cuDNN's fused attention);
+    window's attention by backend.mla_prefix_kernel (the Triton varlen kernel, cuDNN's fused attention, or
+    cuDNN split into unmasked prefix windows and a causal chunk);
     TPU / CPU: the jnp reference."""
     from pallas_kernels.mla import long_prefix
     b = resolve(backend)
