@@ -1,8 +1,10 @@
-"""The long-prefix MLA op split into unmasked prefix windows and a causal chunk (pallas_kernels/mla/long_prefix_split.py),
-its dense attention the jnp one, against the window-at-a-time op's jnp path (long_prefix.prefix_attention,
-impl "reference"), fp32 on random pages: prefixes a multiple of the window, not one, shorter than one and empty; the
-prefilling sequence after a decode row (its queries not at row 0) with padding tokens; a step with two sequences'
-keys, which falls back to the window op. Unused page slots and page 0 are NaN. One shape for every case (one compile).
+"""The long-prefix MLA op split into unmasked prefix windows and a causal chunk
+(pallas_kernels/mla/long_prefix_split.py), its dense attention the jnp one, against the window-at-a-time op's jnp
+path (long_prefix.prefix_attention, impl "reference"), fp32 on random pages: prefixes a multiple of the window, not
+one (the partial window in power-of-two sub-windows and a masked rest, or sub-windows alone), shorter than one and
+empty; the prefilling sequence after a decode row (its queries not at row 0) with padding tokens; a step with two
+sequences' keys, which falls back to the window op. Unused page slots and page 0 are NaN. One shape for every case
+(one compile).
 """
 import functools
 
@@ -44,15 +46,17 @@ KW = dict(nope_dim=DN, scale=SCALE, block_keys=WINDOW)
 
 
 @pytest.mark.parametrize("seqs", [
-    [(1, 1, False), (83, 21, True), (0, 0, False)],    # 3 windows + 11 rows; after a decode row; 18 padding
+    [(1, 1, False), (83, 21, True), (0, 0, False)],    # 3 windows + 8 + 3 masked; after a decode row; 18 padding
+    [(36, 4, True), (0, 0, False), (0, 0, False)],     # 1 window + 8 + 4, nothing masked
     [(48, 10, True), (0, 0, False), (0, 0, False)],    # exactly 2 windows
-    [(5, 30, True), (2, 3, False), (0, 0, False)],     # a prefix shorter than a window
+    [(5, 30, True), (2, 3, False), (0, 0, False)],     # a prefix shorter than a window: 4 + 1 masked
     [(0, 0, False), (0, 37, True), (0, 0, False)],     # a fresh prompt: the causal part alone
     [(30, 12, True), (20, 9, True), (0, 4, False)],    # two sequences' keys: the window op
 ])
 def test_split_equals_window_reference(seqs):
     args = _case(seqs)
-    got = np.asarray(split_prefix_attention(*args, attention="reference", fallback="reference", **KW))
+    got = np.asarray(split_prefix_attention(*args, attention="reference", fallback="reference",
+                                            min_rows=4, **KW))
     want = np.asarray(prefix_attention(*args, impl="reference", **KW))
     assert np.all(np.isfinite(got)), "a NaN page slot leaked"
     assert np.abs(want).max() > 0.1

@@ -44,7 +44,7 @@ def _case(heads, ctx, new, keyed, seed=0):
 
 
 @pytest.mark.parametrize("seqs", [
-    ([1, 27_000, 0], [1, 4_096, 0], [False, True, False]),    # 3 windows of 8192 + 2424 rows, behind a decode row
+    ([1, 27_000, 0], [1, 4_096, 0], [False, True, False]),   # 3 x 8192, 2048 + 256 + 120 masked; after a decode row
     ([0], [3_000], [True]),                                  # a fresh prompt: the causal part alone
     ([20_000, 0, 3_000], [4_096, 1_500, 200], [True, True, True]),   # several sequences' keys: the fallback
 ])

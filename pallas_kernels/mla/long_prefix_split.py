@@ -4,9 +4,9 @@ FLOPs run in cuDNN's fused attention without a mask (the fast case on Hopper; a 
 For a step whose keys belong to one sequence (a lone long prompt's chunk, any decode rows of the step
 taking the absorbed form with kv_len 0), the chunk's m queries sit at cache positions ctx..ctx+m-1 with
 ctx = kv_len - m, and every one of them sees every key before ctx. So:
-  (a) the prefix keys 0..ctx-1 in windows of `block_keys` rows: full windows are dense, unmasked attention
-      of the chunk's queries; the last window, when ctx is not a multiple of the window, is masked to its
-      ctx mod block_keys real rows (the only masked prefix window);
+  (a) the prefix keys 0..ctx-1 in windows of `block_keys` rows: dense, unmasked attention of the chunk's
+      queries; the partial window's ctx mod block_keys rows in unmasked sub-windows of power-of-two sizes (its
+      binary digits down to `min_rows`), the last < min_rows rows in one masked call of min_rows keys;
   (b) the chunk's own keys ctx..ctx+m-1 against its queries with a plain causal mask (query i sees keys
       0..i: cuDNN's causal mask type);
 and the parts' (output, log-sum-exp) pairs merge exactly (long_prefix.merge). The chunk's queries are moved to
@@ -72,9 +72,26 @@ def single_sequence(kv_lens):
     return jnp.sum((kv_lens > 0).astype(jnp.int32)) == 1
 
 
-@functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "block_keys", "attention", "fallback"))
+# smallest unmasked sub-window of the prefix's partial window; fewer rows than this left go through one masked call
+MIN_ROWS = 256
+
+
+def tail_windows(block_keys: int, min_rows: int):
+    """Sizes of the unmasked sub-windows covering a partial window of rest < block_keys rows: the powers of two
+    below block_keys down to min_rows, largest first (each taken when rest still holds it: rest's binary
+    digits), leaving fewer than min_rows rows."""
+    sizes, size = [], 1
+    while size * 2 < block_keys:
+        size *= 2
+    while size >= min_rows:
+        sizes.append(size)
+        size //= 2
+    return sizes
+
+
+@functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "block_keys", "attention", "fallback", "min_rows"))
 def split_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, nope_dim, scale, block_keys,
-                           attention="cudnn", fallback="triton"):
+                           attention="cudnn", fallback="triton", min_rows=MIN_ROWS):
     """long_prefix.prefix_attention's contract (o [T, H, Dv] in q's dtype; padding tokens and sequences with
     kv_len 0 get zeros), split into unmasked prefix windows and a causal chunk when one sequence holds all the
     keys; otherwise long_prefix.prefix_attention(impl=fallback). attention: "cudnn" | "reference"."""
@@ -114,13 +131,21 @@ def split_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b,
 
         full = ctx // block_keys
         carry = jax.lax.fori_loop(0, full, window, carry)
-        tail = ctx - full * block_keys
+        offset, rest = full * block_keys, ctx - full * block_keys   # rest < block_keys
 
-        def last(carry):                                           # the partial window: its real rows only
-            k, v = keys(own, full * block_keys, block_keys)
-            return merge(*carry, *dense(ql, k, v, scale=scale, kv_len=tail))
+        for rows in tail_windows(block_keys, min_rows):            # the partial window: its binary digits
+            def part(c, rows=rows, offset=offset):
+                k, v = keys(own, offset, rows)
+                return merge(*c, *dense(ql, k, v, scale=scale))
+            take = rest >= rows
+            carry = jax.lax.cond(take, part, lambda c: c, carry)
+            offset, rest = offset + jnp.where(take, rows, 0), rest - jnp.where(take, rows, 0)
 
-        o, _ = jax.lax.cond(tail > 0, last, lambda c: c, carry)
+        def last(c):                                               # under min_rows left: the one masked call
+            k, v = keys(own, offset, min(min_rows, block_keys))
+            return merge(*c, *dense(ql, k, v, scale=scale, kv_len=rest))
+
+        o, _ = jax.lax.cond(rest > 0, last, lambda c: c, carry)
         t = jnp.arange(n_tok, dtype=jnp.int32)
         mine = (t >= s0) & (t < s0 + m)
         return jnp.where(mine[:, None, None], o[jnp.clip(t - s0, 0, n_tok - 1)], 0.0).astype(q.dtype)
