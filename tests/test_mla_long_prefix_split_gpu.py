@@ -1,8 +1,8 @@
 """The long-prefix MLA op's cuDNN split path (impl "cudnn-split": one sequence's prefix windows unmasked, its chunk
 causal) on a GPU at the models' shapes (Kimi Linear's 32 heads, K3's 96; qk 128 nope + 64 rope, v 128, latent 512),
 bf16, against the jnp window op in fp32 on the same inputs: a lone long chunk behind a decode row (prefix 3 windows
-and a part), a fresh prompt, and a step with several sequences' keys (the Triton fallback); NaN in every unused page
-slot. Skipped without a GPU:
+and a part), a fresh prompt, a step of 32 token rows (cuDNN's [H, T] log-sum-exp when T == H), and a step with
+several sequences' keys (the Triton fallback); NaN in every unused page slot. Skipped without a GPU:
 
   JAX_PLATFORMS=cuda python -m pytest -n 0 -m gpu tests/test_mla_long_prefix_split_gpu.py
 """
@@ -46,6 +46,7 @@ def _case(heads, ctx, new, keyed, seed=0):
 @pytest.mark.parametrize("seqs", [
     ([1, 27_000, 0], [1, 4_096, 0], [False, True, False]),   # 3 x 8192, 2048 + 256 + 120 masked; after a decode row
     ([0], [3_000], [True]),                                  # a fresh prompt: the causal part alone
+    ([100], [25], [True]),                                   # 32 token rows: as many as Kimi Linear's heads
     ([20_000, 0, 3_000], [4_096, 1_500, 200], [True, True, True]),   # several sequences' keys: the fallback
 ])
 @pytest.mark.parametrize("heads", [32, 96])

@@ -48,8 +48,9 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     kv_lens [N] (cache length after this step's writes; a sequence with kv_len 0 gets zeros),
     kv_b [L, H * (Dn + Dv)] (kv_b_proj, per head: key nope then value). block_keys (static): rows of
     a window. impl: each window's attention by "triton" (the Pallas Triton kernel; interpret: in the Pallas
-    interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU), "cudnn-split" (long_prefix_split.py, GPU: one sequence's
-    prefix unmasked and its chunk causal in cuDNN, a step with several sequences' keys by "triton") or "reference" (jnp). Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
+    interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU), "cudnn-split" (long_prefix_split.py,
+    GPU: one sequence's prefix unmasked and its chunk causal in cuDNN, a step with several sequences' keys by
+    "triton") or "reference" (jnp). Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
     """
     n_tok, heads, _ = q.shape
     lat = kv_b.shape[0]

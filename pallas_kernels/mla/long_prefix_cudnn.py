@@ -34,8 +34,6 @@ def block_attention_cudnn(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope
     o, lse = cudnn_attn.dot_product_attention(q[None], k[None], v[None], mask=visible[None, None], scale=scale,
                                               mask_type=cudnn_attn.MaskType.NO_MASK, qkv_layout="BTNH",
                                               return_residual=True)
-    lse = lse[0].astype(jnp.float32)
-    if lse.shape != (n_tok, heads):      # [H, T] (the BNT residual) -> [T, H]
-        lse = lse.T
+    lse = lse[0].astype(jnp.float32).T   # the residual is [B, H, T] (a shape test cannot tell it when T == H)
     o = jnp.where(seen[:, None, None], o[0].astype(jnp.float32), 0.0)
     return o, jnp.where(seen[:, None], lse, -jnp.inf)

@@ -51,17 +51,14 @@ def dense_attention_cudnn(q, k, v, *, scale, causal=False, kv_len=None):
     """dense_attention_reference's contract by cuDNN's fused attention (GPU). kv_len must be >= 1 (every row
     sees a key): it becomes a boolean mask, the only masked call of the split."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attn
-    t, s, heads = q.shape[0], k.shape[0], q.shape[1]
+    t, s = q.shape[0], k.shape[0]
     mask = None
     if kv_len is not None:
         mask = jnp.broadcast_to((jnp.arange(s, dtype=jnp.int32) < kv_len)[None, None, None, :], (1, 1, t, s))
     mask_type = cudnn_attn.MaskType.CAUSAL if causal else cudnn_attn.MaskType.NO_MASK
     o, lse = cudnn_attn.dot_product_attention(q[None], k[None], v[None], mask=mask, scale=scale,
                                               mask_type=mask_type, qkv_layout="BTNH", return_residual=True)
-    lse = lse[0].astype(jnp.float32)
-    if lse.shape != (t, heads):          # [H, T] (the BNT residual) -> [T, H]
-        lse = lse.T
-    return o[0].astype(jnp.float32), lse
+    return o[0].astype(jnp.float32), lse[0].astype(jnp.float32).T     # the residual is [B, H, T]
 
 
 ATTENTION = {"cudnn": dense_attention_cudnn, "reference": dense_attention_reference}
