@@ -36,9 +36,14 @@ run spec 330 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 
 run long 330 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,32768,131072 --no-warmup --max-model-len 140000 --json "$out/long.json"
 # a 1M-token prompt (66 steps), then decodes; KDA slots get a fifth of the cache so the pages hold it
 run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 2048,1048320 --no-warmup --max-model-len 1048576 --state-fraction 0.2 --json "$out/long_1m.json"
+# the MLA prefix kernel at 128k as the model calls it, and the 128k prompt, with the Triton window kernel vs the
+# cuDNN split (prefix unmasked + chunk causal); the 32k row compiles the 16k-token step the 128k row reuses
+run long-kernel-split 300 bash -c 'for k in triton cudnn-split; do python -m benchmarks.bench_long_context --rows kernel --mla-prefix-kernel $k; done'
+run long-128k-triton 330 python -m benchmarks.bench_long_context --rows prefill --prefill 32768,131072 --no-warmup --max-model-len 140000 --mla-prefix-kernel triton
+run long-128k-split 330 python -m benchmarks.bench_long_context --rows prefill --prefill 32768,131072 --no-warmup --max-model-len 140000 --mla-prefix-kernel cudnn-split
 # where a 128k prompt's time goes, op by op
 run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x131072 --max-model-len 140000
 # where one sequence's decode step goes, by part
 run profile-c1 300 python -m benchmarks.profile_step --scenario decode:1x2048
 # the gpu test tier: kernels and the trained tiny vs the reference ops
-run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/test_gpu_kernels.py tests/test_gpu_tiny.py tests/test_mla_long_prefix_gpu.py
+run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/test_gpu_kernels.py tests/test_gpu_tiny.py tests/test_mla_long_prefix_gpu.py tests/test_mla_long_prefix_split_gpu.py
