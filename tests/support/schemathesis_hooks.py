@@ -1,4 +1,4 @@
-"""Schemathesis hooks for the server's schema run (tests/test_server.py): loaded by `st run` through
+"""Schemathesis hooks for the server's schema run (tests/serving/test_server.py): loaded by `st run` through
 SCHEMATHESIS_HOOKS. Replaces the positive-data check with one that knows the server's documented
 semantic refusals (serving.openai.openapi.SEMANTIC_400_CODES)."""
 import schemathesis

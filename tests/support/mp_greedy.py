@@ -1,4 +1,4 @@
-"""One process of the multi-host test: `python tests/mp_greedy.py COORD NPROC PID MESH OUT_JSON`.
+"""One process of the multi-host test: `python -m tests.support.mp_greedy COORD NPROC PID MESH OUT_JSON`.
 
 Runs the tiny model's greedy loop on a mesh that spans every process's CPU devices, with
 process 0 broadcasting each step's batch. Process 0 writes {"tokens": ..., "logits0": ...}.
@@ -11,7 +11,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=" + os.environ.get("MP_LOCAL_DEVICES", "4")
                            + " " + os.environ.get("MP_XLA_EXTRA", ""))
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 
 def main():
@@ -29,7 +28,7 @@ def main():
     from sharding.mesh import make_mesh
     from sharding.rules import shard_params, shard_pools
     from sharding.step import greedy, sharded_step
-    from mp_common import GEN, MAX_NEW, POOL, PROMPTS
+    from tests.support.mp_common import GEN, MAX_NEW, POOL, PROMPTS
 
     assert jax.process_count() == nproc and len(jax.devices()) == nproc * jax.local_device_count()
     c = preset_config("tiny-random")

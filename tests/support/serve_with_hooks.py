@@ -1,11 +1,10 @@
-"""`python tests/serve_with_hooks.py [--fault PROCESS:STAGE:ACTION[:SKIP]] SERVE_ARGS...`: the real
-`k3jax.serve` entry point with the test hooks of tests/serving_hooks.py installed (the scripted-output
+"""`python -m tests.support.serve_with_hooks [--fault PROCESS:STAGE:ACTION[:SKIP]] SERVE_ARGS...`: the real
+`k3jax.serve` entry point with the test hooks of tests/support/serving_hooks.py installed (the scripted-output
 matcher always, a multi-host fault when --fault is given). Test-only: the product has no such flags."""
 import sys
 
-from serving_hooks import fault_hook, scripted_matcher     # (run as a file: tests/ is first on sys.path)
-
 from k3jax import serve
+from tests.support.serving_hooks import fault_hook, scripted_matcher
 
 
 def main(argv) -> int:

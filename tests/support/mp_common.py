@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from tests.support import ROOT
+
 # Three sequences of different lengths in one step: prefill of all three, then decodes.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [42, 42, 42, 42, 42]]
 MAX_NEW = 6
@@ -15,9 +17,9 @@ POOL = dict(num_pages=8, page_size=16, num_slots=8)
 
 
 def run_all(cmds, env, timeout: float = 200, before_wait=None) -> list:
-    """Start one subprocess per command, run before_wait() meanwhile, wait for all, assert each
+    """Start one subprocess per command (from the repository root: `-m tests.support.X` resolves), run before_wait() meanwhile, wait for all, assert each
     exited 0 (showing its log otherwise) and return the logs; stragglers are killed."""
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
     try:
         extra = before_wait() if before_wait else None
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -52,12 +54,11 @@ def group_args(coordinator: str, num_processes: int, process_id: int) -> list:
 
 def start_server(tmp_path, name, args, env, fault: str | None = None):
     """(Popen, log path) of `python -m k3jax.serve ARGS`, output to tmp_path/NAME.log; fault: a
-    PROCESS:STAGE:ACTION[:SKIP] fault injected through the test hooks (tests/serve_with_hooks.py)."""
+    PROCESS:STAGE:ACTION[:SKIP] fault injected through the test hooks (tests/support/serve_with_hooks.py)."""
     path = tmp_path / f"{name}.log"
-    cmd = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_with_hooks.py"),
-            "--fault", fault] if fault else [sys.executable, "-m", "k3jax.serve"])
+    cmd = ([sys.executable, "-m", "tests.support.serve_with_hooks", "--fault", fault] if fault else [sys.executable, "-m", "k3jax.serve"])
     with open(path, "w") as log:
-        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     return proc, path
 
 

@@ -11,7 +11,7 @@ STAGE (load, warmup, serve) after SKIP others, raise RuntimeError ("raise"), SIG
 stop itself whole ("hang", SIGSTOP). Fault points: entering a stage, and every message a follower
 receives from process 0.
 
-tests/serve_with_hooks.py starts `k3jax.serve` with both installed.
+tests/support/serve_with_hooks.py starts `k3jax.serve` with both installed.
 """
 from __future__ import annotations
 

@@ -10,8 +10,10 @@ import time
 
 import httpx
 
+from tests.support import ROOT
+
 API_KEY = "test-key"
-SERVE_WITH_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_with_hooks.py")
+SERVE_WITH_HOOKS = [sys.executable, "-m", "tests.support.serve_with_hooks"]      # run from ROOT
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -46,12 +48,12 @@ class ServerProcess:
         # a small cache (16 MiB, not CPU's 256 MiB default): a CPU step's time grows with the pools'
         # size (a decode step of the tiny models: ~0.4 s at 256 MiB, ~0.08 s at 32 MiB)
         self.compilation_cache_dir = os.path.join(tmp_dir, "xla")
-        # (the real server with the scripted-output hook installed: tests/serve_with_hooks.py)
-        cmd = [sys.executable, SERVE_WITH_HOOKS, "--model", "tiny-random", "--port", str(self.port), "--max-model-len", "512",
+        # (the real server with the scripted-output hook installed: tests/support/serve_with_hooks.py)
+        cmd = [*SERVE_WITH_HOOKS, "--model", "tiny-random", "--port", str(self.port), "--max-model-len", "512",
                "--api-key", API_KEY, "--compilation-cache-dir", self.compilation_cache_dir,
                "--log-level", "warning", "--cache-memory-mb", "16", *extra_args]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
