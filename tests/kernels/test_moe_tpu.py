@@ -11,6 +11,8 @@ from k3jax.presets import preset_config
 from pallas_kernels.backend import detect
 from pallas_kernels.moe.tpu import gmm_tpu
 
+pytestmark = pytest.mark.interpret
+
 
 @pytest.mark.parametrize("m,k,n,g", [(200, 96, 160, 5), (37, 64, 48, 3), (300, 256, 384, 4), (5, 128, 256, 8)])
 def test_gmm_tpu_equals_ragged_dot(m, k, n, g):

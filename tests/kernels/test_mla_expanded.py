@@ -14,7 +14,9 @@ import pytest
 from pallas_kernels.backend import detect
 from pallas_kernels.mla.expanded import expanded_attention, gather_latents
 from pallas_kernels.mla.reference import ragged_paged_mla_reference
-from test_mla_ops import build_case
+from tests.kernels.test_mla_ops import build_case
+
+pytestmark = pytest.mark.interpret
 
 H, L, R, DN, DV = 4, 32, 16, 16, 8
 SCALE = (DN + R) ** -0.5

@@ -3,13 +3,13 @@
 paged context spanning many key windows, a fresh prompt and a short chunk in one step, NaN in every unused page
 slot. Skipped without a GPU:
 
-  python -m pytest -p no:xdist -o addopts="" -m gpu tests/test_mla_long_prefix_gpu.py
+  python -m pytest -p no:xdist -o addopts="" -m gpu tests/kernels/test_mla_long_prefix_gpu.py
 """
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_marks import GPU_ONLY
+from tests.support.gpu_marks import GPU_ONLY
 
 from pallas_kernels.mla.long_prefix import prefix_attention
 

@@ -10,7 +10,9 @@ from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe.schedule import Tiling
 
-from test_moe_kernels import _bf16, _close, _deq_in_out, _ep_case, _rng
+from tests.kernels.test_moe_kernels import _bf16, _close, _deq_in_out, _ep_case, _rng
+
+pytestmark = pytest.mark.interpret
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])

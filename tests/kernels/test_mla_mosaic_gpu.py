@@ -18,7 +18,7 @@ from pallas_kernels.mla.reference import mla_decode_reference
 from pallas_kernels.mosaic_gpu_interpret import reuse_compiled_threads
 
 # jax's interpreter can deadlock on a 2-core CPU (rarely: pallas_kernels/mosaic_gpu_interpret.py): fail fast
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.interpret, pytest.mark.timeout(120)]
 LAT, ROPE = 128, 64          # the kernel at a small latent width (L = 512 is checked by the lowering test)
 SCALE = 0.1
 

@@ -9,7 +9,9 @@ import pytest
 from pallas_kernels.mla import fp8_cache, mla_paged_decode, ragged_paged_mla, write_kv_pages
 from pallas_kernels.mla.blocked import ragged_paged_mla_blocked
 from pallas_kernels.mla.reference import ragged_paged_mla_reference
-from test_mla_ops import build_case, numpy_attention
+from tests.kernels.test_mla_ops import build_case, numpy_attention
+
+pytestmark = pytest.mark.interpret
 
 L, R = 256, 16                       # two scale tiles of 128
 SCALE = 0.05

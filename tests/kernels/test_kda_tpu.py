@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel_steps import can_export_for_tpu
+from tests.support.kernel_steps import can_export_for_tpu
 from pallas_kernels import ops
 from pallas_kernels.backend import detect
 from pallas_kernels.kda import fused_recurrent_kda
 from pallas_kernels.kda import recurrent_tpu
 from pallas_kernels.kda.recurrent_tpu import fused_recurrent_kda_tpu
 from pallas_kernels.kda.reference import decode_reference, kda_gate, l2norm
+
+pytestmark = pytest.mark.interpret
 
 
 def _case(seed, N, H, K, V, S, dtype=jnp.float32, n_pad=2):
@@ -144,7 +146,7 @@ def test_lowers_through_mosaic_for_tpu(dtype, gate, lower_bound):
 def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
     """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA prefill and
     decode, and MLA, on their Mosaic kernels (interpret mode here), MoE on megablox."""
-    from kernel_steps import two_step_logits
+    from tests.support.kernel_steps import two_step_logits
     from pallas_kernels.kda import chunk_tpu
     from pallas_kernels.mla import tpu_kernel
 

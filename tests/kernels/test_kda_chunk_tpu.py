@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_steps import can_export_for_tpu
+from tests.support.kernel_steps import can_export_for_tpu
 from pallas_kernels.kda.chunk_tpu import chunk_kda_laid_out_tpu
 from pallas_kernels.kda.reference import recurrent_kda_reference, varlen_chunk_layout
+
+pytestmark = pytest.mark.interpret
 
 _C = 64
 # Interpret-mode kernels are big HLO: skip XLA's backend optimisations to keep compile time low.

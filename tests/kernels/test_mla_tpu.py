@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel_steps import can_export_for_tpu
+from tests.support.kernel_steps import can_export_for_tpu
 from pallas_kernels.mla.reference import mla_decode_reference
 from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu, ragged_paged_mla_tpu
-from test_mla_ops import build_case, numpy_attention
+from tests.kernels.test_mla_ops import build_case, numpy_attention
+
+pytestmark = pytest.mark.interpret
 
 L, R = 64, 16
 SCALE = 0.15

@@ -16,6 +16,8 @@ from pallas_kernels import stacked
 from pallas_kernels.moe import schedule as sch
 from pallas_kernels.backend import Backend
 
+pytestmark = pytest.mark.interpret
+
 
 @pytest.mark.parametrize("rows,k,n", [(5, 64, 48), (32, 128, 256)])
 def test_kernel_reads_the_layer_in_place(rows, k, n):

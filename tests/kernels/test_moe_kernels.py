@@ -12,6 +12,8 @@ from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe.schedule import Tiling
 
+pytestmark = pytest.mark.interpret
+
 
 def _rng(seed):
   return np.random.default_rng(seed)
@@ -281,7 +283,7 @@ def test_expert_mlp_mxfp4_matches_numpy(activation):
 def test_kernels_lower_to_triton(fmt, fused, decoder, swap):
   """The kernels (MXFP4: with each decoder, weights as either MMA operand; merged gate/up with
   half-height tail tiles, joined halves) lower through Pallas' Triton backend for CUDA on CPU;
-  compiling the Triton IR needs the GPU (the gpu tier: tests/test_gpu_kernels.py)."""
+  compiling the Triton IR needs the GPU (the gpu tier: tests/kernels/test_gpu_kernels.py)."""
   m, k, n, g = 256, 256, 128, 8
   act = (lambda a, b: kn.glu_activation(a, b, "situ")) if fused else None
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla.long_prefix import merge, prefix_attention
-from test_mla_ops import build_case
+from tests.kernels.test_mla_ops import build_case
+
+pytestmark = pytest.mark.interpret
 
 H, L, R, DN, DV = 2, 32, 16, 16, 8
 SCALE = (DN + R) ** -0.5

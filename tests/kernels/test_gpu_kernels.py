@@ -3,7 +3,7 @@ chunks with initial states, ragged paged MLA, the expert MLP in bf16 and MXFP4) 
 layer at K3 and Kimi-Linear-48B sizes in both expert layouts. Skipped without a GPU; CI deselects the
 tier (`-m 'not gpu'`). On a GPU machine (the conftest defaults JAX to the CPU):
 
-  JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 tests/test_gpu_kernels.py tests/test_gpu_tiny.py
+  JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py
 
 Errors are max |kernel - reference| / max |reference|. Bounds: fp32 KDA at 1e-4 (the H200 measured
 ~1e-6), bf16 outputs at 2e-2 (bf16 rounding of inputs and outputs: 3e-3 to 7e-3 measured).
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_marks import GPU_ONLY
+from tests.support.gpu_marks import GPU_ONLY
 
 from benchmarks.harness import rel_err
 

@@ -5,7 +5,9 @@ import pytest
 
 from pallas_kernels.mla import mla_paged_decode, ragged_paged_mla
 from pallas_kernels.mla.paged import default_tuning, pick_config
-from test_mla_ops import build_case, numpy_attention
+from tests.kernels.test_mla_ops import build_case, numpy_attention
+
+pytestmark = pytest.mark.interpret
 
 L, R = 64, 16
 SCALE = 0.15

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.backend import detect
-from kernel_steps import two_step_logits
+from tests.support.kernel_steps import two_step_logits
+
+pytestmark = pytest.mark.interpret
 
 
 def test_step_with_pallas_kernels_matches_reference():

@@ -8,6 +8,8 @@ from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import (
     decode_reference, kda_gate, l2norm, recurrent_kda_reference)
 
+pytestmark = pytest.mark.interpret
+
 
 # Interpret-mode kernels are big unrolled HLO: skip XLA's backend optimisations to keep this
 # file's CPU time (mostly compile time) low. Only affects the functions jitted here.
