@@ -6,7 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import numpy_model
+from tests.support import numpy_model
 from k3jax.layer_stack import stack_layers
 from k3jax.model import forward_full
 from k3jax.params import init_params_numpy

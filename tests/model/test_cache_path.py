@@ -23,7 +23,7 @@ BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
 def model():
     c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
-    # both through the scanned decoder (tests/test_layer_stack.py checks scan == unrolled)
+    # both through the scanned decoder (tests/model/test_layer_stack.py checks scan == unrolled)
     full = jax.jit(lambda p, t: forward_full(stack_layers(p, c), c, t))
     step = jax.jit(lambda p, pools, b: forward_step(stack_layers(p, c), c, pools, b), donate_argnums=1)
     return c, params, full, step

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hf_reference import tiny_kimi_linear_model
+from tests.support.hf_reference import tiny_kimi_linear_model
 from k3jax import load_model
 from k3jax.checkpoint import orbax_io
 from k3jax.convert import main

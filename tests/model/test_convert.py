@@ -13,14 +13,14 @@ import pytest
 
 import jax
 
-import numpy_model
+from tests.support import numpy_model
 from tools import synthetic_k3
 from k3jax import load_model
 from k3jax.checkpoint import convert_stream, orbax_io
 from k3jax.convert import main
 from k3jax.params import is_leaf, param_spec
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
+REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from hf_reference import tiny_kimi_linear_model
+from tests.support.hf_reference import tiny_kimi_linear_model
 from k3jax.checkpoint.hf_load import load_hf_params
 from k3jax.config import ModelConfig
 from k3jax.layer_stack import stack_layers

@@ -13,6 +13,8 @@ from k3jax.params import init_params_numpy, moe_spec
 from k3jax.presets import preset_config
 from pallas_kernels.backend import detect
 
+pytestmark = pytest.mark.interpret
+
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -9,7 +9,7 @@ import pytest
 from k3jax.tokenizer import KimiTokenizer
 from k3jax.tokenizer import k3_format
 
-GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "k3_format_golden.json").read_text(encoding="utf-8"))
+GOLDEN = json.loads((Path(__file__).parents[1] / "fixtures" / "k3_format_golden.json").read_text(encoding="utf-8"))
 CASES = {c["name"]: c for c in GOLDEN["cases"]}
 
 

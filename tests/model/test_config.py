@@ -8,7 +8,7 @@ import pytest
 from k3jax.config import ModelConfig
 from k3jax.presets import preset_config, preset_config_dict
 
-SHARED_K3 = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kimi-k3-config.json")
+SHARED_K3 = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "kimi-k3-config.json")
 
 
 def test_k3_layout_from_published_config():

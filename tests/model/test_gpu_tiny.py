@@ -1,6 +1,6 @@
 """The gpu tier: the trained `tiny` model (shipped weights, bf16) as an end-to-end check of the kernels,
 kernels `auto` vs the reference ops, on English documentation like its training text (this repository's
-README and docs). Skipped without a GPU; see tests/test_gpu_kernels.py for the command.
+README and docs). Skipped without a GPU; see tests/kernels/test_gpu_kernels.py for the command.
 
 - Teacher-forced: the full forward's argmax agrees at >= 99% of positions and the mean NLL per token
   within 1% (both read the same tokens, so every position is like for like; the H200 measured 99.3%
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_marks import GPU_ONLY
+from tests.support.gpu_marks import GPU_ONLY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = GPU_ONLY
