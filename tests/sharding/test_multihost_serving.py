@@ -10,8 +10,10 @@ import time
 import openai
 import pytest
 
-from mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
-from server_fixture import free_port
+from tests.support.mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
+from tests.support.server_fixture import free_port
+
+pytestmark = pytest.mark.integration
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 10, 11, 12, 13], [42, 42, 42]]
 CHAT = [{"role": "user", "content": "Hello there"}]

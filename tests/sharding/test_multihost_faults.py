@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 
-from mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
+from tests.support.mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
 from serving.multihost_watch import PREFIX, Watch, WatchSettings
-from server_fixture import free_port
+from tests.support.server_fixture import free_port
+
+pytestmark = pytest.mark.integration
 
 HEARTBEAT_S = 3            # --heartbeat-timeout of the end-to-end runs
 ABORT_TRACE = ("Check failure stack trace", "Shutdown barrier has failed", "detected fatal errors")

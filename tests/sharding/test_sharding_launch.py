@@ -11,7 +11,7 @@ import pytest
 from k3jax.cache import SeqChunk, make_step_batch
 from sharding import distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _dry(script, *args):
@@ -54,6 +54,7 @@ def test_single_process_helpers_are_no_ops(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_slurm_script_runs_two_tasks_with_fake_srun(tmp_path):
     """The task script's env (coordinator = first node, ids from SLURM_*) starts a real 2-process job."""

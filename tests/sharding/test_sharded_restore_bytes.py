@@ -19,9 +19,10 @@ import sys
 
 import pytest
 
-from mp_common import run_all
+from tests.support.mp_common import run_all
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.integration
+
 MESH = "expert=8"
 MiB = 2**20
 
@@ -35,7 +36,6 @@ def worker(coord: str, pid: int, ckpt: str, out: str):
     """One process: restore with the rule shardings, then replicated; report bytes read and needed."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    sys.path[:0] = [os.path.dirname(HERE)]
     from sharding import distributed
     distributed.initialize(coord, 2, pid)
     import jax
@@ -122,7 +122,7 @@ def test_each_process_reads_only_its_shards(converted, tmp_path):
     out = str(tmp_path / "bytes.json")
     coord = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    run_all([[sys.executable, os.path.abspath(__file__), coord, str(i), str(converted), out] for i in range(2)], env)
+    run_all([[sys.executable, "-m", "tests.sharding.test_sharded_restore_bytes", coord, str(i), str(converted), out] for i in range(2)], env)
     got = [json.loads(open(f"{out}.{i}").read()) for i in range(2)]
     # expert=8 spans both processes: each holds 8 of the 16 experts, different ones
     assert [g["local_experts"] for g in got] == [list(range(0, 8)), list(range(8, 16))]

@@ -12,10 +12,11 @@ import pytest
 from k3jax.cache import make_pools
 from k3jax.params import init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config
-from mp_common import GEN, MAX_NEW, POOL, PROMPTS, run_all
+from tests.support.mp_common import GEN, MAX_NEW, POOL, PROMPTS, run_all
 from sharding.step import greedy, sharded_step
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.integration
+
 
 
 def _free_port() -> int:
@@ -42,7 +43,7 @@ def test_two_processes_match_one_device(tmp_path, mesh):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["MP_LOCAL_DEVICES"] = "4"
     env["MP_XLA_EXTRA"] = "--xla_backend_optimization_level=0"   # halves CPU compile time here
-    cmds = [[sys.executable, os.path.join(HERE, "mp_greedy.py"), coord, "2", str(i), mesh, str(out)] for i in range(2)]
+    cmds = [[sys.executable, "-m", "tests.support.mp_greedy", coord, "2", str(i), mesh, str(out)] for i in range(2)]
     # the single-device reference is computed while the two processes compile
     _, (ref_toks, ref_logits0) = run_all(cmds, env, before_wait=_single_device)
     got = json.loads(out.read_text())

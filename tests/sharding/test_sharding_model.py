@@ -11,7 +11,7 @@ import pytest
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.params import init_params_numpy
 from k3jax.presets import TINY_SEED, preset_config
-from mp_common import GEN, MAX_NEW, POOL, PROMPTS
+from tests.support.mp_common import GEN, MAX_NEW, POOL, PROMPTS
 from sharding.mesh import make_mesh
 from sharding.rules import pool_shardings, shard_params, shard_pools
 from sharding.step import greedy, sharded_step
