@@ -11,8 +11,10 @@ import httpx
 import openai
 import pytest
 
-from server_fixture import API_KEY, AUTH
-from server_fixture import assert_openai_error as _assert_openai_error
+from tests.support.server_fixture import API_KEY, AUTH
+from tests.support.server_fixture import assert_openai_error as _assert_openai_error
+
+pytestmark = pytest.mark.integration
 
 MODEL = "tiny-random"
 NO_THINK = {"effort": "none"}           # Responses: Kimi's template with thinking off

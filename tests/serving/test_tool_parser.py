@@ -12,7 +12,7 @@ import pytest
 from serving.openai.tool_parser import (ToolCall, ToolCallStreamParser, forced_tool_prefix, merge_deltas,
                                         parse_tool_calls, tool_call_to_openai)
 
-from kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
+from tests.support.kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
 
 
 def call_ids(header, args, end=True):

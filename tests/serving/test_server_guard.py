@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("uvicorn")
 
 MAX_MODEL_LEN = 512
@@ -32,7 +34,7 @@ class LiveServer:
         import uvicorn
         from k3jax import serve
         from k3jax.tokenizer import KimiTokenizer
-        from server_fixture import free_port
+        from tests.support.server_fixture import free_port
         from serving.image_inputs import ImageLoader, ImagePolicy
         from serving.openai.app import build_app
         from serving.openai.generation import ServerState

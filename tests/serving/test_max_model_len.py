@@ -1,6 +1,6 @@
 """max_model_len when unset: the model's window when the page pool holds one such sequence, else the longest
 it holds, logged with the reason; a prompt over it is refused naming both numbers (the server's 400 is in
-tests/test_server_requests.py)."""
+tests/serving/test_server_requests.py)."""
 import logging
 
 import pytest

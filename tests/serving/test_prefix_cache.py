@@ -75,7 +75,7 @@ def test_hash_is_stable_across_processes():
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         outs.add(subprocess.check_output([sys.executable, "-c", code], env=env,
-                                         cwd=os.path.dirname(os.path.dirname(__file__))).strip())
+                                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).strip())
     assert len(outs) == 1
     assert outs.pop().decode() == chain_hashes(list(range(32)), 16, {1: ["img", 7]})[-1].hex()
 

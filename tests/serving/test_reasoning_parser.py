@@ -10,7 +10,7 @@ from serving.openai.reasoning_parser import (OutputStreamParser, ReasoningStream
                                              parse_reasoning, thinking_started_from_prompt)
 from serving.openai.tool_parser import forced_tool_prefix
 
-from kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
+from tests.support.kimi_ids import AB, CB, CE, E, EOS, IM_END, SB, SE, THINK, TOK, UNTHINK  # noqa: F401
 
 
 def call_ids(header, args):

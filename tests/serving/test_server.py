@@ -8,9 +8,11 @@ import httpx
 import openai
 import pytest
 
-from server_fixture import API_KEY, AUTH, ServerProcess
-from server_fixture import assert_openai_error as _assert_openai_error
-from server_fixture import post as _post
+from tests.support.server_fixture import API_KEY, AUTH, ServerProcess
+from tests.support.server_fixture import assert_openai_error as _assert_openai_error
+from tests.support.server_fixture import post as _post
+
+pytestmark = pytest.mark.integration
 
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
@@ -164,7 +166,7 @@ def test_named_tool_choice_constrains_arguments(client):
 def test_required_tool_choice_calls_a_declared_tool(client, stream):
     """tool_choice "required" on random weights at temperature 0: the call names a declared tool and its
     arguments are valid for that tool's schema (it named an undeclared tool, with empty arguments)."""
-    from server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
+    from tests.support.server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
     calls, finish = chat_tool_calls(client, stream, model="tiny-random",
                                     messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
                                     tools=BOUNDED_TOOLS, tool_choice="required", temperature=0, max_tokens=100,
@@ -550,15 +552,15 @@ def test_fuzz_chat_content_and_tool_calls_never_5xx(server):
 
 def test_schemathesis_all_checks(server, tmp_path):
     """issue 17 item 7: schemathesis with every check (its positive-data check replaced by one that knows
-    the schema's documented semantic 400 codes, tests/schemathesis_hooks.py), bounded to 30 s."""
+    the schema's documented semantic 400 codes, tests/support/schemathesis_hooks.py), bounded to 30 s."""
     import os
     import shutil
     import subprocess
     import sys
     pytest.importorskip("schemathesis")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    from tests.support import ROOT
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="tests.support.schemathesis_hooks",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     st = shutil.which("st") or shutil.which("schemathesis")
     cmd = ([st] if st else [sys.executable, "-m", "schemathesis.cli"]) + [
         "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {API_KEY}", "--checks", "all",

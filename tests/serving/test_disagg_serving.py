@@ -6,7 +6,9 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixture import API_KEY, ServerProcess
+from tests.support.server_fixture import API_KEY, ServerProcess
+
+pytestmark = pytest.mark.integration
 
 H = {"authorization": f"Bearer {API_KEY}"}
 

@@ -8,7 +8,7 @@ import pytest
 
 import jax
 
-from engine_workloads import make_workload, run_one, run_workload
+from tests.support.engine_workloads import make_workload, run_one, run_workload
 from k3jax import load_model
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
@@ -171,7 +171,7 @@ def test_prefix_aware_admission_waits_for_a_prefix_being_computed(model, tmp_pat
 def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint(model, tmp_path_factory, caplog):
     """issue 21 item 3: every hit (fraction 1) is recomputed from scratch in the background and its first token's
     log-probabilities compared; a checkpoint corrupted through the test hook is reported with its request."""
-    from serving_hooks import corrupt_checkpoint
+    from tests.support.serving_hooks import corrupt_checkpoint
     eng = _engine(model, tmp_path_factory, verify_prefix_cache=1.0, verify_prefix_cache_tolerance=1e-6)
     rng = np.random.RandomState(11)
     base = rng.randint(0, 1024, 100).tolist()
@@ -235,7 +235,7 @@ def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
     new variant of the whole step (27.6 s for the first presence_penalty request on the 2-core CPU tiny server;
     30-100 s on an accelerator). The sampler variants are now compiled at warm-up, for any output length."""
     from serving.sampling_params import SamplingParams
-    from serving_hooks import ScriptedMatcher
+    from tests.support.serving_hooks import ScriptedMatcher
     eng = _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
     compiled = eng.runner.num_compiles
     tok = eng.tokenizer

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.tokenizer import KimiTokenizer
-from server_fixture import BOUNDED_TOOLS, assert_declared_calls
+from tests.support.server_fixture import BOUNDED_TOOLS, assert_declared_calls
 from serving.openai import chat
 from serving.openai.errors import APIError
 from serving.openai.generation import ServerState

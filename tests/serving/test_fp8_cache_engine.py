@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_workloads import make_workload, run_one, run_workload
+from tests.support.engine_workloads import make_workload, run_one, run_workload
 from k3jax import load_model
 from k3jax.cache import make_pools, pool_bytes_per_page
 from pallas_kernels.mla import fp8_cache

@@ -1,15 +1,17 @@
 """The OpenAI-compatible server's answers to bad and edge-case requests: OpenAI-shaped 4xx errors naming the
 field, the same status streamed or not, queue and body limits (the `server` fixture of tests/conftest.py, shared
-with tests/test_server.py)."""
+with tests/serving/test_server.py)."""
 import json
 import time
 
 import httpx
 import pytest
 
-from server_fixture import AUTH
-from server_fixture import assert_openai_error as _assert_openai_error
-from server_fixture import post as _post
+from tests.support.server_fixture import AUTH
+from tests.support.server_fixture import assert_openai_error as _assert_openai_error
+from tests.support.server_fixture import post as _post
+
+pytestmark = pytest.mark.integration
 
 # ---------------------------------------------------------------------------- issue 17 regressions
 

@@ -3,18 +3,17 @@ picked from the declared special names, prompts are K3's tagged format, and K3's
 back as reasoning_content / content / tool_calls, streamed and not. Scripted outputs
 (k3jax_test_script) are built with the K3 renderer, i.e. exactly what K3 writes."""
 import json
-import os
-import sys
 
 import httpx
 import openai
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tools import synthetic_k3  # noqa: E402
-from k3jax.tokenizer import KimiTokenizer  # noqa: E402
-from k3jax.tokenizer import k3_format as fmt  # noqa: E402
-from server_fixture import API_KEY, ServerProcess  # noqa: E402
+from tools import synthetic_k3
+from k3jax.tokenizer import KimiTokenizer
+from k3jax.tokenizer import k3_format as fmt
+from tests.support.server_fixture import API_KEY, ServerProcess
+
+pytestmark = pytest.mark.integration
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "required": ["city"],
@@ -154,7 +153,7 @@ def test_required_tool_choice_and_prompt_messages(client, tok):
 def test_required_tool_choice_calls_a_declared_tool(client, stream):
     """tool_choice "required" on random weights at temperature 0: every call names a declared tool with
     arguments valid for its schema, streamed or not (one call without parallel_tool_calls)."""
-    from server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
+    from tests.support.server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
     calls, finish = chat_tool_calls(client, stream, model="k3", messages=USER, tools=BOUNDED_TOOLS,
                                     tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=stream)
     assert_declared_calls(calls, BOUNDED_TOOLS)
