@@ -6,6 +6,8 @@ import pytest
 
 from benchmarks import bench_kernels, kernels_moe as moe_rows
 
+pytestmark = pytest.mark.interpret
+
 
 def test_moe_section_rows_are_checked_and_count_the_layer_flops(monkeypatch):
     monkeypatch.setattr(moe_rows, "steps", lambda tiny: [("prefill", 16)])   # one step

@@ -10,7 +10,7 @@ from PIL import Image
 
 from benchmarks import bench_disagg, harness
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_table_markdown_and_csv_keep_the_same_rows(tmp_path):

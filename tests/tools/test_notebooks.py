@@ -6,7 +6,7 @@ import nbclient
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 
 

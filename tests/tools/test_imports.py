@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("pallas_kernels", "k3jax", "sharding", "serving")
 ENTRY_POINTS = {"k3jax"} | {f"k3jax.{m}" for m in
                             ("serve", "generate", "batch", "eval", "convert", "info", "plan", "api", "offline")}
@@ -63,8 +63,8 @@ def _files(packages) -> dict:
 FILES = _files(PACKAGES)
 TREES = {m: ast.parse(open(p).read(), p) for m, p in FILES.items()}
 _NOT_PRODUCT = ("tests", "benchmarks", "tools", "deploy")      # folders the product must never import
-OUTSIDE = {os.path.splitext(n)[0] for d in _NOT_PRODUCT if os.path.isdir(os.path.join(ROOT, d))
-           for n in os.listdir(os.path.join(ROOT, d)) if n.endswith(".py") and n != "__init__.py"} | set(_NOT_PRODUCT)
+OUTSIDE = {os.path.splitext(n)[0] for d in _NOT_PRODUCT for _, _, names in os.walk(os.path.join(ROOT, d))
+           for n in names if n.endswith(".py") and n != "__init__.py"} | set(_NOT_PRODUCT)
 
 Import = collections.namedtuple("Import", "source target name line")
 
