@@ -32,4 +32,4 @@ run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x1310
 # serve cold, then restarted over its compilation and executable caches
 run serve-start 480 python -m benchmarks.bench_serve_start --model kimi-linear-48b-a3b --seed 0 --csv "$out/serve_start.csv"
 # not in the default list (run by name): the gpu test tier, kernels and the trained tiny vs the reference ops
-run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/test_gpu_kernels.py tests/test_gpu_tiny.py tests/test_mla_long_prefix_gpu.py
+run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py tests/kernels/test_mla_long_prefix_gpu.py
