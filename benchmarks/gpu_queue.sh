@@ -46,4 +46,4 @@ run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x1310
 # where one sequence's decode step goes, by part
 run profile-c1 300 python -m benchmarks.profile_step --scenario decode:1x2048
 # the gpu test tier: kernels and the trained tiny vs the reference ops
-run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/test_gpu_kernels.py tests/test_gpu_tiny.py tests/test_mla_long_prefix_gpu.py tests/test_mla_long_prefix_split_gpu.py
+run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py tests/kernels/test_mla_long_prefix_gpu.py tests/kernels/test_mla_long_prefix_split_gpu.py

@@ -298,7 +298,7 @@ def main(argv=None, *, fault_hook=None, request_matcher=None):
     """Serve. fault_hook(stage, process_index): called at every fault point of a multi-host run
     (serving.multihost_watch.WatchSettings); request_matcher(req, state): a matcher factory constraining a
     chat request's output (serving.openai.generation.ServerState). Both are for tests
-    (tests/serve_with_hooks.py installs them); the CLI sets neither."""
+    (tests/support/serve_with_hooks.py installs them); the CLI sets neither."""
     args = parse_args(argv)
     claim_device_memory()     # before multihost.start: JAX reads it when its backend starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,7 +9,7 @@ are made host arrays first: with device-array inputs XLA:CPU may queue the execu
 pool (as many threads as cores), where the interpreter's outer program and a warpgroup blocked on a
 barrier can hold every thread while the warpgroup that would release them waits: a deadlock seen
 about once in five bench runs on 2 cores before. It is rarer, not gone: one more in the bench's
-ops-path row on jax 0.11.2, none in ~15 runs of tests/test_mla_mosaic_gpu.py (which carries a 120 s
+ops-path row on jax 0.11.2, none in ~15 runs of tests/kernels/test_mla_mosaic_gpu.py (which carries a 120 s
 timeout). Private API: where it is missing this does nothing.
 """
 from __future__ import annotations

@@ -97,6 +97,10 @@ def mla_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *
     impl = "reference"
     if b.kernels and b.platform != "tpu":
         impl = b.mla_prefix_kernel if b.platform == "gpu" and not b.interpret else "triton"
+    if impl == "cudnn-split":      # one sequence's prefix unmasked + its chunk causal; several sequences: triton
+        from pallas_kernels.mla.long_prefix_split import split_prefix_attention
+        return split_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, nope_dim=nope_dim,
+                                      scale=scale, block_keys=block_keys, attention="cudnn", fallback="triton")
     return long_prefix.prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, nope_dim=nope_dim,
                                         scale=scale, block_keys=block_keys, impl=impl, interpret=b.interpret or None)
 

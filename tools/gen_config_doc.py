@@ -3,7 +3,7 @@ argparse parsers) and every `EngineArgs` field (its default as written in the so
 which `LLM(...)` takes as keyword arguments.
 
     python -m tools.gen_config_doc            # (re)write docs/configuration.md
-    python -m tools.gen_config_doc --check    # exit 1 if it is stale (tests/test_config_doc.py)
+    python -m tools.gen_config_doc --check    # exit 1 if it is stale (tests/tools/test_config_doc.py)
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def render() -> str:
     parts = ["# Configuration", "",
              "Every command-line flag of the entry points and every engine field, with its default and meaning. "
              "Generated from the code by `python -m tools.gen_config_doc` (do not edit by hand; "
-             "`tests/test_config_doc.py` fails when it is stale).", ""]
+             "`tests/tools/test_config_doc.py` fails when it is stale).", ""]
     parts += [command_section(c) for c in COMMANDS]
     parts.append(engine_section())
     return "\n".join(parts)

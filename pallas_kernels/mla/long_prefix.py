@@ -34,7 +34,7 @@ def merge(o_a, lse_a, o_b, lse_b):
     return o_a.astype(jnp.float32) * w_a + o_b.astype(jnp.float32) * w_b, lse
 
 
-IMPLS = ("reference", "triton", "cudnn", "cudnn-split")
+IMPLS = ("reference", "triton", "cudnn")
 
 
 @functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "block_keys", "impl", "interpret", "config"))
@@ -48,9 +48,8 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
     kv_lens [N] (cache length after this step's writes; a sequence with kv_len 0 gets zeros),
     kv_b [L, H * (Dn + Dv)] (kv_b_proj, per head: key nope then value). block_keys (static): rows of
     a window. impl: each window's attention by "triton" (the Pallas Triton kernel; interpret: in the Pallas
-    interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU), "cudnn-split" (long_prefix_split.py,
-    GPU: one sequence's prefix unmasked and its chunk causal in cuDNN, a step with several sequences' keys by
-    "triton") or "reference" (jnp). Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
+    interpreter; config: its tuning), "cudnn" (long_prefix_cudnn.py, GPU) or "reference" (jnp); the cuDNN split of
+    one sequence's prefix (long_prefix_split.py) builds on this op and is chosen in pallas_kernels/ops.py. Returns o [T, H, Dv] in q's dtype; padding tokens get zeros.
     """
     n_tok, heads, _ = q.shape
     lat = kv_b.shape[0]
@@ -61,10 +60,6 @@ def prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, *, no
 
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {IMPLS}")
-    if impl == "cudnn-split":
-        from pallas_kernels.mla.long_prefix_split import split_prefix_attention
-        return split_prefix_attention(q, kv_pages, block_tables, cu_seqlens, kv_lens, kv_b, nope_dim=nope_dim,
-                                      scale=scale, block_keys=block_keys, attention="cudnn", fallback="triton")
 
     def attend(kv, rows, starts):
         if impl == "cudnn":

@@ -6,7 +6,7 @@ window's S keys, per-head K = [key nope | the shared rope key], and the ragged s
 own sequence's keys up to its position, inside the window) as a boolean [T, S] mask, which cuDNN adds as a
 bias. Rows that see no key of the window get o = 0 and lse = -inf here (cuDNN's masked softmax gives them a
 uniform average). Opt-in (Backend.mla_prefix_kernel = "cudnn"): checked on the GPU by
-tests/test_mla_long_prefix_gpu.py.
+tests/kernels/test_mla_long_prefix_gpu.py.
 """
 from __future__ import annotations
 

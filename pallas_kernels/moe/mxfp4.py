@@ -197,7 +197,7 @@ _ASM4_HI = _ASM4.format(mmask="0x00700070", smask="0x00800080", mshift=2, sshift
 # Exact (equal to dequantize_mxfp4 * 2^-64) for 59 <= e <= 192, i.e. 32-blocks with
 # 6 * 2^-68 <= max|w| <= 6 * 2^65 (real checkpoints: e ~ 100-130); outside it the result is
 # not defined (no clamp, no NaN scale: see folded_scale_bits). ptx4 was exact for 1 <= e <= 254.
-# The recipe is data: tests/test_moe_kernels.py interprets these same lists in numpy.
+# The recipe is data: tests/kernels/test_moe_kernels.py interprets these same lists in numpy.
 PTX8_SHIFT = 64
 PTX8_EXACT_SCALES = (59, 192)  # E8M0 exponents ptx8 decodes exactly
 

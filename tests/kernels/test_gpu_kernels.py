@@ -1,0 +1,128 @@
+"""The gpu tier: the kernels against their references on a GPU, op by op at model shapes (ragged KDA
+chunks with initial states, ragged paged MLA, the expert MLP in bf16 and MXFP4) and the routed-experts
+layer at K3 and Kimi-Linear-48B sizes in both expert layouts. Skipped without a GPU; CI deselects the
+tier (`-m 'not gpu'`). On a GPU machine (the conftest defaults JAX to the CPU):
+
+  JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py
+
+Errors are max |kernel - reference| / max |reference|. Bounds: fp32 KDA at 1e-4 (the H200 measured
+~1e-6), bf16 outputs at 2e-2 (bf16 rounding of inputs and outputs: 3e-3 to 7e-3 measured).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.support.gpu_marks import GPU_ONLY
+
+from benchmarks.harness import rel_err
+
+
+pytestmark = GPU_ONLY
+
+BF16_TOL = 2e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("H,K,lens", [(4, 32, (30, 7, 1, 90)), (32, 128, (1000, 1, 300, 64)), (32, 128, (1,) * 16)])
+def test_kda_chunk_matches_the_recurrence(dtype, tol, H, K, lens):
+    from pallas_kernels import kda
+    r = np.random.RandomState(0)
+    T = sum(lens)
+    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q = jnp.asarray(l2(r.randn(1, T, H, K)), dtype)
+    k = jnp.asarray(l2(r.randn(1, T, H, K)), dtype)
+    v = jnp.asarray(r.randn(1, T, H, K), dtype)
+    g = jnp.asarray(-5 * (1 / (1 + np.exp(-r.randn(1, T, H, K)))), jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-r.randn(1, T, H))), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    s0 = jnp.asarray(r.randn(len(lens), H, K, K) * 0.1, jnp.float32)
+    o1, s1 = kda.chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
+    o2, s2 = kda.recurrent_kda_reference(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
+    assert rel_err(o1, o2) < tol and rel_err(s1, s2) < tol
+
+
+@pytest.mark.parametrize("H,L,R,ps,lens,ctx", [(4, 64, 16, 16, (30, 7, 1), (0, 16, 40)),
+                                                (32, 512, 64, 64, (1,) * 16, (4000,) * 16),
+                                                (32, 512, 64, 64, (512, 1), (0, 900))])
+def test_mla_ragged_paged_matches_the_reference(H, L, R, ps, lens, ctx):
+    from pallas_kernels import mla
+    r = np.random.RandomState(1)
+    N, T = len(lens), sum(lens)
+    kv_lens = np.asarray(ctx) + np.asarray(lens)
+    maxp = int(-(-kv_lens.max() // ps))
+    pages = jnp.asarray(r.randn(N * maxp + 1, ps, L + R), jnp.bfloat16)
+    bt = jnp.asarray(1 + r.permutation(N * maxp).reshape(N, maxp), jnp.int32)
+    ql = jnp.asarray(r.randn(T, H, L) * 0.05, jnp.bfloat16)
+    qr = jnp.asarray(r.randn(T, H, R) * 0.05, jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    args = (ql, qr, pages, bt, cu, jnp.asarray(kv_lens, jnp.int32))
+    assert rel_err(mla.ragged_paged_mla(*args, scale=0.07), mla.ragged_paged_mla_reference(*args, scale=0.07)) < BF16_TOL
+
+
+@pytest.mark.parametrize("fmt,T,D,I,E,k", [("mxfp4", 512, 3584, 3072, 112, 16), ("mxfp4", 16, 64, 64, 16, 4),
+                                           ("bf16", 16, 2304, 1024, 256, 8), ("bf16", 2048, 2304, 1024, 256, 8)])
+def test_expert_mlp_matches_the_routed_reference(fmt, T, D, I, E, k):
+    from k3jax.layers.moe import routed_experts_reference
+    from k3jax.presets import preset_config
+    from pallas_kernels import moe
+    r = np.random.RandomState(2)
+    x = jnp.asarray(r.randn(T, D), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([r.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(r.rand(T, k), jnp.float32)
+    # the reference routes over config.num_experts experts: it must be E (fewer would drop ids >= it)
+    if fmt == "bf16":
+        c = dataclasses.replace(preset_config("kimi-linear-48b-a3b"), num_experts=E)
+        ws = [jnp.asarray(r.randn(E, a, b) / np.sqrt(a), jnp.bfloat16) for a, b in ((D, I), (D, I), (I, D))]
+        out = moe.expert_mlp(x, ids, w, *ws, activation="silu")
+        ref = routed_experts_reference({"w1": ws[0], "w3": ws[1], "w2": ws[2]}, x, w, ids, c, mxfp4=False)
+    else:
+        c = dataclasses.replace(preset_config("tiny-random"), num_experts=E)
+        packs = [moe.quantize_mxfp4(jnp.asarray(r.randn(E, b, a) / np.sqrt(a), jnp.float32))
+                 for a, b in ((D, I), (D, I), (I, D))]
+        out = moe.expert_mlp_mxfp4(x, ids, w, *packs, activation="situ")
+        pe = {f"{n}_packed": p[0] for n, p in zip(("w1", "w3", "w2"), packs)}
+        pe.update({f"{n}_scale": p[1] for n, p in zip(("w1", "w3", "w2"), packs)})
+        ref = routed_experts_reference(pe, x, w, ids, c, mxfp4=True)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+def _experts(c, key):
+    """Random experts in the checkpoint layout (MXFP4: quantized from normal weights)."""
+    from pallas_kernels import moe
+    E, D, I = c.num_experts, c.expert_hidden, c.moe_intermediate_size
+    w = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) / np.sqrt(shape[-1])  # noqa: E731
+    if c.expert_format != "mxfp4":
+        return {n: w(i, s).astype(jnp.bfloat16) for i, (n, s) in
+                enumerate((("w1", (E, D, I)), ("w3", (E, D, I)), ("w2", (E, I, D))))}
+    out = {}
+    for i, (n, shape) in enumerate((("w1", (E, I, D)), ("w3", (E, I, D)), ("w2", (E, D, I)))):
+        out[f"{n}_packed"], out[f"{n}_scale"] = moe.quantize_mxfp4(w(i, shape))
+    return out
+
+
+@pytest.mark.parametrize("preset,num_experts", [("kimi-k3", 112), ("kimi-linear-48b-a3b", 256)])
+@pytest.mark.parametrize("tokens,layout", [(8192, "merged"), (8192, "checkpoint"), (64, "merged")])
+def test_routed_experts_layer_matches_the_dense_reference(preset, num_experts, tokens, layout):
+    """RoutedExperts through the kernels (the Backend the runner builds) at the model's expert sizes
+    (K3: one of 8 expert-parallel devices' experts), merged gate/up (as loaded) or the checkpoint's
+    separate w1 / w3 (the expert-parallel path), against every expert computed densely."""
+    from benchmarks.kernels_moe import REF_TOKENS, case_config, dense_reference
+    from k3jax.expert_layout import merge_experts
+    from k3jax.layers.moe import RoutedExperts
+    from k3jax.params import experts_spec
+    from pallas_kernels.backend import detect
+    c = case_config(preset, num_experts, False, hidden_act="situ")
+    key = jax.random.key(0)
+    pe = _experts(c, key)
+    z = jax.random.normal(jax.random.fold_in(key, 10), (tokens, c.expert_hidden), jnp.bfloat16)
+    w, ids = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(key, 11), (tokens, c.num_experts)),
+                           c.num_experts_per_token)
+    ref = jax.jit(lambda pe, z, w, ids: dense_reference(pe, z, w, ids, c))(pe, z, w, ids)
+    values = merge_experts(pe) if layout == "merged" else pe
+    spec = experts_spec(c, merged=layout == "merged")
+    kernels = detect("pallas")
+    out = jax.jit(lambda v, z, w, ids: RoutedExperts(spec, v, c)(z, w, ids, c, backend=kernels))(values, z, w, ids)
+    assert rel_err(out[:REF_TOKENS], ref) < BF16_TOL

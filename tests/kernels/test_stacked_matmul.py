@@ -1,0 +1,64 @@
+"""Dense weights of scanned layers read in place (pallas_kernels/stacked.py, Backend.dense_in_place): the
+kernel equals the sliced matmul, and a scanned step that holds its weights whole computes what the
+sliced scan computes without passing them through the scan."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.layer_stack import stack_layers
+from k3jax.model import forward_step
+from k3jax.params import init_params_numpy
+from k3jax.presets import preset_config
+from pallas_kernels import stacked
+from pallas_kernels.moe import schedule as sch
+from pallas_kernels.backend import Backend
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.mark.parametrize("rows,k,n", [(5, 64, 48), (32, 128, 256)])
+def test_kernel_reads_the_layer_in_place(rows, k, n):
+    r = np.random.RandomState(0)
+    w = jnp.asarray(r.randn(3, k, n) * 0.1, jnp.bfloat16)
+    x = jnp.asarray(r.randn(2, rows, k), jnp.bfloat16)             # leading dims flattened and restored
+    assert stacked.fits(x, w)
+    for i in (0, 2):
+        got = jax.jit(lambda x, w, i: stacked.stacked_matmul(x, w, i, kernel=True, interpret=True))(x, w, jnp.int32(i))
+        want = np.asarray(x, np.float32) @ np.asarray(w[i], np.float32)
+        assert got.shape == (2, rows, n) and got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=8e-3 * np.abs(want).max())
+
+
+def test_kernel_path_only_where_it_fits():
+    w = jnp.zeros((2, 64, 48), jnp.bfloat16)
+    assert not stacked.fits(jnp.zeros((4, 64), jnp.float32), w.astype(jnp.float32))      # fp32: the slice
+    assert not stacked.fits(jnp.zeros((stacked.MAX_ROWS + 1, 64), jnp.bfloat16), w)      # prefill: the slice
+    assert not stacked.fits(jnp.zeros((4, 64), jnp.bfloat16), jnp.zeros((2, 64, 40), jnp.bfloat16))  # N % 16
+    for m in (1, 16, 64):
+        t = stacked.tiling(m, 2304, 4096)
+        assert t.bm >= m and 2304 % t.bk == 0 and 4096 // t.bn >= 128    # one row tile, ~a column tile per SM
+        assert sch.pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, False) <= sch.SMEM_LIMIT
+
+
+def test_scanned_step_holds_right_operands_whole():
+    c = preset_config("tiny-random")
+    params = stack_layers(init_params_numpy(c, 2, jnp.float32), c)
+    tokens = np.random.RandomState(1).randint(0, c.vocab_size, 13).astype(np.int32)
+    batch = make_step_batch([SeqChunk(tokens, 0, [3, 1], -1, 2, ckpt_dst=1)], 8, num_tokens=16, num_seqs=4,
+                            max_pages=4)
+    outs, scans = [], []
+    for b in (Backend(), Backend(dense_in_place=True)):
+        fn = lambda p, pools, bt, b=b: forward_step(p, c, pools, bt, backend=b)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch)
+        scans.append(max((e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"), key=lambda e: len(e.invars)))
+        outs.append(jax.jit(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch))
+    for a, b in zip(jax.tree_util.tree_leaves(outs[1]), jax.tree_util.tree_leaves(outs[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the held weights moved from the scan's sliced inputs (xs) to its constants
+    xs = [len(s.invars) - s.params["num_consts"] - s.params["num_carry"] for s in scans]
+    unit0 = params["layers"]["units"][0]
+    held = len(unit0["attn"]) - sum(k.endswith(("norm", "conv", "A_log", "dt_bias")) for k in unit0["attn"])
+    assert xs[0] - xs[1] >= held > 0, (xs, held)
