@@ -17,6 +17,7 @@ def _check(res):
     assert res["ppl_ratio"] != 1.0, res               # the caches differ: the FP8 path really ran
 
 
+@pytest.mark.slow          # ~25 s on 2 cores; the kernel-level FP8 tests run by default
 def test_fp8_cache_quality_small(tiny):
     _check(compare(tiny, 4, 24))
 
