@@ -496,7 +496,13 @@ class ModelRunner:
             bar = tqdm(total=len(jobs), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
                        unit="program")
         futures, stored, loaded = {}, {}, 0   # stored: shape key -> (executable cache key, args) to save once compiled
+        deferred = []
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
+            def submit(key, low):
+                fut = pool.submit(low.compile)
+                if bar is not None:
+                    fut.add_done_callback(lambda _: bar.update())
+                futures[fut] = key
             for key, fn, kind, args in jobs:
                 if cache is not None:
                     ckey = cache.key(kind, repr(self.config), repr(self.backend), key, step_compiler_options())
@@ -508,16 +514,12 @@ class ModelRunner:
                             bar.update()
                         continue
                     stored[key] = (ckey, args)
-                low = fn.lower(*args)
-                if threads == 1:       # a small host (CPU tests on 2 cores): lowering while compiling only contends
-                    fut = concurrent.futures.Future()
-                    fut.set_result(low.compile())
-                else:
-                    fut = pool.submit(low.compile)
-                if bar is not None:
-                    fut.add_done_callback(lambda _: bar.update())
-                futures[fut] = key
+                deferred.append((key, fn.lower(*args)))
+                if threads > 1:        # a small host (one compile thread): lowering while compiling only contends
+                    submit(*deferred.pop())
             t1 = time.perf_counter()
+            for job in deferred:
+                submit(*job)
             if cache is not None:
                 log.info("executable cache: %d of %d step programs loaded from %s", loaded, len(jobs), cache.directory)
             for done in concurrent.futures.as_completed(futures):
