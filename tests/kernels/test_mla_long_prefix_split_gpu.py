@@ -17,31 +17,14 @@ from pallas_kernels.mla.long_prefix_split import split_prefix_attention
 
 pytestmark = GPU_ONLY
 
-L, R, DN, DV, PAGE = 512, 64, 128, 128, 16
+from tests.kernels.test_mla_long_prefix_gpu import DN, R, _case as _paged_case  # noqa: E402
 
 
 def _case(heads, ctx, new, keyed, seed=0):
-    rng = np.random.default_rng(seed)
-    full = np.asarray(ctx) + np.asarray(new)
-    need = [-(-int(k) // PAGE) for k in full]
-    n_pages = 1 + sum(need) + 4
-    pool = np.full((n_pages, PAGE, L + R), np.nan, np.float32)
-    perm = rng.permutation(np.arange(1, n_pages))
-    tables = np.zeros((len(full), max(need) + 2), np.int32)
-    k = 0
-    for n, kl in enumerate(full):
-        cache = rng.standard_normal((kl, L + R)).astype(np.float32)
-        for j in range(need[n]):
-            tables[n, j] = perm[k]
-            k += 1
-            rows = cache[j * PAGE:(j + 1) * PAGE]
-            pool[tables[n, j], :len(rows)] = rows
-    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    t = int(cu[-1]) + 7
-    q = rng.standard_normal((t, heads, DN + R)).astype(np.float32)
-    kv_b = (rng.standard_normal((L, heads * (DN + DV))) / np.sqrt(L)).astype(np.float32)
-    kv_lens = np.where(keyed, full, 0).astype(np.int32)
-    return q, pool, tables, cu, kv_lens, kv_b
+    """The paged case of the plain long-prefix GPU test, with the sequences not `keyed` given no keys (decode
+    rows as `_mixed` passes them)."""
+    q, pool, tables, cu, kv_lens, kv_b = _paged_case(heads, ctx, new, seed)
+    return q, pool, tables, cu, np.where(keyed, kv_lens, 0).astype(np.int32), kv_b
 
 
 @pytest.mark.parametrize("seqs", [
