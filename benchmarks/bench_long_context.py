@@ -290,6 +290,9 @@ def main(argv=None):
                          "prompt's chunks end)")
     ap.add_argument("--long-prefill-tokens", type=int, default=None,
                     help="a lone long prompt's step tokens (default: the engine's; 0: max_num_batched_tokens)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's max_num_seqs (default: its own); each one holds a KDA state slot, so a 1M "
+                         "context on one H200 with bf16 weights needs fewer than the default 64")
     ap.add_argument("--state-fraction", type=float, default=None,
                     help="the cache budget's share for KDA state slots (default: the engine's; lower leaves pages for "
                          "a longer context, e.g. 0.2 for a 1M-token prompt of Kimi-Linear-48B on one H200)")
@@ -330,6 +333,7 @@ def main(argv=None):
                                 else {"decode_steps_per_launch": args.decode_steps_per_launch}),
                              **({} if args.long_prefill_tokens is None else
                                 {"long_prefill_tokens": args.long_prefill_tokens}),
+                             **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
                              **({} if args.state_fraction is None else {"state_fraction": args.state_fraction})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),
