@@ -46,6 +46,22 @@ def online_softmax(s, visible, qk_scale, m, l):
     return p, alpha, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
+def _pairs(x):
+    """x [bk, 2k] -> (x[:, 0::2], x[:, 1::2]) [bk, k] each: a reshape and Triton's split of a last axis of 2
+    (in registers), where strided column loads would be byte gathers."""
+    n, w = x.shape
+    return jnp.unstack(x.reshape(n, w // 2, 2), axis=2)
+
+
+def _columns(x):
+    """x [bk, n] -> its n columns [bk] each (split in halves where n is a power of two, else selected)."""
+    n, w = x.shape
+    if w & (w - 1) == 0:
+        return [c.reshape(n) for c in jax.lax.split(x, (1,) * w, axis=1)] if w > 1 else [x.reshape(n)]
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]
+    return [jnp.sum(jnp.where(j == t, x, 0), axis=1) for t in range(w)]
+
+
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
     tile = pl.program_id(0)
@@ -88,7 +104,8 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         return plgpu.load(bt_ref.at[pidx], mask=keys < k_hi, other=0)
 
     def load(k0, pages):
-        """(ckv tiles [bk, width] each, krope [bk, R]) of the block at k0 in kdt; keys >= k_hi read as zeros."""
+        """(ckv tiles [bk, width] each, their scales ([bk] fp32 each) or None, krope [bk, R]) of the block at k0 in
+        kdt; keys >= k_hi read as zeros."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         ok = (keys < k_hi)[:, None]
         offsets = k0 % page_size + jnp.arange(bk, dtype=jnp.int32) if contiguous else keys % page_size
@@ -103,57 +120,58 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0)
 
         if not fp8:
-            return [cols(0, lat)], cols(lat, rope)
-        # packed row (fp8_cache.py): fp8 codes, one little-endian fp32 scale a tile, bf16 rope; the byte
-        # assembly runs in 32-bit integers (Triton bitcasts only between equal widths)
-        u32 = jnp.uint32
+            return [cols(0, lat)], None, cols(lat, rope)
+        # packed row (fp8_cache.py): every part is read as whole contiguous byte columns (vectorized loads)
+        # and reassembled in registers by even/odd splits (Triton bitcasts only between equal widths).
+        # The codes convert to kdt exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores
+        # and the probabilities per key instead of every latent value.
+        ckv = [jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8).astype(kdt) for c0, w in col_tiles]
         n_sc = len(col_tiles)
-        sc_bytes = cols(lat, 4 * n_sc).astype(u32)                           # [bk, 4 * tiles]
-        byte = jnp.arange(4 * n_sc, dtype=jnp.int32)[None, :]
-        ckv = []
-        for t, (c0, w) in enumerate(col_tiles):
-            bits = jnp.zeros((bk,), u32)
-            for b in range(4):
-                bits = bits | (jnp.sum(jnp.where(byte == 4 * t + b, sc_bytes, 0), axis=1).astype(u32) << (8 * b))
-            sc = jax.lax.bitcast_convert_type(bits, jnp.float32)
-            codes = jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8).astype(jnp.float32)
-            ckv.append((codes * sc[:, None]).astype(kdt))
-        base = lat + 4 * n_sc
-        pair = base + 2 * jnp.arange(rope, dtype=jnp.int32)[None, :]
-        lo = plgpu.load(kv_ref.at[row_idx, pair], mask=ok, other=0).astype(u32)
-        hi = plgpu.load(kv_ref.at[row_idx, pair + 1], mask=ok, other=0).astype(u32)
-        kr = jax.lax.bitcast_convert_type((lo | (hi << 8)).astype(jnp.uint16), fp8_cache.ROPE).astype(kdt)
-        return ckv, kr
+        b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
+        lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
+        sc = jax.lax.bitcast_convert_type(lo | (hi << 16), jnp.float32)  # [bk, tiles]
+        lo, hi = _pairs(cols(lat + 4 * n_sc, 2 * rope))
+        kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
+                                          fp8_cache.ROPE).astype(kdt)
+        return ckv, _columns(sc), kr
 
-    def step(k0, ckv, kr, acc, m, l):
-        """One online-softmax block."""
+    def step(k0, ckv, sc, kr, acc, m, l):
+        """One online-softmax block. sc: None, or an FP8 block's per-key scale of each column tile [bk], applied
+        to that tile's scores and probabilities (the codes enter the MMAs unscaled)."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
-            st = plgpu.dot(ckv[0], ql[0], trans_b=True)
-            for c, q in zip(ckv[1:], ql[1:]):
-                st = st + plgpu.dot(c, q, trans_b=True)
+            part = [plgpu.dot(c, q, trans_b=True) for c, q in zip(ckv, ql)]
+            if sc is not None:
+                part = [x * k[:, None] for x, k in zip(part, sc)]
+            st = part[0]
+            for x in part[1:]:
+                st = st + x
             st = st + plgpu.dot(kr, qr, trans_b=True)
             st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
             m_new = jnp.maximum(m, jnp.max(st, axis=0))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=True) for a, c in zip(acc, ckv)]
+            pts = [pt.astype(kdt)] * len(ckv) if sc is None else [(pt * k[:, None]).astype(kdt) for k in sc]
+            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=True) for a, c, x in zip(acc, ckv, pts)]
             return acc, m_new, l_new
-        s = plgpu.dot(ql[0], ckv[0], trans_b=True)
-        for c, q in zip(ckv[1:], ql[1:]):
-            s = s + plgpu.dot(q, c, trans_b=True)
+        part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
+        if sc is not None:
+            part = [x * k[None, :] for x, k in zip(part, sc)]
+        s = part[0]
+        for x in part[1:]:
+            s = s + x
         s = s + plgpu.dot(qr, kr, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
-        acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv)]
+        ps = [p.astype(kdt)] * len(ckv) if sc is None else [(p * k[None, :]).astype(kdt) for k in sc]
+        acc = [a * alpha[:, None] + plgpu.dot(x, c) for a, c, x in zip(acc, ckv, ps)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
     # loads; carrying the next page id or block explicitly measured slower).
     def body(i, carry):
         k0 = k_lo + i * bk
-        ckv, kr = load(k0, lookup(k0))
-        return step(k0, ckv, kr, *carry)
+        return step(k0, *load(k0, lookup(k0)), *carry)
 
     acc0 = [jnp.zeros((w, rows) if transposed else (rows, w), jnp.float32) for _, w in col_tiles]
     m0 = jnp.full((rows,), _MASK, jnp.float32)
