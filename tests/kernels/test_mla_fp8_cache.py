@@ -97,6 +97,25 @@ def test_triton_decode_on_fp8_pages(page_size, config):
     np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
 
 
+@pytest.mark.parametrize("heads,page_size", [
+    (32, 16),      # Kimi-Linear's heads, default decode tuning: keys-on-M, a 64-key block gathered from 4 pages
+    (96, 64),      # K3's heads: two head groups (64 in row form, 32 keys-on-M), blocks inside a page
+])
+def test_triton_decode_on_fp8_pages_at_model_widths(heads, page_size):
+    """The model's row (L=512: four scale tiles, R=64) through the default tuning of each head count."""
+    lat, rope = 512, 64
+    rng = np.random.default_rng(heads)
+    ctx = [130, 0, 64 + page_size - 1]
+    case = build_case(rng, ctx, [1] * len(ctx), heads=heads, lat=lat, rope=rope, page_size=page_size, extra_pages=1)
+    fp8 = dict(case, kv_pages=np.asarray(fp8_cache.quantize(jnp.asarray(case["kv_pages"]), lat)),
+               caches=[np.asarray(fp8_cache.round_trip(jnp.asarray(c), lat)) for c in case["caches"]])
+    got = np.asarray(mla_paged_decode(*_args(fp8, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
+                                      scale=SCALE, interpret=True))
+    assert np.all(np.isfinite(got)), "kernel read a NaN page slot"
+    np.testing.assert_allclose(got, numpy_attention(fp8, SCALE), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [(("bk", 16),), (("bk", 16), ("transposed", True))])
 def test_triton_ragged_on_fp8_pages_bf16_queries(config):
