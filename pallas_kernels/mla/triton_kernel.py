@@ -63,7 +63,7 @@ def _columns(x):
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed, fp8_scale):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -125,15 +125,17 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         # and reassembled in registers by even/odd splits (Triton bitcasts only between equal widths).
         # The codes convert to kdt exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores
         # and the probabilities per key instead of every latent value.
-        ckv = [jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8).astype(kdt) for c0, w in col_tiles]
+        codes = [jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8) for c0, w in col_tiles]
         n_sc = len(col_tiles)
         b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
         lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
-        sc = jax.lax.bitcast_convert_type(lo | (hi << 16), jnp.float32)  # [bk, tiles]
+        sc = _columns(jax.lax.bitcast_convert_type(lo | (hi << 16), jnp.float32))     # [bk] a tile
         lo, hi = _pairs(cols(lat + 4 * n_sc, 2 * rope))
         kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
                                           fp8_cache.ROPE).astype(kdt)
-        return ckv, _columns(sc), kr
+        if fp8_scale == "codes":  # dequantized values (fp32 product rounded to kdt), the 16-bit path's step
+            return [(c.astype(jnp.float32) * k[:, None]).astype(kdt) for c, k in zip(codes, sc)], None, kr
+        return [c.astype(kdt) for c in codes], sc, kr
 
     def step(k0, ckv, sc, kr, acc, m, l):
         """One online-softmax block. sc: None, or an FP8 block's per-key scale of each column tile [bk], applied
@@ -188,7 +190,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
-                   interpret=False):
+                   fp8_scale="scores", interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -196,7 +198,12 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
       queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
     Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
     m, l [splits, T*H + rows] (base-2 running max and softmax denominator).
+    fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
+    probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
+    (code x scale in fp32, rounded to kdt) before the MMAs.
     """
+    if fp8_scale not in ("scores", "codes"):
+        raise ValueError(f"fp8_scale must be 'scores' or 'codes', not {fp8_scale!r}")
     num_pages, page_size, width = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
     lat = ql_rows.shape[1]
@@ -205,7 +212,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed)
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]

@@ -84,6 +84,7 @@ def test_jnp_readers_on_fp8_pages(reader):
     (8, None),                                             # bk spans pages: gathered rows, keys-on-M form
     pytest.param(16, (("bk", 8), ("splits", 3), ("transposed", False)),   # bk inside a page, split-K, row form
                  marks=pytest.mark.slow),
+    (16, (("fp8_scale", "codes"), ("transposed", True))),   # every latent value dequantized before the MMAs
 ])
 def test_triton_decode_on_fp8_pages(page_size, config):
     rng = np.random.default_rng(page_size)
@@ -151,10 +152,11 @@ def test_long_prefix_on_fp8_pages():
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("page_size,transposed", [(16, True), (64, False)])
-def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed):
-    """The kernel's FP8 path (byte assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
-    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms."""
+@pytest.mark.parametrize("page_size,transposed,fp8_scale", [(16, True, "scores"), (64, False, "scores"),
+                                                          (64, True, "codes")])
+def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale):
+    """The kernel's FP8 path (byte splits and assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
+    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements."""
     from pallas_kernels.mla.paged import _kernel_path
     n, heads, pages = 2, 32, 4
     args = (jax.ShapeDtypeStruct((n, heads, 512), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16),
@@ -163,6 +165,6 @@ def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed):
 
     def decode(ql, qr, kv, bt, lens):
         return _kernel_path(ql, qr, kv, bt, jnp.arange(n + 1, dtype=jnp.int32), lens, scale=0.1, decode=True,
-                            interpret=None, config={"transposed": transposed})
+                            interpret=None, config={"transposed": transposed, "fp8_scale": fp8_scale})
     text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "mla_paged_r" in text      # the kernel, as a Triton custom call
