@@ -223,7 +223,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}"
-              f"_w{num_warps}_st{num_stages}"),
+              f"_w{num_warps}_st{num_stages}"
+              f"{('_fp8' + ('c' if fp8_scale == 'codes' else '')) if fp8_cache.is_fp8(kv_pages) else ''}"),
     )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 
