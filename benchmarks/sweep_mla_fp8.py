@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from benchmarks.harness import Table, header, rel_err, time_jax
 from benchmarks.kernel_inputs import mla_cache, parse_mla_spec, resolve_mla_config
 
-VARIANTS = ("default", "T-w4", "T-w4-C", "T-w8", "T-w4-st3", "T-w4-st1", "T-w4-bk32", "R-w4", "R-w8", "R-w8-C",
+VARIANTS = ("default", "T-w4", "T-w4-C", "T-w8", "T-w8-C", "T-w4-x2", "T-w4-st3", "T-w4-st1", "T-w4-bk32", "R-w4", "R-w8", "R-w8-C",
             "R-w8-st3", "R-w8-bk32", "R-w8-r64")
 
 
