@@ -6,7 +6,8 @@ under tuning variants, next to the bf16 cache under its default tuning, at the k
 
 A variant is `default` (paged.default_tuning, as the engine runs it) or a config spec
 (benchmarks/kernel_inputs.parse_mla_spec: T/R form, wN warps, stN stages, bkN keys a block, rN rows a tile;
-C here: fp8_scale="codes", every latent value dequantized before the MMAs, else the scales multiply the scores).
+C here: fp8_scale="codes", every latent value dequantized before the MMAs, else the scales multiply the scores;
+L1 / L2: the codes loaded once / once per MMA (fp8_reload), else the kernel's choice by form).
 `x bf16 bytes/s`: the FP8 row's bytes read per second over the bf16 default's (target >= 0.9); every FP8 row's
 output is checked against the jnp reference on the same FP8 pages (rel err).
 """
@@ -21,17 +22,20 @@ import jax.numpy as jnp
 from benchmarks.harness import Table, header, rel_err, time_jax
 from benchmarks.kernel_inputs import mla_cache, parse_mla_spec, resolve_mla_config
 
-VARIANTS = ("default", "T-w4", "T-w4-C", "T-w8", "T-w8-C", "T-w4-x2", "T-w4-st3", "T-w4-st1", "T-w4-bk32", "R-w4", "R-w8", "R-w8-C",
-            "R-w8-st3", "R-w8-bk32", "R-w8-r64")
+VARIANTS = ("default", "T-w4", "T-w4-L1", "T-w4-C", "T-w8", "T-w4-x2", "T-w4-st3", "T-w4-bk32", "R-w4", "R-w8",
+            "R-w8-L1", "R-w8-C", "R-w8-st3", "R-w8-bk32", "R-w8-r64", "R-w8-r64-C")
 
 
 def _config(spec, heads, page_size, max_pages, n_seqs):
     if spec == "default":
         return None
     toks = spec.split("-")
-    knobs, _ = parse_mla_spec("-".join(t for t in toks if t != "C"))
+    knobs, _ = parse_mla_spec("-".join(t for t in toks if t not in ("C", "L1", "L2")))
     config = resolve_mla_config(knobs, heads, page_size, max_pages, n_seqs)
-    return tuple(sorted(config + (("fp8_scale", "codes" if "C" in toks else "scores"),)))
+    config += (("fp8_scale", "codes" if "C" in toks else "scores"),)
+    if "L1" in toks or "L2" in toks:
+        config += (("fp8_reload", "L2" in toks),)
+    return tuple(sorted(config))
 
 
 def main(argv=None):

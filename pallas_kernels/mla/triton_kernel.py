@@ -63,7 +63,8 @@ def _columns(x):
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed, fp8_scale):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed, fp8_scale,
+            fp8_reload):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -93,6 +94,11 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype
+    # An FP8 block's codes feed two MMAs. Where one wants them in registers and the other in shared memory
+    # (keys-on-M form; row form below 64 rows, whose MMAs take both operands from registers), Triton's
+    # pipeliner leaves a load with both uses synchronous: there the codes are loaded once per MMA. 64-row tiles
+    # in row form read both from shared memory, pipelined from one load (two would not fit in it).
+    reload = (transposed or rows < 64) if fp8_reload is None else fp8_reload
     contiguous = page_size % bk == 0  # block inside one page: contiguous rows
 
     def lookup(k0):
@@ -111,21 +117,24 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         offsets = k0 % page_size + jnp.arange(bk, dtype=jnp.int32) if contiguous else keys % page_size
         row_idx = (pages * page_size + offsets)[:, None]                  # the block's pool rows
 
-        def cols(c0, n):
+        def cols(c0, n, eviction_policy=None):
             """Columns [c0, c0 + n) of the block's rows."""
             if contiguous:
                 return plgpu.load(kv_ref.at[pl.ds(pages * page_size + k0 % page_size, bk), pl.ds(c0, n)],
-                                  mask=ok, other=0)
+                                  mask=ok, other=0, eviction_policy=eviction_policy)
             # gather rows through the block table (int-array rows need int-array cols)
-            return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0)
+            return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0,
+                              eviction_policy=eviction_policy)
 
         if not fp8:
-            return [cols(0, lat)], None, cols(lat, rope)
+            ckv = [cols(0, lat)]
+            return ckv, ckv, None, cols(lat, rope)
         # packed row (fp8_cache.py): every part is read as whole contiguous byte columns (vectorized loads)
         # and reassembled in registers by even/odd splits (Triton bitcasts only between equal widths).
         # The codes convert to kdt exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores
         # and the probabilities per key instead of every latent value.
-        codes = [jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8) for c0, w in col_tiles]
+        def codes(eviction_policy=None):
+            return [jax.lax.bitcast_convert_type(cols(c0, w, eviction_policy), fp8_cache.FP8) for c0, w in col_tiles]
         n_sc = len(col_tiles)
         b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
         lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
@@ -134,10 +143,19 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
                                           fp8_cache.ROPE).astype(kdt)
         if fp8_scale == "codes":  # dequantized values (fp32 product rounded to kdt), the 16-bit path's step
-            return [(c.astype(jnp.float32) * k[:, None]).astype(kdt) for c, k in zip(codes, sc)], None, kr
-        return [c.astype(kdt) for c in codes], sc, kr
+            dequant = lambda cs: [(c.astype(jnp.float32) * k[:, None]).astype(kdt) for c, k in zip(cs, sc)]  # noqa: E731
+            sc_out = None
+        else:
+            dequant = lambda cs: [c.astype(kdt) for c in cs]  # noqa: E731
+            sc_out = sc
+        if not reload:
+            ckv = dequant(codes())
+            return ckv, ckv, sc_out, kr
+        # each MMA its own load of the codes (fp8_reload); the first read keeps the lines in L2 for the second,
+        # and the distinct policies keep the two loads from being merged
+        return dequant(codes("evict_last")), dequant(codes("evict_first")), sc_out, kr
 
-    def step(k0, ckv, sc, kr, acc, m, l):
+    def step(k0, ckv, ckv_pv, sc, kr, acc, m, l):
         """One online-softmax block. sc: None, or an FP8 block's per-key scale of each column tile [bk], applied
         to that tile's scores and probabilities (the codes enter the MMAs unscaled)."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
@@ -155,7 +173,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
             pts = [pt.astype(kdt)] * len(ckv) if sc is None else [(pt * k[:, None]).astype(kdt) for k in sc]
-            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=True) for a, c, x in zip(acc, ckv, pts)]
+            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=True) for a, c, x in zip(acc, ckv_pv, pts)]
             return acc, m_new, l_new
         part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
         if sc is not None:
@@ -166,7 +184,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         s = s + plgpu.dot(qr, kr, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
         ps = [p.astype(kdt)] * len(ckv) if sc is None else [(p * k[None, :]).astype(kdt) for k in sc]
-        acc = [a * alpha[:, None] + plgpu.dot(x, c) for a, c, x in zip(acc, ckv, ps)]
+        acc = [a * alpha[:, None] + plgpu.dot(x, c) for a, c, x in zip(acc, ckv_pv, ps)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
@@ -190,7 +208,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
-                   fp8_scale="scores", interpret=False):
+                   fp8_scale="scores", fp8_reload=None, interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -200,7 +218,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     m, l [splits, T*H + rows] (base-2 running max and softmax denominator).
     fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
     probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
-    (code x scale in fp32, rounded to kdt) before the MMAs.
+    (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
+    MMA (True) or once (False); None: the kernel's choice by form (see _kernel).
     """
     if fp8_scale not in ("scores", "codes"):
         raise ValueError(f"fp8_scale must be 'scores' or 'codes', not {fp8_scale!r}")
@@ -212,7 +231,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale)
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale,
+        fp8_reload=fp8_reload)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]

@@ -152,11 +152,12 @@ def test_long_prefix_on_fp8_pages():
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("page_size,transposed,fp8_scale", [(16, True, "scores"), (64, False, "scores"),
-                                                          (64, True, "codes")])
-def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale):
+@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [(16, True, "scores", None), (64, False, "scores", None),
+                                                                 (64, True, "codes", None), (64, True, "scores", False)])
+def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload):
     """The kernel's FP8 path (byte splits and assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
-    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements."""
+    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements, the
+    codes loaded once per MMA (the default at 32 rows) and once."""
     from pallas_kernels.mla.paged import _kernel_path
     n, heads, pages = 2, 32, 4
     args = (jax.ShapeDtypeStruct((n, heads, 512), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16),
@@ -165,6 +166,7 @@ def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale):
 
     def decode(ql, qr, kv, bt, lens):
         return _kernel_path(ql, qr, kv, bt, jnp.arange(n + 1, dtype=jnp.int32), lens, scale=0.1, decode=True,
-                            interpret=None, config={"transposed": transposed, "fp8_scale": fp8_scale})
+                            interpret=None,
+                            config={"transposed": transposed, "fp8_scale": fp8_scale, "fp8_reload": reload})
     text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "mla_paged_r" in text      # the kernel, as a Triton custom call
