@@ -94,11 +94,13 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype
-    # An FP8 block's codes feed two MMAs. Where one wants them in registers and the other in shared memory
-    # (keys-on-M form; row form below 64 rows, whose MMAs take both operands from registers), Triton's
-    # pipeliner leaves a load with both uses synchronous: there the codes are loaded once per MMA. 64-row tiles
-    # in row form read both from shared memory, pipelined from one load (two would not fit in it).
+    # An FP8 block's codes feed two MMAs. Triton's pipeliner leaves a load synchronous when its value reaches
+    # the MMAs by two routes (one operand in registers, the other transposed or in shared memory: the keys-on-M
+    # form, and the row form below 64 rows): there each MMA gets its own load of the codes, the keys-on-M P.V
+    # operand loaded transposed ([width, bk]) so that both MMAs take a register operand from a pipelined copy.
+    # 64-row tiles in row form read both operands from one pipelined copy (two would not fit in shared memory).
     reload = (transposed or rows < 64) if fp8_reload is None else fp8_reload
+    pv_loaded_t = fp8 and reload and transposed
     contiguous = page_size % bk == 0  # block inside one page: contiguous rows
 
     def lookup(k0):
@@ -135,6 +137,15 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         # and the probabilities per key instead of every latent value.
         def codes(eviction_policy=None):
             return [jax.lax.bitcast_convert_type(cols(c0, w, eviction_policy), fp8_cache.FP8) for c0, w in col_tiles]
+
+        def codes_t(eviction_policy=None):
+            """The codes as [width, bk] tiles, loaded transposed (the keys-on-M form's P.V operand)."""
+            out = []
+            for c0, w in col_tiles:
+                x = plgpu.load(kv_ref.at[row_idx.reshape(1, bk), (c0 + jnp.arange(w, dtype=jnp.int32))[:, None]],
+                               mask=ok.reshape(1, bk), other=0, eviction_policy=eviction_policy)
+                out.append(jax.lax.bitcast_convert_type(x, fp8_cache.FP8))
+            return out
         n_sc = len(col_tiles)
         b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
         lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
@@ -142,17 +153,19 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         lo, hi = _pairs(cols(lat + 4 * n_sc, 2 * rope))
         kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
                                           fp8_cache.ROPE).astype(kdt)
-        if fp8_scale == "codes":  # dequantized values (fp32 product rounded to kdt), the 16-bit path's step
-            dequant = lambda cs: [(c.astype(jnp.float32) * k[:, None]).astype(kdt) for c, k in zip(cs, sc)]  # noqa: E731
-            sc_out = None
-        else:
-            dequant = lambda cs: [c.astype(kdt) for c in cs]  # noqa: E731
-            sc_out = sc
+        codes_scale = fp8_scale == "codes"  # dequantized values (fp32 product rounded to kdt), the 16-bit step
+        def dequant(cs, keys_axis=0):
+            if not codes_scale:
+                return [c.astype(kdt) for c in cs]
+            return [(c.astype(jnp.float32) * jnp.expand_dims(k, 1 - keys_axis)).astype(kdt) for c, k in zip(cs, sc)]
+        sc_out = None if codes_scale else sc
         if not reload:
             ckv = dequant(codes())
             return ckv, ckv, sc_out, kr
-        # each MMA its own load of the codes (fp8_reload); the first read keeps the lines in L2 for the second,
+        # each MMA its own load of the codes (see reload); the first read keeps the lines in L2 for the second,
         # and the distinct policies keep the two loads from being merged
+        if pv_loaded_t:
+            return dequant(codes("evict_last")), dequant(codes_t("evict_first"), keys_axis=1), sc_out, kr
         return dequant(codes("evict_last")), dequant(codes("evict_first")), sc_out, kr
 
     def step(k0, ckv, ckv_pv, sc, kr, acc, m, l):
@@ -173,7 +186,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
             pts = [pt.astype(kdt)] * len(ckv) if sc is None else [(pt * k[:, None]).astype(kdt) for k in sc]
-            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=True) for a, c, x in zip(acc, ckv_pv, pts)]
+            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=not pv_loaded_t) for a, c, x in zip(acc, ckv_pv, pts)]
             return acc, m_new, l_new
         part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
         if sc is not None:
