@@ -185,8 +185,12 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            pts = [pt.astype(kdt)] * len(ckv) if sc is None else [(pt * k[:, None]).astype(kdt) for k in sc]
-            acc = [a * alpha[None, :] + plgpu.dot(c, x, trans_a=not pv_loaded_t) for a, c, x in zip(acc, ckv_pv, pts)]
+            if sc is None:
+                acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=not pv_loaded_t)
+                       for a, c in zip(acc, ckv_pv)]
+            else:
+                acc = [a * alpha[None, :] + plgpu.dot(c, (pt * k[:, None]).astype(kdt), trans_a=not pv_loaded_t)
+                       for a, c, k in zip(acc, ckv_pv, sc)]
             return acc, m_new, l_new
         part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
         if sc is not None:
@@ -196,8 +200,10 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             s = s + x
         s = s + plgpu.dot(qr, kr, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
-        ps = [p.astype(kdt)] * len(ckv) if sc is None else [(p * k[None, :]).astype(kdt) for k in sc]
-        acc = [a * alpha[:, None] + plgpu.dot(x, c) for a, c, x in zip(acc, ckv_pv, ps)]
+        if sc is None:
+            acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv_pv)]
+        else:
+            acc = [a * alpha[:, None] + plgpu.dot((p * k[None, :]).astype(kdt), c) for a, c, k in zip(acc, ckv_pv, sc)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
