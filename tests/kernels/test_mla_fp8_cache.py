@@ -152,8 +152,8 @@ def test_long_prefix_on_fp8_pages():
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [(16, True, "scores", None), (64, False, "scores", None),
-                                                                 (64, True, "codes", None), (64, True, "scores", False)])
+@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [
+    (16, True, "scores", None), (64, False, "scores", None), (64, True, "codes", None), (64, True, "scores", False)])
 def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload):
     """The kernel's FP8 path (byte splits and assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
     (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements, the
