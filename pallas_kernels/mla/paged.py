@@ -232,8 +232,8 @@ def mla_paged_decode(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale
     q_latent [N, H, L], q_rope [N, H, R], kv_pages [P, page_size, L+R],
     block_tables [N, max_pages] int32, kv_lens [N] int32 (the query sits at kv_lens-1).
     Returns o_latent [N, H, L] in q_latent.dtype. ``config``: optional hashable tuple of
-    (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages, transposed;
-    see triton_kernel).
+    (key, value) tuning pairs (max_rows, bk, splits, slots, num_warps, num_stages, transposed,
+    fp8_scale, fp8_reload; see triton_kernel).
     """
     if _tpu_kernel(platform, kv_pages):  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import mla_paged_decode_tpu

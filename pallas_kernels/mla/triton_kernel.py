@@ -46,8 +46,25 @@ def online_softmax(s, visible, qk_scale, m, l):
     return p, alpha, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
+def _pairs(x):
+    """x [bk, 2k] -> (x[:, 0::2], x[:, 1::2]) [bk, k] each: a reshape and Triton's split of a last axis of 2
+    (in registers), where strided column loads would be byte gathers."""
+    n, w = x.shape
+    return jnp.unstack(x.reshape(n, w // 2, 2), axis=2)
+
+
+def _columns(x):
+    """x [bk, n] -> its n columns [bk] each (split in halves where n is a power of two, else selected)."""
+    n, w = x.shape
+    if w & (w - 1) == 0:
+        return [c.reshape(n) for c in jax.lax.split(x, (1,) * w, axis=1)] if w > 1 else [x.reshape(n)]
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]
+    return [jnp.sum(jnp.where(j == t, x, 0), axis=1) for t in range(w)]
+
+
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed):
+            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed, fp8_scale,
+            fp8_reload):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     seq = meta_ref[tile, 0]
@@ -77,6 +94,13 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype
+    # An FP8 block's codes feed two MMAs. Triton's pipeliner leaves a load synchronous when its value reaches
+    # the MMAs by two routes (one operand in registers, the other transposed or in shared memory: the keys-on-M
+    # form, and the row form below 64 rows): there each MMA gets its own load of the codes, the keys-on-M P.V
+    # operand loaded transposed ([width, bk]) so that both MMAs take a register operand from a pipelined copy.
+    # 64-row tiles in row form read both operands from one pipelined copy (two would not fit in shared memory).
+    reload = (transposed or rows < 64) if fp8_reload is None else fp8_reload
+    pv_loaded_t = fp8 and reload and transposed
     contiguous = page_size % bk == 0  # block inside one page: contiguous rows
 
     def lookup(k0):
@@ -88,72 +112,105 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
         return plgpu.load(bt_ref.at[pidx], mask=keys < k_hi, other=0)
 
     def load(k0, pages):
-        """(ckv tiles [bk, width] each, krope [bk, R]) of the block at k0 in kdt; keys >= k_hi read as zeros."""
+        """(ckv tiles [bk, width] each, their scales ([bk] fp32 each) or None, krope [bk, R]) of the block at k0 in
+        kdt; keys >= k_hi read as zeros."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         ok = (keys < k_hi)[:, None]
         offsets = k0 % page_size + jnp.arange(bk, dtype=jnp.int32) if contiguous else keys % page_size
         row_idx = (pages * page_size + offsets)[:, None]                  # the block's pool rows
 
-        def cols(c0, n):
+        def cols(c0, n, eviction_policy=None):
             """Columns [c0, c0 + n) of the block's rows."""
             if contiguous:
                 return plgpu.load(kv_ref.at[pl.ds(pages * page_size + k0 % page_size, bk), pl.ds(c0, n)],
-                                  mask=ok, other=0)
+                                  mask=ok, other=0, eviction_policy=eviction_policy)
             # gather rows through the block table (int-array rows need int-array cols)
-            return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0)
+            return plgpu.load(kv_ref.at[row_idx, c0 + jnp.arange(n, dtype=jnp.int32)[None, :]], mask=ok, other=0,
+                              eviction_policy=eviction_policy)
 
         if not fp8:
-            return [cols(0, lat)], cols(lat, rope)
-        # packed row (fp8_cache.py): fp8 codes, one little-endian fp32 scale a tile, bf16 rope; the byte
-        # assembly runs in 32-bit integers (Triton bitcasts only between equal widths)
-        u32 = jnp.uint32
-        n_sc = len(col_tiles)
-        sc_bytes = cols(lat, 4 * n_sc).astype(u32)                           # [bk, 4 * tiles]
-        byte = jnp.arange(4 * n_sc, dtype=jnp.int32)[None, :]
-        ckv = []
-        for t, (c0, w) in enumerate(col_tiles):
-            bits = jnp.zeros((bk,), u32)
-            for b in range(4):
-                bits = bits | (jnp.sum(jnp.where(byte == 4 * t + b, sc_bytes, 0), axis=1).astype(u32) << (8 * b))
-            sc = jax.lax.bitcast_convert_type(bits, jnp.float32)
-            codes = jax.lax.bitcast_convert_type(cols(c0, w), fp8_cache.FP8).astype(jnp.float32)
-            ckv.append((codes * sc[:, None]).astype(kdt))
-        base = lat + 4 * n_sc
-        pair = base + 2 * jnp.arange(rope, dtype=jnp.int32)[None, :]
-        lo = plgpu.load(kv_ref.at[row_idx, pair], mask=ok, other=0).astype(u32)
-        hi = plgpu.load(kv_ref.at[row_idx, pair + 1], mask=ok, other=0).astype(u32)
-        kr = jax.lax.bitcast_convert_type((lo | (hi << 8)).astype(jnp.uint16), fp8_cache.ROPE).astype(kdt)
-        return ckv, kr
+            ckv = [cols(0, lat)]
+            return ckv, ckv, None, cols(lat, rope)
+        # packed row (fp8_cache.py): every part is read as whole contiguous byte columns (vectorized loads)
+        # and reassembled in registers by even/odd splits (Triton bitcasts only between equal widths).
+        # The codes convert to kdt exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores
+        # and the probabilities per key instead of every latent value.
+        def codes(eviction_policy=None):
+            return [jax.lax.bitcast_convert_type(cols(c0, w, eviction_policy), fp8_cache.FP8) for c0, w in col_tiles]
 
-    def step(k0, ckv, kr, acc, m, l):
-        """One online-softmax block."""
+        def codes_t(eviction_policy=None):
+            """The codes as [width, bk] tiles, loaded transposed (the keys-on-M form's P.V operand)."""
+            out = []
+            for c0, w in col_tiles:
+                x = plgpu.load(kv_ref.at[row_idx.reshape(1, bk), (c0 + jnp.arange(w, dtype=jnp.int32))[:, None]],
+                               mask=ok.reshape(1, bk), other=0, eviction_policy=eviction_policy)
+                out.append(jax.lax.bitcast_convert_type(x, fp8_cache.FP8))
+            return out
+        n_sc = len(col_tiles)
+        b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
+        lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
+        sc = _columns(jax.lax.bitcast_convert_type(lo | (hi << 16), jnp.float32))     # [bk] a tile
+        lo, hi = _pairs(cols(lat + 4 * n_sc, 2 * rope))
+        kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
+                                          fp8_cache.ROPE).astype(kdt)
+        codes_scale = fp8_scale == "codes"  # dequantized values (fp32 product rounded to kdt), the 16-bit step
+        def dequant(cs, keys_axis=0):
+            if not codes_scale:
+                return [c.astype(kdt) for c in cs]
+            return [(c.astype(jnp.float32) * jnp.expand_dims(k, 1 - keys_axis)).astype(kdt) for c, k in zip(cs, sc)]
+        sc_out = None if codes_scale else sc
+        if not reload:
+            ckv = dequant(codes())
+            return ckv, ckv, sc_out, kr
+        # each MMA its own load of the codes (see reload); the first read keeps the lines in L2 for the second,
+        # and the distinct policies keep the two loads from being merged
+        if pv_loaded_t:
+            return dequant(codes("evict_last")), dequant(codes_t("evict_first"), keys_axis=1), sc_out, kr
+        return dequant(codes("evict_last")), dequant(codes("evict_first")), sc_out, kr
+
+    def step(k0, ckv, ckv_pv, sc, kr, acc, m, l):
+        """One online-softmax block. sc: None, or an FP8 block's per-key scale of each column tile [bk], applied
+        to that tile's scores and probabilities (the codes enter the MMAs unscaled)."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
-            st = plgpu.dot(ckv[0], ql[0], trans_b=True)
-            for c, q in zip(ckv[1:], ql[1:]):
-                st = st + plgpu.dot(c, q, trans_b=True)
+            part = [plgpu.dot(c, q, trans_b=True) for c, q in zip(ckv, ql)]
+            if sc is not None:
+                part = [x * k[:, None] for x, k in zip(part, sc)]
+            st = part[0]
+            for x in part[1:]:
+                st = st + x
             st = st + plgpu.dot(kr, qr, trans_b=True)
             st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
             m_new = jnp.maximum(m, jnp.max(st, axis=0))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - m_new[None, :])
             l_new = l * alpha + jnp.sum(pt, axis=0)
-            acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=True) for a, c in zip(acc, ckv)]
+            if sc is None:
+                acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=not pv_loaded_t)
+                       for a, c in zip(acc, ckv_pv)]
+            else:
+                acc = [a * alpha[None, :] + plgpu.dot(c, (pt * k[:, None]).astype(kdt), trans_a=not pv_loaded_t)
+                       for a, c, k in zip(acc, ckv_pv, sc)]
             return acc, m_new, l_new
-        s = plgpu.dot(ql[0], ckv[0], trans_b=True)
-        for c, q in zip(ckv[1:], ql[1:]):
-            s = s + plgpu.dot(q, c, trans_b=True)
+        part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
+        if sc is not None:
+            part = [x * k[None, :] for x, k in zip(part, sc)]
+        s = part[0]
+        for x in part[1:]:
+            s = s + x
         s = s + plgpu.dot(qr, kr, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
-        acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv)]
+        if sc is None:
+            acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv_pv)]
+        else:
+            acc = [a * alpha[:, None] + plgpu.dot((p * k[None, :]).astype(kdt), c) for a, c, k in zip(acc, ckv_pv, sc)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
     # loads; carrying the next page id or block explicitly measured slower).
     def body(i, carry):
         k0 = k_lo + i * bk
-        ckv, kr = load(k0, lookup(k0))
-        return step(k0, ckv, kr, *carry)
+        return step(k0, *load(k0, lookup(k0)), *carry)
 
     acc0 = [jnp.zeros((w, rows) if transposed else (rows, w), jnp.float32) for _, w in col_tiles]
     m0 = jnp.full((rows,), _MASK, jnp.float32)
@@ -170,7 +227,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
-                   interpret=False):
+                   fp8_scale="scores", fp8_reload=None, interpret=False):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -178,7 +235,13 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
       queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
     Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
     m, l [splits, T*H + rows] (base-2 running max and softmax denominator).
+    fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
+    probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
+    (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
+    MMA (True) or once (False); None: the kernel's choice by form (see _kernel).
     """
+    if fp8_scale not in ("scores", "codes"):
+        raise ValueError(f"fp8_scale must be 'scores' or 'codes', not {fp8_scale!r}")
     num_pages, page_size, width = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
     lat = ql_rows.shape[1]
@@ -187,7 +250,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed)
+        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale,
+        fp8_reload=fp8_reload)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32)]
@@ -198,7 +262,8 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}"
-              f"_w{num_warps}_st{num_stages}"),
+              f"_w{num_warps}_st{num_stages}"
+              f"{('_fp8' + ('c' if fp8_scale == 'codes' else '')) if fp8_cache.is_fp8(kv_pages) else ''}"),
     )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 

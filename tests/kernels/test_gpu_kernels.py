@@ -126,3 +126,29 @@ def test_routed_experts_layer_matches_the_dense_reference(preset, num_experts, t
     kernels = detect("pallas")
     out = jax.jit(lambda v, z, w, ids: RoutedExperts(spec, v, c)(z, w, ids, c, backend=kernels))(values, z, w, ids)
     assert rel_err(out[:REF_TOKENS], ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("fp8_scale", ["scores", "codes"])
+@pytest.mark.parametrize("H,ps,lens,ctx", [(32, 16, (1,) * 8, (3000,) * 8),       # decode, gathered 64-key blocks
+                                            (96, 64, (1,) * 8, (3000,) * 8),       # decode, blocks inside a page
+                                            (32, 64, (512, 1), (0, 900))])         # ragged prefill + decode
+def test_mla_ragged_paged_on_fp8_pages_matches_the_reference(H, ps, lens, ctx, fp8_scale):
+    """The Triton kernel on packed FP8 rows (four scale tiles, bf16 rope) against the jnp reference on the
+    same pages, in both scale placements."""
+    from pallas_kernels import mla
+    from pallas_kernels.mla import fp8_cache
+    L, R = 512, 64
+    r = np.random.RandomState(2)
+    N, T = len(lens), sum(lens)
+    kv_lens = np.asarray(ctx) + np.asarray(lens)
+    maxp = int(-(-kv_lens.max() // ps))
+    rows = r.randn(N * maxp + 1, ps, L + R) * np.logspace(-2, 1, L + R)[r.permutation(L + R)]   # tiles' scales differ
+    pages = fp8_cache.quantize(jnp.asarray(rows, jnp.float32), L)
+    bt = jnp.asarray(1 + r.permutation(N * maxp).reshape(N, maxp), jnp.int32)
+    ql = jnp.asarray(r.randn(T, H, L) * 0.05, jnp.bfloat16)
+    qr = jnp.asarray(r.randn(T, H, R) * 0.05, jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    args = (ql, qr, pages, bt, cu, jnp.asarray(kv_lens, jnp.int32))
+    config = None if fp8_scale == "scores" else (("fp8_scale", fp8_scale),)   # None: the engine's tuning
+    got = mla.ragged_paged_mla(*args, scale=0.07, decode_only=max(lens) == 1, config=config)
+    assert rel_err(got, mla.ragged_paged_mla_reference(*args, scale=0.07)) < BF16_TOL

@@ -84,6 +84,7 @@ def test_jnp_readers_on_fp8_pages(reader):
     (8, None),                                             # bk spans pages: gathered rows, keys-on-M form
     pytest.param(16, (("bk", 8), ("splits", 3), ("transposed", False)),   # bk inside a page, split-K, row form
                  marks=pytest.mark.slow),
+    (16, (("fp8_scale", "codes"), ("transposed", True))),   # every latent value dequantized before the MMAs
 ])
 def test_triton_decode_on_fp8_pages(page_size, config):
     rng = np.random.default_rng(page_size)
@@ -92,6 +93,25 @@ def test_triton_decode_on_fp8_pages(page_size, config):
     fp8 = _fp8_case(case)
     got = np.asarray(mla_paged_decode(*_args(fp8, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
                                       scale=SCALE, interpret=True, config=config))
+    assert np.all(np.isfinite(got)), "kernel read a NaN page slot"
+    np.testing.assert_allclose(got, numpy_attention(fp8, SCALE), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
+
+
+@pytest.mark.parametrize("heads,page_size", [
+    (32, 16),      # Kimi-Linear's heads, default decode tuning: keys-on-M, a 64-key block gathered from 4 pages
+    (96, 64),      # K3's heads: two head groups (64 in row form, 32 keys-on-M), blocks inside a page
+])
+def test_triton_decode_on_fp8_pages_at_model_widths(heads, page_size):
+    """The model's row (L=512: four scale tiles, R=64) through the default tuning of each head count."""
+    lat, rope = 512, 64
+    rng = np.random.default_rng(heads)
+    ctx = [130, 0, 64 + page_size - 1]
+    case = build_case(rng, ctx, [1] * len(ctx), heads=heads, lat=lat, rope=rope, page_size=page_size, extra_pages=1)
+    fp8 = dict(case, kv_pages=np.asarray(fp8_cache.quantize(jnp.asarray(case["kv_pages"]), lat)),
+               caches=[np.asarray(fp8_cache.round_trip(jnp.asarray(c), lat)) for c in case["caches"]])
+    got = np.asarray(mla_paged_decode(*_args(fp8, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
+                                      scale=SCALE, interpret=True))
     assert np.all(np.isfinite(got)), "kernel read a NaN page slot"
     np.testing.assert_allclose(got, numpy_attention(fp8, SCALE), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
@@ -132,10 +152,12 @@ def test_long_prefix_on_fp8_pages():
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("page_size,transposed", [(16, True), (64, False)])
-def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed):
-    """The kernel's FP8 path (byte assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
-    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms."""
+@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [
+    (16, True, "scores", None), (64, False, "scores", None), (64, True, "codes", None), (64, True, "scores", False)])
+def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload):
+    """The kernel's FP8 path (byte splits and assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
+    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements, the
+    codes loaded once per MMA (the default at 32 rows) and once."""
     from pallas_kernels.mla.paged import _kernel_path
     n, heads, pages = 2, 32, 4
     args = (jax.ShapeDtypeStruct((n, heads, 512), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16),
@@ -144,6 +166,7 @@ def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed):
 
     def decode(ql, qr, kv, bt, lens):
         return _kernel_path(ql, qr, kv, bt, jnp.arange(n + 1, dtype=jnp.int32), lens, scale=0.1, decode=True,
-                            interpret=None, config={"transposed": transposed})
+                            interpret=None,
+                            config={"transposed": transposed, "fp8_scale": fp8_scale, "fp8_reload": reload})
     text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "mla_paged_r" in text      # the kernel, as a Triton custom call
