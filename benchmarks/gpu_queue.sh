@@ -28,6 +28,8 @@ run kernels-moe 200 python -m benchmarks.bench_kernels --only moe --no-fla --bud
 run kernels-mla 150 python -m benchmarks.bench_kernels --only mla_mosaic --no-fla --budget 110
 # FP8 vs bf16 MLA decode kernel, bytes read per second (target 0.9x), and the FP8 cache's quality on the trained tiny
 run kernels-fp8 200 python -m benchmarks.bench_kernels --only mla_fp8 --no-fla --budget 150
+# the FP8 decode kernel under its tuning variants vs bf16 at its default (bytes/s ratio, error vs jnp)
+run kernels-fp8-sweep 300 bash -c 'python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x32,16x131072x32 && python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x96,16x131072x96'
 run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --json
 # speculative decoding at its two ends (oracle drafter all accepted / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
