@@ -557,7 +557,9 @@ class ModelRunner:
                      len(shapes) + len(long), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
             return
         log.info("warm-up: ready in %.1fs with %d of %d programs; %d compile in the background (steps pad to a "
-                 "compiled bucket until theirs lands)", time.perf_counter() - t0, total - len(later), total, len(later))
+                 "compiled bucket until theirs lands) (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
+                 time.perf_counter() - t0, total - len(later), total, len(later), lower_s, compile_s,
+                 time.perf_counter() - t_run)
         self._start_background(later, total, t0, threads, gate)
 
     # ------------------------------------------------------------------ ahead-of-time programs
