@@ -166,3 +166,38 @@ def test_steps_take_the_smallest_compiled_bucket(model):
     r._compiled[_shape_key(64, 4, False, False, 3)] = None
     assert r.can_verify(6, 2) and not r.can_verify(100, 1)
     assert not r.can_launch_decode_steps(2)
+
+
+def test_metrics_report_programs_pending_while_the_engine_idles():
+    """/metrics reads the async engine's snapshot; the programs pending are read live (they land while it idles)."""
+    pytest.importorskip("prometheus_client")
+    from serving.async_engine import AsyncEngine
+    from serving.openai.metrics import Metrics
+
+    class Idle:
+        pending = 3
+
+        def has_unfinished(self):
+            return False
+
+        def stats(self):
+            return {"compiles_pending": self.pending}
+
+        def cache_usage(self):
+            return {}
+
+        def compiles_pending(self):
+            return self.pending
+
+        def stop_compiles(self):
+            self.pending = 0
+
+    eng = AsyncEngine(Idle())
+    try:
+        assert eng.stats_snapshot["compiles_pending"] == 3
+        eng.engine.pending = 1
+        text = Metrics("m").render(eng.stats_snapshot).decode()
+        assert 'k3jax:compiles_pending{model_name="m"} 1.0' in text
+    finally:
+        eng.shutdown(timeout=5)
+    assert eng.engine.pending == 0                  # shutdown stops the background compile
