@@ -201,3 +201,38 @@ def test_metrics_report_programs_pending_while_the_engine_idles():
     finally:
         eng.shutdown(timeout=5)
     assert eng.engine.pending == 0                  # shutdown stops the background compile
+
+
+def test_speculation_waits_for_its_verification_program(model):
+    """While a step's verification program compiles, its drafts are dropped and it runs as a plain step; once the
+    program has landed the same kind of step verifies its drafts. (Runner launches are stand-ins: no compile.)"""
+    from serving.runner import _shape_key
+    eng = LLMEngine(model, EngineArgs(warmup=False, speculative="ngram", num_speculative_tokens=2,
+                                      speculative_adaptive=False, **ARGS))
+    r = eng.runner
+    r._queue = CompileQueue([], None).start()
+    r._compiled = dict.fromkeys([_shape_key(16, 4, True, False), _shape_key(64, 4, False, False)])
+    calls = []
+
+    class Verified(Exception):
+        pass
+
+    def launch(chunks, *args, **kw):
+        calls.append(("plain", [len(c.tokens) for c in chunks]))
+
+    def launch_verify(chunks, drafts, *args, **kw):
+        calls.append(("verify", [list(d) for d in drafts]))
+        raise Verified
+    r.launch, r.launch_verify = launch, launch_verify
+    asked, can_verify = [], r.can_verify
+    r.can_verify = lambda *a: asked.append(a) or can_verify(*a)      # asked only when a step has drafts
+    r.fetch = lambda _: (np.full(4, 7), np.zeros(4), np.zeros((4, 0), int), np.zeros((4, 0)))   # always token 7
+    eng.add_request([7, 7, 7, 7, 7, 7], SamplingParams(temperature=0, max_tokens=40))
+    for _ in range(6):
+        eng.step()
+    assert calls and all(kind == "plain" for kind, _ in calls) and calls[-1] == ("plain", [1])
+    assert asked and len(asked) >= 3                                 # drafts proposed, then dropped
+    r._compiled[_shape_key(16, 4, False, False, 3)] = None      # the verification program lands
+    with pytest.raises(Verified):
+        eng.step()
+    assert calls[-1][0] == "verify" and calls[-1][1][0] and set(calls[-1][1][0]) == {7}
