@@ -380,7 +380,7 @@ class LLMEngine:
         """How many decode steps the scheduled step runs in one launch: self.decode_steps when nothing
         needs the host between them (every scheduled chunk a plain decode of a request that samples at least
         that many more tokens, with no logprobs, logit bias, penalties or structured output; no speculation, no
-        waiting request, no copies, restores or images), else 1. Reserves the pages the extra steps write.
+        waiting request, no copies, restores or images) and its program is compiled (background_compile), else 1. Reserves the pages the extra steps write.
         Stop strings and EOS are checked after the launch (_resolve): a request that stops inside it
         finishes and its surplus tokens are dropped (its KDA state is then not cached, see _append)."""
         k = self.decode_steps

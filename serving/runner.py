@@ -2,6 +2,8 @@
 
 Every step is padded to a shape bucket (tokens, sequences); pages per sequence are fixed by the
 max model length, so the set of compilations is small and known. Pools are donated in and out.
+Warm-up compiles them all, or (background) a covering set first and the rest on a background thread
+while the engine serves, each step padding to the smallest compiled bucket until its own lands.
 The sampler is a jit of its own: its variants (penalties, allowed-token masks) are small programs
 compiled at warm-up per sequence bucket, never a recompile of the model while serving.
 """

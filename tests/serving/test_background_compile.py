@@ -2,7 +2,8 @@
 programs and serves every step with compiled programs only (the compile guard armed) while the rest are held back;
 once they land, steps take their exact buckets, a lone long prompt its long bucket and small decode batches several
 steps per launch; outputs are the same either way. The background queue's own contract (gate, failures, stop) is
-checked with stand-in programs."""
+checked with stand-in programs, and the engine's waiting for long, multi-step and verification programs with
+stand-in launches."""
 import threading
 
 import numpy as np
@@ -13,15 +14,16 @@ from serving.compile_queue import CompileQueue
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
 from serving.executable_cache import args_signature
-from serving.runner import _abstract, _step_key, warmup_shapes
+from serving.runner import _abstract, _shape_key, _step_key, warmup_shapes
 from serving.sampling_params import SamplingParams
 
 # token buckets 16 and 64, one sequence bucket of 4: the covering set is the decode-only (16, 4) step and the
-# general (64, 4) step; held back: the general (16, 4) step, the long (128, 4) step and the two multi-step programs
-ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, page_size=16, prefix_match_unit=16,
-            num_pages=64, num_slots=24, token_buckets=(16, 64), seq_buckets=(4,), long_prefill_tokens=128,
-            decode_steps_per_launch=2, decode_steps_max_seqs=4, enable_prefix_caching=False, vision=False,
-            compilation_cache_dir=None)
+# general (64, 4) step; held back: the general (16, 4) step, and with ARGS the long (128, 4) step and the two
+# multi-step programs (2 decode steps per launch)
+BASE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, page_size=16, prefix_match_unit=16,
+            num_pages=64, num_slots=24, token_buckets=(16, 64), seq_buckets=(4,), enable_prefix_caching=False,
+            vision=False, compilation_cache_dir=None, long_prefill_tokens=0, decode_steps_per_launch=1)
+ARGS = dict(BASE, long_prefill_tokens=128, decode_steps_per_launch=2, decode_steps_max_seqs=4)
 COVERING = {("step", 16, 4, True, False), ("step", 64, 4, False, False)}
 
 
@@ -49,38 +51,85 @@ def _workload(eng, tag: str) -> dict:
     return out
 
 
-def test_serves_with_the_covering_set_then_uses_programs_as_they_land(model):
+def _held_then_landed(model, args: dict, held_back: int):
+    """The workload while the background compile is held, then after every program landed: (engine, outputs
+    held, outputs landed, programs used held, programs used landed)."""
     gate = threading.Event()
-    eng = LLMEngine(model, EngineArgs(background_compile=True, **ARGS), compile_gate=gate)
+    eng = LLMEngine(model, EngineArgs(background_compile=True, **args), compile_gate=gate)
     runner = eng.runner
-    assert eng.compiles_pending() == 4 and eng.stats()["compiles_pending"] == 4
-    assert eng.scheduler.long_prefill_tokens == 0              # no long program yet
+    assert eng.compiles_pending() == held_back and eng.stats()["compiles_pending"] == held_back
     runner.guard = True                                         # no compile through the jit path from here on
     used = []
     call = runner._call
 
-    def spy(control, *args):
+    def spy(control, *a):
         if control in ("step", "multi"):
-            used.append((control,) + _step_key(args[0]))
-        return call(control, *args)
+            used.append((control,) + _step_key(a[0]))
+        return call(control, *a)
     runner._call = spy
 
     compiles = runner.num_compiles
     held = _workload(eng, "held-")
-    assert set(used) == COVERING, set(used)                     # the short prompt padded to (64, 4)
-    assert eng.counters["multi_step_launches"] == 0 and runner.num_compiles == compiles
-    assert eng.compiles_pending() == 4
-
+    used_held = set(used)
+    assert runner.num_compiles == compiles and eng.compiles_pending() == held_back
     gate.set()
     assert eng.wait_for_compiles(timeout=600) and eng.compiles_pending() == 0
     assert eng.wait_for_compiles(timeout=0)
     used.clear()
     full = _workload(eng, "full-")
-    assert eng.scheduler.long_prefill_tokens == 128
-    assert {("step", 16, 4, False, False), ("step", 128, 4, False, False), ("multi", 16, 4, True, False)} <= set(used)
-    assert eng.counters["multi_step_launches"] > 0
     assert {k: v[0] for k, v in held.items()} == {k: v[0] for k, v in full.items()}
     np.testing.assert_allclose([lp for lp, _ in full["short"][1]], [lp for lp, _ in held["short"][1]], atol=1e-4)
+    return eng, used_held, set(used)
+
+
+def test_serves_with_the_covering_set_then_takes_exact_buckets(model):
+    eng, held, landed = _held_then_landed(model, BASE, held_back=1)
+    assert held == COVERING, held                               # the lone short prompt padded to (64, 4)
+    assert landed == COVERING | {("step", 16, 4, False, False)}, landed
+
+
+@pytest.mark.slow           # ~40 s on 2 cores: the long and multi-step programs compile too
+def test_long_and_multi_step_programs_engage_once_landed(model):
+    eng, held, landed = _held_then_landed(model, ARGS, held_back=4)
+    assert held == COVERING, held
+    assert {("step", 16, 4, False, False), ("step", 128, 4, False, False), ("multi", 16, 4, True, False)} <= landed
+    assert eng.counters["multi_step_launches"] > 0 and eng.scheduler.long_prefill_tokens == 128
+
+
+def test_long_and_multi_step_launches_wait_for_their_programs(model):
+    """While their programs compile, a lone long prompt takes regular-sized steps and decodes one step per launch;
+    once they have landed, the long prompt takes long steps and decodes several steps a launch. (Runner launches
+    are stand-ins: no compile.)"""
+    eng = LLMEngine(model, EngineArgs(warmup=False, **ARGS))
+    r = eng.runner
+    r._jobs(warmup_shapes(r.token_buckets, r.seq_buckets, long_token_buckets=r.long_token_buckets), [])  # multi keys
+    held = threading.Event()
+    r._queue = CompileQueue([("never", lambda: None)], None, gate=held).start()   # one program pending throughout
+    r._compiled = dict.fromkeys([_shape_key(16, 4, True, False), _shape_key(64, 4, False, False)])
+    eng._compiling = True
+    launches = []
+    r.launch = lambda chunks, *a, **kw: launches.append(("step", sum(len(c.tokens) for c in chunks))) or "step"
+    r.launch_decode_steps = lambda chunks, *a, **kw: launches.append(("multi", len(chunks))) or "multi"
+    one, two = (np.full(4, 7), np.zeros(4), np.zeros((4, 0), int), np.zeros((4, 0))), \
+        (np.full((4, 2), 7), np.zeros((4, 2)), np.zeros((4, 2, 0), int), np.zeros((4, 2, 0)))
+    r.fetch = lambda res: two if res == "multi" else one
+    prompt = list(range(200))
+
+    def run():
+        launches.clear()
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        return list(launches)
+    try:
+        assert run() == [("step", 64)] * 3 + [("step", 8)] + [("step", 1)] * 6
+        assert eng.scheduler.long_prefill_tokens == 0
+        r._compiled[_shape_key(128, 4, False, False)] = None            # the long program lands
+        assert run() == [("step", 128), ("step", 72)] + [("step", 1)] * 6
+        r._compiled.update(dict.fromkeys(r._multi_keys.values()))      # and the multi-step ones
+        assert run() == [("step", 128), ("step", 72)] + [("multi", 1)] * 3         # 6 tokens, 2 a launch
+    finally:
+        r._queue.stop()
 
 
 def test_background_arguments_store_as_the_warm_up_ones(model):
@@ -133,8 +182,9 @@ def test_compile_queue_stops_while_held():
     q = CompileQueue([("a", lambda: _Program(1))], landed.__setitem__, gate=gate).start()
     q.stop()
     assert not q.wait(timeout=5) and q.pending() == 1
-    q._thread.join(5)
-    assert not q._thread.is_alive()
+    for t in q._threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in q._threads)
     gate.set()
     assert not landed
     assert CompileQueue([], landed.__setitem__).start().wait(timeout=0)     # nothing to build: done at once
