@@ -1,22 +1,88 @@
-"""Programs compiled after the engine is ready: lowered one after another on a background thread, each
-compiled on a few worker threads as soon as it is lowered (XLA compiles outside the GIL).
+"""Ahead-of-time compiles of the runner's programs: now (warm-up, compile_now) or after the engine is ready
+(CompileQueue, on background threads).
 
-The queue only builds programs; it never runs one (the runner's pools are donated and replaced by every
-step of the main loop). `land(key, compiled)` hands each finished program to its owner, on a worker thread;
-a program that fails to lower or compile is logged and left out (its owner keeps treating it as
-unavailable). `gate` (a threading.Event) holds the work until it is set: a test's way to look at an
+Programs are lowered one after another (tracing is Python, under the GIL) and each is compiled on a few
+threads as soon as it is lowered (XLA compiles outside the GIL), so lowering and compiling overlap.
+
+The background queue only builds programs; it never runs one (the runner's pools are donated and replaced
+by every step of the main loop). `land(key, compiled)` hands each finished program to its owner, on a
+worker thread; a program that fails to lower or compile is logged and left out (its owner keeps treating
+it as unavailable). `gate` (a threading.Event) holds the work until it is set: a test's way to look at an
 engine whose programs have not landed yet. Every thread is a daemon: a process that ends does not wait
 for programs it will never run.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
 
 log = logging.getLogger(__name__)
+
+
+class Job(NamedTuple):
+    """A program warm-up builds: the shape key it is kept under, the jitted function, the executable-cache kind,
+    example arguments, the guard's shape keys it stands for, whether it belongs to the covering set compiled
+    before the engine is ready (background compile) and its place in the background order (rank)."""
+    key: tuple
+    fn: object
+    kind: str
+    args: tuple
+    notes: tuple
+    cover: bool
+    rank: tuple
+
+
+def abstract(tree):
+    """Device arrays as their shapes, dtypes and shardings (what lowering reads); host values as they are."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                                 weak_type=x.weak_type)
+                                  if isinstance(x, jax.Array) else x, tree)
+
+
+def compile_threads(threads: Optional[int], jobs: int) -> int:
+    """Host threads compiling `jobs` programs: `threads`, by default half the cores (up to 8; XLA's own compile
+    passes use threads too)."""
+    return max(1, min(jobs, threads or min(8, (os.cpu_count() or 2) // 2)))
+
+
+def compile_now(jobs: Sequence[Job], land: Callable, *, threads: Optional[int] = None,
+                progress: bool = False) -> tuple[float, float]:
+    """Lower and compile `jobs`, handing each program to land(job, compiled) as it is done. With one compile
+    thread (a small host) every program is lowered first: lowering while compiling would only contend.
+    Returns (seconds lowering, seconds compiling after the last program was lowered)."""
+    t0 = time.perf_counter()
+    threads = compile_threads(threads, len(jobs))
+    bar = None
+    if progress and jobs:
+        from tqdm import tqdm
+        bar = tqdm(total=len(jobs), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
+                   unit="program")
+    futures, deferred = {}, []
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
+        def submit(job, low):
+            fut = pool.submit(low.compile)
+            if bar is not None:
+                fut.add_done_callback(lambda _: bar.update())
+            futures[fut] = job
+        for job in jobs:
+            deferred.append((job, job.fn.lower(*job.args)))
+            if threads > 1:
+                submit(*deferred.pop())
+        t1 = time.perf_counter()
+        for job in deferred:
+            submit(*job)
+        for done in concurrent.futures.as_completed(futures):
+            land(futures[done], done.result())
+    if bar is not None:
+        bar.close()
+    return t1 - t0, time.perf_counter() - t1
 
 
 class CompileQueue:

@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.nnx_model import K3Model, make_step, split_model
 from pallas_kernels.backend import Backend, resolve
 from serving import multihost
+from serving.compile_queue import CompileQueue, Job, abstract, compile_now, compile_threads
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
 from serving.spec.rejection import verify as spec_verify
@@ -75,26 +76,6 @@ def _sampler_key(sarr) -> tuple:
 def _verify_key(sarr, width: int) -> tuple:
     """The compiled verification-sampler variant (speculative decoding, `width` tokens a row)."""
     return ("verify", width) + _sampler_key(sarr)[1:]
-
-
-class _Job(NamedTuple):
-    """A program warm-up builds: the shape key it is kept under, the jitted function, the executable-cache kind,
-    example arguments, the guard's shape keys it stands for, whether it belongs to the covering set compiled
-    before the engine is ready (warmup(background=True)) and its place in the background order (rank)."""
-    key: tuple
-    fn: object
-    kind: str
-    args: tuple
-    notes: tuple
-    cover: bool
-    rank: tuple
-
-
-def _abstract(tree):
-    """Device arrays as their shapes, dtypes and shardings (what lowering reads); host values as they are."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                                 weak_type=x.weak_type)
-                                  if isinstance(x, jax.Array) else x, tree)
 
 
 def _fit(buckets: Sequence[int], n: int) -> int:
@@ -527,7 +508,7 @@ class ModelRunner:
             if background:
                 later = sorted((j for j in jobs if not j.cover), key=lambda j: j.rank)
                 jobs = [j for j in jobs if j.cover]
-            lower_s, compile_s = self._compile_steps(jobs, progress, threads)
+            lower_s, compile_s = compile_now(jobs, self._store, threads=threads, progress=progress)
         ready = (lambda key: key in self._compiled) if later else (lambda key: True)
         t_run = time.perf_counter()
         run = [s for s in shapes + long if ready(_shape_key(*s))]
@@ -567,7 +548,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ ahead-of-time programs
     def _jobs(self, shapes, sampler_variants) -> list:
         """Every program warm-up builds for (T, N, decode_only, multimodal) step shapes and the sampler's variants
-        of each sequence bucket (warmup's flags), one per key, as _Job."""
+        of each sequence bucket (warmup's flags), one per key, as compile_queue.Job."""
         tb, sb, W = self.token_buckets, self.seq_buckets, self.spec_width
         largest = (tb[-1], max([N for N in sb if N <= tb[-1]] or sb[:1]))      # holds any regular step
         jobs = []
@@ -575,11 +556,11 @@ class ModelRunner:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
             long = T > tb[-1]
             rank = (1, T, N) if decode else (3, T, N) if long else (2, T, N, mm)
-            jobs.append(_Job(_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens),
+            jobs.append(Job(_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens),
                              (("step", T, N, bool(decode), bool(mm)),), decode or (T, N) == largest, rank))
             if W and not decode and not mm:      # the verification variant of the bucket
                 batch = self._padding_verify_batch(T, N)
-                jobs.append(_Job(_step_key(batch), self._step, "step",
+                jobs.append(Job(_step_key(batch), self._step, "step",
                                  (self.params, self.pools, batch, self.last_tokens), (("verify", T, N, W),), False,
                                  (4, T, N)))
         for N in sb:
@@ -587,19 +568,19 @@ class ModelRunner:
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
             for v in sampler_variants:
                 _, sarr = self._padding_batch(_fit(tb, N), N, False, False, *v)
-                jobs.append(_Job(_sampler_key(sarr), self._sample, "sample",
+                jobs.append(Job(_sampler_key(sarr), self._sample, "sample",
                                  (logits, sarr, self.key_data, np.zeros(N, np.int32), self.last_tokens),
                                  (("sample", N, self._variant(sarr)),), True, (0,)))
                 if W:
                     wide = jax.ShapeDtypeStruct((N, W, logits.shape[1]), logits.dtype)
-                    jobs.append(_Job(_verify_key(sarr, W), self._verify, "verify",
+                    jobs.append(Job(_verify_key(sarr, W), self._verify, "verify",
                                      (wide, sarr, self.key_data, np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32),
                                       np.zeros(N, np.int32)), (("verify-sample", N, self._variant(sarr)),), True, (0,)))
         for T, N in self.multi_step_shapes():
             for truncate in (False, True):
                 batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
                 key = self._multi_keys[(T, N, truncate)] = _multi_key(batch, sarr, self.decode_steps)
-                jobs.append(_Job(key, self._multi, "multi", (self.params, self.pools, batch, self.last_tokens, sarr,
+                jobs.append(Job(key, self._multi, "multi", (self.params, self.pools, batch, self.last_tokens, sarr,
                                                              self.key_data, np.zeros(N, np.int32)),
                                  (key,), False, (0, T, N)))
         return list({job.key: job for job in jobs}.values())      # one program a key
@@ -624,62 +605,23 @@ class ModelRunner:
                  cache.directory)
         return left
 
-    def _compile_steps(self, jobs, progress: bool, threads: int | None):
-        """Ahead-of-time compiles of `jobs` (_jobs), kept by key for _call and stored in the executable cache.
-        Programs are traced and lowered here one after another (Python, under the GIL) and each is compiled on
-        a pool of `threads` host threads as soon as it is lowered (XLA compiles outside the GIL), so lowering
-        and compiling overlap. Returns (seconds lowering, seconds compiling after the last program was lowered)."""
-        import concurrent.futures
-        t0 = time.perf_counter()
-        cache = self.executable_cache
-        threads = self._compile_threads(threads, len(jobs))
-        bar = None
-        if progress and jobs:
-            from tqdm import tqdm
-            bar = tqdm(total=len(jobs), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
-                       unit="program")
-        futures, deferred = {}, []
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
-            def submit(job, low):
-                fut = pool.submit(low.compile)
-                if bar is not None:
-                    fut.add_done_callback(lambda _: bar.update())
-                futures[fut] = job
-            for job in jobs:
-                deferred.append((job, job.fn.lower(*job.args)))
-                if threads > 1:        # a small host (one compile thread): lowering while compiling only contends
-                    submit(*deferred.pop())
-            t1 = time.perf_counter()
-            for job in deferred:
-                submit(*job)
-            for done in concurrent.futures.as_completed(futures):
-                job = futures[done]
-                self._compiled[job.key] = done.result()
-                if cache is not None:
-                    cache.save(self._cache_key(job), job.args, self._compiled[job.key])
-        if bar is not None:
-            bar.close()
-        return t1 - t0, time.perf_counter() - t1
-
-    @staticmethod
-    def _compile_threads(threads: int | None, jobs: int) -> int:
-        # default: half the cores (up to 8); XLA's own compile passes use threads too
-        return max(1, min(jobs, threads or min(8, (os.cpu_count() or 2) // 2)))
+    def _store(self, job, exe):
+        """A program compiled at warm-up: kept for _call and stored in the executable cache."""
+        self._compiled[job.key] = exe
+        if self.executable_cache is not None:
+            self.executable_cache.save(self._cache_key(job), job.args, exe)
 
     def _start_background(self, jobs, total: int, t0: float, threads: int | None, gate):
-        """Build `jobs` on a background thread (CompileQueue); each lands in the compiled table and the
+        """Build `jobs` on background threads (CompileQueue); each lands in the compiled table and the
         executable cache. The queue lowers against abstract arguments: the pools it was planned with are
         donated by the steps that run meanwhile."""
-        from serving.compile_queue import CompileQueue
-        by_key = {job.key: job._replace(args=_abstract(job.args)) for job in jobs}
+        by_key = {job.key: job._replace(args=abstract(job.args)) for job in jobs}
 
         def land(key, exe):
             job = by_key[key]
-            for note in job.notes:               # first: a step may use the program as soon as it is in the table
+            for note in job.notes:      # first: a step may use the program as soon as it is in the table
                 self._note_landed(note)
-            self._compiled[key] = exe
-            if self.executable_cache is not None:
-                self.executable_cache.save(self._cache_key(job), job.args, exe)
+            self._store(job, exe)
 
         def done(seconds: float, failed: list):
             if failed:
@@ -690,7 +632,7 @@ class ModelRunner:
                 log.info("background compile: all %d programs in %.1fs", total, time.perf_counter() - t0)
 
         self._queue = CompileQueue([(j.key, functools.partial(j.fn.lower, *j.args)) for j in by_key.values()], land,
-                                   threads=self._compile_threads(threads, len(jobs)), gate=gate, on_done=done).start()
+                                   threads=compile_threads(threads, len(jobs)), gate=gate, on_done=done).start()
 
     def compiles_pending(self) -> int:
         """Programs still compiling in the background (0: none, or no background compile)."""

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from k3jax import load_model
-from serving.compile_queue import CompileQueue
+from serving.compile_queue import CompileQueue, abstract
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
 from serving.executable_cache import args_signature
-from serving.runner import _abstract, _shape_key, _step_key, warmup_shapes
+from serving.runner import _shape_key, _step_key, warmup_shapes
 from serving.sampling_params import SamplingParams
 
 # token buckets 16 and 64, one sequence bucket of 4: the covering set is the decode-only (16, 4) step and the
@@ -141,7 +141,7 @@ def test_background_arguments_store_as_the_warm_up_ones(model):
                         [(False,) * 4])
     assert {j.kind for j in jobs} == {"step", "sample", "multi"}
     for job in jobs:
-        assert args_signature(_abstract(job.args)) == args_signature(job.args), job.key
+        assert args_signature(abstract(job.args)) == args_signature(job.args), job.key
     # without a background compile every program counts as available (compiled at warm-up, or on first use)
     assert runner.long_prefill_limit() == 128 and runner.can_verify(64, 4)
     assert runner.can_launch_decode_steps(3) and not runner.can_launch_decode_steps(5)
@@ -200,7 +200,6 @@ def test_steps_take_the_smallest_compiled_bucket(model):
     """While programs compile in the background, a step's bucket is the smallest compiled one that holds it; a
     decode-only batch may take a bucket's general variant; long, multi-step and verification launches wait for
     their programs."""
-    from serving.runner import _shape_key
     eng = LLMEngine(model, EngineArgs(warmup=False, speculative="ngram", num_speculative_tokens=2, **ARGS))
     r = eng.runner
     r._queue = CompileQueue([], None).start()      # a background compile that has landed nothing yet
@@ -256,7 +255,6 @@ def test_metrics_report_programs_pending_while_the_engine_idles():
 def test_speculation_waits_for_its_verification_program(model):
     """While a step's verification program compiles, its drafts are dropped and it runs as a plain step; once the
     program has landed the same kind of step verifies its drafts. (Runner launches are stand-ins: no compile.)"""
-    from serving.runner import _shape_key
     eng = LLMEngine(model, EngineArgs(warmup=False, speculative="ngram", num_speculative_tokens=2,
                                       speculative_adaptive=False, **ARGS))
     r = eng.runner
