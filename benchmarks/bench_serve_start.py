@@ -92,6 +92,7 @@ def one_start(args, cache_dir: str, log_path: str) -> dict:
            "--model", args.model, "--port", str(port), "--compilation-cache-dir", cache_dir]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
+    cmd += args.serve_flag
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
@@ -146,6 +147,8 @@ def main(argv=None):
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                    help="an extra k3jax.serve flag, repeatable (e.g. --serve-flag=--no-background-compile)")
     ap.add_argument("--json", default=None)
     add_csv_argument(ap)
     args = ap.parse_args(argv)
@@ -170,7 +173,8 @@ def main(argv=None):
             print(f"{start}: {row}", flush=True)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}, every serve default", devices=False))
+    given = f", serve flags {' '.join(args.serve_flag)}" if args.serve_flag else ", every serve default"
+    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}{given}", devices=False))
     print(table.header())
     for row in rows:
         print(table.add(**row))
