@@ -8,8 +8,9 @@ cache the first run filled (restart). For each start: seconds from launch to /he
 a chat completion served then (while programs may still compile in the background), seconds from launch until
 /metrics reports no program pending (all compiled), the warm-up's own figures from the log, the cache pools
 it sized, then: 16 concurrent streamed 1024-token completions (mean / max time to first token and output
-tok/s, steady state: after every program compiled), a bad request (must be a 4xx) and /metrics. A preset without a tokenizer gets the tiny model's, its vocabulary
-cut to match (as in bench_disagg.py: prompts are token ids; the layers and the cache do not depend on it).
+tok/s, steady state: after every program compiled), a bad request (must be a 4xx) and /metrics. A preset
+without a tokenizer gets the tiny model's, its vocabulary cut to match (as in bench_disagg.py: prompts are
+token ids; the layers and the cache do not depend on it).
 """
 from __future__ import annotations
 

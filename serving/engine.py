@@ -48,7 +48,7 @@ class LLMEngine:
     def __init__(self, model, args: EngineArgs | None = None, *, load_model=None, compile_gate=None):
         """load_model: how the entry point loads a model (k3jax.api.load_model), for a draft model
         (speculative="draft"). compile_gate: a threading.Event the background compile (background_compile)
-        waits for before each program; unset, the engine serves with only the covering set compiled (tests)."""
+        waits for before each program (a test holds it to look at an engine serving with only the covering set)."""
         self.args = args = args or EngineArgs()
         self.model = model
         c = model.config
@@ -380,7 +380,8 @@ class LLMEngine:
         """How many decode steps the scheduled step runs in one launch: self.decode_steps when nothing
         needs the host between them (every scheduled chunk a plain decode of a request that samples at least
         that many more tokens, with no logprobs, logit bias, penalties or structured output; no speculation, no
-        waiting request, no copies, restores or images) and its program is compiled (background_compile), else 1. Reserves the pages the extra steps write.
+        waiting request, no copies, restores or images) and its program is compiled (background_compile), else 1.
+        Reserves the pages the extra steps write.
         Stop strings and EOS are checked after the launch (_resolve): a request that stops inside it
         finishes and its surplus tokens are dropped (its KDA state is then not cached, see _append)."""
         k = self.decode_steps

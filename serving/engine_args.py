@@ -313,7 +313,8 @@ def add_advanced_args(parser, *, engine: bool = True):
 
 def advanced_kwargs(args) -> dict:
     """EngineArgs keyword arguments from add_advanced_args' flags."""
-    return {name: getattr(args, name) for name in LOAD_FIELDS + ("kv_cache_dtype", "dense_in_place", "background_compile")
+    return {name: getattr(args, name)
+            for name in LOAD_FIELDS + ("kv_cache_dtype", "dense_in_place", "background_compile")
             if hasattr(args, name)}
 
 

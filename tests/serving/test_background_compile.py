@@ -41,8 +41,8 @@ def _workload(eng, tag: str) -> dict:
     out = {}
     for group in groups:
         for name, prompt, n in group:
-            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, logprobs=0 if name == "short" else None),
-                            request_id=tag + name)
+            lp = 0 if name == "short" else None
+            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, logprobs=lp), request_id=tag + name)
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
@@ -166,8 +166,8 @@ def test_compile_queue_holds_lands_and_survives_failures():
             raise ValueError("lowering failed")
         return _Program(value, fail_compile)
 
-    jobs = [("a", lambda: lower(1)), ("b", lambda: lower(2, fail_lower=True)), ("c", lambda: lower(3, fail_compile=True)),
-            ("d", lambda: lower(4))]
+    jobs = [("a", lambda: lower(1)), ("b", lambda: lower(2, fail_lower=True)),
+            ("c", lambda: lower(3, fail_compile=True)), ("d", lambda: lower(4))]
     q = CompileQueue(jobs, landed.__setitem__, threads=2, gate=gate, on_done=lambda s, failed: done.append(failed))
     q.start()
     assert not q.wait(timeout=0.2) and q.pending() == 4 and not landed     # held by the gate
