@@ -156,7 +156,8 @@ def main(argv=None):
     cache_dir = tempfile.mkdtemp(prefix="k3jax-serve-cache-")
     logs = os.environ.get("OUT") or tempfile.gettempdir()
     table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("all_compiled_s", "all compiled s", ".1f"),
-                  ("chat_s", "chat s (at ready)", ".2f"), ("pending_at_ready", "programs pending at ready", ".0f"),
+                  ("chat_s", "chat s (at ready)", ".2f"), ("programs_at_ready", "programs at ready", ".0f"),
+                  ("pending_at_ready", "programs pending at ready", ".0f"),
                   ("warmup_s", "warm-up s (log)", ".1f"), ("background_s", "background done s (log)", ".1f"),
                   ("lowering_s", "lowering s", ".1f"), ("compiling_s", "compiling s", ".1f"),
                   ("first_runs_s", "first runs s", ".1f"),
