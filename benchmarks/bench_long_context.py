@@ -342,6 +342,7 @@ def main(argv=None):
     if rows & {"prefill", "decode", "streams"}:
         t0 = time.perf_counter()
         eng = LLMEngine(model, eng_args)
+        eng.wait_for_compiles()               # every step program compiled before the timed rows
         log(f"engine ready in {time.perf_counter() - t0:.1f}s: max_model_len {eng.max_model_len}, "
             f"{eng.runner.pools.num_pages} pages, long_prefill_tokens {eng.args.long_prefill_tokens}")
     if "prefill" in rows:

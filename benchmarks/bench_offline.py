@@ -53,6 +53,7 @@ def run(model, prompts, args, **engine_args):
               max_model_len=args.prefix + turns * (args.suffix + args.max_tokens) + 16, page_size=args.page_size,
               prefix_match_unit=16, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.engine.wait_for_compiles()                        # the background compile, then the first runs,
     llm.generate([[1] * len(prompts[0])] * 2, params)     # settle compilation outside the timing
     rng = np.random.RandomState(1)
     gen = prompt = cached = 0

@@ -4,11 +4,13 @@
 
 Starts the server twice with only --model / --seed / --port / --compilation-cache-dir given (every engine
 and memory setting at its default): first with an empty compilation cache (cold), then again over the
-cache the first run filled (restart). For each start: seconds from launch to /health answering 200, the
-warm-up's own figure from the log, the cache pools it sized, then, once ready: a chat completion, 16
-concurrent streamed 1024-token completions (mean / max time to first token and output tok/s), a bad
-request (must be a 4xx) and /metrics. A preset without a tokenizer gets the tiny model's, its vocabulary
-cut to match (as in bench_disagg.py: prompts are token ids; the layers and the cache do not depend on it).
+cache the first run filled (restart). For each start: seconds from launch to /health answering 200 (ready),
+a chat completion served then (while programs may still compile in the background), seconds from launch until
+/metrics reports no program pending (all compiled), the warm-up's own figures from the log, the cache pools
+it sized, then: 16 concurrent streamed 1024-token completions (mean / max time to first token and output
+tok/s, steady state: after every program compiled), a bad request (must be a 4xx) and /metrics. A preset
+without a tokenizer gets the tiny model's, its vocabulary cut to match (as in bench_disagg.py: prompts are
+token ids; the layers and the cache do not depend on it).
 """
 from __future__ import annotations
 
@@ -64,12 +66,34 @@ def stream_completion(port: int, prompt: list, max_tokens: int) -> tuple[float, 
     return first, time.perf_counter() - t0, tokens
 
 
+def metric(port: int, name: str) -> float:
+    """A gauge's value from /metrics (nan when absent)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-\d.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def wait_compiled(port: int, timeout: float) -> float:
+    """Poll the background compile's gauge until no program is pending; the programs left at the first poll."""
+    first, t_end = None, time.perf_counter() + timeout
+    while time.perf_counter() < t_end:
+        pending = metric(port, "k3jax:compiles_pending")
+        first = pending if first is None else first
+        if not pending > 0:            # 0, or nan: a server without the gauge
+            return first
+        time.sleep(0.5)
+    raise TimeoutError(f"programs still compiling after {timeout:.0f}s")
+
+
 def one_start(args, cache_dir: str, log_path: str) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.bench_disagg", "_serve", "--layers", "0", "--",
            "--model", args.model, "--port", str(port), "--compilation-cache-dir", cache_dir]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
+    cmd += args.serve_flag
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
@@ -77,9 +101,12 @@ def one_start(args, cache_dir: str, log_path: str) -> dict:
     try:
         wait_ready(port, proc, log_path, args.start_timeout)
         row["ready_s"] = time.perf_counter() - t0
+        t = time.perf_counter()
         status, body = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
                                                            "max_tokens": 8})
-        row["chat_status"] = status
+        row["chat_status"], row["chat_s"] = status, time.perf_counter() - t
+        row["pending_at_ready"] = wait_compiled(port, args.start_timeout)
+        row["all_compiled_s"] = time.perf_counter() - t0
         rng = np.random.RandomState(0)
         prompts = [rng.randint(1, 1000, args.input).tolist() for _ in range(args.concurrency)]
         t = time.perf_counter()
@@ -100,7 +127,9 @@ def one_start(args, cache_dir: str, log_path: str) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     log = open(log_path, errors="replace").read()
-    for key, pattern in (("warmup_s", r"warm-up: \d+ step shapes compiled in ([\d.]+)s"),
+    for key, pattern in (("warmup_s", r"warm-up: (?:\d+ step shapes compiled|ready) in ([\d.]+)s"),
+                         ("programs_at_ready", r"ready in [\d.]+s with (\d+) of \d+ programs"),
+                         ("background_s", r"background compile: all \d+ programs in ([\d.]+)s"),
                          ("lowering_s", r"\(lowering ([\d.]+)s"), ("compiling_s", r"compiling ([\d.]+)s,"),
                          ("first_runs_s", r"first runs ([\d.]+)s\)"), ("pages", r"(\d+) pages of"),
                          ("slots", r"(\d+) KDA state slots"),
@@ -119,12 +148,17 @@ def main(argv=None):
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                    help="an extra k3jax.serve flag, repeatable (e.g. --serve-flag=--no-background-compile)")
     ap.add_argument("--json", default=None)
     add_csv_argument(ap)
     args = ap.parse_args(argv)
     cache_dir = tempfile.mkdtemp(prefix="k3jax-serve-cache-")
     logs = os.environ.get("OUT") or tempfile.gettempdir()
-    table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("warmup_s", "warm-up s (log)", ".1f"),
+    table = Table(("start", "start"), ("ready_s", "ready s", ".1f"), ("all_compiled_s", "all compiled s", ".1f"),
+                  ("chat_s", "chat s (at ready)", ".2f"), ("programs_at_ready", "programs at ready", ".0f"),
+                  ("pending_at_ready", "programs pending at ready", ".0f"),
+                  ("warmup_s", "warm-up s (log)", ".1f"), ("background_s", "background done s (log)", ".1f"),
                   ("lowering_s", "lowering s", ".1f"), ("compiling_s", "compiling s", ".1f"),
                   ("first_runs_s", "first runs s", ".1f"),
                   ("programs_loaded", "programs loaded", ".0f"),
@@ -141,7 +175,8 @@ def main(argv=None):
             print(f"{start}: {row}", flush=True)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}, every serve default", devices=False))
+    given = f", serve flags {' '.join(args.serve_flag)}" if args.serve_flag else ", every serve default"
+    print("\n" + header(f"bench_serve_start: model={args.model} seed={args.seed}{given}", devices=False))
     print(table.header())
     for row in rows:
         print(table.add(**row))

@@ -107,6 +107,7 @@ def main(argv=None):
     eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
                        enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch)
     engine = LLMEngine(model, eargs)
+    engine.wait_for_compiles()                # every step and verification program compiled before timing
     spec = engine.spec
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)

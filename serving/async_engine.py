@@ -39,7 +39,7 @@ class AsyncEngine:
         self._dead: Optional[BaseException] = None
         self._end_reason: Optional[str] = None      # set by end_all: the engine thread ends every stream
         self._cache_usage, self._cache_usage_t = {}, 0.0
-        self.stats_snapshot: dict = self._stats(engine)
+        self._snapshot: dict = self._stats(engine)
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
 
@@ -103,6 +103,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0):
         """Stop accepting work, let running requests finish (up to timeout), then abort the rest."""
+        self.engine.stop_compiles()             # no new background compile competes with the last steps
         with self._lock:
             self._stopping = True
             self._lock.notify()
@@ -132,6 +133,13 @@ class AsyncEngine:
             except RuntimeError:                  # the caller's loop is gone
                 pass
         return len(subs) + len(streams)
+
+    @property
+    def stats_snapshot(self) -> dict:
+        """The engine's stats as of its last step; the background compile's progress as of now (programs also
+        land while the engine idles)."""
+        snap, pending = self._snapshot, self.engine.compiles_pending()
+        return snap if snap.get("compiles_pending") == pending else {**snap, "compiles_pending": pending}
 
     @property
     def alive(self) -> bool:
@@ -202,7 +210,7 @@ class AsyncEngine:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._deliver(out.request_id, out)
-                self.stats_snapshot = self._stats(eng)
+                self._snapshot = self._stats(eng)
         except BaseException as e:  # noqa: BLE001 - fail every waiting request loudly, never hang them
             log.exception("engine loop died")
             self._dead = self._dead or e      # refuse new work now; fail() may name the cause later

@@ -45,9 +45,10 @@ def enable_compilation_cache(path: Optional[str]):
 
 
 class LLMEngine:
-    def __init__(self, model, args: EngineArgs | None = None, *, load_model=None):
+    def __init__(self, model, args: EngineArgs | None = None, *, load_model=None, compile_gate=None):
         """load_model: how the entry point loads a model (k3jax.api.load_model), for a draft model
-        (speculative="draft")."""
+        (speculative="draft"). compile_gate: a threading.Event the background compile (background_compile)
+        waits for before each program (a test holds it to look at an engine serving with only the covering set)."""
         self.args = args = args or EngineArgs()
         self.model = model
         c = model.config
@@ -129,14 +130,46 @@ class LLMEngine:
             self.encoder = VisionEncoder(model.vision, cache_bytes=args.encoder_cache_bytes,
                                          out_dtype=weight_dtype, mesh=mesh)
             self.scheduler.is_encoded = self.encoder.cache.__contains__
+        self._compiling = False          # programs compile in the background (see _follow_compiles)
         if args.warmup:
             self.runner.warmup(multimodal=self.encoder is not None, threads=args.compile_threads,
-                               all_sampler_variants=args.forbid_compile_after_warmup)
+                               all_sampler_variants=args.forbid_compile_after_warmup,
+                               background=self._background_compile(), gate=compile_gate)
+            self._compiling = self.runner.compiles_pending() > 0
+            self._follow_compiles()
             if self.encoder is not None:
                 self.encoder.warmup()
         self.runner.guard = args.forbid_compile_after_warmup
         if self.encoder is not None:
             self.encoder.guard = args.forbid_compile_after_warmup
+
+    def _background_compile(self) -> bool:
+        """EngineArgs.background_compile, resolved: on by default with an accelerator in a single process (in a
+        multi-process run every process compiles the same programs in lockstep, at warm-up)."""
+        from serving import multihost
+        on = self.args.background_compile
+        if on and multihost.is_multiprocess():
+            raise ValueError("background_compile: a multi-process run compiles every program at warm-up")
+        return on if on is not None else jax.default_backend() != "cpu" and not multihost.is_multiprocess()
+
+    def _follow_compiles(self):
+        """While programs compile in the background: a lone long prompt's steps only as long as a landed program."""
+        if self._compiling:
+            self._compiling = self.runner.compiles_pending() > 0
+            self.scheduler.long_prefill_tokens = self.runner.long_prefill_limit()
+
+    def compiles_pending(self) -> int:
+        """Step programs still compiling in the background (0: every program is ready)."""
+        return self.runner.compiles_pending()
+
+    def wait_for_compiles(self, timeout: Optional[float] = None) -> bool:
+        """Block until the background compile has ended (True), or `timeout` seconds passed (False). Benchmarks
+        call it before timing steady state."""
+        return self.runner.wait_for_compiles(timeout)
+
+    def stop_compiles(self):
+        """Start no further background compile (shutdown)."""
+        self.runner.stop_compiles()
 
     def _activation_bytes(self, c, weight_bytes: int, cache_dtype, mesh, mla_dtype=None) -> int:
         """Scratch memory of the largest step bucket, measured by an ahead-of-time compile, when the cache
@@ -287,10 +320,14 @@ class LLMEngine:
         (drafts, chunk start, position slots, spare slots)."""
         if speculate:
             self.spec.propose(self.scheduler.running, self.max_model_len)
+        self._follow_compiles()
         out = self.scheduler.schedule()
         if speculate:                  # drafts of requests this step did not schedule are stale next step
             for r in self.scheduler.running:
                 r.spec_drafts = []
+            if any(ch.drafts for ch in out.chunks) and not self.runner.can_verify(out.num_tokens, len(out.chunks)):
+                for ch in out.chunks:  # its verification program is still compiling: a plain step
+                    ch.drafts = []
         if out.restores:
             self.host_io.restore(out.restores)
         if not out.chunks:
@@ -343,13 +380,14 @@ class LLMEngine:
         """How many decode steps the scheduled step runs in one launch: self.decode_steps when nothing
         needs the host between them (every scheduled chunk a plain decode of a request that samples at least
         that many more tokens, with no logprobs, logit bias, penalties or structured output; no speculation, no
-        waiting request, no copies, restores or images), else 1. Reserves the pages the extra steps write.
+        waiting request, no copies, restores or images) and its program is compiled (background_compile), else 1.
+        Reserves the pages the extra steps write.
         Stop strings and EOS are checked after the launch (_resolve): a request that stops inside it
         finishes and its surplus tokens are dropped (its KDA state is then not cached, see _append)."""
         k = self.decode_steps
         if (k <= 1 or speculate or self.verifier is not None or not out.chunks or self.scheduler.waiting
                 or out.page_copies or out.restores or out.encode or out.preempted
-                or len(out.chunks) > self.runner.decode_steps_max_seqs):
+                or not self.runner.can_launch_decode_steps(len(out.chunks))):
             return 1
         for ch in out.chunks:
             r = ch.req
@@ -500,6 +538,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         s.update(self.counters)
         s["num_compiles"] = self.runner.num_compiles
+        s["compiles_pending"] = self.runner.compiles_pending()
         if self.verifier is not None:
             s.update(self.verifier.stats)
         if self.encoder is not None:

@@ -1,6 +1,7 @@
 """Engine arguments: one validated dataclass, and pool sizing from a memory budget."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -134,6 +135,11 @@ class EngineArgs:
     seed: int = 0
     warmup: bool = True
     compile_threads: Optional[int] = None         # warm-up's step shapes compiled on this many host threads (None: half the cores, up to 8)
+    background_compile: Optional[bool] = None     # warm-up compiles a covering set of step programs (every sampler,
+                                                  # each sequence bucket's decode-only step, the largest step) and the
+                                                  # engine serves while the rest compile on a background thread, steps
+                                                  # padding to a compiled bucket until theirs lands (None: on with an
+                                                  # accelerator in one process; off on CPU and in multi-process runs)
     forbid_compile_after_warmup: bool = False
     async_scheduling: bool = True                 # schedule and dispatch the next step while one runs on the device
     compilation_cache_dir: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "k3jax", "xla")
@@ -174,6 +180,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{name} {value!r}: expected one of {choices}")
+        if self.background_compile is not None and not isinstance(self.background_compile, bool):
+            raise ValueError(f"background_compile must be a bool (or unset), got {self.background_compile!r}")
         for name in ("dense_in_place", "merged_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -296,12 +304,17 @@ def add_advanced_args(parser, *, engine: bool = True):
         g.add_argument("--no-dense-in-place", dest="dense_in_place", action="store_false",
                        help="one GPU running the kernels: slice the scanned layers' dense weights for few-row "
                             "steps (default: read in place)")
+        g.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="ready after compiling a covering set of step programs; the rest compile in the "
+                            "background and steps pad to a compiled bucket until theirs lands (default: on with "
+                            "an accelerator in one process, off on CPU and in multi-process runs)")
     return g
 
 
 def advanced_kwargs(args) -> dict:
     """EngineArgs keyword arguments from add_advanced_args' flags."""
-    return {name: getattr(args, name) for name in LOAD_FIELDS + ("kv_cache_dtype", "dense_in_place")
+    return {name: getattr(args, name)
+            for name in LOAD_FIELDS + ("kv_cache_dtype", "dense_in_place", "background_compile")
             if hasattr(args, name)}
 
 

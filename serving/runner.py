@@ -2,6 +2,8 @@
 
 Every step is padded to a shape bucket (tokens, sequences); pages per sequence are fixed by the
 max model length, so the set of compilations is small and known. Pools are donated in and out.
+Warm-up compiles them all, or (background) a covering set first and the rest on a background thread
+while the engine serves, each step padding to the smallest compiled bucket until its own lands.
 The sampler is a jit of its own: its variants (penalties, allowed-token masks) are small programs
 compiled at warm-up per sequence bucket, never a recompile of the model while serving.
 """
@@ -23,6 +25,7 @@ from pallas_kernels.scatter import read_rows, set_rows
 from k3jax.nnx_model import K3Model, make_step, split_model
 from pallas_kernels.backend import Backend, resolve
 from serving import multihost
+from serving.compile_queue import CompileQueue, Job, abstract, compile_now, compile_threads
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
 from serving.spec.rejection import verify as spec_verify
@@ -49,10 +52,15 @@ def tqdm_if(items, progress: bool):
     return tqdm(items, desc="warm-up (compiling step shapes)", unit="shape")
 
 
+def _shape_key(T: int, N: int, decode: bool, mm: bool, spec_width: int = 0) -> tuple:
+    """The compiled step variant of bucket (T, N): decode-only, image embeddings, verification width."""
+    return (T, N, bool(decode), bool(mm)) + ((("spec", spec_width),) if spec_width else ())
+
+
 def _step_key(batch) -> tuple:
-    """The compiled variant a step batch needs: its bucket (T, N), decode-only, image embeddings."""
-    return (batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, bool(batch.decode_only),
-            batch.mm_embeds is not None) + ((("spec", batch.spec_dst.shape[1]),) if batch.spec_dst is not None else ())
+    """The compiled variant a step batch needs (_shape_key of its bucket and flags)."""
+    return _shape_key(batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, batch.decode_only,
+                      batch.mm_embeds is not None, batch.spec_dst.shape[1] if batch.spec_dst is not None else 0)
 
 
 def _multi_key(batch, sarr, steps: int) -> tuple:
@@ -306,6 +314,9 @@ class ModelRunner:
         self.num_compiles = 0
         self._aot = mesh is None and jax.process_count() == 1   # on a mesh: jit places the host batch
         self._compiled = {}          # step shape -> executable compiled ahead of time by warmup
+        self._multi_keys = {}        # (T, N, truncate) -> the key of that multi-step program
+        self._queue = None           # the background compile (warmup(background=True)); None: every program is
+                                     # compiled at warm-up, or compiles on first use
         # warm-up's executables kept across restarts (serving/executable_cache.py); None: off
         self.executable_cache = executable_cache if self._aot else None
 
@@ -317,6 +328,12 @@ class ModelRunner:
             raise CompileAfterWarmupError(f"step shape {key} was not compiled during warm-up")
         self._seen.add(key)
         self.num_compiles += 1
+
+    def _note_landed(self, key):
+        """A program compiled in the background: its shape is known to the guard (never run at warm-up)."""
+        if key not in self._seen:
+            self._seen.add(key)
+            self.num_compiles += 1
 
     @staticmethod
     def _variant(sarr: SamplingArrays):
@@ -344,10 +361,19 @@ class ModelRunner:
     def _step_inputs(self, chunks, params, seeds, counters, prompt_ids, output_ids, allowed_masks, top_logprobs,
                      spec_width: int = 0):
         """(T, N, batch, sampling arrays, counters) of a step over `chunks`, padded to its shape bucket."""
-        T, N = step_shape(sum(len(ch.tokens) for ch in chunks), len(chunks), self.token_buckets, self.seq_buckets,
-                          self.long_token_buckets)
+        num_tokens = sum(len(ch.tokens) for ch in chunks)
+        T, N = step_shape(num_tokens, len(chunks), self.token_buckets, self.seq_buckets, self.long_token_buckets)
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
                                 spec_width=spec_width)
+        if self._queue is not None and _step_key(batch) not in self._compiled:     # its program is still compiling
+            picked = self._compiled_bucket(num_tokens, len(chunks), batch.decode_only, batch.mm_embeds is not None,
+                                           spec_width)
+            if picked is not None:
+                T, N, decode = picked
+                batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
+                                        spec_width=spec_width)
+                if batch.decode_only and not decode:
+                    batch = batch.replace(decode_only=False)     # the general variant runs one-token chunks too
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
                                      prompt_token_ids=prompt_ids, output_token_ids=output_ids,
                                      allowed_masks=allowed_masks, penalty_width=self.penalty_width,
@@ -386,6 +412,46 @@ class ModelRunner:
         self._note_shape(("verify-sample", N, self._variant(sarr)))
         return self._call("verify", batch, sarr, cnt, d, nd)
 
+    # ---- while programs compile in the background (warmup(background=True)), steps use compiled ones only
+    def _compiled_bucket(self, num_tokens: int, num_seqs: int, decode: bool, mm: bool, spec_width: int = 0):
+        """(T, N, decode variant) of the smallest bucket whose program is compiled and holds the step: a bucket of
+        at least its tokens and sequences (a lone long prompt's: of the long buckets), the decode-only variant or
+        the general one for a decode-only batch; None when none is."""
+        tb, sb = self.token_buckets, self.seq_buckets
+        T, N = step_shape(num_tokens, num_seqs, tb, sb, self.long_token_buckets)
+        if T > tb[-1]:
+            holding = [(L, N) for L in self.long_token_buckets if L >= T]
+        else:
+            holding = [(t, n) for t in tb if t >= T for n in sb if N <= n <= t]
+        for t, n in holding:
+            for d in ((True, False) if decode else (False,)):
+                if _shape_key(t, n, d, mm, spec_width) in self._compiled:
+                    return t, n, d
+        return None
+
+    def long_prefill_limit(self) -> int:
+        """The most tokens a lone long prompt's step may take: the largest long bucket (0: none), while compiling in
+        the background the largest whose program has landed."""
+        ready = [L for L in self.long_token_buckets
+                 if self._queue is None or _shape_key(L, self.seq_buckets[0], False, False) in self._compiled]
+        return ready[-1] if ready else 0
+
+    def can_launch_decode_steps(self, num_seqs: int) -> bool:
+        """Whether launch_decode_steps may run `num_seqs` sequences now: within decode_steps_max_seqs, and while
+        compiling in the background, once both sampler variants of their bucket's program have landed."""
+        if not 0 < num_seqs <= self.decode_steps_max_seqs:
+            return False
+        if self._queue is None:
+            return True
+        T, N = _fit(self.token_buckets, num_seqs), _fit(self.seq_buckets, num_seqs)
+        return all(self._multi_keys.get((T, N, t)) in self._compiled for t in (False, True))
+
+    def can_verify(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a verification step of `num_tokens` (drafts included) over `num_seqs` sequences has a compiled
+        program (always, unless compiling in the background)."""
+        return self._queue is None or self._compiled_bucket(num_tokens, num_seqs, False, False,
+                                                            self.spec_width) is not None
+
     def multi_step_shapes(self) -> list:
         """The (tokens, sequences) buckets of decode-only steps launch_decode_steps may run."""
         return sorted({(_fit(self.token_buckets, n), _fit(self.seq_buckets, n))
@@ -410,13 +476,21 @@ class ModelRunner:
         return tuple(np.asarray(x) for x in jax.device_get(results))
 
     def warmup(self, progress: bool = True, multimodal: bool = False, threads: int | None = None,
-               all_sampler_variants: bool = False):
+               all_sampler_variants: bool = False, background: bool = False, gate=None):
         """Compile every (tokens, sequences) bucket with padding-only batches; then the guard may be armed.
         multimodal: also the variant of each bucket that takes image embeddings. all_sampler_variants: also
         the rare sampler variants (penalties or an allowed-token mask together with top-k/top-p or top
         logprobs; otherwise compiled when first used). The step shapes are
         traced one after another and compiled on `threads` host threads (default: half the cores, up
-        to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start."""
+        to 8): XLA compiles outside the GIL, and the step's compile time is most of a cold start.
+
+        background: compile only a covering set before returning (every sampler variant, the decode-only
+        variant of each sequence bucket and the largest regular bucket, which holds any regular step) plus
+        whatever the executable cache holds; the other programs are built on a background thread afterwards
+        (serving/compile_queue.py) and used as they land: until then a step pads to a compiled bucket
+        (_step_inputs), and the callers ask before a long-prompt, multi-step or verification launch
+        (long_prefill_limit, can_launch_decode_steps, can_verify). Needs ahead-of-time compiles (one process,
+        no mesh); ignored otherwise. gate: a threading.Event the background thread waits for before each program."""
         shapes = warmup_shapes(self.token_buckets, self.seq_buckets, multimodal)
         long = warmup_shapes((), self.seq_buckets, long_token_buckets=self.long_token_buckets)
         t0 = time.perf_counter()
@@ -426,110 +500,152 @@ class ModelRunner:
         variants = [v for v in itertools.product((False, True), repeat=4)
                     if all_sampler_variants or not any(v[2:]) or not any(v[:2])]
         lower_s = compile_s = 0.0
+        later, total = [], 0
         if self._aot:
-            lower_s, compile_s = self._compile_steps(shapes + long, progress, threads, variants)
+            jobs = self._jobs(shapes + long, variants)
+            total = len(jobs)
+            jobs = self._load_cached(jobs)          # what the executable cache holds loads now, in any mode
+            if background:
+                later = sorted((j for j in jobs if not j.cover), key=lambda j: j.rank)
+                jobs = [j for j in jobs if j.cover]
+            lower_s, compile_s = compile_now(jobs, self._store, threads=threads, progress=progress)
+        ready = (lambda key: key in self._compiled) if later else (lambda key: True)
         t_run = time.perf_counter()
-        for T, N, decode, mm in tqdm_if(shapes + long, progress and not self._aot):
+        run = [s for s in shapes + long if ready(_shape_key(*s))]
+        for T, N, decode, mm in tqdm_if(run, progress and not self._aot):
             self._run_padding(T, N, decode=decode, mm=mm)
         # each variant once, on the smallest step that holds its bucket (compiled above, or here)
         for N in self.seq_buckets:
             T = _fit(self.token_buckets, N)
+            decode = not ready(_shape_key(T, N, False, False))      # the covering set has its decode-only variant
             for variant in variants:
-                self._run_padding(T, N, False, False, *variant)
+                self._run_padding(T, N, decode, False, *variant)
         for T, N in self.multi_step_shapes():          # several decode steps per launch, (top-k/top-p sort) x 2
             for truncate in (False, True):
-                self._run_padding_multi(T, N, truncate)
+                if ready(self._multi_keys.get((T, N, truncate))):
+                    self._run_padding_multi(T, N, truncate)
         if self.spec_width:            # the verification variant of every (tokens, sequences) bucket
             for T, N, decode, mm in shapes:
-                if not decode and not mm:
+                if not decode and not mm and ready(_shape_key(T, N, False, False, self.spec_width)):
                     self._run_padding_verify(T, N)
             for N in self.seq_buckets:                 # and its sampler variants, as the plain sampler's
-                for variant in variants:
-                    self._run_padding_verify(_fit(self.token_buckets, N), N, *variant)
+                T = _fit(self.token_buckets, N)
+                if ready(_shape_key(T, N, False, False, self.spec_width)):
+                    for variant in variants:
+                        self._run_padding_verify(T, N, *variant)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.pools)
-        log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
-                 len(shapes) + len(long), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
+        if not later:
+            log.info("warm-up: %d step shapes compiled in %.1fs (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
+                     len(shapes) + len(long), time.perf_counter() - t0, lower_s, compile_s, time.perf_counter() - t_run)
+            return
+        log.info("warm-up: ready in %.1fs with %d of %d programs; %d compile in the background (steps pad to a "
+                 "compiled bucket until theirs lands) (lowering %.1fs, compiling %.1fs, first runs %.1fs)",
+                 time.perf_counter() - t0, total - len(later), total, len(later), lower_s, compile_s,
+                 time.perf_counter() - t_run)
+        self._start_background(later, total, t0, threads, gate)
 
-    def _compile_steps(self, shapes, progress: bool, threads: int | None, sampler_variants=()):
-        """Ahead-of-time compiles of the step for (T, N, decode_only, multimodal) shapes and of the sampler
-        for each sequence bucket's variants (warmup's flags), kept by shape for _call. Programs are traced and
-        lowered here one after another (Python, under the GIL) and each is compiled on a pool of `threads` host
-        threads as soon as it is lowered (XLA compiles outside the GIL), so lowering and compiling overlap.
-        Returns (seconds lowering, seconds compiling after the last program was lowered)."""
-        import concurrent.futures
-        t0 = time.perf_counter()
-        jobs = []                      # (shape key, jitted function, executable-cache kind, example args)
+    # ------------------------------------------------------------------ ahead-of-time programs
+    def _jobs(self, shapes, sampler_variants) -> list:
+        """Every program warm-up builds for (T, N, decode_only, multimodal) step shapes and the sampler's variants
+        of each sequence bucket (warmup's flags), one per key, as compile_queue.Job."""
+        tb, sb, W = self.token_buckets, self.seq_buckets, self.spec_width
+        largest = (tb[-1], max([N for N in sb if N <= tb[-1]] or sb[:1]))      # holds any regular step
+        jobs = []
         for T, N, decode, mm in shapes:
             batch, _ = self._padding_batch(T, N, decode=decode, mm=mm)
-            jobs.append((_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens)))
-            if self.spec_width and not decode and not mm:      # the verification variant of the bucket
+            long = T > tb[-1]
+            rank = (1, T, N) if decode else (3, T, N) if long else (2, T, N, mm)
+            jobs.append(Job(_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens),
+                             (("step", T, N, bool(decode), bool(mm)),), decode or (T, N) == largest, rank))
+            if W and not decode and not mm:      # the verification variant of the bucket
                 batch = self._padding_verify_batch(T, N)
-                jobs.append((_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens)))
-        for N in self.seq_buckets:
+                jobs.append(Job(_step_key(batch), self._step, "step",
+                                 (self.params, self.pools, batch, self.last_tokens), (("verify", T, N, W),), False,
+                                 (4, T, N)))
+        for N in sb:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
             for v in sampler_variants:
-                _, sarr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
-                jobs.append((_sampler_key(sarr), self._sample, "sample",
-                             (logits, sarr, self.key_data, np.zeros(N, np.int32), self.last_tokens)))
-                if self.spec_width:
-                    W = self.spec_width
+                _, sarr = self._padding_batch(_fit(tb, N), N, False, False, *v)
+                jobs.append(Job(_sampler_key(sarr), self._sample, "sample",
+                                 (logits, sarr, self.key_data, np.zeros(N, np.int32), self.last_tokens),
+                                 (("sample", N, self._variant(sarr)),), True, (0,)))
+                if W:
                     wide = jax.ShapeDtypeStruct((N, W, logits.shape[1]), logits.dtype)
-                    _, varr = self._padding_batch(_fit(self.token_buckets, N), N, False, False, *v)
-                    jobs.append((_verify_key(varr, W), self._verify, "verify",
-                                 (wide, varr, self.key_data, np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32),
-                                  np.zeros(N, np.int32))))
+                    jobs.append(Job(_verify_key(sarr, W), self._verify, "verify",
+                                     (wide, sarr, self.key_data, np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32),
+                                      np.zeros(N, np.int32)), (("verify-sample", N, self._variant(sarr)),), True, (0,)))
         for T, N in self.multi_step_shapes():
             for truncate in (False, True):
                 batch, sarr = self._padding_batch(T, N, True, truncate=truncate)
-                jobs.append((_multi_key(batch, sarr, self.decode_steps), self._multi, "multi",
-                             (self.params, self.pools, batch, self.last_tokens, sarr, self.key_data,
-                              np.zeros(N, np.int32))))
-        jobs = list({job[0]: job for job in jobs}.values())      # one program a key
+                key = self._multi_keys[(T, N, truncate)] = _multi_key(batch, sarr, self.decode_steps)
+                jobs.append(Job(key, self._multi, "multi", (self.params, self.pools, batch, self.last_tokens, sarr,
+                                                             self.key_data, np.zeros(N, np.int32)),
+                                 (key,), False, (0, T, N)))
+        return list({job.key: job for job in jobs}.values())      # one program a key
+
+    def _cache_key(self, job) -> str:
+        return self.executable_cache.key(job.kind, repr(self.config), repr(self.backend), job.key,
+                                         step_compiler_options())
+
+    def _load_cached(self, jobs) -> list:
+        """Load the executable cache's programs among `jobs`; returns the others."""
         cache = self.executable_cache
-        # default: half the cores (up to 8); XLA's own compile passes use threads too
-        threads = max(1, min(len(jobs), threads or min(8, (os.cpu_count() or 2) // 2)))
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(jobs), desc=f"warm-up (compiling step shapes and samplers, {threads} threads)",
-                       unit="program")
-        futures, stored, loaded = {}, {}, 0   # stored: shape key -> (executable cache key, args) to save once compiled
-        deferred = []
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
-            def submit(key, low):
-                fut = pool.submit(low.compile)
-                if bar is not None:
-                    fut.add_done_callback(lambda _: bar.update())
-                futures[fut] = key
-            for key, fn, kind, args in jobs:
-                if cache is not None:
-                    ckey = cache.key(kind, repr(self.config), repr(self.backend), key, step_compiler_options())
-                    exe = cache.load(ckey, args)
-                    if exe is not None:
-                        self._compiled[key] = exe
-                        loaded += 1
-                        if bar is not None:
-                            bar.update()
-                        continue
-                    stored[key] = (ckey, args)
-                deferred.append((key, fn.lower(*args)))
-                if threads > 1:        # a small host (one compile thread): lowering while compiling only contends
-                    submit(*deferred.pop())
-            t1 = time.perf_counter()
-            for job in deferred:
-                submit(*job)
-            if cache is not None:
-                log.info("executable cache: %d of %d step programs loaded from %s", loaded, len(jobs), cache.directory)
-            for done in concurrent.futures.as_completed(futures):
-                key = futures[done]
-                self._compiled[key] = done.result()
-                if key in stored:
-                    cache.save(*stored[key], self._compiled[key])
-        if bar is not None:
-            bar.close()
-        return t1 - t0, time.perf_counter() - t1
+        if cache is None:
+            return jobs
+        left = []
+        for job in jobs:
+            exe = cache.load(self._cache_key(job), job.args)
+            if exe is None:
+                left.append(job)
+            else:
+                self._compiled[job.key] = exe
+        log.info("executable cache: %d of %d step programs loaded from %s", len(jobs) - len(left), len(jobs),
+                 cache.directory)
+        return left
+
+    def _store(self, job, exe):
+        """A program compiled at warm-up: kept for _call and stored in the executable cache."""
+        self._compiled[job.key] = exe
+        if self.executable_cache is not None:
+            self.executable_cache.save(self._cache_key(job), job.args, exe)
+
+    def _start_background(self, jobs, total: int, t0: float, threads: int | None, gate):
+        """Build `jobs` on background threads (CompileQueue); each lands in the compiled table and the
+        executable cache. The queue lowers against abstract arguments: the pools it was planned with are
+        donated by the steps that run meanwhile."""
+        by_key = {job.key: job._replace(args=abstract(job.args)) for job in jobs}
+
+        def land(key, exe):
+            job = by_key[key]
+            for note in job.notes:      # first: a step may use the program as soon as it is in the table
+                self._note_landed(note)
+            self._store(job, exe)
+
+        def done(seconds: float, failed: list):
+            if failed:
+                log.warning("background compile: %d of %d programs in %.1fs; %d failed (their shapes stay "
+                            "unavailable): %s", total - len(failed), total, time.perf_counter() - t0, len(failed),
+                            failed)
+            else:
+                log.info("background compile: all %d programs in %.1fs", total, time.perf_counter() - t0)
+
+        self._queue = CompileQueue([(j.key, functools.partial(j.fn.lower, *j.args)) for j in by_key.values()], land,
+                                   threads=compile_threads(threads, len(jobs)), gate=gate, on_done=done).start()
+
+    def compiles_pending(self) -> int:
+        """Programs still compiling in the background (0: none, or no background compile)."""
+        return 0 if self._queue is None else self._queue.pending()
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Block until the background compile ended (True) or `timeout` seconds passed (False)."""
+        return True if self._queue is None else self._queue.wait(timeout)
+
+    def stop_compiles(self):
+        """Start no further background compile (shutdown)."""
+        if self._queue is not None:
+            self._queue.stop()
 
     def _padding_batch(self, T: int, N: int, decode: bool, mm: bool = False, penalties: bool = False,
                        masked: bool = False, truncate: bool = False, top_logprobs: bool = False):

@@ -112,6 +112,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.is_encoded = lambda digest: False   # the engine's encoder-output cache answers this
         self.host = None                          # serving.host_tier.HostTier (attach_host_tier)
+        # a lone long prompt's step tokens now: cfg.long_prefill_tokens, lowered by the engine while the runner's
+        # long-step programs still compile in the background (0 = off until one lands)
+        self.long_prefill_tokens = cfg.long_prefill_tokens
         self._encode: dict = {}
 
     def attach_host_tier(self, tier, save) -> None:
@@ -266,12 +269,12 @@ class Scheduler:
         with more than max_num_batched_tokens left to compute (nothing else running or waiting, so no one
         waits behind its larger step), else max_num_batched_tokens."""
         cfg = self.cfg
-        if decoding or cfg.long_prefill_tokens <= cfg.max_num_batched_tokens or len(order) + len(self.waiting) != 1:
+        if decoding or self.long_prefill_tokens <= cfg.max_num_batched_tokens or len(order) + len(self.waiting) != 1:
             return cfg.max_num_batched_tokens
         req = order[0] if order else self.waiting[0]
         if req.is_decode or req.images or req.num_tokens - req.num_computed <= cfg.max_num_batched_tokens:
             return cfg.max_num_batched_tokens
-        return cfg.long_prefill_tokens
+        return self.long_prefill_tokens
 
     def _drafts(self, req: Request, start: int, end: int, budget: int) -> list:
         """The speculative drafts a decode chunk feeds after its token (serving/spec): within the budget

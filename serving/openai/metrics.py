@@ -48,6 +48,9 @@ class Metrics:
                                      registry=r)
         self.spec_rate = Gauge("k3jax:spec_acceptance_rate", "Accepted / verified draft tokens so far", lab,
                                registry=r)
+        self.compiles_pending = Gauge("k3jax:compiles_pending", "Step programs still compiling in the background "
+                                      "after warm-up (steps pad to a compiled bucket until theirs lands)", lab,
+                                      registry=r)
         self._counted = {}
         self.disagg = {k: Gauge(f"k3jax:{k}", h, lab, registry=r) for k, h in (
             ("disagg_remote_prefills", "Requests whose prompt the prefill peer computed (--role decode)"),
@@ -74,6 +77,7 @@ class Metrics:
         self.prefix_hit.labels(m).set(h)
         self.prefix_rate.labels(m).set(h / q if q else 0.0)
         self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        self.compiles_pending.labels(m).set(stats.get("compiles_pending", 0))
         if "spec_acceptance_rate" in stats:
             self.spec_rate.labels(m).set(stats["spec_acceptance_rate"])
         for counter, key in ((self.verify_checks, "prefix_verify_checks"),
