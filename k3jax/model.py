@@ -12,7 +12,6 @@ variants are fixed when it is built from the config; the layer maths are the mod
 Both share `K3Model.decode`; only the attention call differs. k3jax.nnx_model.make_step is the jitted
 engine step's body. `backend` (pallas_kernels/backend.py:
 kernels, expert parallelism, MXFP4 decoder) is built once by the caller and closed over.
-forward_full / forward_step are the same on a parameter dict (the model built over it).
 """
 from __future__ import annotations
 
@@ -270,12 +269,3 @@ def _mla_meta(meta, l, n_layers: int, page_size: int):
 def _flat(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
-
-def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None, backend: Backend | None = None):
-    """K3Model(c, params)(tokens, ...): logits fp32 [B, T, V] of a parameter dict."""
-    return K3Model(c, params)(tokens, mm_embeds=mm_embeds, mm_mask=mm_mask, backend=backend)
-
-
-def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch, backend: Backend | None = None):
-    """K3Model(c, params)(batch.tokens, pools, batch): one engine step on a parameter dict."""
-    return K3Model(c, params)(batch.tokens, pools, batch, backend=backend)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_step
+from k3jax.nnx_model import make_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 from pallas_kernels import stacked
@@ -51,7 +51,7 @@ def test_scanned_step_holds_right_operands_whole():
                             max_pages=4)
     outs, scans = [], []
     for b in (Backend(), Backend(dense_in_place=True)):
-        fn = lambda p, pools, bt, b=b: forward_step(p, c, pools, bt, backend=b)  # noqa: E731
+        fn = make_step(c, b)
         jaxpr = jax.make_jaxpr(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch)
         scans.append(max((e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"), key=lambda e: len(e.invars)))
         outs.append(jax.jit(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch))

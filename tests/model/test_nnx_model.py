@@ -8,7 +8,6 @@ from flax import nnx
 from k3jax import nnx_model
 from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
 from k3jax.layers.module import value
-from k3jax.model import forward_full
 from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
 from k3jax.presets import preset_config, preset_names
 from sharding import rules
@@ -28,14 +27,14 @@ def test_merged_model_traces_the_functional_core(tiny):
     assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat), jax.tree_util.tree_leaves(params)))
     toks = (np.arange(10, dtype=np.int32).reshape(2, 5) * 37) % c.vocab_size
     merged = jax.make_jaxpr(lambda p, t: graph.merge(p)(t))(flat, toks)
-    direct = jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(params, toks)
+    direct = jax.make_jaxpr(lambda p, t: nnx_model.K3Model(c, p)(t))(params, toks)
     assert str(merged) == str(direct)
     # the graph made from abstract parameters merges real ones the same way
     assert str(jax.make_jaxpr(lambda p, t: nnx_model.graph_for(c, p).merge(p)(t))(params, toks)) == str(direct)
     with pytest.raises(ValueError, match="parameter arrays for a model graph"):
         graph.merge({"embed": params["embed"]})
     # the checkpoint layout is stacked into the one model layout (the same program)
-    assert str(jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(stack_layers(params, c), toks)) == str(direct)
+    assert str(jax.make_jaxpr(lambda p, t: nnx_model.K3Model(c, p)(t))(stack_layers(params, c), toks)) == str(direct)
 
 
 def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
@@ -60,19 +59,19 @@ def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
 
 def test_runner_step_traces_the_functional_step(tiny):
     """The engine's step body (merge inside the trace, then the module's step) is the same program
-    as forward_step on the parameter dict."""
+    as the model called on the parameter dict."""
     from k3jax.cache import make_pools
-    from k3jax.model import forward_step
     from pallas_kernels.backend import detect
-    from serving.runner import make_step_fn, padding_step_args
+    from serving.runner import padding_step_args
     c, params = tiny
     params = stack_layers(params, c)
     backend = detect("reference")
     pools = make_pools(c, 5, 16, 4, jnp.float32)
     batch, _, _ = padding_step_args(c, 16, 4, 32, 2, False, False, np.float32)
     graph, flat = nnx_model.split_model(nnx_model.K3Model(c, params))
-    merged = jax.make_jaxpr(make_step_fn(c, backend, graph))(flat, pools, batch)
-    direct = jax.make_jaxpr(lambda p, po, b: forward_step(p, c, po, b, backend))(params, pools, batch)
+    merged = jax.make_jaxpr(nnx_model.make_step(c, backend, graph))(flat, pools, batch)
+    call = lambda p, po, b: nnx_model.K3Model(c, p)(b.tokens, po, b, backend=backend)  # noqa: E731
+    direct = jax.make_jaxpr(call)(params, pools, batch)
     assert str(merged) == str(direct)
 
 
