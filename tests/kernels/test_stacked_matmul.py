@@ -1,16 +1,18 @@
 """Dense weights of scanned layers read in place (pallas_kernels/stacked.py, Backend.dense_in_place): the
 kernel equals the sliced matmul, and the scanned step's projections reach it as whole stacks and compute
 what the repeats' slices compute."""
+import re
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from k3jax.cache import SeqChunk, make_pools, make_step_batch
+from k3jax.cache import SeqChunk, make_pools, make_step_batch, pool_shapes
 from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.nnx_model import make_step
-from k3jax.params import init_params_numpy
+from k3jax.params import init_params_numpy, param_shapes
 from k3jax.presets import preset_config
 from pallas_kernels import ops, stacked
 from pallas_kernels.moe import schedule as sch
@@ -84,3 +86,25 @@ def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
     want = sorted(w.shape for w in _matmul_weights(params["layers"]["units"]))
     assert len(want) > 8 and all(s[0] == repeats and len(s) == 3 for s in want)
     assert seen == [[], want], seen
+
+
+def test_gpu_decode_step_slices_no_projection_stack(monkeypatch):
+    """The tiny model's decode step lowered for the GPU from CPU (bf16, shapes only): with dense_in_place no
+    op slices a scanned projection the kernel takes (K, N multiples of 16) out of its stack; the kernel
+    reads the whole stack. Without it, each such stack is sliced (the detector is seen to find them)."""
+    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
+    c = preset_config("tiny-random")
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.bfloat16))
+    pools = pool_shapes(c, 17, 16, 6, jnp.bfloat16)
+    batch = make_step_batch([SeqChunk([1], 5, [1], 1, 1), SeqChunk([1], 5, [2], 2, 2)], 16, num_tokens=16,
+                            num_seqs=4, max_pages=2)
+    stacks = {"x".join(map(str, w.shape)) + "xbf16" for w in _matmul_weights(params["layers"]["units"])
+              if w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0}
+    assert len(stacks) >= 5
+    sliced = []
+    for in_place in (False, True):
+        backend = Backend(kernels=True, platform="gpu", device="gpu", dense_in_place=in_place)
+        text = jax.jit(make_step(c, backend)).trace(params, pools, batch).lower(lowering_platforms=("cuda",)).as_text()
+        operands = {m.group(1) for m in re.finditer(r"stablehlo\.dynamic_slice .*?: \(tensor<([\dx\w]+)>", text)}
+        sliced.append(stacks & operands)
+    assert sliced == [stacks, set()], sliced
