@@ -10,7 +10,9 @@ parameter holds depends on `rngs`:
 An abstract module is filled with arrays by `fill` (the checkpoint loaders' dicts, named as in the
 checkpoint): `Module.of(config, values)`. Variants (MXFP4 experts, low-rank queries, ...) are read
 from the config when a module is built and kept as plain attributes, so the layer maths branch on
-those, never on which keys a parameter dict holds.
+those, never on which keys a parameter dict holds. The layer maths read their parameters with
+`read(p)` and `x @ w` as `matmul(x, p)`: the same arrays in an unscanned layer; in a block stacked
+over a scan's repeats, the current repeat's, sliced or read in place in the stack (see below).
 """
 from __future__ import annotations
 
