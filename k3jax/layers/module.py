@@ -192,7 +192,7 @@ def stacked(p: nnx.Param):
 def read(p: nnx.Param):
     """A parameter's array for the running layer: a stacked one's slice of the current repeat."""
     w, r = stacked(p)
-    return w if r is None else jax.lax.dynamic_index_in_dim(w, r, keepdims=False)
+    return w if r is None else _slice(w, r)
 
 
 def matmul(x, p: nnx.Param):
@@ -204,7 +204,12 @@ def matmul(x, p: nnx.Param):
     backend = _REPEAT.get().backend
     if backend is not None and backend.dense_in_place:
         return ops.stacked_matmul(x, w, r, backend=backend)
-    return x @ jax.lax.dynamic_index_in_dim(w, r, keepdims=False)
+    return x @ _slice(w, r)
+
+
+def _slice(w, r):
+    # as lax.scan slices its inputs: r is a repeat's index, never negative (no wrap-around select)
+    return jax.lax.dynamic_index_in_dim(w, r, keepdims=False, allow_negative_indices=False)
 
 
 def _children(module):
