@@ -7,7 +7,7 @@ from flax import nnx
 
 from k3jax import nnx_model
 from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
-from k3jax.layers.module import value
+from k3jax.layers.module import matmul, read, repeat, value
 from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
 from k3jax.presets import preset_config, preset_names
 from sharding import rules
@@ -55,6 +55,26 @@ def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
     # (the head's KDA layers scan over their 5 tokens; the block over its repeats)
     scans = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert plan.repeats > 1 and scans.count(plan.repeats) == 1 and set(scans) == {5, plan.repeats}, scans
+
+
+def test_stacked_parameters_read_the_current_repeat(tiny):
+    """A scanned layer reads its parameters out of the block's stacks at the repeat its block's call made
+    current (module.read / matmul); outside a repeat, a stacked parameter refuses to be read, an unscanned
+    layer's reads as it is."""
+    c, params = tiny
+    plan = layer_stack_plan(c)
+    model = nnx_model.K3Model(c, params)
+    q = model.layers.units[0].attn.q_proj
+    x = np.random.RandomState(0).randn(3, c.hidden_size).astype(np.float32)
+    for r in range(plan.repeats):
+        want = params["layers"][plan.layer(r, 0)]["attn"]["q_proj"]
+        with repeat(jnp.int32(r), None):
+            np.testing.assert_array_equal(read(q), want)
+            np.testing.assert_array_equal(matmul(x, q), x @ want)
+    with pytest.raises(ValueError, match="outside a repeat"):
+        read(q)
+    head = model.layers.head[0].input_norm
+    np.testing.assert_array_equal(read(head), params["layers"][0]["input_norm"])
 
 
 def test_runner_step_traces_the_functional_step(tiny):
