@@ -171,7 +171,7 @@ def repeat(index, backend):
         _REPEAT.reset(token)
 
 
-def is_stacked(p: nnx.Param) -> bool:
+def _is_stacked(p: nnx.Param) -> bool:
     """Whether a parameter is stacked over a scan's repeats (its leading logical axis "layers")."""
     axes = tuple(getattr(p, "logical_axes", ()) or ())
     return bool(axes) and axes[0] == "layers"
@@ -180,7 +180,7 @@ def is_stacked(p: nnx.Param) -> bool:
 def stacked(p: nnx.Param):
     """(array, index): a stacked parameter's whole stack and the current repeat's index, for kernels
     that read one repeat in place; (array, None) for a parameter of an unscanned layer."""
-    if not is_stacked(p):
+    if not _is_stacked(p):
         return value(p), None
     current = _REPEAT.get()
     if current is None:
