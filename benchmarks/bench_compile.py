@@ -24,10 +24,11 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
 
     from k3jax.cache import pool_shapes
     from k3jax.layer_stack import stack_layers
+    from k3jax.nnx_model import make_step
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
     from serving.engine_args import EngineArgs, batch_defaults
-    from serving.runner import make_step_fn, padding_step_args, step_buckets, step_compiler_options, warmup_shapes
+    from serving.runner import padding_step_args, step_buckets, step_compiler_options, warmup_shapes
 
     jax.config.update("jax_enable_compilation_cache", False)
     c = preset_config(model)
@@ -43,7 +44,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     from pallas_kernels.backend import detect
     pools = pool_shapes(c, args.max_num_seqs * max_pages + 1, args.page_size, args.max_num_seqs + 2, dt,
                         bits=detect().pool_bits)                  # as the runner stores them
-    step = jax.jit(make_step_fn(c), donate_argnums=(1,), compiler_options=step_compiler_options())  # as the runner
+    step = jax.jit(make_step(c), donate_argnums=(1,), compiler_options=step_compiler_options())  # as the runner
     rows = []
     for T, N, decode, mm in shapes:
         batch, _, _ = padding_step_args(c, args.page_size, max_pages, T, N, decode, mm, dt)

@@ -22,8 +22,8 @@ def _window_nll(params, tokens, length, *, config, backend=None):
     """Summed next-token NLL (fp32) and the number of targets of [B, T+1] windows of `length` tokens."""
     import jax
     import jax.numpy as jnp
-    from k3jax.model import forward_full
-    logits = forward_full(params, config, tokens[:, :-1], backend=backend)
+    from k3jax.model import K3Model
+    logits = K3Model(config, params)(tokens[:, :-1], backend=backend)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     valid = jnp.arange(tokens.shape[1] - 1)[None, :] + 1 < length[:, None]

@@ -12,7 +12,6 @@ variants are fixed when it is built from the config; the layer maths are the mod
 Both share `K3Model.decode`; only the attention call differs. k3jax.nnx_model.make_step is the jitted
 engine step's body. `backend` (pallas_kernels/backend.py:
 kernels, expert parallelism, MXFP4 decoder) is built once by the caller and closed over.
-forward_full / forward_step are the same on a parameter dict (the model built over it).
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from k3jax.expert_layout import experts_merged
 from k3jax.layer_stack import layer_stack_plan, stack_layers
 from k3jax.layers.common import OutputAttnRes, norm_param, rms_norm, upcast
 from k3jax.layers.decoder import DecoderBlock, DecoderLayer, blocks_before, num_sources
-from k3jax.layers.module import List, Module, StackedWeight, fill, param, right_operand_mask, split_module, \
-    stack_modules, value
+from k3jax.layers.module import List, Module, fill, param, stack_modules, value
 from pallas_kernels.backend import Backend, resolve
 
 
@@ -77,38 +75,24 @@ class LayerStack(Module):
         return stream, cache
 
     def _scan(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend, ordinal: dict):
-        """The block over its repeats, one lax.scan. The block is split once, here; the body merges
-        its graph over one repeat's slices (once per trace). Routed experts stay whole (closed over,
-        not scanned): the MoE kernels read repeat r's experts inside the stack, where a scanned slice
-        would be a copy of the layer's experts on GPU. backend.dense_in_place: the weights used only
-        as `x @ w` stay whole too, read in place (StackedWeight)."""
+        """The block over its repeats, one lax.scan over the repeat index alone: the block keeps its
+        parameters stacked (closed over, not scanned) and each layer reads repeat r's where it uses
+        them (k3jax.layers.module.read / matmul: a slice, or in place in the stack where a kernel
+        reads it there: routed experts under backend.experts_in_place, the weights used as `x @ w`
+        under backend.dense_in_place; a scanned slice would be a copy on GPU)."""
         plan, block = self.plan, self.units
         kinds = block.kinds
         per_unit = {k: kinds.count(k) for k in ("kda", "mla")}
-        graph, tree = split_module(block)
-        experts = [t["mlp"]["experts"] if backend.experts_in_place and layer.moe else None
-                   for t, layer in zip(tree, block)]
-        tree = [dict(t, mlp={k: v for k, v in t["mlp"].items() if k != "experts"}) if e is not None else t
-                for t, e in zip(tree, experts)]
-        tree, held = _hold(tree, right_operand_mask(block)) if backend.dense_in_place else (tree, None)
 
-        def attend(r):
-            def one(j, m, x, ch):
+        def body(carry, r):
+            stream, cache = carry
+
+            def attend(j, m, x, ch):
                 kind = kinds[j]
                 return attention(kind, ordinal[plan.layer(0, j)] + r * per_unit[kind], m, x, ch)
-            return one
+            return block(c, r, stream, cache, attend, backend), None
 
-        def body(carry, xs):
-            stream, cache = carry
-            sliced, r = xs
-            t = _rejoin(sliced, held, r, backend) if held is not None else sliced
-            t = [dict(x, mlp=dict(x["mlp"], experts=e)) if e is not None else x for x, e in zip(t, experts)]
-            in_place = any(e is not None for e in experts)
-            return graph.merge(t)(c, r, stream, cache, attend(r), backend,
-                                  stack_index=r if in_place else None), None
-
-        (stream, cache), _ = jax.lax.scan(body, (stream, cache),
-                                          (tree, jnp.arange(plan.repeats, dtype=jnp.int32)))
+        (stream, cache), _ = jax.lax.scan(body, (stream, cache), jnp.arange(plan.repeats, dtype=jnp.int32))
         return stream, cache
 
 
@@ -221,27 +205,6 @@ class K3Model(Module):
                                   kda_conv=unflat(cv, pools.kda_conv))
 
 
-def _hold(tree, mask):
-    """(scanned, held): a unit's parameter tree split by `mask` (True: held whole in its stack, read in
-    place); each side has None where the other has the leaf (None is an empty pytree for the scan)."""
-    if isinstance(tree, dict):
-        pairs = {k: _hold(v, mask[k]) for k, v in tree.items()}
-        return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
-    if isinstance(tree, list):
-        pairs = [_hold(v, m) for v, m in zip(tree, mask)]
-        return [a for a, _ in pairs], [b for _, b in pairs]
-    return (None, tree) if mask else (tree, None)
-
-
-def _rejoin(scanned, held, r, backend: Backend):
-    """The unit's tree for repeat r: scanned slices, and StackedWeights over the held stacks."""
-    if isinstance(scanned, dict):
-        return {k: _rejoin(v, held[k], r, backend) for k, v in scanned.items()}
-    if isinstance(scanned, list):
-        return [_rejoin(v, h, r, backend) for v, h in zip(scanned, held)]
-    return StackedWeight(held, r, backend) if held is not None else scanned
-
-
 def _token_meta(cu_seqlens, T: int):
     t = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
@@ -270,12 +233,3 @@ def _mla_meta(meta, l, n_layers: int, page_size: int):
 def _flat(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
-
-def forward_full(params, c: ModelConfig, tokens, mm_embeds=None, mm_mask=None, backend: Backend | None = None):
-    """K3Model(c, params)(tokens, ...): logits fp32 [B, T, V] of a parameter dict."""
-    return K3Model(c, params)(tokens, mm_embeds=mm_embeds, mm_mask=mm_mask, backend=backend)
-
-
-def forward_step(params, c: ModelConfig, pools: CachePools, batch: StepBatch, backend: Backend | None = None):
-    """K3Model(c, params)(batch.tokens, pools, batch): one engine step on a parameter dict."""
-    return K3Model(c, params)(batch.tokens, pools, batch, backend=backend)

@@ -3,7 +3,8 @@
 `K3Model` (k3jax/model.py) is an `nnx.Module` tree: embedding, a `LayerStack` of `DecoderLayer`s
 (attention `KDA` or `MLA`, MLP `DenseMLP` or `MoE` with `RoutedExperts`, `AttnRes` mixing weights):
 unrolled head and tail layers around the repeating unit, one `DecoderBlock` whose parameters are
-stacked over its repeats and which one scan runs. Every parameter is an `nnx.Param` named as in the checkpoint and carrying the
+stacked over its repeats and which one scan runs over the repeat index (each layer reads its repeat's
+parameters where it uses them: k3jax/layers/module.py `read` / `matmul`). Every parameter is an `nnx.Param` named as in the checkpoint and carrying the
 logical axes it was declared with (k3jax/params.py; metadata `logical_axes`), which sharding/rules.py
 maps to a mesh. Each module's variants are fixed from the config when it is built and its methods are
 the layer maths (k3jax/layers/).

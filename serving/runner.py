@@ -142,10 +142,6 @@ def padding_step_args(config, page_size: int, max_pages: int, T: int, N: int, de
     return batch, sarr, np.zeros(N, np.int32)
 
 
-# the jitted step's body (the NNX model merged inside the trace): k3jax.nnx_model.make_step
-make_step_fn = make_step
-
-
 # XLA options for the engine's step on a GPU, measured with the scanned decoder (docs/performance.md):
 # - CUDA graphs also around the layer loop (WHILE, CONDITIONAL): the scan body's ~60 kernels per layer are
 #   otherwise launched one by one every step (c64 decode 30.5 -> 28.2 ms);
@@ -177,7 +173,7 @@ def step_temp_bytes(config, params, *, num_tokens: int, num_seqs: int, page_size
     batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0)], page_size, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_pages=max_pages)
     abstract = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
-    lowered = jax.jit(make_step_fn(config, backend), donate_argnums=(1,),
+    lowered = jax.jit(make_step(config, backend), donate_argnums=(1,),
                       compiler_options=step_compiler_options()).lower(abstract(params), pools, batch)
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
@@ -293,7 +289,7 @@ class ModelRunner:
             # EngineArgs.dense_in_place=False slices them, for comparison)
             self.backend = self.backend.replace(dense_in_place=True)
 
-        self._step = jax.jit(_with_previous_tokens(make_step_fn(c, self.backend, self.graph)), donate_argnums=(1,),
+        self._step = jax.jit(_with_previous_tokens(make_step(c, self.backend, self.graph)), donate_argnums=(1,),
                              compiler_options=step_compiler_options(), **step_kw)
         # (no lax.cond inside: XLA:GPU reads a conditional's predicate back to the host, which blocked this
         # dispatch until the step before had run; see sampler.SamplingArrays.truncate)
@@ -302,7 +298,7 @@ class ModelRunner:
         self._verify = jax.jit(functools.partial(spec_verify, num_top_logprobs=max_logprobs), **sample_kw)
         if self.decode_steps_max_seqs:
             multi_kw = dict(out_shardings=(rep,) * 5 + (ps,)) if mesh is not None else {}
-            self._multi = jax.jit(_multi_decode(make_step_fn(c, self.backend, self.graph), decode_steps, max_logprobs),
+            self._multi = jax.jit(_multi_decode(make_step(c, self.backend, self.graph), decode_steps, max_logprobs),
                                   donate_argnums=(1, 3), compiler_options=step_compiler_options(), **multi_kw)
         # the last step's sampled tokens, on the device, for the next step's placeholders (runner.launch)
         self.last_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32)

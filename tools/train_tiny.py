@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from k3jax.checkpoint.flat_file import quantize_experts, save_flat
 from k3jax.config import ModelConfig
 from k3jax.eval import perplexity
-from k3jax.model import forward_full
+from k3jax.model import K3Model
 from k3jax.params import FP32_KINDS, init_params_numpy, is_leaf, param_spec
 from k3jax.presets import preset_config_dict
 from k3jax.text_data import text_files, token_stream, train_windows
@@ -98,7 +98,7 @@ def make_train_step(c: ModelConfig, optimizer, dtype):
     cast = compute_cast(c, dtype)
 
     def loss_fn(params, batch):
-        logits = forward_full(cast(params), c, batch[:, :-1], backend=REFERENCE)   # differentiable jnp ops
+        logits = K3Model(c, cast(params))(batch[:, :-1], backend=REFERENCE)   # differentiable jnp ops
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
 
     def step(params, opt_state, batch, lr):

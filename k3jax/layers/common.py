@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.layers.module import Module, param, value
+from k3jax.layers.module import Module, matmul, param, read
 
 
 def upcast(x):
@@ -78,8 +78,6 @@ def add_to_source(buf, n, x):
 class DenseMLP(Module):
     """gate/up/down GLU MLP (the dense first layer, shared experts: `inter` their width)."""
 
-    right_operands = ("gate", "up", "down")
-
     def __init__(self, config: ModelConfig, inter: int | None = None, *, dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
         d, inter = config.hidden_size, config.intermediate_size if inter is None else inter
@@ -88,7 +86,7 @@ class DenseMLP(Module):
         self.down = param((inter, d), ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, c: ModelConfig):
-        return glu_act(x @ value(self.gate), x @ value(self.up), c) @ value(self.down)
+        return matmul(glu_act(matmul(x, self.gate), matmul(x, self.up), c), self.down)
 
 
 def norm_param(config: ModelConfig, dtype, rngs):
@@ -104,10 +102,10 @@ class AttnRes(Module):
             setattr(self, name, norm_param(config, dtype, rngs))
 
     def before_attn(self, buf, n, eps: float):
-        return mix_sources(buf, n, value(self.attn_proj), value(self.attn_norm), eps)
+        return mix_sources(buf, n, read(self.attn_proj), read(self.attn_norm), eps)
 
     def before_mlp(self, buf, n, eps: float):
-        return mix_sources(buf, n, value(self.mlp_proj), value(self.mlp_norm), eps)
+        return mix_sources(buf, n, read(self.mlp_proj), read(self.mlp_norm), eps)
 
 
 class OutputAttnRes(Module):
@@ -118,4 +116,4 @@ class OutputAttnRes(Module):
         self.norm = norm_param(config, dtype, rngs)
 
     def __call__(self, buf, n, eps: float):
-        return mix_sources(buf, n, value(self.proj), value(self.norm), eps)
+        return mix_sources(buf, n, read(self.proj), read(self.norm), eps)

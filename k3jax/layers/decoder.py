@@ -16,7 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import AttnRes, DenseMLP, norm_param, add_to_source, rms_norm
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
-from k3jax.layers.module import List, Module, value
+from k3jax.layers.module import List, Module, read, repeat
 from k3jax.layers.moe import MoE
 from pallas_kernels.backend import Backend
 
@@ -49,29 +49,26 @@ class DecoderLayer(Module):
         if self.block_size:
             self.attn_res = AttnRes(c, dtype=dtype, rngs=rngs)
 
-    def feed_forward(self, x, c: ModelConfig, stack_index=None, backend: Backend | None = None):
+    def feed_forward(self, x, c: ModelConfig, backend: Backend | None = None):
         if self.moe:
-            return self.mlp(x, c, stack_index, backend)
+            return self.mlp(x, c, backend=backend)
         with jax.named_scope("dense_mlp"):
             return self.mlp(x, c)
 
-    def __call__(self, c: ModelConfig, i, stream, cache, attend, backend: Backend, stack_index=None):
+    def __call__(self, c: ModelConfig, i, stream, cache, attend, backend: Backend):
         """i: layer index (int, or traced inside the scan). stream: hidden states (or the AttnRes
-        buffer); attend(attn, x, cache) -> (out, cache) runs this layer's attention module.
-        stack_index: the routed experts are stacks over the scanned repeats and this layer is
-        repeat `stack_index` (the MoE kernels read its experts in place)."""
+        buffer); attend(attn, x, cache) -> (out, cache) runs this layer's attention module."""
         eps = c.rms_norm_eps
         B = self.block_size
-        mlp = lambda x: self.feed_forward(rms_norm(x, value(self.post_attn_norm), eps), c,  # noqa: E731
-                                          stack_index, backend)
+        mlp = lambda x: self.feed_forward(rms_norm(x, read(self.post_attn_norm), eps), c, backend)  # noqa: E731
         if not B:
-            a, cache = attend(self.attn, rms_norm(stream, value(self.input_norm), eps), cache)
+            a, cache = attend(self.attn, rms_norm(stream, read(self.input_norm), eps), cache)
             h = stream + a
             return h + mlp(h), cache
         buf = stream
         h = self.attn_res.before_attn(buf, blocks_before(i, B), eps)
         n = blocks_before(i + 1, B)                         # this layer's block (a new one if i % B == 0)
-        a, cache = attend(self.attn, rms_norm(h, value(self.input_norm), eps), cache)
+        a, cache = attend(self.attn, rms_norm(h, read(self.input_norm), eps), cache)
         buf = add_to_source(buf, n, a)
         m_in = self.attn_res.before_mlp(buf, n, eps)
         buf = add_to_source(buf, n, mlp(m_in))
@@ -82,18 +79,19 @@ class DecoderBlock(List):
     """The repeating unit of layers (Kimi: KDA, KDA, KDA, MLA with the same MLP kind), layers
     `start` .. `start + unit - 1` of the config. The model stacks it over its repeats at construction
     (each parameter with a leading "layers" axis, k3jax.layers.module.stack_modules) and runs it by
-    one scan; a call is one repeat. Its parameter tree is the list of its layers' trees."""
+    one scan; a call is one repeat: its layers read that repeat's parameters out of the stacks at the
+    point of use (k3jax.layers.module.read / matmul). Its parameter tree is the list of its layers' trees."""
 
     def __init__(self, config: ModelConfig, start: int, unit: int, **kw):
         super().__init__([DecoderLayer(config, start + j, **kw) for j in range(unit)])
         self.start, self.unit = start, unit
         self.kinds = tuple(config.layer_types[start + j] for j in range(unit))
 
-    def __call__(self, c: ModelConfig, r, stream, cache, attend, backend: Backend, stack_index=None):
+    def __call__(self, c: ModelConfig, r, stream, cache, attend, backend: Backend):
         """Repeat r (traced) of the unit: its layers in order. attend(j, attn, x, cache) -> (out,
-        cache) runs position j's attention; stack_index: the routed experts are whole stacks over
-        the repeats (see DecoderLayer)."""
-        for j, layer in enumerate(self):
-            stream, cache = layer(c, self.start + r * self.unit + j, stream, cache,
-                                  lambda m, x, ch, j=j: attend(j, m, x, ch), backend, stack_index=stack_index)
+        cache) runs position j's attention."""
+        with repeat(r, backend):
+            for j, layer in enumerate(self):
+                stream, cache = layer(c, self.start + r * self.unit + j, stream, cache,
+                                      lambda m, x, ch, j=j: attend(j, m, x, ch), backend)
         return stream, cache

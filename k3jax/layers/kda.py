@@ -14,7 +14,7 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
 from k3jax.layers.kda_positions import write_position_states
-from k3jax.layers.module import Module, param, value
+from k3jax.layers.module import Module, matmul, param, read
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.scatter import read_rows, set_rows, value_dtype
@@ -79,8 +79,6 @@ class KDA(Module):
     (A_log, dt_bias, f_a/f_b) and beta (b_proj), output norm and gate (full-rank g_proj, or low-rank
     g_a/g_b: `full_rank_gate`)."""
 
-    right_operands = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "g_a_proj",
-                      "g_b_proj", "o_proj")
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         c = config
         D, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
@@ -106,11 +104,11 @@ class KDA(Module):
 
     def conv_weights(self):
         """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""
-        return jnp.concatenate([value(self.q_conv), value(self.k_conv), value(self.v_conv)], axis=-1)
+        return jnp.concatenate([read(self.q_conv), read(self.k_conv), read(self.v_conv)], axis=-1)
 
     def qkv_in(self, x):
         """Raw (pre-conv) projections packed as [..., 3*H*K]: this is what the conv state caches."""
-        return jnp.concatenate([x @ value(self.q_proj), x @ value(self.k_proj), x @ value(self.v_proj)], axis=-1)
+        return jnp.concatenate([matmul(x, self.q_proj), matmul(x, self.k_proj), matmul(x, self.v_proj)], axis=-1)
 
     def core(self, x, conv_out, c: ModelConfig):
         """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
@@ -119,20 +117,21 @@ class KDA(Module):
         # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
         # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower).
         q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
-        f = _heads((x @ value(self.f_a_proj)) @ value(self.f_b_proj), c)
-        g = ops.kda_gate(f, value(self.A_log), value(self.dt_bias), lower_bound=c.gate_lower_bound)
-        beta = jax.nn.sigmoid(upcast(x @ value(self.b_proj)))
+        f = _heads(matmul(matmul(x, self.f_a_proj), self.f_b_proj), c)
+        g = ops.kda_gate(f, read(self.A_log), read(self.dt_bias), lower_bound=c.gate_lower_bound)
+        beta = jax.nn.sigmoid(upcast(matmul(x, self.b_proj)))
         return q, k, v, g, beta
 
     def output(self, x, o, c: ModelConfig):
         """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
-        gate = x @ value(self.g_proj) if self.full_rank_gate else (x @ value(self.g_a_proj)) @ value(self.g_b_proj)
+        gate = (matmul(x, self.g_proj) if self.full_rank_gate
+                else matmul(matmul(x, self.g_a_proj), self.g_b_proj))
         gate = upcast(_heads(gate, c))
         of = upcast(o)
         of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
-        of = of * upcast(value(self.o_norm)) * jax.nn.sigmoid(gate)
+        of = of * upcast(read(self.o_norm)) * jax.nn.sigmoid(gate)
         of = of.astype(x.dtype).reshape(*x.shape[:-1], c.kda_dim)
-        return of @ value(self.o_proj)
+        return matmul(of, self.o_proj)
 
     def full(self, x, c: ModelConfig, backend: Backend | None = None):
         """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""

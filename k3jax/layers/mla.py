@@ -16,7 +16,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
-from k3jax.layers.module import Module, param, value
+from k3jax.layers.module import Module, matmul, param, read
 from pallas_kernels import ops, scatter
 from pallas_kernels.backend import Backend, resolve
 
@@ -77,7 +77,6 @@ class MLA(Module):
     """Multi-head latent attention (no rotary): queries low-rank (q_a/q_b, `low_rank_q`) or full
     (q_proj), the 576-wide latent cache entry, an optional sigmoid output gate (`output_gate`)."""
 
-    right_operands = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "g_proj", "o_proj")
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         c = config
         D, H = c.hidden_size, c.mla_num_heads
@@ -100,28 +99,28 @@ class MLA(Module):
     def queries_joint(self, x, c: ModelConfig):
         """q [..., H, nope + rope]."""
         if self.low_rank_q:
-            q = rms_norm(x @ value(self.q_a_proj), value(self.q_a_norm), _LATENT_NORM_EPS) @ value(self.q_b_proj)
+            q = matmul(rms_norm(matmul(x, self.q_a_proj), read(self.q_a_norm), _LATENT_NORM_EPS), self.q_b_proj)
         else:
-            q = x @ value(self.q_proj)
+            q = matmul(x, self.q_proj)
         return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
 
     def latent_kv(self, x, c: ModelConfig):
         """The per-token cache entry: [normalized latent (kv_lora_rank), k_rope (qk_rope_head_dim)]."""
-        kv = x @ value(self.kv_a_proj)
-        ckv = rms_norm(kv[..., :c.kv_lora_rank], value(self.kv_a_norm), _LATENT_NORM_EPS)
+        kv = matmul(x, self.kv_a_proj)
+        ckv = rms_norm(kv[..., :c.kv_lora_rank], read(self.kv_a_norm), _LATENT_NORM_EPS)
         return jnp.concatenate([ckv, kv[..., c.kv_lora_rank:]], axis=-1)
 
     def kv_b(self, c: ModelConfig):
         """kv_b_proj split per head: W_uk [L, H, nope], W_uv [L, H, v]."""
-        w = value(self.kv_b_proj).reshape(c.kv_lora_rank, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        w = read(self.kv_b_proj).reshape(c.kv_lora_rank, c.mla_num_heads, c.qk_nope_head_dim + c.v_head_dim)
         return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     def output(self, x, o, c: ModelConfig):
         """o [..., H, v] -> optional sigmoid output gate -> o_proj."""
         o = o.reshape(*x.shape[:-1], c.mla_num_heads * c.v_head_dim)
         if self.output_gate:
-            o = (upcast(o) * jax.nn.sigmoid(upcast(x @ value(self.g_proj)))).astype(x.dtype)
-        return o @ value(self.o_proj)
+            o = (upcast(o) * jax.nn.sigmoid(upcast(matmul(x, self.g_proj)))).astype(x.dtype)
+        return matmul(o, self.o_proj)
 
     def full(self, x, c: ModelConfig, backend: Backend | None = None):
         """x [B, T, D] -> [B, T, D], causal attention within each sequence (plain jnp: no backend)."""
@@ -164,7 +163,7 @@ class MLA(Module):
         tok_expanded = (t < cu[-1]) & expanded[tok_seq]
         # a sequence with kv_len 0 has no keys in a form: its tokens get zeros there
         o = ops.mla_prefix_attention(q.astype(kv_dtype), kv_pages, meta["block_tables"], cu,
-                                     jnp.where(expanded, kv_lens, 0), value(self.kv_b_proj),
+                                     jnp.where(expanded, kv_lens, 0), read(self.kv_b_proj),
                                      nope_dim=c.qk_nope_head_dim, scale=scale(c), block_keys=num_keys,
                                      backend=backend).astype(dtype)
         rest = {**meta, "kv_lens": jnp.where(expanded, 0, kv_lens), "decode_only": False}

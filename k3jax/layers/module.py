@@ -10,10 +10,14 @@ parameter holds depends on `rngs`:
 An abstract module is filled with arrays by `fill` (the checkpoint loaders' dicts, named as in the
 checkpoint): `Module.of(config, values)`. Variants (MXFP4 experts, low-rank queries, ...) are read
 from the config when a module is built and kept as plain attributes, so the layer maths branch on
-those, never on which keys a parameter dict holds.
+those, never on which keys a parameter dict holds. The layer maths read their parameters with
+`read(p)` and `x @ w` as `matmul(x, p)`: the same arrays in an unscanned layer; in a block stacked
+over a scan's repeats, the current repeat's, sliced or read in place in the stack (see below).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -21,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from pallas_kernels import ops
 
 # flax >= 0.12 wants lists of modules wrapped (older flax took plain lists as pytree attributes)
 List = getattr(nnx, "List", list)
@@ -137,19 +143,73 @@ def _set(p: nnx.Param, x):
         p.value = x
 
 
-class StackedWeight:
-    """A scanned layer's weight left in its stack ([L, K, N]) with the layer's index, standing in for
-    the layer's [K, N] slice: `x @ w` reads it in place (ops.stacked_matmul). Only the parameters a
-    Module lists in `right_operands` become one, so any other use fails at trace time."""
+# ---- reading parameters at the point of use ------------------------------------------------------
+# A block stacked over a scan's repeats (stack_modules: a leading "layers" axis) keeps its parameters
+# whole; the scan passes only the repeat index, which the block makes current for its layers
+# (`repeat`). The layer maths read every parameter through `read` (the current repeat's slice of a
+# stacked one) or, for a weight used as `x @ w`, `matmul`, which reads it in place in its stack
+# (ops.stacked_matmul) where the backend says so. Kernels that index a stack themselves (the routed
+# experts) take the whole stack and the index (`stacked`).
 
-    __slots__ = ("stack", "index", "backend")
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """The scanned repeat being traced: its index (traced int32) and the backend of the step."""
+    index: Any
+    backend: Any
 
-    def __init__(self, stack, index, backend):
-        self.stack, self.index, self.backend = stack, index, backend
 
-    def __rmatmul__(self, x):
-        from pallas_kernels import ops
-        return ops.stacked_matmul(x, self.stack, self.index, backend=self.backend)
+_REPEAT: contextvars.ContextVar[Repeat | None] = contextvars.ContextVar("k3jax_repeat", default=None)
+
+
+@contextlib.contextmanager
+def repeat(index, backend):
+    """Within: parameters stacked over the repeats read repeat `index` (per thread: contextvars)."""
+    token = _REPEAT.set(Repeat(index, backend))
+    try:
+        yield
+    finally:
+        _REPEAT.reset(token)
+
+
+def _is_stacked(p: nnx.Param) -> bool:
+    """Whether a parameter is stacked over a scan's repeats (its leading logical axis "layers")."""
+    axes = tuple(getattr(p, "logical_axes", ()) or ())
+    return bool(axes) and axes[0] == "layers"
+
+
+def stacked(p: nnx.Param):
+    """(array, index): a stacked parameter's whole stack and the current repeat's index, for kernels
+    that read one repeat in place; (array, None) for a parameter of an unscanned layer."""
+    if not _is_stacked(p):
+        return value(p), None
+    current = _REPEAT.get()
+    if current is None:
+        raise ValueError("a parameter stacked over the scanned repeats was read outside a repeat "
+                         "(the block's call makes its repeat current)")
+    return value(p), current.index
+
+
+def read(p: nnx.Param):
+    """A parameter's array for the running layer: a stacked one's slice of the current repeat."""
+    w, r = stacked(p)
+    return w if r is None else _slice(w, r)
+
+
+def matmul(x, p: nnx.Param):
+    """x @ read(p); a stacked weight is read in place in its stack (no slice copied) where the
+    step's backend sets dense_in_place (ops.stacked_matmul: few-row steps on the GPU kernels)."""
+    w, r = stacked(p)
+    if r is None:
+        return x @ w
+    backend = _REPEAT.get().backend
+    if backend is not None and backend.dense_in_place:
+        return ops.stacked_matmul(x, w, r, backend=backend)
+    return x @ _slice(w, r)
+
+
+def _slice(w, r):
+    # as lax.scan slices its inputs: r is a repeat's index, never negative (no wrap-around select)
+    return jax.lax.dynamic_index_in_dim(w, r, keepdims=False, allow_negative_indices=False)
 
 
 def _children(module):
@@ -165,8 +225,6 @@ def _children(module):
 
 class Module(nnx.Module, pytree=False):
     """A part of the model with the parameters it declares (nnx.Param with logical axes)."""
-
-    right_operands: tuple = ()  # parameters whose only use is `x @ w` (a scan may pass StackedWeights)
 
     @classmethod
     def of(cls, config, values: dict, **kwargs):
@@ -261,21 +319,6 @@ def _named(module, prefix=""):
 def tree_of(module) -> dict | list:
     """A Module's or List's parameters as a dict (a list for a List) of arrays, named as in the checkpoint."""
     return _walk(module, value)
-
-
-def right_operand_mask(module: Module) -> dict | list:
-    """tree_of(module)'s layout with True at the parameters listed in their Module's right_operands."""
-    if isinstance(module, List):
-        return [right_operand_mask(x) for x in module]
-    out = {}
-    for name, v in _children(module):
-        if isinstance(v, nnx.Param):
-            out[name] = name in module.right_operands
-        elif isinstance(v, List):
-            out[name] = [right_operand_mask(x) for x in v]
-        else:
-            out[name] = right_operand_mask(v)
-    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -14,7 +14,7 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.expert_layout import split_experts
 from k3jax.layers.common import DenseMLP, glu_act, rms_norm, upcast
-from k3jax.layers.module import Module, fill, param, value
+from k3jax.layers.module import Module, fill, matmul, param, read, stacked
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 
@@ -98,11 +98,24 @@ class RoutedExperts(Module):
         """The experts over a dict of either layout (merged gate/up or not: read off its names)."""
         return fill(cls(config, **{"merged": _is_merged(values), **kwargs}), values)
 
+    def at(self, layer=None, backend: Backend | None = None):
+        """(experts dict, layer): the arrays the kernels take. layer given: the arrays are stacks
+        over layers ([L, E, ...]) and the kernels read that layer's experts in place. Experts of a
+        scanned block: the whole stacks and the current repeat where backend.experts_in_place (the
+        kernels read it in place), else that repeat's slices (layer None)."""
+        if layer is not None:
+            return self.tree(), layer
+        params = {name: p for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+        _, index = stacked(next(iter(params.values())))
+        if index is not None and resolve(backend).experts_in_place:
+            return {name: stacked(p)[0] for name, p in params.items()}, index
+        return {name: read(p) for name, p in params.items()}, None
+
     def __call__(self, z, weights, ids, c: ModelConfig, layer=None, backend: Backend | None = None):
         """z [T, D'] -> sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) (fused Pallas kernel on
         accelerators). layer: the experts are stacks over layers ([L, E, ...]) and the kernels read
-        this layer's in place."""
-        pe = self.tree()
+        this layer's in place (see `at`)."""
+        pe, layer = self.at(layer, backend)
         return ops.expert_mlp(z, ids, weights, pe, mxfp4=self.mxfp4, activation=c.hidden_act, situ_beta=c.situ_beta,
                               situ_linear_beta=c.situ_linear_beta, num_experts_total=c.num_experts, layer=layer,
                               backend=backend,
@@ -112,8 +125,6 @@ class RoutedExperts(Module):
 
 class MoE(Module):
     """Sigmoid router, routed experts (optionally in a latent space, optionally normed there), shared experts."""
-
-    right_operands = ("latent_down", "latent_up")
 
     def __init__(self, config: ModelConfig, *, merged_experts: bool = False, dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
@@ -145,8 +156,8 @@ class MoE(Module):
         Chooses the top-k of sigmoid scores + correction bias; weights are the unbiased scores of the
         chosen experts, renormalized (optional) and scaled.
         """
-        scores = jax.nn.sigmoid(upcast(x) @ upcast(value(self.router)))
-        choice = scores + upcast(value(self.router_bias))
+        scores = jax.nn.sigmoid(upcast(x) @ upcast(read(self.router)))
+        choice = scores + upcast(read(self.router_bias))
         E, G = c.num_experts, c.num_expert_group
         if G > 1:
             grouped = choice.reshape(-1, G, E // G)
@@ -170,17 +181,17 @@ class MoE(Module):
         x2 = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_route"):
             weights, ids = self.route(x2, c)
-            z = x2 @ value(self.latent_down) if self.latent else x2
+            z = matmul(x2, self.latent_down) if self.latent else x2
         with jax.named_scope("moe_experts"):
             if b.routed_experts is None:
                 y = self.experts(z, weights, ids, c, layer, b)
             else:
-                y = b.routed_experts(layer_experts(self.experts.tree(), layer), z, weights, ids, c, b)
+                y = b.routed_experts(layer_experts(*self.experts.at(layer, b)), z, weights, ids, c, b)
         with jax.named_scope("moe_shared"):
             if self.latent_normed:
-                y = rms_norm(y, value(self.latent_norm), c.rms_norm_eps)
+                y = rms_norm(y, read(self.latent_norm), c.rms_norm_eps)
             if self.latent:
-                y = y @ value(self.latent_up)
+                y = matmul(y, self.latent_up)
             if self.with_shared:
                 y = y + self.shared(x2, c)
             return y.reshape(shape)

@@ -14,7 +14,7 @@ each process encodes its own requests' images, so sharding it would only add com
 q/k columns are in Moonshot's checkpoint order: per head, rope pairs interleaved (x0, y0, x1, ...)
 and rotated as complex numbers (names.py permutes transformers' rotate-half layout into it).
 `VisionTower(config, stacked=True)` holds the blocks as one VisionBlock stacked over the layers,
-run under lax.scan (one compiled layer instead of num_layers). The functions below the modules
+run under lax.scan over the layer index (one compiled layer instead of num_layers). The functions below the modules
 (`encode_images`, ...) are the same over a parameter dict (the module built over it, no copies).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers.common import upcast
-from k3jax.layers.module import JaxRandom, List, Module, NumpyRandom, init_value, is_leaf, param, split_module, \
+from k3jax.layers.module import JaxRandom, List, Module, NumpyRandom, init_value, is_leaf, param, read, repeat, \
     stack_modules, value
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.positions import VisionBatch, time_table
@@ -62,8 +62,9 @@ class VisionNorm(Module):
 
 
 def _dict(m: Module) -> dict:
-    """{"w": array, "b": array (if declared)} of a VisionLinear / VisionNorm."""
-    return {k: value(v) for k, v in vars(m).items() if isinstance(v, nnx.Param)}
+    """{"w": array, "b": array (if declared)} of a VisionLinear / VisionNorm (a stacked block's: the
+    running layer's, k3jax.layers.module.read)."""
+    return {k: read(v) for k, v in vars(m).items() if isinstance(v, nnx.Param)}
 
 
 class VisionBlock(Module):
@@ -164,9 +165,11 @@ class VisionTower(Module):
         ang = _rope_angles(c, jnp.asarray(vb.rope_hw))
         cos, sin = jnp.cos(ang), jnp.sin(ang)
         seg = jnp.asarray(vb.segment_ids)
-        if self.stacked:
-            graph, tree = split_module(self.blocks)           # split once; the body merges one layer's slices
-            x, _ = jax.lax.scan(lambda h, t: (graph.merge(t)(h, cos, sin, seg, q_block), None), x, tree)
+        if self.stacked:              # one scan over the layer index; the block reads that layer's slices
+            def body(h, i):
+                with repeat(i, None):
+                    return self.blocks(h, cos, sin, seg, q_block), None
+            x, _ = jax.lax.scan(body, x, jnp.arange(c.num_layers, dtype=jnp.int32))
         else:
             for block in self.blocks:
                 x = block(x, cos, sin, seg, q_block)

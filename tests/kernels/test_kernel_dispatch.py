@@ -38,17 +38,17 @@ def test_step_closes_over_its_backend():
     from k3jax.layer_stack import stack_layers
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
-    from serving.runner import make_step_fn
+    from k3jax.nnx_model import make_step
 
     c = preset_config("tiny-random")
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
     pools = pool_shapes(c, 8, 16, 4, jnp.float32)
     batch = make_step_batch([SeqChunk([1, 2, 3], 0, [1], -1, 1)], 16, num_tokens=16, num_seqs=2, max_pages=2)
-    reference = make_step_fn(c, detect("reference"))
-    kernels = make_step_fn(c, detect("pallas"))
+    reference = make_step(c, detect("reference"))
+    kernels = make_step(c, detect("pallas"))
     assert "pallas_call" not in str(jax.make_jaxpr(reference)(params, pools, batch))
     assert "pallas_call" in str(jax.make_jaxpr(kernels)(params, pools, batch))
-    absorbed = make_step_fn(c, detect("reference", mla_prefill="absorbed"))
-    expanded = make_step_fn(c, detect("reference", mla_prefill="expanded"))
+    absorbed = make_step(c, detect("reference", mla_prefill="absorbed"))
+    expanded = make_step(c, detect("reference", mla_prefill="expanded"))
     traced_absorbed, traced_expanded = (str(jax.make_jaxpr(f)(params, pools, batch)) for f in (absorbed, expanded))
     assert traced_absorbed != traced_expanded == str(jax.make_jaxpr(expanded)(params, pools, batch))

@@ -78,14 +78,14 @@ def test_gather_latents_lays_sequences_flat():
 
 
 def test_tiny_model_steps_equal_between_forms(monkeypatch):
-    """forward_step logits and caches (scanned layout, stacked pools) with the MLA layers' backend
+    """The engine step's logits and caches (scanned layout, stacked pools) with the MLA layers' backend
     absorbed vs expanded: a fresh
     prefill of two prompts, then resumed chunks over paged context with a decode row and padding.
     A key window of one row per step token (64) makes the second step's 66 keys two windows."""
     from k3jax.cache import SeqChunk, make_pools, make_step_batch
     from k3jax.layer_stack import stack_layers
     from k3jax.layers import mla
-    from k3jax.model import forward_step
+    from k3jax.nnx_model import make_step
     from k3jax.params import init_params_numpy
     from k3jax.presets import preset_config
 
@@ -102,7 +102,7 @@ def test_tiny_model_steps_equal_between_forms(monkeypatch):
     out = {}
     for form in ("absorbed", "expanded"):
         backend = detect("reference", mla_prefill=form)
-        step = jax.jit(lambda p, pools, b, backend=backend: forward_step(p, c, pools, b, backend))
+        step = jax.jit(make_step(c, backend))
         pools = make_pools(c, 26, 8, 5, jnp.float32)
         logits = []
         for chunks in steps:

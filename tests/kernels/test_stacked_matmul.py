@@ -1,18 +1,20 @@
 """Dense weights of scanned layers read in place (pallas_kernels/stacked.py, Backend.dense_in_place): the
-kernel equals the sliced matmul, and a scanned step that holds its weights whole computes what the
-sliced scan computes without passing them through the scan."""
+kernel equals the sliced matmul, and the scanned step's projections reach it as whole stacks and compute
+what the repeats' slices compute."""
+import re
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from k3jax.cache import SeqChunk, make_pools, make_step_batch
-from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_step
-from k3jax.params import init_params_numpy
+from k3jax.cache import SeqChunk, make_pools, make_step_batch, pool_shapes
+from k3jax.layer_stack import layer_stack_plan, stack_layers
+from k3jax.nnx_model import make_step
+from k3jax.params import init_params_numpy, param_shapes
 from k3jax.presets import preset_config
-from pallas_kernels import stacked
+from pallas_kernels import ops, stacked
 from pallas_kernels.moe import schedule as sch
 from pallas_kernels.backend import Backend
 
@@ -43,22 +45,66 @@ def test_kernel_path_only_where_it_fits():
         assert sch.pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, False) <= sch.SMEM_LIMIT
 
 
-def test_scanned_step_holds_right_operands_whole():
+def _matmul_weights(tree) -> list:
+    """The arrays of a unit's parameter tree that the layers use as `x @ w` (their projections)."""
+    if isinstance(tree, list):
+        return [w for t in tree for w in _matmul_weights(t)]
+    out = []
+    for name, v in tree.items():
+        if isinstance(v, (dict, list)):
+            out += _matmul_weights(v) if name not in ("experts", "attn_res") else []   # kernels; mixing weights
+        elif name in ("gate", "up", "down", "latent_down", "latent_up") or (name.endswith("_proj") and name != "kv_b_proj"):
+            out.append(v)
+    return out
+
+
+def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
+    """The scan passes only the repeat index; with dense_in_place every projection of the scanned block
+    reaches ops.stacked_matmul as its whole stack [repeats, K, N] (read in place where the kernel
+    fits), and the step computes what it computes with the repeats' slices."""
     c = preset_config("tiny-random")
     params = stack_layers(init_params_numpy(c, 2, jnp.float32), c)
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, 13).astype(np.int32)
     batch = make_step_batch([SeqChunk(tokens, 0, [3, 1], -1, 2, ckpt_dst=1)], 8, num_tokens=16, num_seqs=4,
                             max_pages=4)
-    outs, scans = [], []
+    calls = []
+    real = ops.stacked_matmul
+    monkeypatch.setattr(ops, "stacked_matmul", lambda x, w, i, **kw: calls.append(w.shape) or real(x, w, i, **kw))
+    outs, scans, seen = [], [], []
     for b in (Backend(), Backend(dense_in_place=True)):
-        fn = lambda p, pools, bt, b=b: forward_step(p, c, pools, bt, backend=b)  # noqa: E731
+        fn = make_step(c, b)
+        calls.clear()
         jaxpr = jax.make_jaxpr(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch)
+        seen.append(sorted(calls))
         scans.append(max((e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"), key=lambda e: len(e.invars)))
         outs.append(jax.jit(fn)(params, make_pools(c, 6, 8, 5, jnp.float32), batch))
     for a, b in zip(jax.tree_util.tree_leaves(outs[1]), jax.tree_util.tree_leaves(outs[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # the held weights moved from the scan's sliced inputs (xs) to its constants
-    xs = [len(s.invars) - s.params["num_consts"] - s.params["num_carry"] for s in scans]
-    unit0 = params["layers"]["units"][0]
-    held = len(unit0["attn"]) - sum(k.endswith(("norm", "conv", "A_log", "dt_bias")) for k in unit0["attn"])
-    assert xs[0] - xs[1] >= held > 0, (xs, held)
+    # the scan's only sliced input is the repeat index: the parameters are its constants
+    assert [len(s.invars) - s.params["num_consts"] - s.params["num_carry"] for s in scans] == [1, 1]
+    repeats = layer_stack_plan(c).repeats
+    want = sorted(w.shape for w in _matmul_weights(params["layers"]["units"]))
+    assert len(want) > 8 and all(s[0] == repeats and len(s) == 3 for s in want)
+    assert seen == [[], want], seen
+
+
+def test_gpu_decode_step_slices_no_projection_stack(monkeypatch):
+    """The tiny model's decode step lowered for the GPU from CPU (bf16, shapes only): with dense_in_place no
+    op slices a scanned projection the kernel takes (K, N multiples of 16) out of its stack; the kernel
+    reads the whole stack. Without it, each such stack is sliced (the detector is seen to find them)."""
+    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
+    c = preset_config("tiny-random")
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.bfloat16))
+    pools = pool_shapes(c, 17, 16, 6, jnp.bfloat16)
+    batch = make_step_batch([SeqChunk([1], 5, [1], 1, 1), SeqChunk([1], 5, [2], 2, 2)], 16, num_tokens=16,
+                            num_seqs=4, max_pages=2)
+    stacks = {"x".join(map(str, w.shape)) + "xbf16" for w in _matmul_weights(params["layers"]["units"])
+              if w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0}
+    assert len(stacks) >= 5
+    sliced = []
+    for in_place in (False, True):
+        backend = Backend(kernels=True, platform="gpu", device="gpu", dense_in_place=in_place)
+        text = jax.jit(make_step(c, backend)).trace(params, pools, batch).lower(lowering_platforms=("cuda",)).as_text()
+        operands = {m.group(1) for m in re.finditer(r"stablehlo\.dynamic_slice .*?: \(tensor<([\dx\w]+)>", text)}
+        sliced.append(stacks & operands)
+    assert sliced == [stacks, set()], sliced

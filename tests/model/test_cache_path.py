@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
-from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_full, forward_step
+from k3jax.model import K3Model
+from k3jax.nnx_model import make_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
@@ -24,8 +24,8 @@ def model():
     c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
     # both through the scanned decoder (tests/model/test_layer_stack.py checks scan == unrolled)
-    full = jax.jit(lambda p, t: forward_full(stack_layers(p, c), c, t))
-    step = jax.jit(lambda p, pools, b: forward_step(stack_layers(p, c), c, pools, b), donate_argnums=1)
+    full = jax.jit(lambda p, t: K3Model(c, p)(t))
+    step = jax.jit(make_step(c), donate_argnums=1)
     return c, params, full, step
 
 

@@ -10,7 +10,7 @@ from k3jax.layer_stack import LayerStackPlan, layer_stack_plan, stack_layers, un
 from k3jax.layers.common import rms_norm
 from k3jax.layers.decoder import DecoderLayer, blocks_before, num_sources
 from k3jax.layers.module import value
-from k3jax.model import K3Model, forward_full
+from k3jax.model import K3Model
 from k3jax.params import init_params_numpy, param_shapes
 from k3jax.presets import preset_config
 from pallas_kernels.backend import detect
@@ -67,7 +67,7 @@ def test_scan_equals_unrolled(variant):
     c = preset_config("tiny-random").replace(**variant)
     params = init_params_numpy(c, 2, jnp.float32)
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, (2, 21)).astype(np.int32)
-    scanned = jax.jit(lambda p, t: forward_full(p, c, t, backend=detect("reference")))(stack_layers(params, c), tokens)
+    scanned = jax.jit(lambda p, t: K3Model(c, p)(t, backend=detect("reference")))(stack_layers(params, c), tokens)
     unrolled = jax.jit(lambda p, t: _unrolled_logits(p, c, t))(params, tokens)
     # fp32: the scan's masked AttnRes softmax and fusions round differently, nothing more
     assert _rel(scanned, unrolled) <= 1e-4
@@ -85,7 +85,7 @@ def test_traced_program_does_not_grow_with_depth():
     def eqns(layers):
         c = _deep(layers)
         shapes = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.float32))
-        jaxpr = jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(shapes, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+        jaxpr = jax.make_jaxpr(lambda p, t: K3Model(c, p)(t))(shapes, jax.ShapeDtypeStruct((1, 8), jnp.int32))
         return len(jaxpr.jaxpr.eqns)
     small, k3_depth = eqns(29), eqns(93)
     assert layer_stack_plan(_deep(93)).repeats == 22

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from tests.support import numpy_model
 from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_full
+from k3jax.model import K3Model
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
@@ -33,7 +33,7 @@ def test_fp32_forward_matches_float64_numpy(name):
     c = _config(name)
     params = init_params_numpy(c, 3, jnp.float32)
     tokens = np.random.RandomState(4).randint(0, c.vocab_size, 70).astype(np.int32)
-    ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(stack_layers(params, c), tokens[None]))[0]
+    ours = np.asarray(jax.jit(lambda p, t: K3Model(c, p)(t))(stack_layers(params, c), tokens[None]))[0]
     ref = numpy_model.forward(jax.device_get(params), c, tokens)
     per_token = np.abs(ours - ref).max(-1) / np.abs(ref).max()
     # fp32 rounding, amplified by softmaxes on a few tokens; the float64 test below is the tight one.
@@ -46,7 +46,7 @@ def float64_run():
     tokens = np.random.RandomState(5).randint(0, c.vocab_size, 40).astype(np.int32)
     with jax.enable_x64(True):
         params = init_params_numpy(c, 6, jnp.float64)
-        ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(stack_layers(params, c),
+        ours = np.asarray(jax.jit(lambda p, t: K3Model(c, p)(t))(stack_layers(params, c),
                                                                       jnp.asarray(tokens[None])))[0]
     assert ours.dtype == np.float64
     return c, jax.device_get(params), tokens, ours
@@ -75,7 +75,7 @@ def test_group_limited_routing_float64():
     tokens = np.random.RandomState(7).randint(0, c.vocab_size, 40).astype(np.int32)
     with jax.enable_x64(True):
         params = init_params_numpy(c, 8, jnp.float64)
-        ours = np.asarray(jax.jit(lambda p, t: forward_full(p, c, t))(params, jnp.asarray(tokens[None])))[0]
+        ours = np.asarray(jax.jit(lambda p, t: K3Model(c, p)(t))(params, jnp.asarray(tokens[None])))[0]
     params = jax.device_get(params)
     ref = numpy_model.forward(params, c, tokens)
     assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-9

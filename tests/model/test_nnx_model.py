@@ -7,8 +7,7 @@ from flax import nnx
 
 from k3jax import nnx_model
 from k3jax.layer_stack import layer_stack_plan, stack_layers, unstack_layers
-from k3jax.layers.module import value
-from k3jax.model import forward_full
+from k3jax.layers.module import matmul, read, repeat, value
 from k3jax.params import init_params_numpy, is_leaf, param_spec, tree_parameter_count
 from k3jax.presets import preset_config, preset_names
 from sharding import rules
@@ -28,14 +27,14 @@ def test_merged_model_traces_the_functional_core(tiny):
     assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat), jax.tree_util.tree_leaves(params)))
     toks = (np.arange(10, dtype=np.int32).reshape(2, 5) * 37) % c.vocab_size
     merged = jax.make_jaxpr(lambda p, t: graph.merge(p)(t))(flat, toks)
-    direct = jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(params, toks)
+    direct = jax.make_jaxpr(lambda p, t: nnx_model.K3Model(c, p)(t))(params, toks)
     assert str(merged) == str(direct)
     # the graph made from abstract parameters merges real ones the same way
     assert str(jax.make_jaxpr(lambda p, t: nnx_model.graph_for(c, p).merge(p)(t))(params, toks)) == str(direct)
     with pytest.raises(ValueError, match="parameter arrays for a model graph"):
         graph.merge({"embed": params["embed"]})
     # the checkpoint layout is stacked into the one model layout (the same program)
-    assert str(jax.make_jaxpr(lambda p, t: forward_full(p, c, t))(stack_layers(params, c), toks)) == str(direct)
+    assert str(jax.make_jaxpr(lambda p, t: nnx_model.K3Model(c, p)(t))(stack_layers(params, c), toks)) == str(direct)
 
 
 def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
@@ -58,21 +57,41 @@ def test_the_repeating_unit_is_one_block_run_by_one_scan(tiny):
     assert plan.repeats > 1 and scans.count(plan.repeats) == 1 and set(scans) == {5, plan.repeats}, scans
 
 
+def test_stacked_parameters_read_the_current_repeat(tiny):
+    """A scanned layer reads its parameters out of the block's stacks at the repeat its block's call made
+    current (module.read / matmul); outside a repeat, a stacked parameter refuses to be read, an unscanned
+    layer's reads as it is."""
+    c, params = tiny
+    plan = layer_stack_plan(c)
+    model = nnx_model.K3Model(c, params)
+    q = model.layers.units[0].attn.q_proj
+    x = np.random.RandomState(0).randn(3, c.hidden_size).astype(np.float32)
+    for r in range(plan.repeats):
+        want = params["layers"][plan.layer(r, 0)]["attn"]["q_proj"]
+        with repeat(jnp.int32(r), None):
+            np.testing.assert_array_equal(read(q), want)
+            np.testing.assert_array_equal(matmul(x, q), x @ want)
+    with pytest.raises(ValueError, match="outside a repeat"):
+        read(q)
+    head = model.layers.head[0].input_norm
+    np.testing.assert_array_equal(read(head), params["layers"][0]["input_norm"])
+
+
 def test_runner_step_traces_the_functional_step(tiny):
     """The engine's step body (merge inside the trace, then the module's step) is the same program
-    as forward_step on the parameter dict."""
+    as the model called on the parameter dict."""
     from k3jax.cache import make_pools
-    from k3jax.model import forward_step
     from pallas_kernels.backend import detect
-    from serving.runner import make_step_fn, padding_step_args
+    from serving.runner import padding_step_args
     c, params = tiny
     params = stack_layers(params, c)
     backend = detect("reference")
     pools = make_pools(c, 5, 16, 4, jnp.float32)
     batch, _, _ = padding_step_args(c, 16, 4, 32, 2, False, False, np.float32)
     graph, flat = nnx_model.split_model(nnx_model.K3Model(c, params))
-    merged = jax.make_jaxpr(make_step_fn(c, backend, graph))(flat, pools, batch)
-    direct = jax.make_jaxpr(lambda p, po, b: forward_step(p, c, po, b, backend))(params, pools, batch)
+    merged = jax.make_jaxpr(nnx_model.make_step(c, backend, graph))(flat, pools, batch)
+    call = lambda p, po, b: nnx_model.K3Model(c, p)(b.tokens, po, b, backend=backend)  # noqa: E731
+    direct = jax.make_jaxpr(call)(params, pools, batch)
     assert str(merged) == str(direct)
 
 

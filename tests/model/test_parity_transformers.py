@@ -10,7 +10,7 @@ from tests.support.hf_reference import tiny_kimi_linear_model
 from k3jax.checkpoint.hf_load import load_hf_params
 from k3jax.config import ModelConfig
 from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_full
+from k3jax.model import K3Model
 
 
 def _max_rel(a, b):
@@ -25,7 +25,7 @@ def _torch_logits(model, tokens):
 def _ours(path, tokens):
     cfg = ModelConfig.from_json_file(path / "config.json")
     params = stack_layers(load_hf_params(path, cfg, jnp.float32), cfg)     # the scanned decoder
-    return cfg, np.asarray(jax.jit(lambda p, t: forward_full(p, cfg, t))(params, tokens))
+    return cfg, np.asarray(jax.jit(lambda p, t: K3Model(cfg, p)(t))(params, tokens))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(q_lora_rank=24), dict(num_experts=8, top_k=3, n_group=2, topk_group=1)],

@@ -13,9 +13,9 @@ import pytest
 from k3jax import hlo_stats
 from k3jax.cache import SeqChunk, make_step_batch, pool_shapes
 from k3jax.layer_stack import stack_layers
+from k3jax.nnx_model import make_step
 from k3jax.params import param_shapes
 from k3jax.presets import preset_config
-from serving.runner import make_step_fn
 
 
 def step_batches(page_size: int, context: int = 1024, decode_seqs: int = 16, prefill=(2, 2048)):
@@ -39,7 +39,7 @@ def compiled_steps(request):
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, dtype))
     scale = 4 // jnp.dtype(dtype).itemsize             # the same pool bytes for both dtypes
     pools = pool_shapes(c, 4096 * scale + 1, 16, 512 * scale + 2, dtype, bits=request.param.endswith("bits"))
-    step = jax.jit(make_step_fn(c), donate_argnums=(1,))
+    step = jax.jit(make_step(c), donate_argnums=(1,))
     batches = step_batches(16, context=64, prefill=(2, 64))
     # steps of one sequence (max_num_seqs=1, e.g. k3jax.generate): XLA turns one-row gathers / scatters into
     # dynamic slices and selects, which copied every pool (pallas_kernels/scatter.py)

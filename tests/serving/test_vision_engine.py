@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from k3jax import load_model
-from k3jax.model import forward_full
+from k3jax.model import K3Model
 from k3jax.vision.positions import prepare_vision_batch
 from k3jax.vision.tower import encode_images
 from serving.engine import LLMEngine
@@ -113,7 +113,7 @@ def test_engine_with_images_matches_tower_plus_full_forward(model, eng, tmp_path
         before = e.stats()["encoded_images"]
         outputs.append(run(e, prompts))
         assert e.stats()["encoded_images"] - before == 2          # `a` encoded once for both requests
-    forward = jax.jit(lambda params, *a: forward_full(params, model.config, *a))
+    forward = jax.jit(lambda params, t, e, m: K3Model(model.config, params)(t, mm_embeds=e, mm_mask=m))
     for name, (ids, imgs) in prompts.items():
         toks = outputs[0][name][0]
         assert len(toks) == 4, name

@@ -8,7 +8,7 @@ from jax.experimental import pallas as pl
 
 from k3jax.cache import SeqChunk, make_pools, make_step_batch
 from k3jax.layer_stack import stack_layers
-from k3jax.model import forward_step
+from k3jax.nnx_model import make_step
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
 
@@ -21,7 +21,7 @@ def two_step_logits(backend):
     steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
              [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
     pools = make_pools(c, 16, 16, 4, jnp.float32)
-    step = jax.jit(lambda p, pools, b: forward_step(p, c, pools, b, backend))
+    step = jax.jit(make_step(c, backend))
     logits, decode_only = [], []
     for chunks in steps:
         batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)
