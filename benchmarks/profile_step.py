@@ -381,10 +381,10 @@ def main():
             else:
                 run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, model=model, bw=bw)
         except Exception as e:  # noqa: BLE001 - report, name the op, go on with the next scenario
-            from serving.runner import _fit
-            chunks = last.get("chunks", [])
-            T = _fit(eng.runner.token_buckets, sum(len(ch.tokens) for ch in chunks))
-            N = _fit(eng.runner.seq_buckets, len(chunks))
+            from serving.runner import step_shape
+            chunks, r = last.get("chunks", []), eng.runner
+            T, N = step_shape(sum(len(ch.tokens) for ch in chunks), len(chunks), r.token_buckets, r.seq_buckets,
+                              r.long_token_buckets)
             print(f"  FAILED: {str(e).splitlines()[0][:200]}\n  at a step of {len(chunks)} chunks "
                   f"(lengths {sorted(len(ch.tokens) for ch in chunks)[-6:]}...), bucket T={T} N={N}")
             probe_ops(model, chunks, T, N, eng.args.page_size)

@@ -5,7 +5,7 @@
 
 A wide variant of the `tiny` preset: hidden/latent/expert widths and the expert count are scaled so
 that single stacked tensors are hundreds of MB; layers are added until the total reaches --size-gb.
-Used to measure the converter's peak memory (docs/conversion.md); not part of the test suite.
+Used to measure the converter's peak memory (docs/performance.md, "Checkpoint conversion"); not part of the test suite.
 """
 import argparse
 import os

@@ -190,8 +190,13 @@ def sources(c: ModelConfig, names: Iterable[str]):
     Returns (flat list of (path, Source | list[Source], Leaf), treedef of the param tree).
     """
     names = set(names)
-    spec = param_spec(c)
-    opts = _select(spec, _options(c, name_prefix(names)))
+    return choose_sources(param_spec(c), _options(c, name_prefix(names)), names)
+
+
+def choose_sources(spec, options, names: set[str]):
+    """Per leaf of a parameter spec: the first of its options tree's Sources whose names are all present,
+    else the list of options. Returns (flat list of (path, Source | list[Source], Leaf), treedef of spec)."""
+    opts = _select(spec, options)
     spec_flat, treedef = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)
     opt_flat = jax.tree_util.tree_leaves(opts, is_leaf=lambda x: isinstance(x, list) and x and isinstance(x[0], Source))
     return [(path, _first_available(o, names), leaf) for (path, leaf), o in zip(spec_flat, opt_flat)], treedef

@@ -25,8 +25,7 @@ import numpy as np
 
 import jax
 
-from k3jax.checkpoint.hf_names import Source, _first_available, _select, path_str
-from k3jax.params import is_leaf
+from k3jax.checkpoint.hf_names import Source, choose_sources, path_str
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.tower import vision_param_spec
 
@@ -128,11 +127,7 @@ def vision_sources(c: VisionConfig, names: Iterable[str], text_hidden_size: int 
     returns (flat list of (path, Source | list[Source], Leaf), treedef of vision_param_spec).
     """
     names = set(names)
-    spec = vision_param_spec(c, text_hidden_size)
-    opts = _select(spec, _options(c, *prefixes(names)))
-    spec_flat, treedef = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_leaf)
-    opt_flat = jax.tree_util.tree_leaves(opts, is_leaf=lambda x: isinstance(x, list) and x and isinstance(x[0], Source))
-    return [(path, _first_available(o, names), leaf) for (path, leaf), o in zip(spec_flat, opt_flat)], treedef
+    return choose_sources(vision_param_spec(c, text_hidden_size), _options(c, *prefixes(names)), names)
 
 
 def load_vision_params(tensors: Mapping[str, np.ndarray], c: VisionConfig, text_hidden_size: int | None = None,

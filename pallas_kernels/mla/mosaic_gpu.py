@@ -1,7 +1,7 @@
 """Paged absorbed-MLA decode on Mosaic GPU (Hopper wgmma + TMA), for 64+ query heads.
 
 The decode-only MLA kernel on Hopper (the backend's ``mla_decode``: auto|mosaic|triton, pallas_kernels/backend.py).
-Checked on the GPU by `python -m benchmarks.bench_kernels --only mla-mosaic` (matches the reference as
+Checked on the GPU by `python -m benchmarks.bench_kernels --only mla_mosaic` (matches the reference as
 closely as the Triton kernel); tests/kernels/test_mla_mosaic_gpu.py runs it in Mosaic GPU's interpret mode on CPU and checks
 that the GPU lowering (Pallas -> Mosaic GPU MLIR) succeeds. Decode only: one query token per sequence.
 

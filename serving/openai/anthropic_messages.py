@@ -30,11 +30,11 @@ from pydantic import Field
 
 from serving.openai.anthropic_errors import PREFIX, AnthropicErrorShape, error_body
 from serving.openai.chat import Plan
-from serving.openai.errors import APIError, bad_request
+from serving.openai.errors import APIError
 from serving.openai.generation import ServerState
 from serving.openai.protocol import Int, Num, StopString, _json_type, _Request
 from serving.openai.sse import EventStreamResponse
-from serving.openai.turn import Turn, chat_request, reasoning_effort_kwargs
+from serving.openai.turn import Turn, bad_field, chat_request, function_tool, reasoning_effort_kwargs, string_field
 
 _CHAT_EXTRAS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "priority",
                 "k3jax_test_script")
@@ -64,38 +64,28 @@ class CountTokensRequest(_MessagesBase):
     pass
 
 
-def _bad(where: str, message: str) -> APIError:
-    return bad_request(f"{where}: {message}", param=where)
-
-
-def _string(obj: dict, key: str, where: str) -> str:
-    v = obj.get(key)
-    if not isinstance(v, str):
-        raise _bad(f"{where}.{key}", f"expected a string, got {_json_type(v)}")
-    return v
-
-
 def _blocks(content, where: str) -> list:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise _bad(where, f"expected a string or a list of content blocks, got {_json_type(content)}")
+        raise bad_field(where, f"expected a string or a list of content blocks, got {_json_type(content)}")
     for j, b in enumerate(content):
         if not isinstance(b, dict):
-            raise _bad(f"{where}.{j}", f"expected a content block object, got {_json_type(b)}")
+            raise bad_field(f"{where}.{j}", f"expected a content block object, got {_json_type(b)}")
     return content
 
 
 def _image(block: dict, where: str) -> dict:
     src = block.get("source")
     if not isinstance(src, dict):
-        raise _bad(f"{where}.source", "an image block needs a source object")
+        raise bad_field(f"{where}.source", "an image block needs a source object")
     if src.get("type") == "base64":
-        url = f"data:{_string(src, 'media_type', where + '.source')};base64,{_string(src, 'data', where + '.source')}"
+        media_type, data = (string_field(src, k, where + ".source") for k in ("media_type", "data"))
+        url = f"data:{media_type};base64,{data}"
     elif src.get("type") == "url":
-        url = _string(src, "url", where + ".source")
+        url = string_field(src, "url", where + ".source")
     else:
-        raise _bad(f"{where}.source.type", f"expected base64 or url, got {src.get('type')!r}")
+        raise bad_field(f"{where}.source.type", f"expected base64 or url, got {src.get('type')!r}")
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -104,11 +94,11 @@ def _parts(blocks: list, where: str, allowed=("text", "image")) -> list:
     for j, b in enumerate(blocks):
         kind = b.get("type")
         if kind == "text" and "text" in allowed:
-            parts.append({"type": "text", "text": _string(b, "text", f"{where}.{j}")})
+            parts.append({"type": "text", "text": string_field(b, "text", f"{where}.{j}")})
         elif kind == "image" and "image" in allowed:
             parts.append(_image(b, f"{where}.{j}"))
         else:
-            raise _bad(f"{where}.{j}.type", f"content block type {kind!r} is not supported here")
+            raise bad_field(f"{where}.{j}.type", f"content block type {kind!r} is not supported here")
     return parts
 
 
@@ -119,7 +109,7 @@ def _tool_result(block: dict, where: str) -> dict:
     else:
         parts = _parts(_blocks(content, f"{where}.content"), f"{where}.content")
         body = parts if any(p["type"] != "text" for p in parts) else "\n".join(p["text"] for p in parts)
-    return {"role": "tool", "tool_call_id": _string(block, "tool_use_id", where), "content": body}
+    return {"role": "tool", "tool_call_id": string_field(block, "tool_use_id", where), "content": body}
 
 
 def chat_messages(req: _MessagesBase) -> list:
@@ -132,10 +122,10 @@ def chat_messages(req: _MessagesBase) -> list:
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
         if not isinstance(m, dict):
-            raise _bad(where, f"expected a message object, got {_json_type(m)}")
+            raise bad_field(where, f"expected a message object, got {_json_type(m)}")
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role", f"must be user or assistant, got {role!r}")
+            raise bad_field(f"{where}.role", f"must be user or assistant, got {role!r}")
         blocks = _blocks(m.get("content"), f"{where}.content")
         if role == "user":
             results = [_tool_result(b, f"{where}.content.{j}") for j, b in enumerate(blocks)
@@ -150,24 +140,25 @@ def chat_messages(req: _MessagesBase) -> list:
             w = f"{where}.content.{j}"
             kind = b.get("type")
             if kind == "text":
-                msg["content"] = (msg["content"] or "") + _string(b, "text", w)
+                msg["content"] = (msg["content"] or "") + string_field(b, "text", w)
             elif kind == "thinking":
-                msg["reasoning_content"] = msg.get("reasoning_content", "") + _string(b, "thinking", w)
+                msg["reasoning_content"] = msg.get("reasoning_content", "") + string_field(b, "thinking", w)
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use":
                 args = b.get("input", {})
                 if not isinstance(args, dict):
-                    raise _bad(f"{w}.input", f"expected an object, got {_json_type(args)}")
+                    raise bad_field(f"{w}.input", f"expected an object, got {_json_type(args)}")
                 msg.setdefault("tool_calls", []).append({
-                    "id": _string(b, "id", w), "type": "function",
-                    "function": {"name": _string(b, "name", w), "arguments": json.dumps(args, ensure_ascii=False)}})
+                    "id": string_field(b, "id", w), "type": "function",
+                    "function": {"name": string_field(b, "name", w),
+                                 "arguments": json.dumps(args, ensure_ascii=False)}})
             else:
-                raise _bad(f"{w}.type", f"content block type {kind!r} is not supported in an assistant message")
+                raise bad_field(f"{w}.type", f"content block type {kind!r} is not supported in an assistant message")
         out.append(msg)
     if out and out[-1]["role"] == "assistant":
-        raise _bad(f"messages.{len(req.messages) - 1}", "a conversation ending with an assistant message (prefill) "
-                                                        "is not supported")
+        raise bad_field(f"messages.{len(req.messages) - 1}",
+                        "a conversation ending with an assistant message (prefill) is not supported")
     return out
 
 
@@ -178,17 +169,11 @@ def _tools(tools) -> Optional[list]:
     for j, t in enumerate(tools):
         where = f"tools.{j}"
         if not isinstance(t, dict):
-            raise _bad(where, f"expected a tool object, got {_json_type(t)}")
+            raise bad_field(where, f"expected a tool object, got {_json_type(t)}")
         if t.get("type") not in (None, "custom"):
-            raise _bad(f"{where}.type", f"only client tools (name, input_schema) are served here, not {t['type']!r}")
-        fn = {"name": _string(t, "name", where)}
-        if t.get("description") is not None:
-            fn["description"] = _string(t, "description", where)
-        schema = t.get("input_schema")
-        if not isinstance(schema, dict):
-            raise _bad(f"{where}.input_schema", f"expected a JSON schema object, got {_json_type(schema)}")
-        fn["parameters"] = schema
-        out.append({"type": "function", "function": fn})
+            raise bad_field(f"{where}.type",
+                            f"only client tools (name, input_schema) are served here, not {t['type']!r}")
+        out.append(function_tool(t, where, "input_schema", schema_required=True))
     return out
 
 
@@ -201,8 +186,8 @@ def _tool_choice(choice: Optional[dict]):
     if kind == "any":
         return "required"
     if kind == "tool":
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
-    raise _bad("tool_choice.type", f"expected auto, any, tool or none, got {kind!r}")
+        return {"type": "function", "function": {"name": string_field(choice, "name", "tool_choice")}}
+    raise bad_field("tool_choice.type", f"expected auto, any, tool or none, got {kind!r}")
 
 
 def _thinking(thinking: Optional[dict]) -> Optional[bool]:
@@ -214,9 +199,9 @@ def _thinking(thinking: Optional[dict]) -> Optional[bool]:
     if kind in ("enabled", "adaptive", "between_tools"):
         budget = thinking.get("budget_tokens")
         if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-            raise _bad("thinking.budget_tokens", "expected a positive integer")
+            raise bad_field("thinking.budget_tokens", "expected a positive integer")
         return True
-    raise _bad("thinking.type", f"expected enabled, disabled or adaptive, got {kind!r}")
+    raise bad_field("thinking.type", f"expected enabled, disabled or adaptive, got {kind!r}")
 
 
 def _output_config(tok, config: Optional[dict]) -> tuple[Optional[dict], dict]:
@@ -225,11 +210,11 @@ def _output_config(tok, config: Optional[dict]) -> tuple[Optional[dict], dict]:
         return None, {}
     effort = config.get("effort")
     if effort not in (None, "low", "medium", "high", "xhigh", "max"):
-        raise _bad("output_config.effort", f"expected low, medium, high, xhigh or max, got {effort!r}")
+        raise bad_field("output_config.effort", f"expected low, medium, high, xhigh or max, got {effort!r}")
     fmt = config.get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise _bad("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {...}}")
+            raise bad_field("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {...}}")
         fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     return fmt, reasoning_effort_kwargs(tok, effort)[1]
 

@@ -20,12 +20,12 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import Request
 
-from serving.openai.errors import APIError, bad_request
+from serving.openai.errors import APIError
 from serving.openai.generation import ServerState
 from serving.openai.protocol import Int, Num, _Base, _json_type, _Request
 from serving.openai.response_store import MissingResponse, ResponseStore
 from serving.openai.sse import EventStreamResponse
-from serving.openai.turn import Turn, chat_request, reasoning_effort_kwargs
+from serving.openai.turn import Turn, bad_field, chat_request, function_tool, reasoning_effort_kwargs, string_field
 
 # chat sampling fields a Responses request may carry as vendor extras (n and logprobs stay chat's own)
 _CHAT_EXTRAS = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -67,17 +67,6 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _bad(where: str, message: str, code: Optional[str] = None) -> APIError:
-    return bad_request(f"{where}: {message}", param=where, code=code)
-
-
-def _string(obj: dict, key: str, where: str) -> str:
-    v = obj.get(key)
-    if not isinstance(v, str):
-        raise _bad(f"{where}.{key}", f"expected a string, got {_json_type(v)}")
-    return v
-
-
 # ---- input items -> chat messages ----------------------------------------------------------------
 
 def _user_content(content, where: str):
@@ -85,26 +74,26 @@ def _user_content(content, where: str):
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(where, f"expected a string or a list of content parts, got {_json_type(content)}")
+        raise bad_field(where, f"expected a string or a list of content parts, got {_json_type(content)}")
     parts = []
     for j, p in enumerate(content):
         w = f"{where}.{j}"
         if not isinstance(p, dict):
-            raise _bad(w, f"expected a content part object, got {_json_type(p)}")
+            raise bad_field(w, f"expected a content part object, got {_json_type(p)}")
         kind = p.get("type")
         if kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": _string(p, "text", w)})
+            parts.append({"type": "text", "text": string_field(p, "text", w)})
         elif kind == "refusal":
-            parts.append({"type": "text", "text": _string(p, "refusal", w)})
+            parts.append({"type": "text", "text": string_field(p, "refusal", w)})
         elif kind == "input_image":
             url = p.get("image_url")
             if not isinstance(url, str) or not url:
-                raise _bad(f"{w}.image_url", "an input_image needs image_url (a URL or data URL; file_id is "
-                                             "not supported)", code="invalid_image")
+                raise bad_field(f"{w}.image_url", "an input_image needs image_url (a URL or data URL; file_id is "
+                                                 "not supported)", code="invalid_image")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            raise _bad(f"{w}.type", f"content part type {kind!r} is not supported (input_text, input_image, "
-                                    "output_text)")
+            raise bad_field(f"{w}.type", f"content part type {kind!r} is not supported (input_text, input_image, "
+                                        "output_text)")
     return parts
 
 
@@ -138,27 +127,28 @@ def input_messages(items) -> list:
     for i, item in enumerate(items):
         where = f"input.{i}"
         if not isinstance(item, dict):
-            raise _bad(where, f"expected an input item object, got {_json_type(item)}")
+            raise bad_field(where, f"expected an input item object, got {_json_type(item)}")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"{where}.role", f"must be one of user, assistant, system, developer, got {role!r}")
+                raise bad_field(f"{where}.role", f"must be one of user, assistant, system, developer, got {role!r}")
             content = _user_content(item.get("content"), f"{where}.content")
             if role == "assistant":
                 if isinstance(content, list) and any(p["type"] != "text" for p in content):
-                    raise _bad(f"{where}.content", "an assistant message holds text only")
+                    raise bad_field(f"{where}.content", "an assistant message holds text only")
                 a = assistant(fresh=pending is not None and bool(pending.get("tool_calls")))
                 a["content"] = (a["content"] or "") + _text_of(content)
             else:
                 flush()
                 out.append({"role": role, "content": content})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {"id": string_field(item, "call_id", where), "type": "function",
+                    "function": {"name": string_field(item, "name", where),
+                                 "arguments": string_field(item, "arguments", where)}}
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            call_id = _string(item, "call_id", where)
+            call_id = string_field(item, "call_id", where)
             output = item.get("output")
             content = output if isinstance(output, str) else _user_content(output, f"{where}.output")
             flush()
@@ -167,12 +157,12 @@ def input_messages(items) -> list:
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                       for p in parts):
-                raise _bad(f"{where}.content", "expected a list of reasoning_text parts")
+                raise bad_field(f"{where}.content", "expected a list of reasoning_text parts")
             a = assistant(fresh=pending is not None and (pending["content"] is not None or "tool_calls" in pending))
             a["reasoning_content"] = a.get("reasoning_content", "") + "".join(p["text"] for p in parts)
         else:
-            raise _bad(f"{where}.type", f"input item type {kind!r} is not supported (message, function_call, "
-                                        "function_call_output, reasoning)")
+            raise bad_field(f"{where}.type", f"input item type {kind!r} is not supported (message, function_call, "
+                                            "function_call_output, reasoning)")
     flush()
     return out
 
@@ -184,18 +174,11 @@ def _tools(tools) -> Optional[list]:
     for j, t in enumerate(tools):
         where = f"tools.{j}"
         if not isinstance(t, dict):
-            raise _bad(where, f"expected a tool object, got {_json_type(t)}")
+            raise bad_field(where, f"expected a tool object, got {_json_type(t)}")
         if t.get("type") != "function":
-            raise _bad(f"{where}.type", f"only function tools are served here, not {t.get('type')!r}",
-                       code="unsupported_tool")
-        fn = {"name": _string(t, "name", where)}
-        if t.get("description") is not None:
-            fn["description"] = _string(t, "description", where)
-        if t.get("parameters") is not None:
-            if not isinstance(t["parameters"], dict):
-                raise _bad(f"{where}.parameters", f"expected a JSON schema object, got {_json_type(t['parameters'])}")
-            fn["parameters"] = t["parameters"]
-        out.append({"type": "function", "function": fn})
+            raise bad_field(f"{where}.type", f"only function tools are served here, not {t.get('type')!r}",
+                           code="unsupported_tool")
+        out.append(function_tool(t, where, "parameters", schema_required=False))
     return out
 
 
@@ -204,8 +187,8 @@ def _tool_choice(choice):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice", "expected none, auto, required or {\"type\": \"function\", \"name\": ...}",
-               code="invalid_tool_choice")
+    raise bad_field("tool_choice", "expected none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                   code="invalid_tool_choice")
 
 
 def _response_format(text: Optional[TextConfig]) -> Optional[dict]:
@@ -216,22 +199,22 @@ def _response_format(text: Optional[TextConfig]) -> Optional[dict]:
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
-            raise _bad("text.format.schema", "a json_schema format needs a schema object")
+            raise bad_field("text.format.schema", "a json_schema format needs a schema object")
         return {"type": "json_schema", "json_schema": {
             "name": fmt.get("name") or "response", "schema": fmt["schema"], "strict": fmt.get("strict")}}
-    raise _bad("text.format.type", f"expected text, json_object or json_schema, got {fmt.get('type')!r}")
+    raise bad_field("text.format.type", f"expected text, json_object or json_schema, got {fmt.get('type')!r}")
 
 
 def to_chat(state: ServerState, req: ResponsesRequest, history: list):
     """(the chat request, the chat messages this request adds to its conversation)."""
     if req.background:
-        raise _bad("background", "background responses are not supported")
+        raise bad_field("background", "background responses are not supported")
     if req.truncation == "auto":
-        raise _bad("truncation", "only \"disabled\" is supported: a conversation over the context is a 400")
+        raise bad_field("truncation", "only \"disabled\" is supported: a conversation over the context is a 400")
     added = input_messages(req.input)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + added
     if not messages:
-        raise _bad("input", "no input: give at least one input item")
+        raise bad_field("input", "no input: give at least one input item")
     extra = req.model_extra or {}
     kwargs, extras = reasoning_effort_kwargs(state.tokenizer, req.reasoning.effort if req.reasoning else None)
     if isinstance(extra.get("chat_template_kwargs"), dict):

@@ -25,9 +25,9 @@ from typing import AsyncIterator, Optional
 from pydantic import ValidationError
 
 from serving.openai.chat import Plan
-from serving.openai.errors import bad_request
+from serving.openai.errors import APIError, bad_request
 from serving.openai.generation import ServerState, admit_choices, stream_choices
-from serving.openai.protocol import ChatCompletionRequest
+from serving.openai.protocol import ChatCompletionRequest, _json_type
 from serving.stop import StopStringStream
 
 
@@ -42,6 +42,33 @@ def chat_request(body: dict) -> ChatCompletionRequest:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         raise bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None) from None
 
+
+
+# ---- request fields, for the converters ---------------------------------------------------------
+
+def bad_field(where: str, message: str, code: Optional[str] = None) -> APIError:
+    """A 400 naming the request field at `where` (a dotted path, also the error's param)."""
+    return bad_request(f"{where}: {message}", param=where, code=code)
+
+
+def string_field(obj: dict, key: str, where: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise bad_field(f"{where}.{key}", f"expected a string, got {_json_type(v)}")
+    return v
+
+
+def function_tool(tool: dict, where: str, schema_key: str, schema_required: bool) -> dict:
+    """A client tool (name, description, its JSON schema under schema_key) -> a chat function tool."""
+    fn = {"name": string_field(tool, "name", where)}
+    if tool.get("description") is not None:
+        fn["description"] = string_field(tool, "description", where)
+    schema = tool.get(schema_key)
+    if schema is not None or schema_required:
+        if not isinstance(schema, dict):
+            raise bad_field(f"{where}.{schema_key}", f"expected a JSON schema object, got {_json_type(schema)}")
+        fn["parameters"] = schema
+    return {"type": "function", "function": fn}
 
 @dataclasses.dataclass
 class TurnEnd:

@@ -616,7 +616,7 @@ def test_default_tiles_fit_shared_memory(fused):
     assert sch.choose_tiling(1024 * 8, 2304, 2048, 256, fused=True).num_stages == 3
 
 
-# ------------------------- issue 25: rows gathered in the kernel, MXFP4 halves order, local combine
+# ------------------------- rows gathered in the kernel, MXFP4 halves order, local combine
 
 def test_combine_valid_rows_never_reads_rows_past_the_groups():
   """Rows past valid_rows (other devices' experts, left unwritten by the kernels) are poisoned

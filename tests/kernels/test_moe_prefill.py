@@ -1,4 +1,4 @@
-"""The MoE kernels at prefill shapes (issue 25): default prefill tiles, merged gate/up weights, joined MXFP4
+"""The MoE kernels at prefill shapes: default prefill tiles, merged gate/up weights, joined MXFP4
 halves and half-height tail tiles, each against the numpy / dequantized references (interpret mode)."""
 import numpy as np
 import pytest

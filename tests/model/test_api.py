@@ -68,14 +68,14 @@ def test_generate_cli():
     r = _run("k3jax.generate", "--model", "tiny-random", "--dtype", "float32", "--prompt", "Hello", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert "4 generated" in r.stderr
-    # issue 17 item 9: a first run says it is compiling instead of sitting silent
+    # a first run says it is compiling instead of sitting silent
     assert "preparing the model step" in r.stderr and "first step done in" in r.stderr
     r = _run("k3jax.generate", "--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
 def test_info_text_has_units():
-    """issue 17 item 9: `info` printed bare numbers (weight_bytes 2641920)."""
+    """`info` printed bare numbers (weight_bytes 2641920)."""
     lines = dict(line.split(None, 1) for line in _run("k3jax.info", "--model", "tiny-random").stdout.splitlines())
     assert lines["weight_bytes"].endswith(" MiB") and lines["mla_cache_bytes_per_token"] == "320 B"
     assert lines["total_params"].endswith(" params") and lines["max_context"] == "8192 tokens"
@@ -84,7 +84,7 @@ def test_info_text_has_units():
 
 @pytest.mark.parametrize("module", ["k3jax.serve", "k3jax.generate"])
 def test_every_cli_flag_has_help_and_shows_its_default(module):
-    """issue 17 item 9: flags without help text, defaults not shown."""
+    """Every flag has help text and shows its default."""
     import importlib
     mod = importlib.import_module(module)
     parser = mod.build_parser()

@@ -403,7 +403,7 @@ def test_local_dir_confines_paths(tmp_path):
 
 
 def test_paths_refused_when_local_reads_are_off(tmp_path, monkeypatch):
-    """allow_local=False: no spelling of a path reaches the filesystem (issue 17's traversal)."""
+    """allow_local=False: no spelling of a path reaches the filesystem (a path traversal)."""
     from k3jax.vision.media import parse_image_source
     (tmp_path / "https").mkdir()
     (tmp_path / "secret.png").write_bytes(_png(Image.fromarray(_noise(4, 4, 2))))

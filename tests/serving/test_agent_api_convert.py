@@ -225,3 +225,31 @@ def test_reasoning_tokens_of_a_model_that_opens_its_own_think():
         else:
             runs.append([kind, text])
     assert runs == [["reasoning", "Hm, let me see."], ["text", "Ok."]]
+
+
+@pytest.mark.parametrize("api, tool, param, message", [
+    (am, {"name": "f"}, "tools.0.input_schema", "expected a JSON schema object, got null"),
+    (am, {"name": "f", "input_schema": []}, "tools.0.input_schema", "expected a JSON schema object, got an array"),
+    (am, {"name": 3, "input_schema": {}}, "tools.0.name", "expected a string, got a number"),
+    (am, {"type": "web_search", "name": "f", "input_schema": {}}, "tools.0.type", "only client tools"),
+    (rs, {"type": "function", "name": "f", "parameters": "x"}, "tools.0.parameters",
+     "expected a JSON schema object, got a string"),
+    (rs, {"type": "function", "name": "f", "description": 1}, "tools.0.description", "expected a string, got a number"),
+    (rs, {"type": "file_search"}, "tools.0.type", "only function tools"),
+    (rs, "f", "tools.0", "expected a tool object, got a string"),
+])
+def test_tool_definitions_refused_name_their_field(api, tool, param, message):
+    with pytest.raises(Exception) as e:
+        api._tools([tool])
+    err = e.value.body()["error"]
+    assert (e.value.status, err["param"]) == (400, param) and err["message"].startswith(f"{param}: {message}")
+
+
+def test_tool_definitions_become_chat_function_tools():
+    schema = TOOLS_CHAT[0]["function"]["parameters"]
+    assert am._tools([{"name": "f", "description": "d", "input_schema": schema}]) == [
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": schema}}]
+    assert rs._tools([{"type": "function", "name": "f"}, {"type": "function", "name": "g", "parameters": schema}]) == [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "g", "parameters": schema}}]
+    assert am._tools(None) is None and rs._tools(None) is None

@@ -1,4 +1,4 @@
-"""Cache pools sized from device memory leave room for the largest step's activations (issue 18's OOM)."""
+"""Cache pools sized from device memory leave room for the largest step's activations (an OOM otherwise)."""
 import jax
 import pytest
 

@@ -1,4 +1,4 @@
-"""Disaggregated serving end to end on CPU (issue 21 item 1): `python -m k3jax.serve --role prefill` and
+"""Disaggregated serving end to end on CPU: `python -m k3jax.serve --role prefill` and
 `--role decode --prefill-peer` as two processes (tiny model, float64). Greedy tokens through the decode server
 equal those the prefill server gives as one ordinary server, with prefix hits on either side, and a prefill peer
 killed mid-run leaves the decode server prefilling locally without losing a request."""

@@ -151,7 +151,7 @@ def _run_all(eng, prompts, params):
 
 
 def test_prefix_aware_admission_waits_for_a_prefix_being_computed(model, tmp_path_factory):
-    """issue 21 item 2: 4 groups x 4 requests sharing a 192-token prefix + 16 own tokens, queued at once, 256 tokens a
+    """4 groups x 4 requests sharing a 192-token prefix + 16 own tokens, queued at once, 256 tokens a
     step (the issue's 8 x 8 x 3072+64 with 4096 scaled down). Requests of a group admitted while its prefix is still
     being computed wait for the junction checkpoint, so only the first of each group computes it."""
     groups, per, prefix, own = 4, 4, 192, 16
@@ -169,7 +169,7 @@ def test_prefix_aware_admission_waits_for_a_prefix_being_computed(model, tmp_pat
 
 
 def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint(model, tmp_path_factory, caplog):
-    """issue 21 item 3: every hit (fraction 1) is recomputed from scratch in the background and its first token's
+    """Every hit (fraction 1) is recomputed from scratch in the background and its first token's
     log-probabilities compared; a checkpoint corrupted through the test hook is reported with its request."""
     from tests.support.serving_hooks import corrupt_checkpoint
     eng = _engine(model, tmp_path_factory, verify_prefix_cache=1.0, verify_prefix_cache_tolerance=1e-6)
@@ -191,7 +191,7 @@ def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint
 
 
 def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
-    """issue 21 item 4: checkpoints evicted from small device pools go to host memory with their pages; a later
+    """Checkpoints evicted from small device pools go to host memory with their pages; a later
     prompt that extends an evicted prefix gets it copied back and hits it (outputs as without the tier)."""
     rng = np.random.RandomState(13)
     base = rng.randint(0, 1024, 150).tolist()
@@ -231,7 +231,7 @@ def test_no_compiles_after_warmup(model, tmp_path_factory):
 
 
 def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
-    """issue 17 item 8: a request with presence_penalty (or a structured-output mask) after warm-up compiled a
+    """A request with presence_penalty (or a structured-output mask) after warm-up compiled a
     new variant of the whole step (27.6 s for the first presence_penalty request on the 2-core CPU tiny server;
     30-100 s on an accelerator). The sampler variants are now compiled at warm-up, for any output length."""
     from serving.sampling_params import SamplingParams

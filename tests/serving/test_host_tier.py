@@ -1,4 +1,4 @@
-"""The host-memory tier's byte-bounded LRU (issue 21 item 4); the copy out and back through an engine is
+"""The host-memory tier's byte-bounded LRU; the copy out and back through an engine is
 test_engine.py::test_host_tier_copies_evicted_checkpoints_back."""
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""Prefix-aware admission (issue 21 item 2), on the host-side scheduler alone (no model, no device).
+"""Prefix-aware admission, on the host-side scheduler alone (no model, no device).
 
 The engine-level check (outputs unchanged, hit fraction at its maximum on a shared-prefix
 workload) is test_engine.py::test_prefix_aware_admission_waits_for_a_prefix_being_computed.

@@ -1,4 +1,4 @@
-"""The prefix-cache verifier's distance between two top-K log-probability lists (issue 21 item 3); the
+"""The prefix-cache verifier's distance between two top-K log-probability lists; the
 end-to-end check is test_engine.py::test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint."""
 import numpy as np
 import pytest

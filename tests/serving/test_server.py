@@ -327,7 +327,7 @@ def test_malformed_json_and_auth(server):
 
 def test_graceful_shutdown_finishes_or_ends_streams_cleanly(tmp_path_factory, server):
     """SIGTERM with two streams running: the short one finishes inside the grace window; the long one
-    (issue 17 item 5: cut with no error event, no [DONE], a traceback each) ends with an error event
+    (once cut with no error event, no [DONE], a traceback each) ends with an error event
     and [DONE]. The process exits 0 without a traceback."""
     import signal
     import threading
@@ -407,7 +407,7 @@ def test_chat_with_one_and_two_images(client, server):
     ("data:image/png;base64,!!!notbase64", "base64"),
     ("https://example.com/cat.png", "remote"),
     ("/etc/passwd", "local"),
-    # issue 17: spellings that once passed a 5-character scheme check and were read relative to the cwd
+    # spellings that once passed a 5-character scheme check and were read relative to the cwd
     ("https/../pyproject.toml", "local"), ("http:/../pyproject.toml", "remote"), ("data/../pyproject.toml", "local"),
     ("./https/../../etc/passwd", "local"), ("file:///etc/passwd", "local"), ("HTTPS/../pyproject.toml", "local"),
 ])
@@ -453,7 +453,7 @@ def _gauge(server, name, state):
 
 
 def test_cache_gauges_separate_in_use_from_cached(server):
-    """issue 17 item 9: page_pool_usage counted blocks held only by the prefix cache (evictable) as used."""
+    """page_pool_usage once counted blocks held only by the prefix cache (evictable) as used."""
     # a long stream, closed early: the gauges refresh twice a second, so poll until one refresh saw it running
     body = {"prompt": list(range(10, 74)), "max_tokens": 400, "ignore_eos": True, "stream": True}
     seen = []
@@ -480,7 +480,7 @@ def test_cache_gauges_separate_in_use_from_cached(server):
 
 
 def test_get_one_model(server, client):
-    """issue 17 item 9: GET /v1/models/{id} was a 404 for the served model too."""
+    """GET /v1/models/{id} was once a 404 for the served model too."""
     m = client.models.retrieve("tiny-random")
     assert (m.id, m.owned_by, m.model_extra["max_model_len"]) == ("tiny-random", "k3jax", 512)
     err = _assert_openai_error(httpx.get(server.url + "/v1/models/gpt-9", headers=AUTH), 404, "model")
@@ -488,7 +488,7 @@ def test_get_one_model(server, client):
 
 
 def test_body_parse_errors_use_the_openai_error_shape(server):
-    """issue 17 item 7: invalid UTF-8 and deeply nested JSON answered FastAPI's {"detail": ...}."""
+    """Invalid UTF-8 and deeply nested JSON once answered FastAPI's {"detail": ...}."""
     h = {**AUTH, "content-type": "application/json"}
     for body in (b'{"messages": [{"role": "user", "content": "' + bytes([0xFF, 0xFE]) + b'"}]}',
                  b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}"):
@@ -508,7 +508,7 @@ def test_body_parse_errors_use_the_openai_error_shape(server):
     assert _assert_openai_error(r, 405)["code"] == "method_not_allowed"
 
 
-# ---------------------------------------------------------------------------- fuzzing (issue 17 tests)
+# ---------------------------------------------------------------------------- fuzzing
 def _chat_fuzz_strategies():
     from hypothesis import strategies as st
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
@@ -533,7 +533,7 @@ def _chat_fuzz_strategies():
 
 
 def test_fuzz_chat_content_and_tool_calls_never_5xx(server):
-    """issue 17: a hypothesis fuzz of chat content found 23 x 500 in 388 requests. Every answer must be a
+    """A hypothesis fuzz of chat content once found 23 x 500 in 388 requests. Every answer must be a
     2xx, or a 4xx in the OpenAI error shape."""
     from hypothesis import HealthCheck, given, settings
 
@@ -551,7 +551,7 @@ def test_fuzz_chat_content_and_tool_calls_never_5xx(server):
 
 
 def test_schemathesis_all_checks(server, tmp_path):
-    """issue 17 item 7: schemathesis with every check (its positive-data check replaced by one that knows
+    """Schemathesis with every check (its positive-data check replaced by one that knows
     the schema's documented semantic 400 codes, tests/support/schemathesis_hooks.py), bounded to 30 s."""
     import os
     import shutil

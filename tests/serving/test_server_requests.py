@@ -13,11 +13,11 @@ from tests.support.server_fixture import post as _post
 
 pytestmark = pytest.mark.integration
 
-# ---------------------------------------------------------------------------- issue 17 regressions
+# ---------------------------------------------------------------------------- regressions
 
 
 @pytest.mark.parametrize("message,param,needle", [
-    # issue 17 item 2: each of these was a plain-text 500 with a traceback from the chat renderer
+    # Each of these was a plain-text 500 with a traceback from the chat renderer
     ({"role": "user", "content": [5, "x"]}, "messages.0.content", "part 0 must be an object or a string, got a number"),
     ({"role": "user", "content": [None]}, "messages.0.content", "part 0 must be an object or a string, got null"),
     ({"role": "assistant", "content": "x", "tool_calls": "abc"}, "messages.0.tool_calls",
@@ -52,7 +52,7 @@ def test_malformed_tools_and_template_kwargs_get_400(server, body, param, needle
 
 
 @pytest.mark.parametrize("path,body,status,param,needle,code", [
-    # issue 17 item 4: with stream=true these were HTTP 200 plus an error event
+    # With stream=true these were HTTP 200 plus an error event
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, 400, "max_tokens",
      "exceed the context", "context_length_exceeded"),
     ("/v1/completions", {"prompt": [5, 10**9], "max_tokens": 2}, 400, "prompt", "out of range", "invalid_prompt"),
@@ -168,7 +168,7 @@ def test_paired_surrogates_are_one_character(server):
 
 @pytest.mark.parametrize("n", [1000, 201, 100000])
 def test_n_above_the_cap_gets_400(server, n):
-    # issue 17 item 6: n=1000 ran for 44 s, n=100000 got a 429
+    # n=1000 once ran for 44 s, n=100000 got a 429
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                        ("/v1/completions", {"prompt": "x"})):
         for stream in (False, True):
@@ -182,7 +182,7 @@ def test_n_at_the_cap_is_served(server):
 
 
 def test_oversized_body_gets_413_quickly_and_health_stays_fast(server):
-    """issue 17 item 3: a 100 MB body took 13.8 s to refuse and held /health for 12.5 s."""
+    """A 100 MB body took 13.8 s to refuse and held /health for 12.5 s."""
     import threading
     big = b'{"messages": [{"role": "user", "content": "' + b"a" * (100 << 20) + b'"}]}'
     health = []

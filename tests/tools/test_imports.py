@@ -1,11 +1,13 @@
 """The product's import structure, read from the source (ast, nothing imported):
 
-- no file-level import circle (function-local imports count: a local import does not break a circle);
+- no file-level import circle, benchmarks/ and tools/ included (function-local imports count: a local
+  import does not break a circle);
 - packages import one way: pallas_kernels < the k3jax model library < sharding < serving < the entry
   points (k3jax.serve, generate, batch, eval, convert, info, plan, api, offline and the `k3jax` package's
-  lazy attributes);
-- no product file imports tests/, benchmarks/, tools/ or deploy/;
-- no private name (`_x`) imported from another package;
+  lazy attributes) < benchmarks/, tools/;
+- no library file imports tests/, benchmarks/, tools/ or deploy/; benchmarks/ and tools/ import no test,
+  tools/ no benchmark;
+- no private name (`_x`) imported from another package (benchmarks/ and tools/ included);
 - no environment variable read in library code but the multi-host launcher contract, K3JAX_API_KEY and
   XLA's own settings (configuration is typed fields: EngineArgs, CLI flags).
 """
@@ -21,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGES = ("pallas_kernels", "k3jax", "sharding", "serving")
 ENTRY_POINTS = {"k3jax"} | {f"k3jax.{m}" for m in
                             ("serve", "generate", "batch", "eval", "convert", "info", "plan", "api", "offline")}
-LAYERS = {"pallas_kernels": 0, "k3jax": 1, "sharding": 2, "serving": 3}
+SCRIPTS = ("benchmarks", "tools")          # import the product, never the other way
+LAYERS = {"pallas_kernels": 0, "k3jax": 1, "sharding": 2, "serving": 3, "benchmarks": 5, "tools": 5}
 ENTRY_LAYER = 4
 
 # (module, variable) pairs library code may read from the environment, and why
@@ -35,13 +38,6 @@ ALLOWED_ENV = {
     ("serving.runner", "XLA_FLAGS"),                      # XLA's own flags win over the step's compile options
     ("serving.executable_cache", "XLA_FLAGS"),            # a stored program is only valid under the flags it was built with
     ("serving.engine_args", "XLA_PYTHON_CLIENT_MEM_FRACTION"),   # claim_device_memory: the user's value wins
-}
-
-# Private names imported across packages that the model restructuring removes (checkpoint/hf_names.py's
-# source pickers, used by vision/names.py).
-KNOWN_PRIVATE = {
-    ("k3jax.vision.names", "k3jax.checkpoint.hf_names._first_available"),
-    ("k3jax.vision.names", "k3jax.checkpoint.hf_names._select"),
 }
 
 
@@ -60,11 +56,20 @@ def _files(packages) -> dict:
     return out
 
 
-FILES = _files(PACKAGES)
+FILES = _files(PACKAGES + SCRIPTS)
 TREES = {m: ast.parse(open(p).read(), p) for m, p in FILES.items()}
-_NOT_PRODUCT = ("tests", "benchmarks", "tools", "deploy")      # folders the product must never import
-OUTSIDE = {os.path.splitext(n)[0] for d in _NOT_PRODUCT for _, _, names in os.walk(os.path.join(ROOT, d))
-           for n in names if n.endswith(".py") and n != "__init__.py"} | set(_NOT_PRODUCT)
+
+
+def _outside(folders) -> set:
+    """Top-level names an import of these folders' files can take: the folders, and their files' bare
+    module names (an import through a sys.path edit)."""
+    return {os.path.splitext(n)[0] for d in folders for _, _, names in os.walk(os.path.join(ROOT, d))
+            for n in names if n.endswith(".py") and n != "__init__.py"} | set(folders)
+
+
+# per top-level folder, the folders its files must never import
+NEVER = {**{pkg: _outside(("tests",) + SCRIPTS + ("deploy",)) for pkg in PACKAGES},
+         "benchmarks": _outside(("tests", "deploy")), "tools": _outside(("tests", "benchmarks", "deploy"))}
 
 Import = collections.namedtuple("Import", "source target name line")
 
@@ -149,7 +154,8 @@ def _cycles(edges) -> list:
 
 def test_the_checks_see_the_product():
     assert len(FILES) > 100 and len(IMPORTS) > 300
-    assert ("serving.engine", "serving.runner") in {(i.source, i.target) for i in IMPORTS}
+    edges = {(i.source, i.target) for i in IMPORTS}
+    assert ("serving.engine", "serving.runner") in edges and ("benchmarks.bench_kernels", "benchmarks.harness") in edges
     assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]   # the finder finds one
 
 
@@ -170,7 +176,8 @@ def test_model_library_imports_neither_serving_nor_sharding():
 
 def test_no_product_file_imports_tests_benchmarks_or_tools():
     wrong = [f"{m}:{line} imports {name}" for m, tree in TREES.items() for name, line in _imported_names(m, tree)
-             if name.split(".")[0] in OUTSIDE and _resolve(name) is None]
+             if name.split(".")[0] in NEVER[m.split(".")[0]]
+             and (_resolve(name) is None or _resolve(name).split(".")[0] in SCRIPTS)]
     assert wrong == [], "\n".join(wrong)
 
 
@@ -180,7 +187,7 @@ def test_no_private_name_imported_from_another_package():
     wrong = {(i.source, i.name) for i in IMPORTS
              if i.name.rsplit(".", 1)[-1].startswith("_") and not i.name.rsplit(".", 1)[-1].startswith("__")
              and package(i.source) != package(i.target)}
-    assert wrong - KNOWN_PRIVATE == set()
+    assert wrong == set()
 
 
 def _env_reads(tree) -> list:
@@ -209,7 +216,7 @@ def _env_reads(tree) -> list:
 
 def test_configuration_is_not_read_from_the_environment():
     wrong = [f"{m}:{line} reads {key or 'the environment'}" for m, tree in TREES.items()
-             for key, line in _env_reads(tree) if (m, key) not in ALLOWED_ENV]
+             if m.split(".")[0] in PACKAGES for key, line in _env_reads(tree) if (m, key) not in ALLOWED_ENV]
     assert wrong == [], "\n".join(wrong)
 
 
