@@ -367,7 +367,7 @@ def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activat
                      "activations, cache budget %.2f GiB (memory_fraction %.2f)", free / 2**30,
                      activation_bytes / 2**30, budget / 2**30, args.memory_fraction)
     slots = args.num_slots or int(budget * args.state_fraction // per_slot)
-    pages = budget_pages(args, config, budget, cache_dtype)
+    pages = budget_pages(args, config, budget, mla_dtype)
     min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint
     max_len = args.max_model_len or 0
     min_pages = -(-max_len // args.page_size) + 1

@@ -38,3 +38,20 @@ def test_pools_sized_after_the_largest_steps_activations(monkeypatch):
     monkeypatch.setattr(engine_args, "jax_device_stats", lambda: {"bytes_limit": w + temp // 2, "bytes_in_use": w})
     with pytest.raises(ValueError, match="activations.*max_num_batched_tokens"):
         LLMEngine(model, EngineArgs(**args))
+
+
+def test_fp8_pages_fill_the_budget_at_their_own_width():
+    """An FP8 MLA cache's pages are narrower: the same budget gives more of them (the KDA slots unchanged)."""
+    import jax.numpy as jnp
+
+    from k3jax.presets import preset_config
+    from pallas_kernels.mla import fp8_cache
+    c = preset_config("kimi-linear-48b-a3b")
+    args = EngineArgs(cache_memory_bytes=8 << 30, max_model_len=4096)
+    bf16 = engine_args.size_pools(args, c, 0, jnp.bfloat16)
+    fp8 = engine_args.size_pools(args, c, 0, jnp.bfloat16, mla_dtype=fp8_cache.STORAGE)
+    assert fp8[1] == bf16[1]
+    half = (8 << 30) * (1 - args.state_fraction)
+    assert bf16[0] == int(half // pool_bytes_per_page(c, 16, jnp.bfloat16))
+    assert fp8[0] == int(half // pool_bytes_per_page(c, 16, fp8_cache.STORAGE))
+    assert fp8[0] > 1.7 * bf16[0]
