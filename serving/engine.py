@@ -18,8 +18,8 @@ from typing import Optional
 import jax
 
 from k3jax.cache import SeqChunk
-from serving.engine_args import (EngineArgs, budget_pages, cache_budget, decode_steps_default, default_max_model_len,
-                                  device_free_bytes, size_pools)
+from serving.engine_args import (EngineArgs, cache_budget, decode_steps_default, default_max_model_len,
+                                  device_free_bytes, size_pools, split_budget)
 from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
@@ -67,9 +67,14 @@ class LLMEngine:
         weight_dtype = model.params["embed"].dtype
         cache_dtype, mla_dtype = args.cache_dtype(weight_dtype), args.mla_cache_dtype(weight_dtype)
         mesh = getattr(model, "mesh", None)
+        seqs_asked = args.max_num_seqs
         num_pages, num_slots = size_pools(args, c, weight_bytes, cache_dtype,
                                           self._activation_bytes(c, weight_bytes, cache_dtype, mesh, mla_dtype),
                                           mla_dtype=mla_dtype)
+        if args.max_num_seqs != seqs_asked:     # lowered to the KDA slots beside a long max_model_len
+            self.token_buckets, self.seq_buckets = step_buckets(
+                args.max_num_seqs, args.max_num_batched_tokens, on_cpu=jax.default_backend() == "cpu",
+                token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
         shards = 1
         if mesh is not None:           # pages and slots split evenly over the data x expert shards
             shards = mesh.shape["data"] * mesh.shape["expert"]
@@ -204,7 +209,8 @@ class LLMEngine:
             # not cost context: kept when the cache still holds max_model_len (the model's window when unset).
             temp = measure(long[-1], sb[0]) + (sb[-1] - sb[0]) * c.vocab_size * 4
             free = device_free_bytes(weight_bytes)
-            holds = (budget_pages(args, c, cache_budget(args, free, temp), mla_dtype) - 1) * args.page_size
+            pages = split_budget(args, c, cache_budget(args, free, temp), cache_dtype, mla_dtype)[0]
+            holds = (pages - 1) * args.page_size
             if holds >= self.max_model_len:
                 return temp
             log.warning("long_prefill_tokens %d off: with its step's activations the cache holds %d tokens, under "

@@ -127,7 +127,9 @@ class EngineArgs:
     host_cache_bytes: int = 0                     # host-memory tier for evicted checkpoints and their pages (0 = off)
     memory_fraction: float = 0.85                 # of device memory left after the weights
     cache_memory_bytes: Optional[int] = None      # explicit cache budget (CPU default: 256 MiB)
-    state_fraction: float = 0.5                   # share of the cache budget for KDA state slots
+    state_fraction: float = 0.5                   # share of the cache budget for KDA state slots (of what one
+                                                  # max_model_len sequence's pages leave, when the share would not
+                                                  # hold them: split_budget)
     num_pages: Optional[int] = None               # explicit pool sizes override the budget
     num_slots: Optional[int] = None
     max_waiting: int = 4096
@@ -185,6 +187,8 @@ class EngineArgs:
         for name in ("dense_in_place", "merged_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # a defaulted max_num_seqs may be lowered by size_pools to fit the KDA slots beside a long max_model_len
+        self.max_num_seqs_defaulted = self.max_num_seqs is None
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
             seqs, tokens = batch_defaults()
             given_tokens, given_seqs = self.max_num_batched_tokens, self.max_num_seqs
@@ -338,11 +342,28 @@ def cache_budget(args: EngineArgs, free: int, activation_bytes: int) -> int:
     return int((free - activation_bytes) * args.memory_fraction)
 
 
-def budget_pages(args: EngineArgs, config, budget: int, mla_dtype) -> int:
-    """MLA pages a cache budget gives (page 0 reserved included), as size_pools splits it (mla_dtype: the pages')."""
-    from k3jax.cache import pool_bytes_per_page
-    return args.num_pages or int(budget * (1 - args.state_fraction) // max(pool_bytes_per_page(config, args.page_size,
-                                                                                                 mla_dtype), 1))
+def split_budget(args: EngineArgs, config, budget: int, cache_dtype, mla_dtype) -> tuple[int, int]:
+    """(MLA pages, KDA state slots) a cache budget gives, reserved id 0 included: state_fraction of it for the slots,
+    the rest for the pages. When that leaves the pages short of one max_model_len sequence (a long context asked
+    for), the pages take what that sequence needs first and the split applies to the rest, the slots keeping
+    max_num_seqs + 2 when it holds them (size_pools says so in the log)."""
+    from k3jax.cache import pool_bytes_per_page, pool_bytes_per_slot
+    per_page = max(pool_bytes_per_page(config, args.page_size, mla_dtype), 1)
+    per_slot = max(pool_bytes_per_slot(config, cache_dtype), 1)
+    sf = args.state_fraction
+    pages = args.num_pages or int(budget * (1 - sf) // per_page)
+    slots = args.num_slots or int(budget * sf // per_slot)
+    need = min_pages(args)
+    rest = budget - need * per_page
+    if pages >= need or args.num_pages or args.num_slots or rest <= 0:
+        return pages, slots
+    slots = max(int(rest * sf // per_slot), min(args.max_num_seqs + 2, int(rest // per_slot)))
+    return need + int((rest - slots * per_slot) // per_page), slots
+
+
+def min_pages(args: EngineArgs) -> int:
+    """Pages of one max_model_len sequence, plus the reserved page 0."""
+    return -(-(args.max_model_len or 0) // args.page_size) + 1
 
 
 def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activation_bytes: int = 0,
@@ -366,14 +387,19 @@ def size_pools(args: EngineArgs, config, weight_bytes: int, cache_dtype, activat
             log.info("device memory: %.2f GiB free after the weights, %.2f GiB kept for the largest step's "
                      "activations, cache budget %.2f GiB (memory_fraction %.2f)", free / 2**30,
                      activation_bytes / 2**30, budget / 2**30, args.memory_fraction)
-    slots = args.num_slots or int(budget * args.state_fraction // per_slot)
-    pages = budget_pages(args, config, budget, mla_dtype)
+    pages, slots = split_budget(args, config, budget, cache_dtype, mla_dtype)
+    if pages > int(budget * (1 - args.state_fraction) // per_page) and not args.num_pages:
+        log.info("cache split: the pages first take one sequence of max_model_len %d (%d pages), state_fraction "
+                 "%.2f applies to the rest", args.max_model_len, min_pages(args), args.state_fraction)
+    if slots < args.max_num_seqs + 2 and getattr(args, "max_num_seqs_defaulted", False) and slots >= 3:
+        log.warning("max_num_seqs %d -> %d: beside one sequence of max_model_len %d the cache holds %d KDA state "
+                    "slots (one a running sequence, two reserved); set max_num_seqs, or lower max_model_len, to "
+                    "choose otherwise", args.max_num_seqs, slots - 2, args.max_model_len, slots)
+        args.max_num_seqs = slots - 2
     min_slots = args.max_num_seqs + 2            # every running sequence plus garbage and one checkpoint
-    max_len = args.max_model_len or 0
-    min_pages = -(-max_len // args.page_size) + 1
-    if slots < min_slots or pages < min_pages:
+    if slots < min_slots or pages < min_pages(args):
         raise ValueError(f"cache budget {budget / 2**20:.0f} MiB gives {pages} pages / {slots} slots; need at least "
-                         f"{min_pages} pages (one max-length sequence) and {min_slots} slots "
+                         f"{min_pages(args)} pages (one max-length sequence) and {min_slots} slots "
                          f"(max_num_seqs + 2): raise the budget or lower max_num_seqs / max_model_len")
     log.info("cache pools: %d pages of %d tokens (%.1f MiB, MLA cache %s), %d KDA state slots (%.1f MiB, %s)",
              pages, args.page_size, pages * per_page / 2**20, cache_dtype_name(mla_dtype), slots,

@@ -55,3 +55,48 @@ def test_fp8_pages_fill_the_budget_at_their_own_width():
     assert bf16[0] == int(half // pool_bytes_per_page(c, 16, jnp.bfloat16))
     assert fp8[0] == int(half // pool_bytes_per_page(c, 16, fp8_cache.STORAGE))
     assert fp8[0] > 1.7 * bf16[0]
+
+
+def test_a_long_context_takes_its_pages_first_and_lowers_a_defaulted_max_num_seqs():
+    """max_model_len past what the default split's pages hold: the pages take one such sequence first, the
+    slots the rest, and a max_num_seqs left at its default drops to the slots there are (given: an error)."""
+    import jax.numpy as jnp
+
+    from k3jax.presets import preset_config
+    c = preset_config("kimi-linear-48b-a3b")
+    per_page, per_slot = pool_bytes_per_page(c, 16, jnp.bfloat16), pool_bytes_per_slot(c, jnp.bfloat16)
+    need = 65536 // 16 + 1
+    budget = need * per_page + 7 * per_slot + per_page // 2          # one 64k sequence and 7 slots
+    assert budget * 0.5 // per_page < need                             # the default split falls short
+    args = EngineArgs(cache_memory_bytes=budget, max_model_len=65536)
+    assert args.max_num_seqs > 5
+    pages, slots = engine_args.size_pools(args, c, 0, jnp.bfloat16)
+    assert (pages, slots) == (need, 7)
+    assert pages * per_page + slots * per_slot <= budget
+    assert args.max_num_seqs == 5
+    with pytest.raises(ValueError, match="need at least"):
+        engine_args.size_pools(EngineArgs(cache_memory_bytes=budget, max_model_len=65536, max_num_seqs=8), c, 0,
+                               jnp.bfloat16)
+    # a context the default split holds: unchanged
+    short = EngineArgs(cache_memory_bytes=budget, max_model_len=4096)
+    assert engine_args.size_pools(short, c, 0, jnp.bfloat16) == (int(budget * 0.5 // per_page),
+                                                                  int(budget * 0.5 // per_slot))
+
+
+def test_engine_runs_with_max_num_seqs_lowered_for_a_long_context():
+    model = load_model("tiny-random", dtype="float32")
+    c, dt = model.config, model.params["embed"].dtype
+    per_page, per_slot = pool_bytes_per_page(c, 16, dt), pool_bytes_per_slot(c, dt)
+    need = 2048 // 16 + 1
+    budget = need * per_page + 6 * per_slot
+    eng = LLMEngine(model, EngineArgs(cache_memory_bytes=budget, max_model_len=2048, warmup=False,
+                                      compilation_cache_dir=None))
+    assert eng.args.max_num_seqs == 4 and list(eng.runner.seq_buckets) == [4]
+    assert eng.runner.pools.num_pages >= need
+    from serving.sampling_params import SamplingParams
+    for i in range(6):                       # more requests than sequences: they wait their turn
+        eng.add_request([1 + i, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+    done = set()
+    while eng.has_unfinished():
+        done |= {o.request_id for o in eng.step() if o.finished}
+    assert len(done) == 6
