@@ -40,6 +40,8 @@ run long 330 python -m benchmarks.bench_long_context --rows prefill,kernel,decod
 # a 1M-token prompt (66 steps), then decodes: with 48B of bf16 weights the H200 keeps ~10 GiB of cache, so 16
 # sequences (a KDA state slot each) and 8% of the cache for slots leave the pages room for 1M tokens
 run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 2048,1048320 --no-warmup --max-model-len 1048576 --max-num-seqs 16 --state-fraction 0.08 --json "$out/long_1m.json"
+# the same at every default but max_model_len: the pages take the 1M sequence first, max_num_seqs drops to the slots left
+run long-1m-defaults 480 python -m benchmarks.bench_long_context --rows prefill --prefill 2048,1048320 --no-warmup --max-model-len 1048576 --json "$out/long_1m_defaults.json"
 # the MLA prefix kernel at 128k as the model calls it, and the 128k prompt, with the Triton window kernel vs the
 # cuDNN split (prefix unmasked + chunk causal); the 32k row compiles the 16k-token step the 128k row reuses
 run long-kernel-split 300 bash -c 'for k in triton cudnn-split; do python -m benchmarks.bench_long_context --rows kernel --mla-prefix-kernel $k; done'
