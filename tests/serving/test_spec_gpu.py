@@ -103,17 +103,17 @@ def _tiny_linear():
     return ModelConfig.from_dict(d)
 
 
-def _model(name, kernels):
+def _model(name, kernels, dtype="float32"):
     from k3jax import load_model
     from pallas_kernels.backend import detect
-    if name == "tiny-random":
-        m = load_model("tiny-random", dtype="float32")
+    if name in ("tiny-random", "tiny"):
+        m = load_model(name, dtype=dtype)
     else:
         import jax.numpy as jnp
         from k3jax.api import Model, _place
         from k3jax.params import init_params_numpy
         c = _tiny_linear()
-        m = Model(c, _place(init_params_numpy(c, 0, jnp.float32), None, c, detect()), None, name="tiny-linear",
+        m = Model(c, _place(init_params_numpy(c, 0, jnp.dtype(dtype)), None, c, detect()), None, name="tiny-linear",
                   backend=detect())
     m.backend = detect(kernels).replace(mxfp4_decoder=m.backend.mxfp4_decoder)
     return m
@@ -168,3 +168,80 @@ def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
         assert m["spec_drafted_tokens"] > 0
         assert out == ref, (wrong, m)
         assert m["spec_acceptance_rate"] == rate, (wrong, m)
+
+
+def verify_vs_decode(config, params, backend, dtype, prompt_len=600, page_size=16, max_pages=256):
+    """One sequence prefilled (prompt_len tokens in one step), then its next K + 1 tokens fed two ways from the
+    same pools: K + 1 decode steps, and one verification step (a chunk of K + 1 tokens with a KDA slot per
+    position). Returns (decode logits [K+1, V], verify logits [K+1, V], decode states [K+1, ...], verify
+    states [K+1, ...]): the fed tokens are the decode path's greedy ones, so the two read the same inputs."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.nnx_model import make_step
+    W = K + 1
+    pages = list(range(1, max_pages + 1))
+    pools = make_pools(config, max_pages + 2, page_size, 16, dtype, bits=jax.default_backend() == "cpu")
+    step = jax.jit(make_step(config, backend))
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size - 16, prompt_len).tolist()
+    T0 = 1 << (prompt_len - 1).bit_length()
+    lg, pools = step(params, pools, make_step_batch([SeqChunk(prompt, 0, pages, -1, 1)], page_size, num_tokens=T0,
+                                                     num_seqs=1, max_pages=max_pages))
+    prefilled = pools
+    toks, dec, dec_states = [int(np.argmax(np.asarray(lg[0], np.float32)))], [], []
+    for j in range(W):
+        batch = make_step_batch([SeqChunk([toks[j]], prompt_len + j, pages, 1, 1)], page_size, num_tokens=16,
+                                num_seqs=1, max_pages=max_pages)
+        lg, pools = step(params, pools, batch)
+        dec.append(np.asarray(lg[0], np.float32))
+        dec_states.append(np.asarray(pools.kda_state[1]))
+        toks.append(int(np.argmax(dec[-1])))
+    slots = [2, 3, 4, 5, 1]
+    batch = make_step_batch([SeqChunk(toks[:W], prompt_len, pages, 1, 1, spec_slots=slots)], page_size, num_tokens=16,
+                            num_seqs=1, max_pages=max_pages, spec_width=W)
+    lg, pools = step(params, prefilled, batch)
+    ver = np.asarray(lg, np.float32).reshape(1, W, -1)[0]
+    ver_states = [np.asarray(pools.kda_state[s]) for s in slots]
+    return np.stack(dec), ver, np.stack(dec_states), np.stack(ver_states)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
+def test_verify_step_logits_equal_decode(name, kernels):
+    """A verify step's logits and per-position KDA states equal K + 1 decode steps' (fp32). On failure the message
+    says how far (max |diff| against the logits' scale, and the decode rows' top-1 / top-2 margins): a diff
+    at rounding level with small margins is numerics; one of the logits' own scale is a wrong verify path."""
+    import jax.numpy as jnp
+    m = _model(name, kernels)
+    dec, ver, ds, vs = verify_vs_decode(m.config, m.params, m.backend, jnp.float32)
+    top2 = np.sort(dec, axis=-1)[:, -2:]
+    msg = (f"max|logit diff| per row {np.abs(dec - ver).max(-1)}, logits' std {dec.std():.3g}, top1-top2 margins "
+           f"{top2[:, 1] - top2[:, 0]}, argmax dec {dec.argmax(-1)} ver {ver.argmax(-1)}, max|state diff| per "
+           f"position {np.abs(ds - vs).reshape(len(ds), -1).max(-1)}")
+    print(msg)
+    np.testing.assert_allclose(vs, ds, atol=1e-4, rtol=1e-4, err_msg=msg)
+    np.testing.assert_allclose(ver, dec, atol=2e-3 * max(1.0, float(np.abs(dec).max())), rtol=0, err_msg=msg)
+    assert (ver.argmax(-1) == dec.argmax(-1)).all(), msg
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+def test_verify_step_logits_bf16(name):
+    """The same in bf16 (bench_spec's dtype) with the GPU kernels: the trained tiny (real top-1 margins) and the
+    Kimi-Linear-shaped random model. Rounding differs between a K + 1-token chunk and decode rows, so the logits
+    agree to bf16 tolerance and the argmax wherever its margin exceeds twice the row's difference."""
+    import jax.numpy as jnp
+    from k3jax import api
+    if name == "tiny" and not __import__("os").path.exists(api.TINY_WEIGHTS):
+        pytest.skip(f"{api.TINY_WEIGHTS} is missing")
+    m = _model(name, "auto", "bfloat16")
+    dec, ver, ds, vs = verify_vs_decode(m.config, m.params, m.backend, jnp.bfloat16)
+    top2 = np.sort(dec, axis=-1)[:, -2:]
+    margin, diff = top2[:, 1] - top2[:, 0], np.abs(dec - ver).max(-1)
+    msg = (f"max|logit diff| per row {diff}, max|logit| {np.abs(dec).max():.3g}, top1-top2 margins {margin}, "
+           f"argmax dec {dec.argmax(-1)} ver {ver.argmax(-1)}, max|state diff| per position "
+           f"{np.abs(ds - vs).reshape(len(ds), -1).max(-1)} (states' max {np.abs(ds).max():.3g})")
+    print(msg)
+    assert diff.max() <= 0.05 * np.abs(dec).max(), msg
+    sure = margin > 2 * diff
+    assert (ver.argmax(-1) == dec.argmax(-1))[sure].all(), msg
+    np.testing.assert_allclose(vs, ds, atol=0.05 * max(1.0, float(np.abs(ds).max())), rtol=0, err_msg=msg)
