@@ -176,6 +176,29 @@ def test_verify_step_keeps_each_positions_state(rnd):
     assert toks[0, :m].tolist() == fed[1:1 + m] and greedy[:m] == fed[1:1 + m] and toks[0, m] == greedy[m]
 
 
+@pytest.mark.slow      # ~60 s on 2 cores: every kernel in the Pallas interpreter
+def test_gpu_kernels_interpret(tmp_path):
+    """The GPU kernel paths of a verify step (Triton MLA over a multi-token chunk, the KDA decode kernel per
+    position, the stacked and MoE kernels) in interpret mode: oracle drafts all accepted, greedy output equal
+    to off (tests/serving/test_spec_gpu.py runs the same compiled on a GPU)."""
+    from pallas_kernels.backend import Backend
+    model = load_model("tiny-random", dtype="float32")
+    model.backend = Backend(kernels=True, interpret=True, platform="gpu", pool_bits=True)
+    eng = _engine(model, tmp_path, max_num_seqs=2, seq_buckets=(2,), max_model_len=112, speculative_adaptive=True,
+                  num_speculative_tokens=4)
+    prompt = np.random.RandomState(1).randint(0, 1000, 40).tolist()
+    work = [("r0", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    ref = {k: v[0] for k, v in _run(eng, work, Nothing()).items()}
+
+    class Oracle:
+        def propose(self, reqs, ks):
+            return [ref[r.request_id][len(r.output_ids):len(r.output_ids) + k] for r, k in zip(reqs, ks)]
+    eng.spec = make_speculator(eng.args, model, eng.max_model_len)
+    got = {k: v[0] for k, v in _run(eng, work, Oracle()).items()}
+    m = eng.spec.metrics()
+    assert got == ref and m["spec_drafted_tokens"] >= 8 and m["spec_acceptance_rate"] == 1.0, m
+
+
 @pytest.mark.slow      # ~25 s on 2 cores: the draft runner's own compiles
 def test_draft_model_greedy_identical(rnd):
     """The draft-model drafter (here the target's own weights: every draft must be accepted), its catch-up

@@ -1,0 +1,247 @@
+"""Speculative verification on a GPU (compiled kernels): the pieces a verify step runs that plain decode and
+prefill do not, each against its reference, then the engine end to end. Skipped without a GPU:
+
+  JAX_PLATFORMS=cuda timeout 900 python -m pytest -m gpu -n 0 -q tests/serving/test_spec_gpu.py
+
+A verify step feeds a sequence's last token and its K drafts (K + 1 tokens) over the sequence's paged cache:
+- MLA: the absorbed ragged kernel with a multi-token chunk over a long context (prefill takes the expanded form
+  from EXPANDED_MIN_TOKENS on, decode the decode-only schedule): each row must see only the keys up to its own
+  position (the first row not the drafts' keys);
+- KDA: write_position_states, the decode kernel run K + 1 times on a per-sequence state array (not the pool)
+  and each position's state and conv window written to its own slot;
+- the engine: greedy output with oracle drafts (the off run's own continuation) equal to off, acceptance 1.0;
+  wrong drafts: equal to off, acceptance 0.0 (the interpret-mode CPU run of the same engine passes:
+  tests/serving/test_spec_engine.py::test_gpu_kernels_interpret).
+"""
+import numpy as np
+import pytest
+
+from tests.support.gpu_marks import GPU_ONLY
+
+pytestmark = GPU_ONLY
+
+K = 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_len", [133, 2053, 2048 + 64 + 3])
+def test_mla_verify_chunk_kernel(dtype, kv_len):
+    """Kimi-Linear's MLA shape (32 heads, 512 + 64 latent), a verify chunk of K + 1 tokens beside a decode row,
+    block tables 4,096 keys wide (bench_spec's max_model_len): the Triton kernel equals the reference."""
+    import jax.numpy as jnp
+    from pallas_kernels.mla.paged import ragged_paged_mla
+    from pallas_kernels.mla.reference import ragged_paged_mla_reference
+    H, L, R, ps, width = 32, 512, 64, 16, 256
+    rng = np.random.default_rng(kv_len)
+    dt = jnp.dtype(dtype)
+    kv = jnp.asarray(rng.standard_normal((width + 8, ps, L + R)), dt)
+    bt = np.zeros((4, width), np.int32)
+    bt[0] = rng.permutation(np.arange(1, width + 8))[:width]
+    bt[1] = np.arange(1, width + 1)
+    T = 16
+    q = jnp.asarray(rng.standard_normal((T, H, L)), dt)
+    qr = jnp.asarray(rng.standard_normal((T, H, R)), dt)
+    cu = jnp.asarray([0, K + 1, K + 2, K + 2, K + 2], jnp.int32)
+    kl = jnp.asarray([kv_len, 300, 0, 0], jnp.int32)
+    scale = 192 ** -0.5
+    ref = ragged_paged_mla_reference(q.astype(jnp.float32), qr.astype(jnp.float32), kv.astype(jnp.float32),
+                                     jnp.asarray(bt), cu, kl, scale=scale)
+    got = ragged_paged_mla(q, qr, kv, jnp.asarray(bt), cu, kl, scale=scale)
+    tol = 2e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(got[:K + 2], np.float32), np.asarray(ref[:K + 2]), atol=tol, rtol=tol)
+    # row j sees keys up to kv_len - (K + 1) + j only: the first row equals a decode query at that position
+    dec = ragged_paged_mla_reference(q[:1].astype(jnp.float32), qr[:1].astype(jnp.float32), kv.astype(jnp.float32),
+                                     jnp.asarray(bt[:1]), jnp.asarray([0, 1], jnp.int32),
+                                     jnp.asarray([kv_len - K], jnp.int32), scale=scale)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(dec[0]), atol=tol, rtol=tol)
+
+
+def test_kda_position_states_kernel():
+    """write_position_states with the GPU decode kernel equals it with the reference ops: every position's
+    state and conv window in its slot, the outputs at every kept position."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.layers.kda_positions import write_position_states
+    from pallas_kernels.backend import Backend, detect
+    N, W, H, Dk, Dv, C, Kc, S = 3, K + 1, 32, 128, 128, 64, 4, 24
+    T = 16
+    rng = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    lens = [W, 1, 3]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    dst = np.full((N, W), -1, np.int32)
+    dst[0] = [5, 6, 7, 8, 9]
+    dst[2, :3] = [11, 12, 13]
+    meta = {"spec_dst": jnp.asarray(dst), "cu_seqlens": jnp.asarray(cu)}
+    k = f(T, H, Dk)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    q = f(T, H, Dk)
+    args = (jnp.zeros((S, H, Dk, Dv), jnp.float32), jnp.zeros((S, Kc - 1, C), jnp.float32), f(T, H, Dv),
+            f(N, H, Dk, Dv) * 0.1, f(N, Kc - 1, C), f(T, C), q, k, f(T, H, Dv),
+            -jnp.abs(f(T, H, Dk)) * 0.5, jax.nn.sigmoid(f(T, H)))
+    run = lambda b: jax.jit(lambda *a: write_position_states(*a, meta, scale=Dk ** -0.5, backend=b,  # noqa: E731
+                                                             act_dtype=jnp.float32))(*args)
+    got = run(detect("auto"))
+    ref = run(Backend(device="gpu"))
+    assert detect("auto").kernels
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4, rtol=1e-4)
+
+
+def _tiny_linear():
+    """Kimi-Linear's layer kinds and head counts (32 MLA heads: the Triton decode kernel; its unbounded KDA gate),
+    tiny widths."""
+    from k3jax.config import ModelConfig
+    from k3jax.presets import preset_config_dict
+    d = preset_config_dict("kimi-linear-48b-a3b")
+    d.update(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
+             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=256,
+             moe_intermediate_size=64, num_experts=8, num_experts_per_token=2, bos_token_id=500, eos_token_id=501,
+             pad_token_id=511, max_position_embeddings=8192,
+             linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 32, "num_heads": 4,
+                                 "short_conv_kernel_size": 4})
+    return ModelConfig.from_dict(d)
+
+
+def _model(name, kernels, dtype="float32"):
+    from k3jax import load_model
+    from pallas_kernels.backend import detect
+    if name in ("tiny-random", "tiny"):
+        m = load_model(name, dtype=dtype)
+    else:
+        import jax.numpy as jnp
+        from k3jax.api import Model, _place
+        from k3jax.params import init_params_numpy
+        c = _tiny_linear()
+        m = Model(c, _place(init_params_numpy(c, 0, jnp.dtype(dtype)), None, c, detect()), None, name="tiny-linear",
+                  backend=detect())
+    m.backend = detect(kernels).replace(mxfp4_decoder=m.backend.mxfp4_decoder)
+    return m
+
+
+class _Oracle:
+    def __init__(self, ref, wrong=False, vocab=0):
+        self.ref, self.wrong, self.vocab = ref, wrong, vocab
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks):
+            d = self.ref.get(r.request_id, [])[len(r.output_ids):len(r.output_ids) + k]
+            out.append([(t + 1) % self.vocab for t in d] if self.wrong else list(d))
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
+def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
+    """bench_spec's c1 rows, small: a 2,100-token prompt (block tables of 4,096 keys), warm-up and the
+    accelerator's defaults (async scheduling, several decode steps per launch, background compile)."""
+    from serving.engine import LLMEngine
+    from serving.engine_args import EngineArgs
+    from serving.sampling_params import SamplingParams
+    from serving.spec import make_speculator
+    model = _model(name, kernels)
+    args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
+                      num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
+                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4))
+    eng = LLMEngine(model, args)
+    eng.wait_for_compiles()
+    vocab = model.config.vocab_size
+    prompt = np.random.default_rng(0).integers(0, vocab - 16, 2100).tolist()
+
+    def run():
+        eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), request_id="r0")
+        out = None
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    out = o.outputs[0].token_ids
+        return {"r0": list(out)}
+
+    eng.spec = None
+    ref = run()
+    for wrong, rate in ((False, 1.0), (True, 0.0)):
+        eng.spec = make_speculator(args, model, eng.max_model_len)
+        eng.spec.drafter = _Oracle(ref, wrong, vocab)
+        out = run()
+        m = eng.spec.metrics()
+        assert m["spec_drafted_tokens"] > 0
+        assert out == ref, (wrong, m)
+        assert m["spec_acceptance_rate"] == rate, (wrong, m)
+
+
+def verify_vs_decode(config, params, backend, dtype, prompt_len=600, page_size=16, max_pages=256):
+    """One sequence prefilled (prompt_len tokens in one step), then its next K + 1 tokens fed two ways from the
+    same pools: K + 1 decode steps, and one verification step (a chunk of K + 1 tokens with a KDA slot per
+    position). Returns (decode logits [K+1, V], verify logits [K+1, V], decode states [K+1, ...], verify
+    states [K+1, ...]): the fed tokens are the decode path's greedy ones, so the two read the same inputs."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.nnx_model import make_step
+    W = K + 1
+    pages = list(range(1, max_pages + 1))
+    pools = make_pools(config, max_pages + 2, page_size, 16, dtype, bits=jax.default_backend() == "cpu")
+    step = jax.jit(make_step(config, backend))
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size - 16, prompt_len).tolist()
+    T0 = 1 << (prompt_len - 1).bit_length()
+    lg, pools = step(params, pools, make_step_batch([SeqChunk(prompt, 0, pages, -1, 1)], page_size, num_tokens=T0,
+                                                     num_seqs=1, max_pages=max_pages))
+    prefilled = pools
+    toks, dec, dec_states = [int(np.argmax(np.asarray(lg[0], np.float32)))], [], []
+    for j in range(W):
+        batch = make_step_batch([SeqChunk([toks[j]], prompt_len + j, pages, 1, 1)], page_size, num_tokens=16,
+                                num_seqs=1, max_pages=max_pages)
+        lg, pools = step(params, pools, batch)
+        dec.append(np.asarray(lg[0], np.float32))
+        dec_states.append(np.asarray(pools.kda_state[1]))
+        toks.append(int(np.argmax(dec[-1])))
+    slots = [2, 3, 4, 5, 1]
+    batch = make_step_batch([SeqChunk(toks[:W], prompt_len, pages, 1, 1, spec_slots=slots)], page_size, num_tokens=16,
+                            num_seqs=1, max_pages=max_pages, spec_width=W)
+    lg, pools = step(params, prefilled, batch)
+    ver = np.asarray(lg, np.float32).reshape(1, W, -1)[0]
+    ver_states = [np.asarray(pools.kda_state[s]) for s in slots]
+    return np.stack(dec), ver, np.stack(dec_states), np.stack(ver_states)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
+def test_verify_step_logits_equal_decode(name, kernels):
+    """A verify step's logits and per-position KDA states equal K + 1 decode steps' (fp32). On failure the message
+    says how far (max |diff| against the logits' scale, and the decode rows' top-1 / top-2 margins): a diff
+    at rounding level with small margins is numerics; one of the logits' own scale is a wrong verify path."""
+    import jax.numpy as jnp
+    m = _model(name, kernels)
+    dec, ver, ds, vs = verify_vs_decode(m.config, m.params, m.backend, jnp.float32)
+    top2 = np.sort(dec, axis=-1)[:, -2:]
+    msg = (f"max|logit diff| per row {np.abs(dec - ver).max(-1)}, logits' std {dec.std():.3g}, top1-top2 margins "
+           f"{top2[:, 1] - top2[:, 0]}, argmax dec {dec.argmax(-1)} ver {ver.argmax(-1)}, max|state diff| per "
+           f"position {np.abs(ds - vs).reshape(len(ds), -1).max(-1)}")
+    print(msg)
+    np.testing.assert_allclose(vs, ds, atol=1e-4, rtol=1e-4, err_msg=msg)
+    np.testing.assert_allclose(ver, dec, atol=2e-3 * max(1.0, float(np.abs(dec).max())), rtol=0, err_msg=msg)
+    assert (ver.argmax(-1) == dec.argmax(-1)).all(), msg
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+def test_verify_step_logits_bf16(name):
+    """The same in bf16 (bench_spec's dtype) with the GPU kernels: the trained tiny (real top-1 margins) and the
+    Kimi-Linear-shaped random model. Rounding differs between a K + 1-token chunk and decode rows, so the logits
+    agree to bf16 tolerance and the argmax wherever its margin exceeds twice the row's difference."""
+    import jax.numpy as jnp
+    from k3jax import api
+    if name == "tiny" and not __import__("os").path.exists(api.TINY_WEIGHTS):
+        pytest.skip(f"{api.TINY_WEIGHTS} is missing")
+    m = _model(name, "auto", "bfloat16")
+    dec, ver, ds, vs = verify_vs_decode(m.config, m.params, m.backend, jnp.bfloat16)
+    top2 = np.sort(dec, axis=-1)[:, -2:]
+    margin, diff = top2[:, 1] - top2[:, 0], np.abs(dec - ver).max(-1)
+    msg = (f"max|logit diff| per row {diff}, max|logit| {np.abs(dec).max():.3g}, top1-top2 margins {margin}, "
+           f"argmax dec {dec.argmax(-1)} ver {ver.argmax(-1)}, max|state diff| per position "
+           f"{np.abs(ds - vs).reshape(len(ds), -1).max(-1)} (states' max {np.abs(ds).max():.3g})")
+    print(msg)
+    assert diff.max() <= 0.05 * np.abs(dec).max(), msg
+    sure = margin > 2 * diff
+    assert (ver.argmax(-1) == dec.argmax(-1))[sure].all(), msg
+    np.testing.assert_allclose(vs, ds, atol=0.05 * max(1.0, float(np.abs(ds).max())), rtol=0, err_msg=msg)
