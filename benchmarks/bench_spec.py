@@ -105,7 +105,8 @@ def main(argv=None):
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
     log("engine (warm-up)")
     eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
-                       enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch)
+                       enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch,
+                       speculative_on_gpu=True)   # measured where refused by default: its rows say if tokens match
     engine = LLMEngine(model, eargs)
     engine.wait_for_compiles()                # every step and verification program compiled before timing
     spec = engine.spec

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no speculation in steps with more decoding sequences than this")
     sp.add_argument("--no-speculative-adaptive", action="store_true",
                     help="always propose K drafts (default: shrink or pause per sequence on low acceptance)")
+    sp.add_argument("--speculative-on-gpu", action="store_true",
+                    help="run speculation over GPU kernels anyway (refused by default: on the H200 its greedy tokens "
+                         "differ from speculation off; docs/performance.md)")
     dg = ap.add_argument_group("prefill/decode disaggregation")
     dg.add_argument("--role", choices=["single", "prefill", "decode"], default="single",
                     help="prefill: compute prompts for decode servers (POST /internal/prefill) and offer their cache "
@@ -250,6 +253,7 @@ def build_state(args, request_matcher=None):
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, speculative_max_batch=args.speculative_max_batch,
         speculative_adaptive=not args.no_speculative_adaptive,
+        speculative_on_gpu=args.speculative_on_gpu,
         **({"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir else {}))
     if eargs.speculative == "draft":       # a draft of another vocabulary is refused before anything loads
         from serving.spec.draft import check_draft_configs

@@ -176,6 +176,9 @@ class EngineArgs:
     draft_model: Optional[str] = None             # speculative="draft": preset name or checkpoint directory
     speculative_adaptive: bool = True             # shrink or pause speculation for sequences whose drafts are rejected
     speculative_max_batch: int = 32               # no speculation in steps with more decoding sequences than this
+    speculative_on_gpu: bool = False              # speculation over GPU kernels is refused: on the H200 its greedy
+                                                  # tokens differ from speculation off (docs/performance.md,
+                                                  # "Speculative decoding"); True runs it anyway (gpu tests, bench_spec)
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -184,7 +187,7 @@ class EngineArgs:
                 raise ValueError(f"{name} {value!r}: expected one of {choices}")
         if self.background_compile is not None and not isinstance(self.background_compile, bool):
             raise ValueError(f"background_compile must be a bool (or unset), got {self.background_compile!r}")
-        for name in ("dense_in_place", "merged_experts"):
+        for name in ("dense_in_place", "merged_experts", "speculative_on_gpu"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         # a defaulted max_num_seqs may be lowered by size_pools to fit the KDA slots beside a long max_model_len

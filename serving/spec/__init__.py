@@ -9,6 +9,12 @@ def make_speculator(args, model, max_model_len: int, load_model=None):
     model the target cannot verify (another vocabulary)."""
     if args.speculative == "off":
         return None
+    backend = getattr(model, "backend", None)
+    if (backend is not None and backend.kernels and backend.platform == "gpu" and not backend.interpret
+            and not args.speculative_on_gpu):
+        raise ValueError(f"speculative={args.speculative!r} is refused on GPU kernels: on the H200 its greedy tokens "
+                         f"differ from speculation off (docs/performance.md, \"Speculative decoding\"); run with "
+                         f"speculative off, or set speculative_on_gpu (--speculative-on-gpu) to run it anyway")
     from serving.spec.speculator import Speculator, drafter_for
     draft = None
     if args.speculative == "draft":

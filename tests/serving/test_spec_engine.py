@@ -270,3 +270,23 @@ def test_serve_refuses_a_draft_of_another_vocabulary_before_loading(monkeypatch)
         serve.build_state(serve.parse_args(["--model", "tiny", "--speculative", "draft", "--draft-model", "tiny-random"]))
     with pytest.raises(ValueError, match="needs draft_model"):
         serve.build_state(serve.parse_args(["--speculative", "draft"]))
+
+
+def test_speculation_refused_on_gpu_kernels_unless_asked():
+    """On compiled GPU kernels speculation is refused (its tokens differ from off on the H200) unless
+    speculative_on_gpu; interpreted kernels and the CPU reference path run it."""
+    from types import SimpleNamespace
+
+    from k3jax.presets import preset_config
+    from pallas_kernels.backend import Backend
+    cfg = preset_config("tiny-random")
+
+    def target(**kw):
+        return SimpleNamespace(config=cfg, params={"embed": np.zeros(1, np.float32)}, backend=Backend(**kw))
+    with pytest.raises(ValueError, match="refused on GPU kernels.*speculative_on_gpu"):
+        make_speculator(EngineArgs(speculative="ngram"), target(kernels=True, platform="gpu"), 256)
+    assert make_speculator(EngineArgs(speculative="ngram", speculative_on_gpu=True),
+                           target(kernels=True, platform="gpu"), 256) is not None
+    assert make_speculator(EngineArgs(speculative="ngram"), target(kernels=True, interpret=True, platform="gpu"),
+                           256) is not None
+    assert make_speculator(EngineArgs(speculative="off"), target(kernels=True, platform="gpu"), 256) is None

@@ -143,7 +143,7 @@ def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
     model = _model(name, kernels)
     args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
                       num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
-                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4))
+                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4), speculative_on_gpu=True)
     eng = LLMEngine(model, args)
     eng.wait_for_compiles()
     vocab = model.config.vocab_size
