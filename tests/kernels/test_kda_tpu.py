@@ -143,6 +143,7 @@ def test_lowers_through_mosaic_for_tpu(dtype, gate, lower_bound):
     assert "tpu_custom_call" in text and "kda_decode_tpu" in text
 
 
+@pytest.mark.slow                   # a whole engine step interpreted (CI's time budget); the kernels' own tests above run
 def test_model_step_on_the_tpu_path_matches_reference(monkeypatch):
     """The model's steps (prefill, then fused decode) with ops routed as on a TPU: KDA prefill and
     decode, and MLA, on their Mosaic kernels (interpret mode here), MoE on megablox."""

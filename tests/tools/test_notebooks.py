@@ -14,7 +14,9 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "examples/*.ipynb not found"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+# the quickstart in the default run (CI's time budget); the others in the slow tier
+@pytest.mark.parametrize("path", [pytest.param(p, marks=() if p.name == "quickstart.ipynb" else pytest.mark.slow)
+                                  for p in NOTEBOOKS], ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
