@@ -16,6 +16,8 @@ A verify step feeds a sequence's last token and its K drafts (K + 1 tokens) over
 import numpy as np
 import pytest
 
+from benchmarks.bench_spec import Oracle
+
 from tests.support.gpu_marks import GPU_ONLY
 
 pytestmark = GPU_ONLY
@@ -119,18 +121,6 @@ def _model(name, kernels, dtype="float32"):
     return m
 
 
-class _Oracle:
-    def __init__(self, ref, wrong=False, vocab=0):
-        self.ref, self.wrong, self.vocab = ref, wrong, vocab
-
-    def propose(self, reqs, ks):
-        out = []
-        for r, k in zip(reqs, ks):
-            d = self.ref.get(r.request_id, [])[len(r.output_ids):len(r.output_ids) + k]
-            out.append([(t + 1) % self.vocab for t in d] if self.wrong else list(d))
-        return out
-
-
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
 def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
@@ -162,7 +152,7 @@ def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
     ref = run()
     for wrong, rate in ((False, 1.0), (True, 0.0)):
         eng.spec = make_speculator(args, model, eng.max_model_len)
-        eng.spec.drafter = _Oracle(ref, wrong, vocab)
+        eng.spec.drafter = Oracle(ref, wrong, vocab)
         out = run()
         m = eng.spec.metrics()
         assert m["spec_drafted_tokens"] > 0
