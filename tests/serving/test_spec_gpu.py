@@ -235,3 +235,140 @@ def test_verify_step_logits_bf16(name):
     sure = margin > 2 * diff
     assert (ver.argmax(-1) == dec.argmax(-1))[sure].all(), msg
     np.testing.assert_allclose(vs, ds, atol=0.05 * max(1.0, float(np.abs(ds).max())), rtol=0, err_msg=msg)
+
+
+def _kimi_slice(dtype="bfloat16"):
+    """Kimi-Linear-48B's full widths (hidden 2304; MLA 32 heads x 512 + 64 latent: the Mosaic decode kernel on
+    Hopper; KDA 32 x 128; its vocabulary) in 5 layers (dense, KDA, KDA, MLA, KDA) with 64 of its 256 experts:
+    the kernels bench_spec's model runs, at every shape it runs them."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.api import Model
+    from k3jax.config import ModelConfig
+    from k3jax.params import init_params_by_leaf
+    from k3jax.presets import preset_config_dict
+    from pallas_kernels.backend import detect
+    d = preset_config_dict("kimi-linear-48b-a3b")
+    d.update(num_hidden_layers=5, num_experts=64, linear_attn_config={**d["linear_attn_config"],
+             "full_attn_layers": [4], "kda_layers": [1, 2, 3, 5]})
+    c = ModelConfig.from_dict(d)
+    params = init_params_by_leaf(c, jax.random.key(0), dtype=jnp.dtype(dtype), stacked=True)
+    return Model(c, params, None, name="kimi-slice", backend=detect())
+
+
+KIMI_BACKENDS = {   # name -> (kernels, mla_decode, dense_in_place): the engine's default on an H200 first
+    "engine": ("auto", "auto", True), "triton-decode": ("auto", "triton", True),
+    "no-in-place": ("auto", "auto", False), "reference": ("reference", "auto", False)}
+
+
+def _kimi_backend(model, name):
+    from pallas_kernels.backend import detect
+    kernels, mla_decode, in_place = KIMI_BACKENDS[name]
+    b = detect(kernels, mla_decode=mla_decode).replace(mxfp4_decoder=model.backend.mxfp4_decoder)
+    return b.replace(dense_in_place=in_place and b.kernels)
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return _kimi_slice()
+
+
+def decode_logits(config, params, backend, feed, prompt_len=600, page_size=16, max_pages=256):
+    """A prompt_len-token prefill, then decode steps fed `feed` (one token a step, bf16 pools): the logits
+    [1 + len(feed), V] (the prefill's last row first)."""
+    import jax
+    import jax.numpy as jnp
+    from k3jax.cache import SeqChunk, make_pools, make_step_batch
+    from k3jax.nnx_model import make_step
+    pages = list(range(1, max_pages + 1))
+    pools = make_pools(config, max_pages + 2, page_size, 16, jnp.bfloat16, bits=False)
+    step = jax.jit(make_step(config, backend))
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size - 16, prompt_len).tolist()
+    T0 = 1 << (prompt_len - 1).bit_length()
+    lg, pools = step(params, pools, make_step_batch([SeqChunk(prompt, 0, pages, -1, 1)], page_size, num_tokens=T0,
+                                                     num_seqs=1, max_pages=max_pages))
+    out = [np.asarray(lg[0], np.float32)]
+    for j, t in enumerate(feed):
+        lg, pools = step(params, pools, make_step_batch([SeqChunk([t], prompt_len + j, pages, 1, 1)], page_size,
+                                                         num_tokens=16, num_seqs=1, max_pages=max_pages))
+        out.append(np.asarray(lg[0], np.float32))
+    return np.stack(out)
+
+
+def test_decode_kernels_kimi_widths(kimi):
+    """Prefill and decode logits at Kimi-Linear's widths with the engine's H200 backend (Mosaic MLA decode,
+    dense weights read in place) and its variants, against the jnp references (all bf16): the same argmax
+    wherever the reference's top-1 margin exceeds twice the difference."""
+    ref = decode_logits(kimi.config, kimi.params, _kimi_backend(kimi, "reference"), [])
+    feed = [int(ref[0].argmax())]
+    ref = decode_logits(kimi.config, kimi.params, _kimi_backend(kimi, "reference"), feed * 5)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    bad = []
+    for name in ("engine", "triton-decode", "no-in-place"):
+        got = decode_logits(kimi.config, kimi.params, _kimi_backend(kimi, name), feed * 5)
+        diff = np.abs(got - ref).max(-1)
+        same = got.argmax(-1) == ref.argmax(-1)
+        print(f"{name}: max|diff| per row {diff}, max|logit| {np.abs(ref).max():.3g}, margins {margin}, "
+              f"argmax equal {same}")
+        if diff.max() > 0.05 * np.abs(ref).max() or not same[margin > 2 * diff].all():
+            bad.append(name)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", ["engine", "triton-decode", "no-in-place"])
+def test_verify_step_kimi_widths(kimi, backend):
+    """verify_vs_decode at Kimi-Linear's widths, bf16, on the engine's H200 backend and its variants."""
+    import jax.numpy as jnp
+    dec, ver, ds, vs = verify_vs_decode(kimi.config, kimi.params, _kimi_backend(kimi, backend), jnp.bfloat16)
+    top2 = np.sort(dec, axis=-1)[:, -2:]
+    margin, diff = top2[:, 1] - top2[:, 0], np.abs(dec - ver).max(-1)
+    msg = (f"{backend}: max|logit diff| per row {diff}, max|logit| {np.abs(dec).max():.3g}, margins {margin}, "
+           f"argmax dec {dec.argmax(-1)} ver {ver.argmax(-1)}, max|state diff| per position "
+           f"{np.abs(ds - vs).reshape(len(ds), -1).max(-1)} (states' max {np.abs(ds).max():.3g})")
+    print(msg)
+    assert diff.max() <= 0.05 * np.abs(dec).max(), msg
+    assert (ver.argmax(-1) == dec.argmax(-1))[margin > 2 * diff].all(), msg
+
+
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+def test_engine_oracle_kimi_widths(kimi, backend, tmp_path):
+    """bench_spec's c1 rows at Kimi-Linear's widths (bf16): oracle drafts from the off run. Prints acceptance
+    and where the outputs first differ; asserts most drafts are accepted (bf16 rounding differs between a
+    verification chunk and decode rows, so a near-tie may flip)."""
+    from serving.engine import LLMEngine
+    from serving.engine_args import EngineArgs
+    from serving.sampling_params import SamplingParams
+    from serving.spec import make_speculator
+    kimi.backend = _kimi_backend(kimi, backend)
+    args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
+                      num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
+                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4), speculative_on_gpu=True,
+                      warmup=False, background_compile=False, dense_in_place=KIMI_BACKENDS[backend][2])
+    eng = LLMEngine(kimi, args)
+    prompt = np.random.default_rng(0).integers(0, kimi.config.vocab_size - 16, 2100).tolist()
+
+    def run():
+        eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), request_id="r0")
+        out = None
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    out = o.outputs[0].token_ids
+        return {"r0": list(out)}
+
+    eng.spec = None
+    ref = run()
+    again = run()
+    rates = []
+    for wrong in (False, True):
+        eng.spec = make_speculator(args, kimi, eng.max_model_len)
+        eng.spec.drafter = Oracle(ref, wrong, kimi.config.vocab_size)
+        out = run()
+        m = eng.spec.metrics()
+        first = next((i for i, (a, b) in enumerate(zip(ref["r0"], out["r0"])) if a != b), None)
+        print(f"{backend} wrong={wrong}: off twice equal {again == ref}, equal {out == ref}, first diff at {first}, "
+              f"{ {k: v for k, v in m.items() if k.startswith('spec_')} }")
+        rates.append(m["spec_acceptance_rate"])
+    assert again == ref
+    assert rates[0] >= 0.8 and rates[1] == 0.0, rates
