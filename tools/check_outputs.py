@@ -2,7 +2,7 @@
 comparison of the code against such a fixture (for refactors that must not change a single bit).
 
     python tools/check_outputs.py --write tests/fixtures/outputs_tiny.npz   # record
-    python tools/check_outputs.py --check tests/fixtures/outputs_tiny.npz   # compare exactly
+    python tools/check_outputs.py --check tests/fixtures/outputs_tiny*.npz  # compare exactly (one fixture per machine kind)
 
 For the `tiny` (trained) and `tiny-random` presets, on CPU, in float32 and in the preset's default
 dtype (bfloat16), it records:
@@ -10,7 +10,9 @@ dtype (bfloat16), it records:
            positions' rows and float64 checksums (sum, sum of |x|) of the whole array;
   step/*:  the engine's path (k3jax.LLM, greedy, a small token budget so that prompts prefill in
            chunks, then decode steps): the generated token ids and their top logprobs.
---check exits 1 on any difference (the largest absolute difference per entry is printed);
+--check takes one fixture per machine kind: XLA:CPU's code (vector width, cache blocking) differs between CPU
+kinds, so the same program's bits do too; the outputs must equal one of the fixtures exactly.
+--check exits 1 on any difference from every fixture (the largest absolute difference per entry is printed);
 --rtol compares floats within a relative tolerance instead of exactly (token ids stay exact).
 """
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="PATH")
-    g.add_argument("--check", metavar="PATH")
+    g.add_argument("--check", metavar="PATH", nargs="+", help="fixtures (one per machine kind): identical to one")
     ap.add_argument("--rtol", type=float, default=0.0, help="float tolerance for --check (default: exact)")
     ap.add_argument("--preset", action="append", choices=PRESETS, help="only this preset (repeatable; --check)")
     ap.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable; --check)")
@@ -106,11 +108,16 @@ def main(argv=None) -> int:
         np.savez_compressed(a.write, **got)
         print(f"wrote {len(got)} arrays to {a.write}")
         return 0
-    with np.load(a.check) as f:
-        ref = {k: f[k] for k in f.files if k.split("/")[1] in presets and k.split("/")[2] in dtypes}
-    bad = compare(ref, got, a.rtol)
-    print("identical" if not bad else f"{len(bad)} differences")
-    return 1 if bad else 0
+    for path in a.check:
+        with np.load(path) as f:
+            ref = {k: f[k] for k in f.files if k.split("/")[1] in presets and k.split("/")[2] in dtypes}
+        print(f"against {path}:")
+        bad = compare(ref, got, a.rtol)
+        if not bad:
+            print(f"identical to {path}")
+            return 0
+        print(f"{len(bad)} differences")
+    return 1
 
 
 if __name__ == "__main__":
