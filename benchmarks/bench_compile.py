@@ -28,7 +28,7 @@ def measure(model: str, buckets: str | None = None, max_shapes: int | None = Non
     from k3jax.params import param_shapes
     from k3jax.presets import preset_config
     from serving.engine_args import EngineArgs, batch_defaults
-    from serving.runner import padding_step_args, step_buckets, step_compiler_options, warmup_shapes
+    from serving.step_shapes import padding_step_args, step_buckets, step_compiler_options, warmup_shapes
 
     jax.config.update("jax_enable_compilation_cache", False)
     c = preset_config(model)

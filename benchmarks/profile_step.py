@@ -381,7 +381,7 @@ def main():
             else:
                 run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, model=model, bw=bw)
         except Exception as e:  # noqa: BLE001 - report, name the op, go on with the next scenario
-            from serving.runner import step_shape
+            from serving.step_shapes import step_shape
             chunks, r = last.get("chunks", []), eng.runner
             T, N = step_shape(sum(len(ch.tokens) for ch in chunks), len(chunks), r.token_buckets, r.seq_buckets,
                               r.long_token_buckets)

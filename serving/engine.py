@@ -24,7 +24,8 @@ from serving.executable_cache import ExecutableCache
 from serving.multimodal import chunk_rows, expand_image_placeholders, image_extra_keys
 from serving.prefix_verify import PrefixCacheVerifier
 from serving.request import CompletionOutput, Request, RequestOutput, Status
-from serving.runner import ModelRunner, long_buckets, step_buckets, step_temp_bytes
+from serving.runner import ModelRunner
+from serving.step_shapes import long_buckets, step_buckets, step_temp_bytes
 from serving.sampling_params import SamplingParams
 from serving.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from serving.spec import make_speculator

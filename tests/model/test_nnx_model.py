@@ -82,7 +82,7 @@ def test_runner_step_traces_the_functional_step(tiny):
     as the model called on the parameter dict."""
     from k3jax.cache import make_pools
     from pallas_kernels.backend import detect
-    from serving.runner import padding_step_args
+    from serving.step_shapes import padding_step_args
     c, params = tiny
     params = stack_layers(params, c)
     backend = detect("reference")

@@ -14,7 +14,7 @@ from serving.compile_queue import CompileQueue, abstract
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
 from serving.executable_cache import args_signature
-from serving.runner import _shape_key, _step_key, warmup_shapes
+from serving.step_shapes import _shape_key, _step_key, warmup_shapes
 from serving.sampling_params import SamplingParams
 
 # token buckets 16 and 64, one sequence bucket of 4: the covering set is the decode-only (16, 4) step and the

@@ -8,7 +8,7 @@ from serving import engine as engine_mod
 from serving import engine_args
 from serving.engine import LLMEngine
 from serving.engine_args import EngineArgs
-from serving.runner import step_temp_bytes
+from serving.step_shapes import step_temp_bytes
 
 
 def test_pools_sized_after_the_largest_steps_activations(monkeypatch):

@@ -52,7 +52,7 @@ def test_step_compiler_options_apply_on_gpu_only_and_yield_to_xla_flags(monkeypa
     """The step's GPU options (CUDA graphs around the layer loop, no HLO rematerialization) are asked for
     on a GPU only, and a flag the user set in XLA_FLAGS is left to the user."""
     import jax
-    from serving import runner
+    from serving import step_shapes as runner
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert runner.step_compiler_options() == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

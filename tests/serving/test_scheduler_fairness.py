@@ -127,7 +127,7 @@ def test_a_million_token_prompt_compiles_few_step_shapes():
     1024): 64 long steps to the last block boundary before its end, a regular one to its end checkpoint, the tail,
     then decode steps: four step shapes (the per-context shape, the block tables, is fixed by max_model_len)."""
     from serving.engine_args import ACCELERATOR_BATCH_DEFAULTS, ACCELERATOR_LONG_PREFILL_TOKENS
-    from serving.runner import long_buckets, step_buckets, step_shape
+    from serving.step_shapes import long_buckets, step_buckets, step_shape
     seqs, budget = ACCELERATOR_BATCH_DEFAULTS
     n = (1 << 20) - 256
     sched = _scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=1 << 20, state_block_size=1024,

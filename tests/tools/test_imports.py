@@ -35,7 +35,7 @@ ALLOWED_ENV = {
     ("sharding.distributed", "K3JAX_DISTRIBUTED"),
     ("sharding.launch", "K3JAX_LOCAL_DEVICE_IDS"),
     ("k3jax.serve", "K3JAX_API_KEY"),                     # a secret stays out of the command line
-    ("serving.runner", "XLA_FLAGS"),                      # XLA's own flags win over the step's compile options
+    ("serving.step_shapes", "XLA_FLAGS"),                      # XLA's own flags win over the step's compile options
     ("serving.executable_cache", "XLA_FLAGS"),            # a stored program is only valid under the flags it was built with
     ("serving.engine_args", "XLA_PYTHON_CLIENT_MEM_FRACTION"),   # claim_device_memory: the user's value wins
 }
