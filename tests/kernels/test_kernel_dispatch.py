@@ -10,6 +10,10 @@ from tests.support.kernel_steps import two_step_logits
 pytestmark = pytest.mark.interpret
 
 
+# slow (CI's time budget): a whole step of interpreted kernels, as the TPU path's in test_kda_tpu.py; each kernel's
+# own interpret tests run by default (test_kda_kernels, test_mla_kernels, test_moe_kernels), and that a kernels
+# backend's step calls them by test_step_closes_over_its_backend below
+@pytest.mark.slow
 def test_step_with_pallas_kernels_matches_reference():
     out = {}
     for mode in ("reference", "pallas"):

@@ -17,6 +17,13 @@ from k3jax.presets import preset_config
 
 PAGE = 8
 BUCKET = dict(num_tokens=96, num_seqs=4, max_pages=24)
+# one pool shape for every test: each distinct shape is another compile of the step, this file's largest cost
+POOL = dict(num_pages=64, num_slots=8)
+FULL_LEN = 160       # the reference forward's one length (the longest sequence here is 150)
+
+
+def _pools(c):
+    return make_pools(c, POOL["num_pages"], PAGE, POOL["num_slots"], jnp.float32)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +31,15 @@ def model():
     c = preset_config("tiny-random")
     params = init_params_numpy(c, 11, jnp.float32)
     # both through the scanned decoder (tests/model/test_layer_stack.py checks scan == unrolled)
-    full = jax.jit(lambda p, t: K3Model(c, p)(t))
+    forward = jax.jit(lambda p, t: K3Model(c, p)(t))
+
+    def full(p, t):
+        """The forward of t (1, n), right-padded to one length (one compile): a causal model's logits of the
+        first n positions ignore the padding."""
+        n = t.shape[1]
+        assert n <= FULL_LEN
+        return forward(p, np.pad(t, ((0, 0), (0, FULL_LEN - n))))[:, :n]
+
     step = jax.jit(make_step(c), donate_argnums=1)
     return c, params, full, step
 
@@ -42,7 +57,7 @@ def test_random_chunks_match_full_forward(model):
     pages = rng.permutation(np.arange(1, 64))
     tables = [pages[0:20], pages[20:40], pages[40:60]]
     slots = rng.permutation(np.arange(1, 8))[:3]
-    pools = make_pools(c, 64, PAGE, 8, jnp.float32)
+    pools = _pools(c)
     done = [0, 0, 0]
     checked = 0
     while any(d < n for d, n in zip(done, lengths)):
@@ -77,7 +92,7 @@ def test_prefix_checkpoint_resumed_by_another_sequence(model):
     a = rng.randint(0, c.vocab_size, 80).astype(np.int32)
     b = np.concatenate([a[:48], rng.randint(0, c.vocab_size, 30).astype(np.int32)])
     ref_a, ref_b = (np.asarray(full(params, s[None]))[0] for s in (a, b))
-    pools = make_pools(c, 40, PAGE, 6, jnp.float32)
+    pools = _pools(c)
     pages_a = list(range(10, 20))
     pages_b = pages_a[:6] + [30, 31, 32, 33]
     # A: 48 tokens, also writing its state into checkpoint slot 5.
@@ -94,7 +109,7 @@ def test_prefix_checkpoint_resumed_by_another_sequence(model):
 
 def test_padding_sequences_do_not_touch_real_slots(model):
     c, params, full, step = model
-    pools = make_pools(c, 16, PAGE, 4, jnp.float32)
+    pools = _pools(c)
     pools = jax.tree_util.tree_map(lambda x: x + 1.0, pools)     # non-zero everywhere
     before = jax.tree_util.tree_map(np.asarray, pools)
     toks = np.arange(5, dtype=np.int32)
@@ -115,7 +130,7 @@ def test_decode_only_steps_use_the_pool_in_place_and_match(model):
     rng = np.random.RandomState(3)
     seqs = [rng.randint(0, c.vocab_size, n).astype(np.int32) for n in (20, 33, 9)]
     refs = [np.asarray(full(params, s[None]))[0] for s in seqs]
-    pools = make_pools(c, 32, PAGE, 6, jnp.float32)
+    pools = _pools(c)
     tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13]]
     prefill = [SeqChunk(s[:-3], 0, t, -1, slot) for s, t, slot in zip(seqs, tables, (4, 2, 5))]
     _, pools = step(params, pools, make_step_batch(prefill, PAGE, **BUCKET))

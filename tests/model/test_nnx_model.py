@@ -199,7 +199,8 @@ def test_modules_declare_their_parameters():
     # a scanned unit's repeats are drawn separately, not one draw repeated
     q = value(model.layers.units[0].attn.q_proj)
     assert model.layers.units[0].attn.q_proj.logical_axes[0] == "layers" and not np.array_equal(q[0], q[1])
-    logits = model(jnp.arange(6, dtype=jnp.int32).reshape(1, 6))
+    # (under nnx.jit: one compile, where eager dispatch compiles every op of the forward on its own)
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.arange(6, dtype=jnp.int32).reshape(1, 6))
     assert logits.shape == (1, 6, c.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
     with pytest.raises(ValueError, match="without cache"):
         model(jnp.zeros((1, 2), jnp.int32), metadata=object())

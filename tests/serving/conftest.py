@@ -2,12 +2,12 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
+def server(tmp_path_factory, xla_cache_dir):
     """The tiny model's `python -m k3jax.serve` (tests/support/server_fixture.py) shared by the server test
     modules; --max-waiting / --max-n small enough that a test can fill the queue with one request's n choices."""
     from tests.support.server_fixture import ServerProcess
     s = ServerProcess(str(tmp_path_factory.mktemp("srv")), "--max-image-mb", "0.5", "--max-waiting", "100",
-                      "--max-n", "200")
+                      "--max-n", "200", compilation_cache_dir=xla_cache_dir)
     yield s
     s.stop()
 

@@ -48,7 +48,9 @@ def test_a_refused_prompt_leaves_the_offline_engine_usable(one_device_tokens):
         llm.chat([{"role": "user", "content": 5}])   # was a TypeError from the template
 
 
-@pytest.mark.parametrize("mesh", ["data=2,expert=4", "tensor=2,expert=4"])
+# tensor=2,expert=4 slow (CI's time budget): its own engine's compiles; the engine on a mesh stays covered by
+# data=2,expert=4 here, the tensor-parallel step and pools by test_sharding_model.py and test_multiprocess.py
+@pytest.mark.parametrize("mesh", ["data=2,expert=4", pytest.param("tensor=2,expert=4", marks=pytest.mark.slow)])
 def test_engine_on_mesh_matches_one_device(mesh, one_device_tokens):
     assert _greedy(mesh) == one_device_tokens
     llm = _llm(mesh)
@@ -57,10 +59,16 @@ def test_engine_on_mesh_matches_one_device(mesh, one_device_tokens):
     assert len(pool.sharding.device_set) == 8 and (llm.engine.scheduler.slots.capacity + 1) % shards == 0
 
 
+# slow (CI's time budget): a whole process's load and compiles; the engine on this mesh stays covered by
+# test_engine_on_mesh_matches_one_device, the CLI's run by test_api.py::test_generate_cli
+@pytest.mark.slow
 def test_generate_cli_with_mesh():
     r = subprocess.run([sys.executable, "-m", "k3jax.generate", "--model", "tiny-random", "--mesh", "data=2,expert=4",
                         "--prompt", "Hello", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_generate_cli_refuses_a_mesh_of_other_devices():
     bad = subprocess.run([sys.executable, "-m", "k3jax.generate", "--mesh", "data=3"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and ("data=3" in bad.stderr or "device" in bad.stderr)

@@ -112,6 +112,9 @@ async def _requests_through_a_kill(url, follower):
         return [t.result() for t in in_flight], [t.result() for t in wholes], health, answered
 
 
+# slow (CI's time budget): a two-process group's whole warm-up first; the default run keeps the group's start-up
+# faults above, and the requests' answers on a failed engine in test_failing_a_stuck_engine_answers_every_request
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_follower_killed_while_serving_fails_requests_and_ends(tmp_path, xla_cache):
     group, url = _start_group(tmp_path, xla_cache, "", "--no-warmup")

@@ -21,7 +21,9 @@ def two_step_logits(backend):
     steps = [[SeqChunk(toks[:30], 0, [1, 2, 3], -1, 1), SeqChunk(toks[:7], 0, [4], -1, 2)],
              [SeqChunk(toks[30:31], 30, [1, 2, 3], 1, 1), SeqChunk(toks[7:8], 7, [4], 2, 2)]]
     pools = make_pools(c, 16, 16, 4, jnp.float32)
-    step = jax.jit(make_step(c, backend))
+    # interpret-mode kernels are big unrolled HLO: without XLA's backend optimisations the step compiles
+    # in a fraction of the time (as tests/kernels/test_kda_kernels.py's kernels do)
+    step = jax.jit(make_step(c, backend), compiler_options={"xla_backend_optimization_level": 0})
     logits, decode_only = [], []
     for chunks in steps:
         batch = make_step_batch(chunks, 16, num_tokens=64, num_seqs=4, max_pages=4)

@@ -40,14 +40,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp_dir, *extra_args, timeout: float = 300.0):
+    def __init__(self, tmp_dir, *extra_args, timeout: float = 300.0, compilation_cache_dir: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tmp_dir, f"server-{self.port}.log")
         env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
         # a small cache (16 MiB, not CPU's 256 MiB default): a CPU step's time grows with the pools'
         # size (a decode step of the tiny models: ~0.4 s at 256 MiB, ~0.08 s at 32 MiB)
-        self.compilation_cache_dir = os.path.join(tmp_dir, "xla")
+        # (compilation_cache_dir: one shared by the session's servers of one model and pools, so that only the
+        # first one's warm-up compiles: tests/conftest.py's xla_cache_dir)
+        self.compilation_cache_dir = compilation_cache_dir or os.path.join(tmp_dir, "xla")
         # (the real server with the scripted-output hook installed: tests/support/serve_with_hooks.py)
         cmd = [*SERVE_WITH_HOOKS, "--model", "tiny-random", "--port", str(self.port), "--max-model-len", "512",
                "--api-key", API_KEY, "--compilation-cache-dir", self.compilation_cache_dir,
