@@ -107,7 +107,8 @@ def test_greedy_identical_with_speculation(rnd):
     assert off["stop"][2] == "stop" and len(off["stop"][0]) < 24 and off["stopstr"][2] == "stop"
     assert off["long"][2] == "length" and len(off["long"][0]) == 24
     assert off["n0"][0] == off["n1"][0]
-    np.testing.assert_allclose([lp for lp, _ in on["lp"][3]], [lp for lp, _ in off["lp"][3]], atol=1e-4)
+    # fp32 logprobs of one token through differently shaped steps (1.1e-4 apart on an AVX2 CPU)
+    np.testing.assert_allclose([lp for lp, _ in on["lp"][3]], [lp for lp, _ in off["lp"][3]], atol=3e-4)
     assert [sorted(t) for _, t in on["lp"][3]] == [sorted(t) for _, t in off["lp"][3]]
     # synchronous steps, and a follow-up turn resuming from a speculated request's cached final state
     follow = [("turn2", work[0][1] + on["long"][0] + [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12))]
