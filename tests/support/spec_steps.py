@@ -10,7 +10,6 @@ def verify_vs_decode(config, params, backend, dtype, prompt_len=600, page_size=1
     position). Returns (decode logits [K+1, V], verify logits [K+1, V], decode states [K+1, ...], verify
     states [K+1, ...]): the fed tokens are the decode path's greedy ones, so the two read the same inputs."""
     import jax
-    import jax.numpy as jnp
     from k3jax.cache import SeqChunk, make_pools, make_step_batch
     from k3jax.nnx_model import make_step
     W = K + 1
