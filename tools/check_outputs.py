@@ -2,7 +2,7 @@
 comparison of the code against such a fixture (for refactors that must not change a single bit).
 
     python tools/check_outputs.py --write tests/fixtures/outputs_tiny.npz   # record
-    python tools/check_outputs.py --check tests/fixtures/outputs_tiny*.npz  # compare exactly (one fixture per machine kind)
+    python tools/check_outputs.py --check tests/fixtures/outputs_tiny*.npz  # exactly, one per machine kind
 
 For the `tiny` (trained) and `tiny-random` presets, on CPU, in float32 and in the preset's default
 dtype (bfloat16), it records:

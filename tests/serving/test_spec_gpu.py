@@ -354,6 +354,7 @@ def test_decode_kernels_kimi_widths_fp32():
         feed = [int(ref[0].argmax())] * 3
         ref = decode_logits(m.config, m.params, _kimi_backend(m, "reference"), feed, dtype="float32")
     got = decode_logits(m.config, m.params, _kimi_backend(m, "engine"), feed, dtype="float32")
-    msg = f"fp32 kernels vs references: max|diff| per row {np.abs(got - ref).max(-1)}, max|logit| {np.abs(ref).max():.3g}"
+    msg = (f"fp32 kernels vs references: max|diff| per row {np.abs(got - ref).max(-1)}, "
+           f"max|logit| {np.abs(ref).max():.3g}")
     print(msg)
     np.testing.assert_allclose(got, ref, atol=2e-3 * max(1.0, float(np.abs(ref).max())), rtol=0, err_msg=msg)
