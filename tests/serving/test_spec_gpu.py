@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_spec import Oracle
-from tests.support.spec_steps import verify_vs_decode
+from tests.support.spec_steps import decode_logits, verify_vs_decode
 
 from tests.support.gpu_marks import GPU_ONLY
 
@@ -122,19 +122,13 @@ def _model(name, kernels, dtype="float32"):
     return m
 
 
-@pytest.mark.parametrize("kernels", ["auto", "reference"])
-@pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
-def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
-    """bench_spec's c1 rows, small: a 2,100-token prompt (block tables of 4,096 keys), warm-up and the
-    accelerator's defaults (async scheduling, several decode steps per launch, background compile)."""
+def oracle_runs(model, args):
+    """bench_spec's c1 rows, small, on one engine: a 2,100-token prompt's 40 greedy tokens with speculation
+    off (twice), then with oracle drafts (the off run's tokens) and wrong drafts. Returns (off, off again,
+    [(output, speculation metrics)] for oracle and wrong drafts)."""
     from serving.engine import LLMEngine
-    from serving.engine_args import EngineArgs
     from serving.sampling_params import SamplingParams
     from serving.spec import make_speculator
-    model = _model(name, kernels)
-    args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
-                      num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
-                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4), speculative_on_gpu=True)
     eng = LLMEngine(model, args)
     eng.wait_for_compiles()
     vocab = model.config.vocab_size
@@ -150,12 +144,26 @@ def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
         return {"r0": list(out)}
 
     eng.spec = None
-    ref = run()
-    for wrong, rate in ((False, 1.0), (True, 0.0)):
+    ref, again, spec = run(), run(), []
+    for wrong in (False, True):
         eng.spec = make_speculator(args, model, eng.max_model_len)
         eng.spec.drafter = Oracle(ref, wrong, vocab)
-        out = run()
-        m = eng.spec.metrics()
+        spec.append((run(), eng.spec.metrics()))
+    return ref, again, spec
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-linear"])
+def test_engine_greedy_spec_equals_off(name, kernels, tmp_path):
+    """bench_spec's c1 rows, small: a 2,100-token prompt (block tables of 4,096 keys), warm-up and the
+    accelerator's defaults (async scheduling, several decode steps per launch, background compile)."""
+    from serving.engine_args import EngineArgs
+    model = _model(name, kernels)
+    args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
+                      num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
+                      vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4), speculative_on_gpu=True)
+    ref, _, spec = oracle_runs(model, args)
+    for (out, m), wrong, rate in zip(spec, (False, True), (1.0, 0.0)):
         assert m["spec_drafted_tokens"] > 0
         assert out == ref, (wrong, m)
         assert m["spec_acceptance_rate"] == rate, (wrong, m)
@@ -239,28 +247,6 @@ def kimi():
     return _kimi_slice()
 
 
-def decode_logits(config, params, backend, feed, prompt_len=600, page_size=16, max_pages=256, dtype="bfloat16"):
-    """A prompt_len-token prefill, then decode steps fed `feed` (one token a step, bf16 pools): the logits
-    [1 + len(feed), V] (the prefill's last row first)."""
-    import jax
-    import jax.numpy as jnp
-    from k3jax.cache import SeqChunk, make_pools, make_step_batch
-    from k3jax.nnx_model import make_step
-    pages = list(range(1, max_pages + 1))
-    pools = make_pools(config, max_pages + 2, page_size, 16, jnp.dtype(dtype), bits=False)
-    step = jax.jit(make_step(config, backend))
-    prompt = np.random.default_rng(0).integers(0, config.vocab_size - 16, prompt_len).tolist()
-    T0 = 1 << (prompt_len - 1).bit_length()
-    lg, pools = step(params, pools, make_step_batch([SeqChunk(prompt, 0, pages, -1, 1)], page_size, num_tokens=T0,
-                                                     num_seqs=1, max_pages=max_pages))
-    out = [np.asarray(lg[0], np.float32)]
-    for j, t in enumerate(feed):
-        lg, pools = step(params, pools, make_step_batch([SeqChunk([t], prompt_len + j, pages, 1, 1)], page_size,
-                                                         num_tokens=16, num_seqs=1, max_pages=max_pages))
-        out.append(np.asarray(lg[0], np.float32))
-    return np.stack(out)
-
-
 XFAIL_ROUNDING = pytest.mark.xfail(strict=True, reason=(
     "on the H200 a verification step's rows do not round as decode steps' do (each step program's GEMMs and "
     "fusions are compiled and autotuned on their own; the first KDA layer's states already differ by ~5e-4 "
@@ -292,40 +278,18 @@ def test_engine_oracle_kimi_widths(kimi, backend, tmp_path):
     """bench_spec's c1 rows at Kimi-Linear's widths (bf16): oracle drafts from the off run. Prints acceptance
     and where the outputs first differ; asserts most drafts are accepted (bf16 rounding differs between a
     verification chunk and decode rows, so a near-tie may flip)."""
-    from serving.engine import LLMEngine
     from serving.engine_args import EngineArgs
-    from serving.sampling_params import SamplingParams
-    from serving.spec import make_speculator
     kimi.backend = _kimi_backend(kimi, backend)
     args = EngineArgs(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, speculative="ngram",
                       num_speculative_tokens=K, enable_prefix_caching=False, compilation_cache_dir=str(tmp_path),
                       vision=False, token_buckets=(16, 64, 1024), seq_buckets=(1, 4), speculative_on_gpu=True,
                       warmup=False, background_compile=False, dense_in_place=KIMI_BACKENDS[backend][2])
-    eng = LLMEngine(kimi, args)
-    prompt = np.random.default_rng(0).integers(0, kimi.config.vocab_size - 16, 2100).tolist()
-
-    def run():
-        eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), request_id="r0")
-        out = None
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    out = o.outputs[0].token_ids
-        return {"r0": list(out)}
-
-    eng.spec = None
-    ref = run()
-    again = run()
-    rates = []
-    for wrong in (False, True):
-        eng.spec = make_speculator(args, kimi, eng.max_model_len)
-        eng.spec.drafter = Oracle(ref, wrong, kimi.config.vocab_size)
-        out = run()
-        m = eng.spec.metrics()
+    ref, again, spec = oracle_runs(kimi, args)
+    for (out, m), wrong in zip(spec, (False, True)):
         first = next((i for i, (a, b) in enumerate(zip(ref["r0"], out["r0"])) if a != b), None)
         print(f"{backend} wrong={wrong}: off twice equal {again == ref}, equal {out == ref}, first diff at {first}, "
               f"{ {k: v for k, v in m.items() if k.startswith('spec_')} }")
-        rates.append(m["spec_acceptance_rate"])
+    rates = [m["spec_acceptance_rate"] for _, m in spec]
     assert again == ref
     assert rates[0] >= 0.8 and rates[1] == 0.0, rates
 
@@ -348,12 +312,13 @@ def test_decode_kernels_kimi_widths_fp32():
     """Prefill and decode logits at Kimi-Linear's widths in fp32: the GPU kernels against the jnp references
     (run at HIGHEST matmul precision: TF32 would be the larger error)."""
     import jax
+    import jax.numpy as jnp
     m = _kimi_slice("float32")
     with jax.default_matmul_precision("highest"):
-        ref = decode_logits(m.config, m.params, _kimi_backend(m, "reference"), [], dtype="float32")
+        ref = decode_logits(m.config, m.params, _kimi_backend(m, "reference"), [], jnp.float32)
         feed = [int(ref[0].argmax())] * 3
-        ref = decode_logits(m.config, m.params, _kimi_backend(m, "reference"), feed, dtype="float32")
-    got = decode_logits(m.config, m.params, _kimi_backend(m, "engine"), feed, dtype="float32")
+        ref = decode_logits(m.config, m.params, _kimi_backend(m, "reference"), feed, jnp.float32)
+    got = decode_logits(m.config, m.params, _kimi_backend(m, "engine"), feed, jnp.float32)
     msg = (f"fp32 kernels vs references: max|diff| per row {np.abs(got - ref).max(-1)}, "
            f"max|logit| {np.abs(ref).max():.3g}")
     print(msg)
