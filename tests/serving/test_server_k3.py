@@ -151,13 +151,25 @@ def test_required_tool_choice_and_prompt_messages(client, tok):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_calls_a_declared_tool(client, stream):
-    """tool_choice "required" on random weights at temperature 0: every call names a declared tool with
-    arguments valid for its schema, streamed or not (one call without parallel_tool_calls)."""
+    """tool_choice "required" on random weights at temperature 0: exactly one call (parallel_tool_calls off),
+    naming a declared tool with arguments valid for its schema, streamed or not."""
     from tests.support.server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
     calls, finish = chat_tool_calls(client, stream, model="k3", messages=USER, tools=BOUNDED_TOOLS,
-                                    tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=stream)
+                                    tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=False)
     assert_declared_calls(calls, BOUNDED_TOOLS)
-    assert finish == "tool_calls" and (stream or len(calls) == 1)
+    assert finish == "tool_calls" and len(calls) == 1
+
+
+def test_required_parallel_tool_calls_stream(client):
+    """parallel_tool_calls on: random weights may go on calling tools until max_tokens, so the answer ends either
+    with "tool_calls" or with "length" after several complete calls (one bounded call is far shorter than 100
+    tokens); every whole streamed call names a declared tool with valid arguments."""
+    from tests.support.server_fixture import BOUNDED_TOOLS, assert_declared_calls, chat_tool_calls
+    calls, finish = chat_tool_calls(client, True, model="k3", messages=USER, tools=BOUNDED_TOOLS,
+                                    tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=True)
+    assert finish in ("tool_calls", "length"), finish
+    # cut off by max_tokens, the last call may be unfinished; the ones before it are whole
+    assert_declared_calls(calls if finish == "tool_calls" else calls[:-1], BOUNDED_TOOLS)
 
 
 def test_response_format_json_schema(client, tok):
