@@ -52,10 +52,15 @@ def compile_threads(threads: Optional[int], jobs: int) -> int:
     return max(1, min(jobs, threads or min(8, (os.cpu_count() or 2) // 2)))
 
 
+def _compile(lowered):
+    return lowered.compile()
+
+
 def compile_now(jobs: Sequence[Job], land: Callable, *, threads: Optional[int] = None,
-                progress: bool = False) -> tuple[float, float]:
+                progress: bool = False, compile: Callable = _compile) -> tuple[float, float]:
     """Lower and compile `jobs`, handing each program to land(job, compiled) as it is done. With one compile
     thread (a small host) every program is lowered first: lowering while compiling would only contend.
+    compile(lowered): how a program is compiled (ExecutableCache.compile for programs it stores).
     Returns (seconds lowering, seconds compiling after the last program was lowered)."""
     t0 = time.perf_counter()
     threads = compile_threads(threads, len(jobs))
@@ -67,7 +72,7 @@ def compile_now(jobs: Sequence[Job], land: Callable, *, threads: Optional[int] =
     futures, deferred = {}, []
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="k3jax-compile") as pool:
         def submit(job, low):
-            fut = pool.submit(low.compile)
+            fut = pool.submit(compile, low)
             if bar is not None:
                 fut.add_done_callback(lambda _: bar.update())
             futures[fut] = job
@@ -87,11 +92,13 @@ def compile_now(jobs: Sequence[Job], land: Callable, *, threads: Optional[int] =
 
 class CompileQueue:
     def __init__(self, jobs: Sequence[tuple], land: Callable, *, threads: int = 1,
-                 gate: Optional[threading.Event] = None, on_done: Optional[Callable[[float, list], None]] = None):
-        """jobs: (key, lower) in the order to build them; lower() returns a jax Lowered (its .compile() runs on a
-        worker). land(key, compiled): a program is ready. on_done(seconds, failed keys): every job ended."""
+                 gate: Optional[threading.Event] = None, on_done: Optional[Callable[[float, list], None]] = None,
+                 compile: Callable = _compile):
+        """jobs: (key, lower) in the order to build them; lower() returns a jax Lowered (compile(lowered) runs on
+        a worker). land(key, compiled): a program is ready. on_done(seconds, failed keys): every job ended."""
         self._jobs = list(jobs)
         self._land = land
+        self._compile = compile
         self._gate = gate
         self._on_done = on_done
         self._left = len(self._jobs)          # jobs not yet ended (landed or failed)
@@ -156,7 +163,7 @@ class CompileQueue:
                 return
             key, lowered = item
             try:
-                self._land(key, lowered.compile())
+                self._land(key, self._compile(lowered))
             except Exception as e:  # noqa: BLE001
                 self._end(key, e)
                 continue

@@ -15,6 +15,10 @@ devices loads the executables directly:
 
 An entry whose stored argument tree differs from the call's is refused and rebuilt (never run), and
 any error reading, deserializing or writing an entry is logged once and falls back to compiling.
+
+The programs it stores are compiled by `compile`: on CPU past XLA's persistent cache, because an XLA:CPU
+executable read back from that cache serializes without its kernels (the entry loads, then fails at its first
+run with "Function ... not found").
 """
 from __future__ import annotations
 
@@ -78,6 +82,16 @@ class ExecutableCache:
             h.update(repr(part).encode())
             h.update(b"\0")
         return h.hexdigest()
+
+    @staticmethod
+    def compile(lowered):
+        """lowered.compile() for a program this cache will store (see the module's docstring). The switch is
+        thread-local: the warm-up's compile threads bypass XLA's cache for their own programs only."""
+        if jax.default_backend() != "cpu":
+            return lowered.compile()
+        from jax._src import config as jax_config       # the thread-local form of jax_enable_compilation_cache
+        with jax_config.enable_compilation_cache(False):
+            return lowered.compile()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.exe")

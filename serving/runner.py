@@ -363,7 +363,8 @@ class ModelRunner:
             if background:
                 later = sorted((j for j in jobs if not j.cover), key=lambda j: j.rank)
                 jobs = [j for j in jobs if j.cover]
-            lower_s, compile_s = compile_now(jobs, self._store, threads=threads, progress=progress)
+            lower_s, compile_s = compile_now(jobs, self._store, threads=threads, progress=progress,
+                                             compile=self._compile_for_store)
         ready = (lambda key: key in self._compiled) if later else (lambda key: True)
         t_run = time.perf_counter()
         run = [s for s in shapes + long if ready(_shape_key(*s))]
@@ -460,6 +461,10 @@ class ModelRunner:
                  cache.directory)
         return left
 
+    def _compile_for_store(self, lowered):
+        """A warm-up program's compile: as the executable cache needs it when there is one."""
+        return lowered.compile() if self.executable_cache is None else self.executable_cache.compile(lowered)
+
     def _store(self, job, exe):
         """A program compiled at warm-up: kept for _call and stored in the executable cache."""
         self._compiled[job.key] = exe
@@ -487,7 +492,8 @@ class ModelRunner:
                 log.info("background compile: all %d programs in %.1fs", total, time.perf_counter() - t0)
 
         self._queue = CompileQueue([(j.key, functools.partial(j.fn.lower, *j.args)) for j in by_key.values()], land,
-                                   threads=compile_threads(threads, len(jobs)), gate=gate, on_done=done).start()
+                                   threads=compile_threads(threads, len(jobs)), gate=gate, on_done=done,
+                                   compile=self._compile_for_store).start()
 
     def compiles_pending(self) -> int:
         """Programs still compiling in the background (0: none, or no background compile)."""

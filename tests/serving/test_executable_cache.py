@@ -50,10 +50,43 @@ def test_entry_for_other_arguments_is_refused(tmp_path):
     f = jax.jit(lambda x: x * 2)
     x4 = np.ones(4, np.float32)
     key = cache.key("double")
-    assert cache.save(key, (x4,), f.lower(x4).compile())
+    assert cache.save(key, (x4,), cache.compile(f.lower(x4)))
     assert cache.load(key, (np.ones(5, np.float32),)) is None and cache.refused == 1
     assert not os.path.exists(tmp_path / f"{key}.exe")                 # dropped, to be rebuilt
-    assert cache.save(key, (x4,), f.lower(x4).compile())
+    assert cache.save(key, (x4,), cache.compile(f.lower(x4)))
     np.testing.assert_array_equal(cache.load(key, (x4,))(jnp.asarray(x4)), x4 * 2)
     assert args_signature((x4,)) != args_signature((x4.astype(np.float64),))
     assert cache.key("double") != cache.key("triple")
+
+
+@pytest.fixture
+def xla_cache(tmp_path):
+    """XLA's persistent compilation cache in tmp_path for one test, every program written to it; the worker's
+    settings (an engine earlier in the run may have set its own directory) restored after."""
+    import jax
+    from jax._src import compilation_cache
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    compilation_cache.reset_cache()
+    for n, v in zip(names, (str(tmp_path / "xla"), 0, -1)):
+        jax.config.update(n, v)
+    yield
+    compilation_cache.reset_cache()
+    for n, v in before.items():
+        jax.config.update(n, v)
+
+
+def test_a_program_in_xlas_cache_is_stored_whole(tmp_path, xla_cache):
+    """A program XLA's persistent cache already holds (an earlier run compiled it) is stored so that it runs when
+    loaded: on CPU the copy read back from XLA's cache serializes without its kernels, so the cache compiles it
+    past XLA's cache ("Function ... not found" at the loaded program's first run otherwise)."""
+    import jax
+    import jax.numpy as jnp
+    make = lambda: jax.jit(lambda x: jnp.sin(x) * 3 + 1)       # noqa: E731  (a new jit: a new in-memory cache)
+    x = np.linspace(0, 1, 6, dtype=np.float32)
+    want = np.asarray(make()(x))                                  # compiled once: now in XLA's cache
+    cache = ExecutableCache(str(tmp_path / "exe"))
+    key = cache.key("sin")
+    assert cache.save(key, (x,), cache.compile(make().lower(x)))
+    np.testing.assert_array_equal(np.asarray(cache.load(key, (x,))(jnp.asarray(x))), want)
