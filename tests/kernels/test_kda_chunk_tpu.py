@@ -10,6 +10,7 @@ import pytest
 from tests.support.kernel_steps import can_export_for_tpu
 from pallas_kernels.kda.chunk_tpu import chunk_kda_laid_out_tpu
 from pallas_kernels.kda.reference import recurrent_kda_reference, varlen_chunk_layout
+from tests.support.tiers import slow_case
 
 pytestmark = pytest.mark.interpret
 
@@ -64,9 +65,9 @@ def _inputs(seed, B, T, H, K, V, g_lo=-5.0, g_hi=0.0, dtype=jnp.float32):
 
 @pytest.mark.parametrize("B,T,H,K,V,g_lo,g_hi", [
     (2, 100, 2, 128, 128, -5.0, 0.0),     # T not a multiple of 64, K3's head size
-    (1, 1, 3, 128, 128, -5.0, 0.0),       # one token
+    slow_case(1, 1, 3, 128, 128, -5.0, 0.0),       # one token
     (1, 130, 1, 64, 128, -8.0, -4.0),     # strong decay: exp(g) underflows across a chunk
-    (1, 64, 3, 128, 128, -0.05, 0.0),     # weak decay: the delta rule does the work
+    slow_case(1, 64, 3, 128, 128, -0.05, 0.0),     # weak decay: the delta rule does the work
     (1, 80, 2, 64, 32, -5.0, 0.0),        # head dims below 128 lanes: the [H, R, D] layout
 ])
 def test_fp32_matches_recurrent_reference(B, T, H, K, V, g_lo, g_hi):

@@ -8,6 +8,8 @@ from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import (
     decode_reference, kda_gate, l2norm, recurrent_kda_reference)
 
+from tests.support.tiers import slow_case
+
 pytestmark = pytest.mark.interpret
 
 
@@ -149,16 +151,16 @@ def test_decode_bf16_and_donated_jit():
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(intra="fused", inter="fused", split=True, inv="loop", intra_prec="highest"),  # first version
-    dict(intra="fused", inter="two_pass", inv="power", intra_prec="bf16x3"),
-    dict(intra="fused", inter="two_pass", inv="loop", intra_prec="tf32", diag="reg"),
+    slow_case(dict(intra="fused", inter="fused", split=True, inv="loop", intra_prec="highest")),  # first version
+    slow_case(dict(intra="fused", inter="two_pass", inv="power", intra_prec="bf16x3")),
+    slow_case(dict(intra="fused", inter="two_pass", inv="loop", intra_prec="tf32", diag="reg")),
     # split intra with bf16 inverse / u (FLA's storage) and 16-wide K slices
     dict(intra="split", split_bk=16, wu_bk=16, t_dtype="sd", u_dtype="sd", inv="power",
          split_diag="loop"),
     # token-parallel diagonal blocks, 2 heads per program; A_qk stored in fp32 for bf16 inputs;
     # the four diagonal inverses in one row loop with rows loaded from the diag kernel's output
-    dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=True,
-         wu_unroll=True, wu_bk=64),
+    slow_case(dict(intra="split", split_diag="quad", a_dtype="f32", inv="loop", solve_unroll=True,
+                   wu_unroll=True, wu_bk=64)),
     # the solve's A_qk and A_kk accumulated in two passes over K (fewer live registers)
     dict(intra="split", solve_passes=2),
 ])
@@ -182,7 +184,8 @@ def test_chunk_kernel_variants(cfg, monkeypatch):
     assert _rel(o, o2) < 5e-3 and _rel(S, S2) < 5e-3
 
 
-@pytest.mark.parametrize("gate,passes", [("random", 1), ("strongest", 1), ("none", 1), ("strongest", 2)])
+@pytest.mark.parametrize("gate,passes", [slow_case("random", 1), ("strongest", 1), slow_case("none", 1),
+                                         ("strongest", 2)])
 def test_chunk_safe_gate_diagonal_in_solve(gate, passes, monkeypatch):
     """Safe gates (every log decay in [-5, 0], K3's): the split solve kernel computes the diagonal
     blocks itself from a shifted past anchor (no diag kernel). Extremes: every decay -5 (factors up
@@ -217,7 +220,7 @@ def test_chunk_safe_gate_diagonal_in_solve(gate, passes, monkeypatch):
 @pytest.mark.parametrize("cfg", [
     dict(block_v=32, num_warps=4, order="nhv"),  # the first version's grid order
     dict(block_v=16, order="hvn", block_h=4, num_stages=2),  # 4 heads per program, H=6 -> 2
-    dict(block_v=32, order="vnh", block_h=2),  # V fastest, then sequence; 2 heads per program
+    slow_case(dict(block_v=32, order="vnh", block_h=2)),  # V fastest, then sequence; 2 heads per program
 ])
 def test_decode_kernel_variants(cfg, monkeypatch):
     """Grid orders and heads per program (recurrent_pallas options) keep the pool semantics."""

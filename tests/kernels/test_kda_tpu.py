@@ -17,6 +17,7 @@ from pallas_kernels.kda import fused_recurrent_kda
 from pallas_kernels.kda import recurrent_tpu
 from pallas_kernels.kda.recurrent_tpu import fused_recurrent_kda_tpu
 from pallas_kernels.kda.reference import decode_reference, kda_gate, l2norm
+from tests.support.tiers import slow_case
 
 pytestmark = pytest.mark.interpret
 
@@ -52,8 +53,8 @@ def _check_pool(pool, new, ref_new, idx, tol):
 
 @pytest.mark.parametrize("N,H,K,V,S,block_h,dtype,tol", [
     (7, 4, 128, 128, 12, 2, jnp.float32, 1e-5),      # K3's head size, 2 head blocks per sequence
-    (5, 3, 64, 32, 9, 8, jnp.float32, 1e-5),         # small, odd head count (one block of 3)
-    (6, 4, 128, 128, 10, 4, jnp.bfloat16, 5e-3),
+    slow_case(5, 3, 64, 32, 9, 8, jnp.float32, 1e-5),   # small, odd head count (one block of 3)
+    slow_case(6, 4, 128, 128, 10, 4, jnp.bfloat16, 5e-3),
 ])
 def test_decode_matches_reference(N, H, K, V, S, block_h, dtype, tol):
     q, k, v, g, beta, pool, idx = _case(N * H, N, H, K, V, S, dtype)

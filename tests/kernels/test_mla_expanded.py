@@ -15,6 +15,7 @@ from pallas_kernels.backend import detect
 from pallas_kernels.mla.expanded import expanded_attention, gather_latents
 from pallas_kernels.mla.reference import ragged_paged_mla_reference
 from tests.kernels.test_mla_ops import build_case
+from tests.support.tiers import slow_case
 
 pytestmark = pytest.mark.interpret
 
@@ -54,7 +55,7 @@ def _expanded(case, w_uk, w_uv, q_nope, num_keys, **kw):
 
 @pytest.mark.parametrize("page_size,config", [
     (16, (("bq", 16), ("bk", 16))),  # tiles inside a prompt
-    (8, (("bq", 32), ("bk", 16))),   # a tile spans the sequence end
+    slow_case(8, (("bq", 32), ("bk", 16))),   # a tile spans the sequence end
 ])
 def test_kernel_equals_absorbed(page_size, config):
     """The Triton kernel (interpret mode); the jnp path is checked in the whole-model test below."""

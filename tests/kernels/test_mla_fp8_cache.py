@@ -84,7 +84,8 @@ def test_jnp_readers_on_fp8_pages(reader):
     (8, None),                                             # bk spans pages: gathered rows, keys-on-M form
     pytest.param(16, (("bk", 8), ("splits", 3), ("transposed", False)),   # bk inside a page, split-K, row form
                  marks=pytest.mark.slow),
-    (16, (("fp8_scale", "codes"), ("transposed", True))),   # every latent value dequantized before the MMAs
+    pytest.param(16, (("fp8_scale", "codes"), ("transposed", True)),   # every latent value dequantized before the MMAs
+                 marks=pytest.mark.slow),
 ])
 def test_triton_decode_on_fp8_pages(page_size, config):
     rng = np.random.default_rng(page_size)
@@ -100,7 +101,8 @@ def test_triton_decode_on_fp8_pages(page_size, config):
 
 @pytest.mark.parametrize("heads,page_size", [
     (32, 16),      # Kimi-Linear's heads, default decode tuning: keys-on-M, a 64-key block gathered from 4 pages
-    (96, 64),      # K3's heads: two head groups (64 in row form, 32 keys-on-M), blocks inside a page
+    # K3's heads: two head groups (64 in row form, 32 keys-on-M), blocks inside a page
+    pytest.param(96, 64, marks=pytest.mark.slow),
 ])
 def test_triton_decode_on_fp8_pages_at_model_widths(heads, page_size):
     """The model's row (L=512: four scale tiles, R=64) through the default tuning of each head count."""

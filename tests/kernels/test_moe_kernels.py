@@ -11,6 +11,7 @@ from pallas_kernels import moe
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe.schedule import Tiling
+from tests.support.tiers import slow_case
 
 pytestmark = pytest.mark.interpret
 
@@ -411,8 +412,8 @@ def test_ptx8_asm_is_rendered_from_the_recipe():
 
 # ----------------------- MXFP4 kernel variants in interpret mode (x shift, swapped operands)
 
-@pytest.mark.parametrize("decoder", ["jnp", "ptx8"])   # x shift 0 / 64 (interpret: jnp decode)
-@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("decoder,swap", [("jnp", False), slow_case("ptx8", False), slow_case("jnp", True),
+                                          ("ptx8", True)])   # x shift 0 / 64 (interpret: jnp decode)
 def test_gmm_mxfp4_shift_and_swapped_operands(decoder, swap):
   x, packed, scales, gs = _mxfp4_case(12, 50, 128, 64, [7, 0, 30, 5], (110, 135))
   t = Tiling(16, 64, 32, 2, 3, swap_ab=swap)
@@ -526,7 +527,8 @@ def test_expert_mlp_equals_model_reference_layer(fmt, activation):
   _close(out, ref, rel=1.5e-2)
 
 
-@pytest.mark.parametrize("fmt,gather", [("bf16", False), ("mxfp4", False), ("bf16", True), ("mxfp4", True)])
+@pytest.mark.parametrize("fmt,gather", [slow_case("bf16", False), ("mxfp4", False), ("bf16", True),
+                                        slow_case("mxfp4", True)])
 def test_expert_mlp_reads_one_layer_of_a_stack_in_place(fmt, gather):
   """layer=r over weights stacked [L, E, ...] (the scanned decoder's layout; the kernels offset the
   group ids instead of slicing) == the same call on layer r's own weights, in the kernel (interpret)

@@ -58,6 +58,8 @@ def _matmul_weights(tree) -> list:
     return out
 
 
+# CI's time budget (a whole step compiled for its HLO); the GPU decode step's check runs by default
+@pytest.mark.slow
 def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
     """The scan passes only the repeat index; with dense_in_place every projection of the scanned block
     reaches ops.stacked_matmul as its whole stack [repeats, K, N] (read in place where the kernel

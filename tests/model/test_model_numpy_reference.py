@@ -11,6 +11,7 @@ from k3jax.layer_stack import stack_layers
 from k3jax.model import K3Model
 from k3jax.params import init_params_numpy
 from k3jax.presets import preset_config
+from tests.support.tiers import slow_case
 
 VARIANTS = {
     "k3-all-features": {},
@@ -28,7 +29,8 @@ def _config(name):
     return preset_config("tiny-random").replace(**VARIANTS[name])
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [slow_case(n) if n in ("k3-bf16-experts", "attnres-block-3-no-linear-beta") else n
+                                  for n in VARIANTS])
 def test_fp32_forward_matches_float64_numpy(name):
     c = _config(name)
     params = init_params_numpy(c, 3, jnp.float32)

@@ -20,6 +20,7 @@ from k3jax.vision import (VisionConfig, encode_images, load_vision_params, pad_p
                           prepare_vision_batch, stack_blocks, tokens_per_image, vision_param_spec,
                           vision_sources)
 from k3jax.vision.positions import interpolation_taps  # noqa: E402
+from tests.support.tiers import slow_case  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -153,7 +154,8 @@ CASES = {  # name: (grids, pad_patches_to, q_block, jit)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [slow_case(c) if c in ("10x4", "packed", "packed+bucket+qblocks") else c
+                                  for c in CASES])
 def test_parity_kimi_k25(k25_ref, case):
     tower, proj, sd, vcfg = k25_ref
     grids, pad, q_block, jit = CASES[case]
@@ -169,7 +171,7 @@ def test_parity_kimi_k25(k25_ref, case):
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("case", ["packed+bucket+qblocks", "video+image"])
+@pytest.mark.parametrize("case", ["packed+bucket+qblocks", slow_case("video+image")])
 def test_parity_k3_variant(k3_ref, case):
     tower, proj, sd, vcfg = k3_ref
     grids, pad, q_block, jit = CASES[case]

@@ -82,6 +82,7 @@ def _held_then_landed(model, args: dict, held_back: int):
     return eng, used_held, set(used)
 
 
+@pytest.mark.slow     # CI's time budget (two engines' warm-ups); the queue and the engine's waiting run by default
 def test_serves_with_the_covering_set_then_takes_exact_buckets(model):
     eng, held, landed = _held_then_landed(model, BASE, held_back=1)
     assert held == COVERING, held                               # the lone short prompt padded to (64, 4)

@@ -83,6 +83,7 @@ def test_a_long_context_takes_its_pages_first_and_lowers_a_defaulted_max_num_seq
                                                                   int(budget * 0.5 // per_slot))
 
 
+@pytest.mark.slow     # CI's time budget: the sizing itself is the test above
 def test_engine_runs_with_max_num_seqs_lowered_for_a_long_context():
     model = load_model("tiny-random", dtype="float32")
     c, dt = model.config, model.params["embed"].dtype

@@ -45,8 +45,9 @@ def _assert_no_leaks(engine):
     assert engine.scheduler.pages.num_used == 0 and engine.scheduler.slots.num_used == 0
 
 
+@pytest.mark.slow     # CI's time budget: on/off equality by default in the follow-up, pressure and admission tests
 def test_prefix_caching_on_off_identical_outputs(model, tmp_path_factory):
-    work = make_workload(0, 200, model.config.vocab_size)
+    work = make_workload(0, 100, model.config.vocab_size)
     on = _engine(model, tmp_path_factory)
     off = _engine(model, tmp_path_factory, enable_prefix_caching=False)
     res_on, res_off = run_workload(on, work), run_workload(off, work)
@@ -54,12 +55,13 @@ def test_prefix_caching_on_off_identical_outputs(model, tmp_path_factory):
     for name in res_on:
         assert res_on[name][0] == res_off[name][0], name
     hit = sum(v[1] for v in res_on.values())
-    assert hit > 2000 and all(v[1] == 0 for v in res_off.values())
+    assert hit > 1000 and all(v[1] == 0 for v in res_off.values())
     assert on.stats()["prefix_hit_tokens"] == hit
     _assert_no_leaks(on)
     _assert_no_leaks(off)
 
 
+@pytest.mark.slow     # CI's time budget (two 700-token float64 prompts through their own step shapes)
 def test_checkpoint_granularity_finer_than_state_block(model, tmp_path_factory):
     # (its own pool shapes: no warm-up, only the two step shapes it runs are compiled)
     eng = _engine(model, tmp_path_factory, page_size=64, state_block_size=256, max_model_len=1024, warmup=False)
@@ -190,6 +192,7 @@ def test_verify_prefix_cache_passes_true_hits_and_catches_a_corrupted_checkpoint
     _assert_no_leaks(eng)
 
 
+@pytest.mark.slow     # CI's time budget (two engines of their own pool shapes)
 def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
     """Checkpoints evicted from small device pools go to host memory with their pages; a later
     prompt that extends an evicted prefix gets it copied back and hits it (outputs as without the tier)."""
@@ -211,6 +214,7 @@ def test_host_tier_copies_evicted_checkpoints_back(model, tmp_path_factory):
     assert hit_on == 144 and st["host_restored"] >= 1 and st["host_saved"] >= 3, st
 
 
+@pytest.mark.slow     # CI's time budget (an engine of its own pool shapes); preemption by default: test_spec_engine
 def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_factory):
     work = make_workload(3, 24, model.config.vocab_size, max_new=(24, 40))
     roomy = run_workload(_engine(model, tmp_path_factory), work)
@@ -221,8 +225,14 @@ def test_pressure_evicts_and_preempts_without_changing_outputs(model, tmp_path_f
     _assert_no_leaks(tight)
 
 
-def test_no_compiles_after_warmup(model, tmp_path_factory):
-    eng = _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
+@pytest.fixture(scope="module")
+def guarded(model, tmp_path_factory):
+    """An engine that fails any compile after its warm-up (every sampler variant included)."""
+    return _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
+
+
+def test_no_compiles_after_warmup(model, guarded):
+    eng = guarded
     compiled = eng.runner.num_compiles
     run_workload(eng, make_workload(4, 30, model.config.vocab_size), arrivals_per_step=5)
     assert eng.runner.num_compiles == compiled
@@ -230,13 +240,13 @@ def test_no_compiles_after_warmup(model, tmp_path_factory):
         eng.runner._note_shape(("step", 3, 3, None))
 
 
-def test_penalties_and_allowed_masks_compile_at_warmup(model, tmp_path_factory):
+def test_penalties_and_allowed_masks_compile_at_warmup(guarded):
     """A request with presence_penalty (or a structured-output mask) after warm-up compiled a
     new variant of the whole step (27.6 s for the first presence_penalty request on the 2-core CPU tiny server;
     30-100 s on an accelerator). The sampler variants are now compiled at warm-up, for any output length."""
     from serving.sampling_params import SamplingParams
     from tests.support.serving_hooks import ScriptedMatcher
-    eng = _engine(model, tmp_path_factory, forbid_compile_after_warmup=True)
+    eng = guarded
     compiled = eng.runner.num_compiles
     tok = eng.tokenizer
     eng.add_request([5, 6, 7], SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=40, ignore_eos=True))
@@ -302,6 +312,7 @@ def _mixed_run(eng, vocab):
     return finished
 
 
+@pytest.mark.slow     # CI's time budget: every other engine test runs async (the default)
 def test_async_scheduling_gives_the_same_outputs(model, tmp_path_factory):
     """The next step scheduled while the last one runs (its decode inputs are device-side placeholders)
     must not change a token, a logprob, a finish reason or a cache hit, under preemption too."""

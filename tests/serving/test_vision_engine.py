@@ -95,32 +95,50 @@ def reference(model, forward, ids, images, generated, padded_len=64):
 
 @pytest.fixture(scope="module")
 def eng(model, tmp_path_factory):
-    """One engine for most tests (prefix caching on, 256-token steps, no compiles after warm-up)."""
-    return engine(model, tmp_path_factory)
+    """One engine for most tests (prefix caching on, 256-token steps), compiling only the steps they run (a
+    warm-up of every step shape in float64 is ~90 s on 2 cores: test_warmup_covers_image_steps)."""
+    return engine(model, tmp_path_factory, warmup=False, forbid_compile_after_warmup=False)
 
 
-def test_engine_with_images_matches_tower_plus_full_forward(model, eng, tmp_path_factory):
+@pytest.mark.slow
+def test_warmup_covers_image_steps(model, tmp_path_factory):
+    """After warm-up, image requests (one tower call per step, images split over chunks) compile nothing."""
+    warm = engine(model, tmp_path_factory)
+    got = run(warm, {"one": (chat_ids(model, 1), [image_input(model, 0, 90, 60)]),
+                     "two": (chat_ids(model, 2, "Compare them."), [image_input(model, 1, 40, 130)] * 2)})
+    assert {k: len(v[0]) for k, v in got.items()} == {"one": 4, "two": 4}
+
+
+def _two_image_prompts(model):
     a, b = image_input(model, 0, 90, 60), image_input(model, 1, 40, 130)
     assert a.num_tokens != b.num_tokens
-    ids1, ids2 = chat_ids(model, 1), chat_ids(model, 2, "Compare them.")
-    prompts = {"one": (ids1, [a]), "two": (ids2, [b, a])}
-    # 32-token steps split the images over several prefill chunks; 256-token steps pack both
-    # requests' images into one tower call
-    small = engine(model, tmp_path_factory, max_num_batched_tokens=32, token_buckets=(32,), warmup=False,
-                   forbid_compile_after_warmup=False, enable_prefix_caching=False)
-    outputs = []
-    for e in (eng, small):
-        before = e.stats()["encoded_images"]
-        outputs.append(run(e, prompts))
-        assert e.stats()["encoded_images"] - before == 2          # `a` encoded once for both requests
+    return {"one": (chat_ids(model, 1), [a]), "two": (chat_ids(model, 2, "Compare them."), [b, a])}
+
+
+def _assert_matches_reference(model, e, prompts):
+    before = e.stats()["encoded_images"]
+    got = run(e, prompts)
+    assert e.stats()["encoded_images"] - before == 2          # `a` encoded once for both requests
     forward = jax.jit(lambda params, t, e, m: K3Model(model.config, params)(t, mm_embeds=e, mm_mask=m))
     for name, (ids, imgs) in prompts.items():
-        toks = outputs[0][name][0]
+        toks = got[name][0]
         assert len(toks) == 4, name
         greedy, lps = reference(model, forward, ids, imgs, toks)
-        for got in outputs:
-            assert got[name][0] == greedy, name
-            np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
+        assert toks == greedy, name
+        np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
+
+
+def test_engine_with_images_matches_tower_plus_full_forward(model, eng):
+    """256-token steps pack both requests' images into one tower call."""
+    _assert_matches_reference(model, eng, _two_image_prompts(model))
+
+
+@pytest.mark.slow     # CI's time budget (an engine of its own step shapes)
+def test_images_split_over_small_prefill_chunks_match_the_reference(model, tmp_path_factory):
+    """32-token steps split the images over several prefill chunks."""
+    small = engine(model, tmp_path_factory, max_num_batched_tokens=32, token_buckets=(32,), warmup=False,
+                   forbid_compile_after_warmup=False, enable_prefix_caching=False)
+    _assert_matches_reference(model, small, _two_image_prompts(model))
 
 
 def test_images_change_the_output(model, eng):

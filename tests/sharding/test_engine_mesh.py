@@ -74,6 +74,7 @@ def test_generate_cli_refuses_a_mesh_of_other_devices():
     assert bad.returncode != 0 and ("data=3" in bad.stderr or "device" in bad.stderr)
 
 
+@pytest.mark.slow
 def test_image_chat_on_mesh_matches_one_device(tmp_path):
     """LLM.chat with a local image file (offline API) on 8 devices equals one device."""
     from PIL import Image

@@ -20,6 +20,7 @@ import pytest
 from tests.support.mp_common import SERVE_ARGS, group_args, kill_all, log_tail, serve_env, start_server, wait_ready
 from serving.multihost_watch import PREFIX, Watch, WatchSettings
 from tests.support.server_fixture import free_port
+from tests.support.tiers import slow_case
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +61,7 @@ def _wait_ended(group, timeout):
 @pytest.mark.parametrize("fault, codes, cause", [
     ("1:load:raise", [1, 1], "process 1 failed during load: RuntimeError: injected fault"),
     # killed on receiving its first warm-up step (its fault points: the stage, "init", then the step)
-    ("1:warmup:kill:2", [1, -9], "process 1 lost during warmup: no heartbeat for"),
+    slow_case("1:warmup:kill:2", [1, -9], "process 1 lost during warmup: no heartbeat for", id="killed_during_warmup"),
 ], ids=["raise_during_load", "killed_during_warmup"])
 def test_follower_fault_during_startup_ends_every_process(tmp_path, xla_cache, fault, codes, cause):
     t0 = time.time()

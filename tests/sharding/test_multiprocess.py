@@ -36,6 +36,7 @@ def _single_device():
 
 @pytest.mark.timeout(240)
 # tensor pairs inside a process, the expert all-to-all across both processes
+@pytest.mark.slow     # CI's time budget: process groups start by default in test_multihost_serving / _faults
 @pytest.mark.parametrize("mesh", ["tensor=2,expert=4"])
 def test_two_processes_match_one_device(tmp_path, mesh):
     out = tmp_path / "out.json"

@@ -108,6 +108,7 @@ def converted(tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.slow     # CI's time budget (a converted checkpoint and two processes)
 @pytest.mark.timeout(240)
 def test_each_process_reads_only_its_shards(converted, tmp_path):
     import ml_dtypes

@@ -44,6 +44,8 @@ def single(model):
 
 
 @pytest.mark.timeout(300)
+# CI's time budget: the engine on a data=2,expert=4 mesh is tests/sharding/test_engine_mesh.py's default test
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["data=2,expert=4", "tensor=2,expert=4"])
 def test_greedy_tokens_equal_on_8_devices(model, single, spec):
     c, params = model

@@ -2,9 +2,12 @@
 abstract weights (nothing allocated)."""
 import json
 
+import pytest
+
 from benchmarks import bench_compile
 
 
+@pytest.mark.slow     # CI's time budget; the GPU queue runs the benchmark itself
 def test_measures_the_runner_warmup_shapes(capsys):
     bench_compile.main(["--model", "tiny-random", "--max-shapes", "1", "--buckets", "accelerator", "--json"])
     res = json.loads(capsys.readouterr().out)

@@ -9,6 +9,7 @@ from benchmarks import bench_kernels, kernels_kda
 pytestmark = pytest.mark.interpret
 
 
+@pytest.mark.slow     # CI's time budget; the GPU queue runs the benchmark itself
 def test_decode_sections_make_their_default_rows():
     rows = bench_kernels.main(["--tiny", "--only", "kda_decode,mla_decode", "--no-fla", "--budget", "1e9"])
     assert [(r["kernel"], r["case"], r["call"]) for r in rows] == [

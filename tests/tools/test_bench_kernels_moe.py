@@ -9,6 +9,7 @@ from benchmarks import bench_kernels, kernels_moe as moe_rows
 pytestmark = pytest.mark.interpret
 
 
+@pytest.mark.slow
 def test_moe_section_rows_are_checked_and_count_the_layer_flops(monkeypatch):
     monkeypatch.setattr(moe_rows, "steps", lambda tiny: [("prefill", 16)])   # one step
     # one interpreted call a row, not time_jax's 6: the row's FLOPs are checked, not its time

@@ -10,13 +10,16 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 
 
-def test_there_are_notebooks():
+def test_notebooks_are_committed_without_outputs():
     assert NOTEBOOKS, "examples/*.ipynb not found"
+    for path in NOTEBOOKS:
+        code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        assert code and all(not c.outputs and c.execution_count is None for c in code), path.name
 
 
-# the quickstart in the default run (CI's time budget); the others in the slow tier
-@pytest.mark.parametrize("path", [pytest.param(p, marks=() if p.name == "quickstart.ipynb" else pytest.mark.slow)
-                                  for p in NOTEBOOKS], ids=lambda p: p.name)
+# running them is the slow tier (CI's time budget; the notebook API's calls are tests/model/test_api.py's)
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
