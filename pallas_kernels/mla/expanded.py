@@ -122,14 +122,21 @@ def _kernel_path(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, sca
             jnp.where(tok_ok, lse[:n_tok], -jnp.inf))
 
 
+def kernel_fits(q, kv, nope_dim: int) -> bool:
+    """The Triton kernel loads a head's key-nope, rope and value columns as blocks, and Triton blocks are
+    powers of two wide: Kimi-Linear's and K3's 128 / 64 / 128 are, the trained tiny's 48-wide nope is not."""
+    return all(d > 0 and d & (d - 1) == 0 for d in (nope_dim, q.shape[-1] - nope_dim, kv.shape[-1] - nope_dim))
+
+
 @functools.partial(jax.jit, static_argnames=("nope_dim", "scale", "window", "out_dtype", "interpret", "config"))
 def block_attention(q, kv, latents, cu_seqlens, kv_lens, kv_start, *, nope_dim, scale, window=None,
                     out_dtype=None, interpret=None, config=None):
     """Varlen causal attention with log-sum-exp (contract of `block_attention_reference`; o in
-    out_dtype, default q's). GPU -> Pallas Triton kernel; elsewhere the jnp reference unless
-    ``interpret=True``. ``config``: optional hashable tuple of (key, value) pairs over DEFAULT_TUNING's keys.
+    out_dtype, default q's). GPU -> Pallas Triton kernel; elsewhere (and for head widths the kernel cannot
+    load, `kernel_fits`) the jnp reference unless ``interpret=True``. ``config``: optional hashable tuple of
+    (key, value) pairs over DEFAULT_TUNING's keys.
     """
-    if not _use_kernel(interpret):
+    if not _use_kernel(interpret) or not kernel_fits(q, kv, nope_dim):
         o, lse = block_attention_reference(q, kv, latents, cu_seqlens, kv_lens, kv_start, nope_dim=nope_dim,
                                            scale=scale, window=window)
         return o.astype(out_dtype or q.dtype), lse

@@ -131,3 +131,19 @@ def test_prefill_form_setting_rejects_unknown():
     assert mla.expanded_key_budget(512, (16, 512), 16, False, expanded) == mla.EXPANDED_MIN_WINDOW_KEYS  # short chunks
     assert mla.expanded_key_budget(64, (2, 8), 4, False, expanded) == 2 * 8 * 4  # capped by the block tables
     assert mla.expanded_key_budget(4096, (16, 512), 16, True, expanded) == 0     # decode-only steps stay absorbed
+
+
+@pytest.mark.parametrize("nope,kernel", [(16, True), (48, False)])
+def test_gpu_lowering_takes_the_kernel_only_where_its_blocks_fit(traced_as_gpu, nope, kernel):
+    """Lowered for CUDA (no GPU needed): Kimi-Linear-like power-of-two head widths take the Triton kernel; the
+    trained tiny's 48-wide nope (which the Triton lowering refused: "an array of shape (128, 48)") takes the
+    jnp reference."""
+    t, heads, rope, dv, lat = 64, 2, 16, 32, 64
+    f = functools.partial(expanded_attention, nope_dim=nope, scale=0.1)
+    args = (jax.ShapeDtypeStruct((t, heads, nope + rope), jnp.bfloat16),
+            jax.ShapeDtypeStruct((t, heads, nope + dv), jnp.bfloat16),
+            jax.ShapeDtypeStruct((t, lat + rope), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("triton" in text) == kernel
