@@ -78,6 +78,7 @@ def test_gather_latents_lays_sequences_flat():
     np.testing.assert_array_equal(np.asarray(starts), np.cumsum(kv_lens) - kv_lens)
 
 
+@pytest.mark.slow     # CI's time budget (the model's steps in both forms); the op-level equality runs by default
 def test_tiny_model_steps_equal_between_forms(monkeypatch):
     """The engine step's logits and caches (scanned layout, stacked pools) with the MLA layers' backend
     absorbed vs expanded: a fresh

@@ -63,6 +63,7 @@ def test_chunked_8k_prompt_equals_full_forward(model, prefix_caching, monkeypatc
     assert jax.default_backend() == "cpu"
 
 
+@pytest.mark.slow     # CI's time budget (its own long step shapes); test_cache_path's chunks run by default
 def test_lone_long_prompt_in_big_steps_checkpoints_where_a_later_prompt_resumes(model, monkeypatch):
     """A lone prompt of 600 tokens runs in long_prefill_tokens steps (128, 2x the 64-token budget: the runner's
     long bucket) with the prefix cache on; its chunks end on the 128-token block grid and checkpoint there, and

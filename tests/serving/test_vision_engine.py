@@ -128,6 +128,7 @@ def _assert_matches_reference(model, e, prompts):
         np.testing.assert_allclose(got[name][1], lps, rtol=0, atol=2e-6)   # the sampler reports fp32
 
 
+@pytest.mark.slow     # CI's time budget (a float64 full forward per prompt); the tower's parity runs by default
 def test_engine_with_images_matches_tower_plus_full_forward(model, eng):
     """256-token steps pack both requests' images into one tower call."""
     _assert_matches_reference(model, eng, _two_image_prompts(model))
