@@ -33,7 +33,7 @@ def step_batches(page_size: int, context: int = 1024, decode_seqs: int = 16, pre
             "prefill": make_step_batch(pre, page_size, num_tokens=n * L, num_seqs=max(4, n), max_pages=max_pages)}
 
 
-@pytest.fixture(scope="module", params=[pytest.param("float32", marks=pytest.mark.slow), "bfloat16-bits"])
+@pytest.fixture(scope="module", params=[slow_case("float32"), "bfloat16-bits"])
 def compiled_steps(request):
     c = preset_config("tiny-random")
     dtype = jnp.float32 if request.param == "float32" else jnp.bfloat16
