@@ -8,6 +8,7 @@ repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_que
                        kernels_kda, kernels_mla, kernels_mla_mosaic and kernels_moe (inputs: kernel_inputs)
   bench_e2e            the engine end to end: prefill tok/s, c16 / c64 decode step vs its floor
   profile_step         one engine step's device time by part (KDA, MLA, experts, ...) from a trace
+  sweep_decode_tiles   a one-sequence decode step's few-row kernels (dense in place, routed experts) by tiling
   bench_long_context   long prompts through the engine (prefill steps, compiles) and decode at long context
   bench_spec           speculative decoding at c1 and under load, and several decode steps per launch
   bench_serve_start    `serve` cold and restarted over the compilation cache: ready time, first tokens

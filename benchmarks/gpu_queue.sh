@@ -55,5 +55,7 @@ run long-128k-split 330 python -m benchmarks.bench_long_context --rows prefill -
 run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x131072 --max-model-len 140000
 # where one sequence's decode step goes, by part
 run profile-c1 300 python -m benchmarks.profile_step --scenario decode:1x2048
+# the few-row kernels of that step (dense weights read in place, routed experts at 1 and 4 tokens) under tile variants
+run decode-tiles 300 python -m benchmarks.sweep_decode_tiles --tokens 1,4
 # the gpu test tier: kernels and the trained tiny vs the reference ops
 run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py tests/kernels/test_mla_long_prefix_gpu.py tests/kernels/test_mla_long_prefix_split_gpu.py

@@ -90,8 +90,8 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     events = list(device_events(trace_dir))
     programs = collections.Counter(st.get("program_id") for _, _, st, _ in events if st.get("program_id") is not None)
     names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
-    by_scope, by_kernel, by_part, other = (collections.defaultdict(float) for _ in range(4))
-    count = collections.Counter()
+    by_scope, by_kernel, by_part, other, part_kernel = (collections.defaultdict(float) for _ in range(5))
+    count, part_count = collections.Counter(), collections.Counter()
     total = 0.0
     scopes = []
     for name, dur, stats, _ in events:
@@ -106,6 +106,8 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         if part == "other":
             other[f"{name[:40]} ({scope_of(op, 6) if op else hlo[:30]})"] += dur
         by_kernel[name[:70]] += dur
+        part_kernel[part, name[:50]] += dur
+        part_count[part, name[:50]] += 1
         count[scope] += 1
         total += dur
     if events and not names:
@@ -125,6 +127,11 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
                                           sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]))
     print("  top kernels of part 'other' (outside the layers' named scopes): " + "; ".join(
         f"{k} {ms(d):.3f} ms" for k, d in sorted(other.items(), key=lambda kv: -kv[1])[:top]))
+    for part in sorted({p for p, _ in part_kernel}, key=lambda p: -by_part[p]):
+        kernels = sorted(((n, d) for (p, n), d in part_kernel.items() if p == part), key=lambda kv: -kv[1])
+        print(f"  part {part}: {ms(by_part[part]):.3f} ms in {sum(part_count[part, n] for n, _ in kernels) / steps:.0f} "
+              "kernels/step; " + "; ".join(f"{n} x{part_count[part, n] / steps:.0f} {ms(d):.3f} ms"
+                                          for n, d in kernels[:top]))
     busy = idle_gaps(events, scopes, steps)
     return ms(total), {p: ms(d) for p, d in by_part.items()}, busy
 
@@ -323,6 +330,9 @@ def main():
                     help="the model's kernels choice (EngineArgs.kernels)")
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--kda-variants", action="store_true", help="ops.kda_chunk isolated vs as the step calls it")
+    ap.add_argument("--decode-steps-per-launch", type=int, default=1,
+                    help="EngineArgs.decode_steps_per_launch (1: each traced engine step is one step program, "
+                         "so kernel time divides by the traced steps; the engine's default scans 8 a launch)")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
     ap.add_argument("--command-buffers", default="off",
                     help="off (kernels attributed to their ops), default (XLA's own), or XLA's "
@@ -346,7 +356,7 @@ def main():
     print(header(f"profile_step {name}"), flush=True)
     print(f"# load {time.perf_counter() - t0:.1f}s; "
           f"kernels {args.kernels}; "
-          f"command buffers {args.command_buffers}", flush=True)
+          f"command buffers {args.command_buffers}; decode steps a launch {args.decode_steps_per_launch}", flush=True)
     if args.kda_variants:
         print("\n## ops.kda_chunk, T=4096", flush=True)
         kda_variants(model)
@@ -358,7 +368,7 @@ def main():
         sc.startswith("decode") for sc in scenarios) else None
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
               max_model_len=args.max_model_len, enable_prefix_caching=False, warmup=False,
-              compilation_cache_dir=None, **kw)
+              compilation_cache_dir=None, decode_steps_per_launch=args.decode_steps_per_launch, **kw)
     eng = llm.engine
     print(f"buckets: tokens {eng.runner.token_buckets}, seqs {eng.runner.seq_buckets}; "
           f"pools {eng.runner.pools.num_pages} pages, {eng.runner.pools.num_slots} slots", flush=True)

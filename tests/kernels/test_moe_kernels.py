@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels import moe
 from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
+from pallas_kernels.moe import schedule as sch
 from pallas_kernels.moe.schedule import Tiling
 from tests.support.tiers import slow_case
 
@@ -41,6 +42,8 @@ GMM_CASES = [
     (77, 128, 64, [0, 0, 77, 0], Tiling(32, 64, 32)),            # one group, M % bm != 0
     (5, 40, 24, [2, 0, 1], None),                                 # M < bm, K and N padded
     (64, 32, 32, [0, 0, 0, 0], Tiling(16, 16, 16)),               # all empty: all zeros
+    # decode: one row in each of 19 of 40 groups and a one-row tail take all 20 row tiles the grid has
+    (20, 32, 32, [1, 0] * 19 + [0, 0], Tiling(16, 16, 16)),
 ]
 
 
@@ -56,6 +59,30 @@ def test_gmm_matches_ragged_dot(m, k, n, sizes, tiling):
   _close(out, ref)
   tail = int(sum(sizes))
   assert np.all(np.asarray(out[tail:], np.float32) == 0.0)
+
+
+def _tile_schedule_cases():
+  r = _rng(7)
+  for g, bm, m in ((256, 16, 16), (256, 16, 20), (64, 16, 100), (1, 16, 16), (3, 32, 70), (8, 128, 300),
+                   (256, 128, 1000), (40, 16, 40)):
+    yield g, bm, m, np.bincount(r.integers(0, g, int(r.integers(0, m + 1))), minlength=g)   # random rows
+    yield g, bm, m, np.bincount(r.choice(g, min(g, m), replace=False), minlength=g)         # a row per group
+    yield g, bm, m, np.bincount(np.full(m, g - 1), minlength=g)                             # all in one group
+  yield 8, 16, 64, np.zeros(8, np.int64)                                                      # all in the tail
+
+
+def test_tile_schedule_covers_every_row_once():
+  """The grid's row tiles (schedule.num_tiles, a bound on the busy tiles) cover each group's rows and the
+  tail exactly once, one group per tile, at group sizes from all rows in one group to one row per group."""
+  for g, bm, m, sizes in _tile_schedule_cases():
+    tg, ts, te = (np.asarray(a) for a in sch.tile_schedule(jnp.asarray(sizes, jnp.int32), m, bm))
+    assert len(tg) == sch.num_tiles(m, g, bm) <= m // bm + g + 2
+    owner = np.full(m, -1)
+    for gid, a, b in zip(tg, ts, te):
+      assert b - a <= bm and np.all(owner[a:b] == -1)
+      owner[a:b] = gid
+    want = np.concatenate([np.repeat(np.arange(g), sizes), np.full(m - sizes.sum(), g)])
+    assert np.array_equal(owner, want), (g, bm, m, sizes)
 
 
 def test_gmm_random_group_sizes():
