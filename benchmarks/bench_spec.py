@@ -5,6 +5,13 @@ Rows:
   c1 off, 1 step/launch  the same with one decode step per launch (when the engine runs several by default,
                          EngineArgs.decode_steps_per_launch)
   c1 K=4 all accepted    the same with an oracle drafter proposing the target's own greedy continuation
+  c1 K=4 own continuation  an oracle proposing the speculative engine's own greedy continuation: where
+                         verification rounds differently from decode (bf16 on a GPU: verification's rows
+                         run other step programs than decode's), the off run's tokens get rejected, so the
+                         oracle is re-run on the tokens the last run produced until a run accepts them all
+                         (each run agrees on at least one more token: causal rows, deterministic steps;
+                         at most --fixed-point-runs runs). Its row is speculation's speed when every draft
+                         is accepted, whatever the rounding
   c1 K=4 all rejected    a drafter proposing wrong tokens, adaptive speculation on
   c16 off / c16 ngram    16 sequences of 1024 prompt + 1024 output tokens, n-gram drafter on vs off
 
@@ -76,6 +83,35 @@ def _run(engine, prompts, max_tokens, what=""):
     return outs, sum(len(v) for v in outs.values()) / wall, float(np.mean(decode)) if decode else 0.0
 
 
+def _agreed(a: list, b: list) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def own_continuation_row(args, eargs, model, engine, c1, first, base, row):
+    """The oracle re-run on the speculative engine's own output until it proposes only accepted tokens."""
+    from serving.spec import make_speculator
+    tokens = first
+    for run in range(1, args.fixed_point_runs + 1):
+        engine.spec = make_speculator(eargs, model, engine.max_model_len)
+        engine.spec.drafter = Oracle({"r0": tokens["r0"]})
+        out, tput, dec = _run(engine, c1, args.c1_tokens, f"own continuation, run {run}")
+        m = engine.spec.metrics()
+        agreed = _agreed(out["r0"], tokens["r0"])
+        log(f"run {run}: {agreed} of {len(out['r0'])} tokens as proposed, acceptance {m['spec_acceptance_rate']:.2f}")
+        if out == tokens or run == args.fixed_point_runs:
+            break
+        tokens = out
+    row(f"c1 K={args.k} own continuation", tput, dec,
+        f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; run {run}: "
+        f"{'every token as proposed' if out == tokens else f'{agreed} tokens as proposed'})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
@@ -88,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--cN-prompt", type=int, default=1024)
     ap.add_argument("--cN-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--fixed-point-runs", type=int, default=12,
+                    help="runs of the own-continuation oracle at most (0: skip that row)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
     args = ap.parse_args(argv)
@@ -138,6 +176,8 @@ def main(argv=None):
         m = engine.spec.metrics()
         same = "same tokens" if out == ref else "TOKENS DIFFER"
         row(name, tput, dec, f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; {same})")
+        if "accepted" in name and out != ref and args.fixed_point_runs:
+            own_continuation_row(args, eargs, model, engine, c1, out, base, row)
 
     cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
     engine.spec = None

@@ -32,9 +32,9 @@ run kernels-fp8 200 python -m benchmarks.bench_kernels --only mla_fp8 --no-fla -
 # the FP8 decode kernel under its tuning variants vs bf16 at its default (bytes/s ratio, error vs jnp)
 run kernels-fp8-sweep 300 bash -c 'python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x32,16x131072x32 && python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x96,16x131072x96'
 run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --json
-# speculative decoding at its two ends (oracle drafter all accepted / wrong drafter all rejected), c1 with one
+# speculative decoding at its two ends (oracle drafter all accepted, also on its own continuation / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
-run spec 330 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64
+run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64
 # speculation's verification step vs decode on the GPU kernels: the kernels (the tiny presets' lowering on the GPU
 # included), fp32 at Kimi-Linear's widths (verify vs decode, kernels vs references), the bf16 rounding diagnostics
 # (strict xfail); full log in $OUT/spec_gpu_tests.txt
