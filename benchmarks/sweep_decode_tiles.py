@@ -5,11 +5,12 @@
 Each figure times one program that makes many calls back to back (a scan over a stack's layers, as the
 model's scanned block runs), so a few-microsecond kernel is not hidden behind the host's dispatch.
 
-Two tables. Dense: every distinct [K, N] of the model's bf16 weights stacked over scanned layers, x of one
-row @ the stack's last layer through ops.stacked_matmul (read in place: pallas_kernels/stacked.py) under its
-default tiles and variants, beside XLA's dot on that layer's weight as a buffer of its own (the anchor: no
-slice copy to pay). Routed experts: ops.expert_mlp on the model's expert shapes at `--tokens` tokens
-(random top-k) with the up or the down kernel's tiles varied one at a time. Figures are the weight bytes a
+Two tables. Dense: every distinct [K, N] of the model's bf16 weights stacked over scanned layers, one row
+@ each layer of a stack of that shape through ops.stacked_matmul (read in place: pallas_kernels/stacked.py)
+under its default tiles and variants, beside XLA's dot on each layer's weight as a buffer of its own (the
+anchor: no slice copy to pay). Routed experts: ops.expert_mlp on the model's expert shapes at `--tokens`
+tokens (random top-k, other experts each call, a 4-layer stack read in place) with the up or the down
+kernel's tiles varied one at a time. Figures are the weight bytes a
 call reads over its time (TB/s) and the ratio to the default tiles; each variant's output is checked
 against the default's.
 """
