@@ -55,26 +55,29 @@ class LayerStack(Module):
             return self.tail[i - plan.stop]
         return self.units[(i - plan.start) % plan.unit]
 
-    def __call__(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend):
+    def __call__(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend, real_tokens=None):
         """Every layer: head, the block scanned over its repeats, tail. attention(kind, ordinal, attn,
-        x, cache) -> (out, cache), ordinal the layer's index among its kind's (traced in the scan)."""
+        x, cache) -> (out, cache), ordinal the layer's index among its kind's (traced in the scan).
+        real_tokens: see DecoderLayer."""
         plan = self.plan
         ordinal = {i: j for kind in ("kda", "mla") for j, i in
                    enumerate(k for k, t in enumerate(c.layer_types) if t == kind)}
 
         def unrolled(layer, i, stream, cache):
             kind = c.layer_types[i]
-            return layer(c, i, stream, cache, lambda m, x, ch: attention(kind, ordinal[i], m, x, ch), backend)
+            return layer(c, i, stream, cache, lambda m, x, ch: attention(kind, ordinal[i], m, x, ch), backend,
+                         real_tokens)
 
         for i, layer in zip(plan.head, self.head):
             stream, cache = unrolled(layer, i, stream, cache)
         if plan.repeats:
-            stream, cache = self._scan(c, stream, cache, attention, backend, ordinal)
+            stream, cache = self._scan(c, stream, cache, attention, backend, ordinal, real_tokens)
         for i, layer in zip(plan.tail, self.tail):
             stream, cache = unrolled(layer, i, stream, cache)
         return stream, cache
 
-    def _scan(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend, ordinal: dict):
+    def _scan(self, c: ModelConfig, stream, cache, attention: Callable, backend: Backend, ordinal: dict,
+              real_tokens=None):
         """The block over its repeats, one lax.scan over the repeat index alone: the block keeps its
         parameters stacked (closed over, not scanned) and each layer reads repeat r's where it uses
         them (k3jax.layers.module.read / matmul: a slice, or in place in the stack where a kernel
@@ -90,7 +93,7 @@ class LayerStack(Module):
             def attend(j, m, x, ch):
                 kind = kinds[j]
                 return attention(kind, ordinal[plan.layer(0, j)] + r * per_unit[kind], m, x, ch)
-            return block(c, r, stream, cache, attend, backend), None
+            return block(c, r, stream, cache, attend, backend, real_tokens), None
 
         (stream, cache), _ = jax.lax.scan(body, (stream, cache), jnp.arange(plan.repeats, dtype=jnp.int32))
         return stream, cache
@@ -136,9 +139,10 @@ class K3Model(Module):
         w = value(self.embed).T if self.tied_embeddings else value(self.lm_head)
         return jnp.dot(h, w, preferred_element_type=upcast(h).dtype)
 
-    def decode(self, h0, attention: Callable, backend: Backend, cache=None):
+    def decode(self, h0, attention: Callable, backend: Backend, cache=None, real_tokens=None):
         """Runs all layers. attention(kind, ordinal, attn, x, cache) -> (out, cache), where ordinal is
-        the layer's index among the layers of its kind (traced inside the scan). Returns
+        the layer's index among the layers of its kind (traced inside the scan). real_tokens (traced
+        int): rows of h0 from it on are a step's bucket padding (see DecoderLayer). Returns
         (final-normed hidden states, cache)."""
         c = self.config
         eps = c.rms_norm_eps
@@ -146,7 +150,7 @@ class K3Model(Module):
         stream = h0
         if B:
             stream = jnp.zeros((num_sources(c),) + h0.shape, h0.dtype).at[0].set(h0)
-        stream, cache = self.layers(c, stream, cache, attention, backend)
+        stream, cache = self.layers(c, stream, cache, attention, backend, real_tokens)
         if B:
             stream = self.output_attn_res(stream, blocks_before(c.num_layers, B), eps)
         return rms_norm(stream, value(self.final_norm), eps), cache
@@ -197,8 +201,9 @@ class K3Model(Module):
             return out, (kv, st, cv)
 
         cache = tuple(_flat(x) if x is not None else None for x in (pools.mla_kv, pools.kda_state, pools.kda_conv))
+        # the bucket's padding rows follow the chunks' tokens (cu_seqlens[-1] of them)
         h, (kv, st, cv) = self.decode(self.embed_tokens(tokens, batch.mm_embeds, batch.mm_mask),
-                                      attention, b, cache)
+                                      attention, b, cache, real_tokens=batch.cu_seqlens[-1])
         logits = self.lm_logits(h[batch.logits_indices])
         unflat = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
         return logits, CachePools(mla_kv=unflat(kv, pools.mla_kv), kda_state=unflat(st, pools.kda_state),

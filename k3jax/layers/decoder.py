@@ -49,18 +49,21 @@ class DecoderLayer(Module):
         if self.block_size:
             self.attn_res = AttnRes(c, dtype=dtype, rngs=rngs)
 
-    def feed_forward(self, x, c: ModelConfig, backend: Backend | None = None):
+    def feed_forward(self, x, c: ModelConfig, backend: Backend | None = None, real_tokens=None):
         if self.moe:
-            return self.mlp(x, c, backend=backend)
+            return self.mlp(x, c, backend=backend, real_tokens=real_tokens)
         with jax.named_scope("dense_mlp"):
             return self.mlp(x, c)
 
-    def __call__(self, c: ModelConfig, i, stream, cache, attend, backend: Backend):
+    def __call__(self, c: ModelConfig, i, stream, cache, attend, backend: Backend, real_tokens=None):
         """i: layer index (int, or traced inside the scan). stream: hidden states (or the AttnRes
-        buffer); attend(attn, x, cache) -> (out, cache) runs this layer's attention module."""
+        buffer); attend(attn, x, cache) -> (out, cache) runs this layer's attention module.
+        real_tokens (traced int, an engine step's): the tokens from row real_tokens on are the shape
+        bucket's padding, which the MoE routes to no expert (see MoE.__call__)."""
         eps = c.rms_norm_eps
         B = self.block_size
-        mlp = lambda x: self.feed_forward(rms_norm(x, read(self.post_attn_norm), eps), c, backend)  # noqa: E731
+        mlp = lambda x: self.feed_forward(rms_norm(x, read(self.post_attn_norm), eps), c, backend,  # noqa: E731
+                                          real_tokens)
         if not B:
             a, cache = attend(self.attn, rms_norm(stream, read(self.input_norm), eps), cache)
             h = stream + a
@@ -87,11 +90,11 @@ class DecoderBlock(List):
         self.start, self.unit = start, unit
         self.kinds = tuple(config.layer_types[start + j] for j in range(unit))
 
-    def __call__(self, c: ModelConfig, r, stream, cache, attend, backend: Backend):
+    def __call__(self, c: ModelConfig, r, stream, cache, attend, backend: Backend, real_tokens=None):
         """Repeat r (traced) of the unit: its layers in order. attend(j, attn, x, cache) -> (out,
-        cache) runs position j's attention."""
+        cache) runs position j's attention. real_tokens: see DecoderLayer."""
         with repeat(r, backend):
             for j, layer in enumerate(self):
                 stream, cache = layer(c, self.start + r * self.unit + j, stream, cache,
-                                      lambda m, x, ch, j=j: attend(j, m, x, ch), backend)
+                                      lambda m, x, ch, j=j: attend(j, m, x, ch), backend, real_tokens)
         return stream, cache

@@ -172,15 +172,22 @@ class MoE(Module):
             w = w / (w.sum(-1, keepdims=True) + 1e-20)
         return w * c.routed_scaling_factor, ids.astype(jnp.int32)
 
-    def __call__(self, x, c: ModelConfig, layer=None, backend: Backend | None = None):
+    def __call__(self, x, c: ModelConfig, layer=None, backend: Backend | None = None, real_tokens=None):
         """x [..., D] -> [..., D]. layer: the routed experts hold every scanned layer's experts
         ([L, E, ...]) and this one runs. backend.routed_experts (expert parallelism,
-        sharding/moe_ep.py) replaces the single-device routed experts."""
+        sharding/moe_ep.py) replaces the single-device routed experts. real_tokens (traced int): rows
+        of x from it on are an engine step's bucket padding; they get no expert (an id past the experts,
+        which every routed-experts path skips), so a one-sequence decode step in a 16-token bucket
+        reads its own token's experts only, not 15 padding rows' as well (their outputs are never read)."""
         b = resolve(backend)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_route"):
             weights, ids = self.route(x2, c)
+            if real_tokens is not None:
+                real = (jnp.arange(x2.shape[0]) < real_tokens)[:, None]
+                ids = jnp.where(real, ids, c.num_experts)
+                weights = jnp.where(real, weights, 0.0)
             z = matmul(x2, self.latent_down) if self.latent else x2
         with jax.named_scope("moe_experts"):
             if b.routed_experts is None:
