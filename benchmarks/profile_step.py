@@ -129,9 +129,9 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         f"{k} {ms(d):.3f} ms" for k, d in sorted(other.items(), key=lambda kv: -kv[1])[:top]))
     for part in sorted({p for p, _ in part_kernel}, key=lambda p: -by_part[p]):
         kernels = sorted(((n, d) for (p, n), d in part_kernel.items() if p == part), key=lambda kv: -kv[1])
-        print(f"  part {part}: {ms(by_part[part]):.3f} ms in {sum(part_count[part, n] for n, _ in kernels) / steps:.0f} "
-              "kernels/step; " + "; ".join(f"{n} x{part_count[part, n] / steps:.0f} {ms(d):.3f} ms"
-                                          for n, d in kernels[:top]))
+        launched = sum(part_count[part, n] for n, _ in kernels) / steps
+        print(f"  part {part}: {ms(by_part[part]):.3f} ms in {launched:.0f} kernels/step; " + "; ".join(
+            f"{n} x{part_count[part, n] / steps:.0f} {ms(d):.3f} ms" for n, d in kernels[:top]))
     busy = idle_gaps(events, scopes, steps)
     return ms(total), {p: ms(d) for p, d in by_part.items()}, busy
 
