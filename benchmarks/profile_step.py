@@ -239,14 +239,18 @@ def kda_variants(model, T=4096, seqs=2, bucket=64):
     import jax.numpy as jnp
     import numpy as np
     from k3jax.layers import kda as kda_layer
-    from bench_kda import time_jax as time_call    # imported here: bench_kda sets up jax at import
+    from benchmarks.harness import time_jax as time_call
     from pallas_kernels import ops
     c = model.config
     li = c.kda_layers[0]
     attn = kda_layer.KDA.of(c, model.layer_params(li)["attn"])
     x = (jax.random.normal(jax.random.PRNGKey(0), (1, T, c.hidden_size)) * 0.5).astype(jnp.bfloat16)
-    conv = kda_layer.causal_conv(attn.qkv_in(x), attn.conv_weights())
-    real = jax.jit(lambda x, conv: attn.core(x, conv, c))(x, conv)
+
+    def model_inputs(x):
+        x_in, f, beta, _ = attn.projections(x, c)
+        return (*attn.core(x, kda_layer.causal_conv(x_in, attn.conv_weights()), f, c), beta)
+
+    real = jax.jit(model_inputs)(x)
     H, K = c.kda_num_heads, c.kda_head_dim
     ks = jax.random.split(jax.random.PRNGKey(1), 5)
     nrm = lambda a: a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)   # noqa: E731

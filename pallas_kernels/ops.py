@@ -120,6 +120,23 @@ def stacked_matmul(x, w, index, *, backend: Backend | None = None):
     return stacked.stacked_matmul(x, w, index, kernel=b.kernels and b.platform == "gpu", interpret=b.interpret)
 
 
+def stacked_matmuls(pairs, index, *, backend: Backend | None = None):
+    """[x @ w[index] for (x, w) in pairs], w stacks of one scanned block: few-row steps' products in one GPU
+    kernel launch (pallas_kernels/stacked.py)."""
+    from pallas_kernels import stacked
+    b = resolve(backend)
+    return stacked.stacked_matmuls(pairs, index, kernel=b.kernels and b.platform == "gpu", interpret=b.interpret)
+
+
+def stacked_glu(x, w_gate, w_up, index, act, *, backend: Backend | None = None):
+    """act(x @ w_gate[index], x @ w_up[index]), stacks of one scanned block: few-row steps in one GPU kernel
+    launch with act in its epilogue (pallas_kernels/stacked.py)."""
+    from pallas_kernels import stacked
+    b = resolve(backend)
+    return stacked.stacked_glu(x, w_gate, w_up, index, act, kernel=b.kernels and b.platform == "gpu",
+                               interpret=b.interpret)
+
+
 # ---- MoE -------------------------------------------------------------------
 def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
     """Grouped matmul with jax.lax.ragged_dot semantics: lhs [M, K], rhs [G, K, N]."""

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.layers.module import Module, matmul, param, read
+from k3jax.layers.module import Module, glu, matmul, param, read
 
 
 def upcast(x):
@@ -86,7 +86,7 @@ class DenseMLP(Module):
         self.down = param((inter, d), ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, c: ModelConfig):
-        return matmul(glu_act(matmul(x, self.gate), matmul(x, self.up), c), self.down)
+        return matmul(glu(x, self.gate, self.up, lambda g, u: glu_act(g, u, c)), self.down)
 
 
 def norm_param(config: ModelConfig, dtype, rngs):

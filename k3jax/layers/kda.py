@@ -14,7 +14,7 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
 from k3jax.layers.kda_positions import write_position_states
-from k3jax.layers.module import Module, matmul, param, read
+from k3jax.layers.module import Module, matmul, matmuls, param, read
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.scatter import read_rows, set_rows, value_dtype
@@ -106,27 +106,33 @@ class KDA(Module):
         """Depthwise conv weights for the packed [q | k | v] channels: [kernel, 3*H*K]."""
         return jnp.concatenate([read(self.q_conv), read(self.k_conv), read(self.v_conv)], axis=-1)
 
-    def qkv_in(self, x):
-        """Raw (pre-conv) projections packed as [..., 3*H*K]: this is what the conv state caches."""
-        return jnp.concatenate([matmul(x, self.q_proj), matmul(x, self.k_proj), matmul(x, self.v_proj)], axis=-1)
+    def projections(self, x, c: ModelConfig):
+        """What the layer computes from x alone: (x_in [..., 3*H*K], the raw pre-conv q | k | v that the conv
+        state caches; f [..., H, K], the decay's low-rank projection; beta [..., H] fp32; gate [..., H, K]
+        fp32, the output gate's logits). Where a step reads stacked weights in place (few rows on the GPU
+        kernels) x's six projections are one kernel launch and the two low-rank second halves another."""
+        gate_in = self.g_proj if self.full_rank_gate else self.g_a_proj
+        q, k, v, fa, b, gate = matmuls(*((x, p) for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                         self.b_proj, gate_in)))
+        if self.full_rank_gate:
+            (f,) = matmuls((fa, self.f_b_proj))
+        else:
+            f, gate = matmuls((fa, self.f_b_proj), (gate, self.g_b_proj))
+        return (jnp.concatenate([q, k, v], axis=-1), _heads(f, c), jax.nn.sigmoid(upcast(b)),
+                upcast(_heads(gate, c)))
 
-    def core(self, x, conv_out, c: ModelConfig):
-        """From conv outputs to the delta-rule inputs (q, k l2-normalised; g, beta fp32)."""
+    def core(self, x, conv_out, f, c: ModelConfig):
+        """From conv outputs and f (`projections`) to the delta rule's q, k (l2-normalised), v and g (fp32)."""
         act = jax.nn.silu(conv_out).astype(x.dtype)
         q, k, v = (_heads(t, c) for t in jnp.split(act, 3, axis=-1))
         # l2norm computes in fp32; the kernels take q, k in the activation dtype (as FLA's do): fp32 q, k
         # would put a bf16 model's prefill on the kernels' IEEE-fp32 path (20-50x slower).
         q, k = ops.l2norm(q).astype(x.dtype), ops.l2norm(k).astype(x.dtype)
-        f = _heads(matmul(matmul(x, self.f_a_proj), self.f_b_proj), c)
         g = ops.kda_gate(f, read(self.A_log), read(self.dt_bias), lower_bound=c.gate_lower_bound)
-        beta = jax.nn.sigmoid(upcast(matmul(x, self.b_proj)))
-        return q, k, v, g, beta
+        return q, k, v, g
 
-    def output(self, x, o, c: ModelConfig):
-        """Per-head RMSNorm of o, times sigmoid(output gate), then o_proj."""
-        gate = (matmul(x, self.g_proj) if self.full_rank_gate
-                else matmul(matmul(x, self.g_a_proj), self.g_b_proj))
-        gate = upcast(_heads(gate, c))
+    def output(self, x, o, gate, c: ModelConfig):
+        """Per-head RMSNorm of o, times sigmoid(gate) (`projections`), then o_proj."""
         of = upcast(o)
         of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + c.rms_norm_eps)
         of = of * upcast(read(self.o_norm)) * jax.nn.sigmoid(gate)
@@ -135,11 +141,11 @@ class KDA(Module):
 
     def full(self, x, c: ModelConfig, backend: Backend | None = None):
         """x [B, T, D] -> [B, T, D], every sequence starting from a zero state."""
-        conv_out = causal_conv(self.qkv_in(x), self.conv_weights())
-        q, k, v, g, beta = self.core(x, conv_out, c)
+        x_in, f, beta, gate = self.projections(x, c)
+        q, k, v, g = self.core(x, causal_conv(x_in, self.conv_weights()), f, c)
         o, _ = ops.kda_chunk(q, k, v, g, beta, scale=c.kda_head_dim ** -0.5, safe_gate=_safe_gate(c),
                              backend=backend)
-        return self.output(x, o, c)
+        return self.output(x, o, gate, c)
 
     def step(self, x, c: ModelConfig, state_pool, conv_pool, meta, backend: Backend | None = None):
         """One engine step over ragged token chunks.
@@ -154,10 +160,10 @@ class KDA(Module):
             return self._decode_step(x, c, state_pool, conv_pool, meta, b)
         src = meta["state_src"]
         with jax.named_scope("kda_in"):
-            x_in = self.qkv_in(x)
+            x_in, f, beta, gate = self.projections(x, c)
             conv0 = _gather_state(conv_pool, src, x.dtype)
             conv_out, conv_new = _step_conv(x_in, self.conv_weights(), conv0, meta)
-            q, k, v, g, beta = self.core(x, conv_out, c)
+            q, k, v, g = self.core(x, conv_out, f, c)
             s0 = _gather_state(state_pool, src)
         with jax.named_scope("kda_chunk"):
             o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
@@ -174,7 +180,7 @@ class KDA(Module):
                     state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta,
                     scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
         with jax.named_scope("kda_out"):
-            return self.output(x, o, c), state_pool, conv_pool
+            return self.output(x, o, gate, c), state_pool, conv_pool
 
     def _decode_step(self, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
         """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
@@ -184,18 +190,18 @@ class KDA(Module):
         valid = cu[1:] > cu[:-1]
         slots = jnp.where(valid, meta["state_src"], -1)
         xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
-        x_in = self.qkv_in(xs)
+        x_in, f, beta, gate = self.projections(xs, c)
         conv0 = read_rows(conv_pool, jnp.maximum(slots, 0), x.dtype)        # [N, Kc-1, C]
         w = self.conv_weights()
         # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
         conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
         window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
-        q, k, v, g, beta = self.core(xs, conv_out, c)
+        q, k, v, g = self.core(xs, conv_out, f, c)
         o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5,
                                        backend=b)
         conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
                              mode="drop")
-        out = self.output(xs, o, c)                                         # [N, D]
+        out = self.output(xs, o, gate, c)                                       # [N, D]
         tok_seq = meta["token_seq"]
         tok_ok = jnp.arange(x.shape[0]) < cu[n]
         return jnp.where(tok_ok[:, None], out[tok_seq], 0).astype(out.dtype), state_pool, conv_pool

@@ -16,7 +16,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import rms_norm, upcast
-from k3jax.layers.module import Module, matmul, param, read
+from k3jax.layers.module import Module, matmul, matmuls, param, read
 from pallas_kernels import ops, scatter
 from pallas_kernels.backend import Backend, resolve
 
@@ -96,19 +96,16 @@ class MLA(Module):
         if self.output_gate:
             self.g_proj = w((D, H * c.v_head_dim), ("embed", "mla_heads"))
 
-    def queries_joint(self, x, c: ModelConfig):
-        """q [..., H, nope + rope]."""
+    def projections(self, x, c: ModelConfig):
+        """(q [..., H, nope + rope], the per-token cache entry [..., normalized latent (kv_lora_rank) | k_rope
+        (qk_rope_head_dim)]): x's query and latent projections, one kernel launch where a step reads stacked
+        weights in place (module.matmuls)."""
+        q, kv = matmuls((x, self.q_a_proj if self.low_rank_q else self.q_proj), (x, self.kv_a_proj))
         if self.low_rank_q:
-            q = matmul(rms_norm(matmul(x, self.q_a_proj), read(self.q_a_norm), _LATENT_NORM_EPS), self.q_b_proj)
-        else:
-            q = matmul(x, self.q_proj)
-        return q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim)
-
-    def latent_kv(self, x, c: ModelConfig):
-        """The per-token cache entry: [normalized latent (kv_lora_rank), k_rope (qk_rope_head_dim)]."""
-        kv = matmul(x, self.kv_a_proj)
+            q = matmul(rms_norm(q, read(self.q_a_norm), _LATENT_NORM_EPS), self.q_b_proj)
         ckv = rms_norm(kv[..., :c.kv_lora_rank], read(self.kv_a_norm), _LATENT_NORM_EPS)
-        return jnp.concatenate([ckv, kv[..., c.kv_lora_rank:]], axis=-1)
+        return (q.reshape(*x.shape[:-1], c.mla_num_heads, c.qk_head_dim),
+                jnp.concatenate([ckv, kv[..., c.kv_lora_rank:]], axis=-1))
 
     def kv_b(self, c: ModelConfig):
         """kv_b_proj split per head: W_uk [L, H, nope], W_uv [L, H, v]."""
@@ -124,9 +121,8 @@ class MLA(Module):
 
     def full(self, x, c: ModelConfig, backend: Backend | None = None):
         """x [B, T, D] -> [B, T, D], causal attention within each sequence (plain jnp: no backend)."""
-        q = self.queries_joint(x, c)
+        q, kv = self.projections(x, c)
         q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        kv = self.latent_kv(x, c)
         ckv, k_rope = kv[..., :c.kv_lora_rank], kv[..., c.kv_lora_rank:]
         w_uk, w_uv = self.kv_b(c)
         k_nope = jnp.einsum("btl,lhd->bthd", ckv, w_uk)
@@ -180,9 +176,8 @@ class MLA(Module):
         this step), optional static decode_only. Returns (out [T, D], kv_pages).
         """
         with jax.named_scope("mla_in"):
-            q = self.queries_joint(x, c)
-            kv_pages = ops.write_kv_pages(kv_pages, self.latent_kv(x, c).astype(scatter.value_dtype(kv_pages, x.dtype)),
-                                          meta["slot_mapping"])
+            q, kv = self.projections(x, c)
+            kv_pages = ops.write_kv_pages(kv_pages, kv.astype(scatter.value_dtype(kv_pages, x.dtype)), meta["slot_mapping"])
         backend = resolve(backend)
         num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
                                        bool(meta.get("decode_only", False)), backend)

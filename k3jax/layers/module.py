@@ -207,6 +207,36 @@ def matmul(x, p: nnx.Param):
     return x @ _slice(w, r)
 
 
+def _in_place(stacks):
+    """The step's backend where every (array, index) of `stacks` is a stacked weight to read in place
+    (dense_in_place), else None."""
+    current = _REPEAT.get()
+    if current is None or current.backend is None or not current.backend.dense_in_place:
+        return None
+    return current.backend if all(r is not None for _, r in stacks) else None
+
+
+def matmuls(*pairs):
+    """[x @ read(p) for (x, p) in pairs]: where the step reads stacked weights in place, one kernel launch
+    for all of them (ops.stacked_matmuls: a decode step's small projections of one input cost a launch
+    each otherwise); elsewhere `matmul` each."""
+    stacks = [stacked(p) for _, p in pairs]
+    backend = _in_place(stacks)
+    if backend is None:
+        return [matmul(x, p) for x, p in pairs]
+    return ops.stacked_matmuls([(x, w) for (x, _), (w, _) in zip(pairs, stacks)], stacks[0][1], backend=backend)
+
+
+def glu(x, gate: nnx.Param, up: nnx.Param, act):
+    """act(x @ read(gate), x @ read(up)) (act on x.dtype values): where the step reads stacked weights in
+    place, one kernel launch with act in its epilogue (ops.stacked_glu)."""
+    stacks = [stacked(gate), stacked(up)]
+    backend = _in_place(stacks)
+    if backend is None:
+        return act(matmul(x, gate), matmul(x, up))
+    return ops.stacked_glu(x, stacks[0][0], stacks[1][0], stacks[0][1], act, backend=backend)
+
+
 def _slice(w, r):
     # as lax.scan slices its inputs: r is a repeat's index, never negative (no wrap-around select)
     return jax.lax.dynamic_index_in_dim(w, r, keepdims=False, allow_negative_indices=False)

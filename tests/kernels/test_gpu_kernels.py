@@ -152,3 +152,28 @@ def test_mla_ragged_paged_on_fp8_pages_matches_the_reference(H, ps, lens, ctx, f
     config = None if fp8_scale == "scores" else (("fp8_scale", fp8_scale),)   # None: the engine's tuning
     got = mla.ragged_paged_mla(*args, scale=0.07, decode_only=max(lens) == 1, config=config)
     assert rel_err(got, mla.ragged_paged_mla_reference(*args, scale=0.07)) < BF16_TOL
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+def test_stacked_products_in_one_launch_match_each_alone(rows):
+    """A KDA layer's projections of one input at Kimi-Linear-48B's widths (q, k, v 4096 wide, f_a 128, b 32,
+    g_a 128 from D 2304) and the shared expert's GLU, read in place in their stacks: the one-launch kernel
+    gives each product's bits as its own launch does, and the GLU kernel act(x @ gate, x @ up) within bf16."""
+    from pallas_kernels import stacked
+    from pallas_kernels.moe.kernel import glu_activation
+    r = np.random.RandomState(3)
+    D, L = 2304, 4
+    ws = [jnp.asarray(r.randn(L, D, n) * 0.02, jnp.bfloat16) for n in (4096, 4096, 4096, 128, 32, 128)]
+    x = jnp.asarray(r.randn(rows, D), jnp.bfloat16)
+    i = jnp.int32(2)
+    many = jax.jit(lambda x, ws, i: stacked.stacked_matmuls([(x, w) for w in ws], i, kernel=True))(x, ws, i)
+    for got, w in zip(many, ws):
+        alone = jax.jit(lambda x, w, i: stacked.stacked_matmul(x, w, i, kernel=True))(x, w, i)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+        assert rel_err(got, np.asarray(x, np.float32) @ np.asarray(w[2], np.float32)) < BF16_TOL
+    act = lambda g, u: glu_activation(g, u, "silu").astype(jnp.bfloat16)   # noqa: E731
+    g = jax.jit(lambda x, a, b, i: stacked.stacked_glu(x, a, b, i, act, kernel=True))(x, ws[0][:, :, :1024],
+                                                                                         ws[1][:, :, :1024], i)
+    ref = act(np.asarray(x, np.float32) @ np.asarray(ws[0][2, :, :1024], np.float32),
+              np.asarray(x, np.float32) @ np.asarray(ws[1][2, :, :1024], np.float32))
+    assert rel_err(g, ref) < BF16_TOL

@@ -45,6 +45,47 @@ def test_kernel_path_only_where_it_fits():
         assert sch.pipeline_smem_bytes(t.bm, t.bk, t.bn, t.num_stages + 1, False) <= sch.SMEM_LIMIT
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+def test_products_in_one_launch_are_each_products_bits(rows):
+    """stacked_matmuls: products of different widths (K, N) in one launch give each product's bits as its
+    own launch (stacked_matmul) does, for every repeat; a pair the kernel cannot take (N not a multiple of
+    16) is the sliced matmul, and the others still share one launch."""
+    r = np.random.RandomState(1)
+    ws = [jnp.asarray(r.randn(3, k, n) * 0.1, jnp.bfloat16) for k, n in ((64, 96), (64, 32), (64, 16), (32, 48), (64, 8))]
+    xs = [jnp.asarray(r.randn(2, rows, w.shape[1]), jnp.bfloat16) for w in ws]
+    launches = []
+    real = stacked._one_launch
+    for i in (0, 2):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(stacked, "_one_launch", lambda pairs, *a: launches.append(len(pairs)) or real(pairs, *a))
+            got = jax.jit(lambda xs, ws, i: stacked.stacked_matmuls(list(zip(xs, ws)), i, kernel=True,
+                                                                    interpret=True))(xs, ws, jnp.int32(i))
+        for g, x, w in zip(got, xs, ws):
+            alone = stacked.stacked_matmul(x, w, jnp.int32(i), kernel=True, interpret=True)
+            want = np.asarray(x, np.float32) @ np.asarray(w[i], np.float32)
+            assert g.shape == (2, rows, w.shape[2]) and g.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(alone))
+            np.testing.assert_allclose(np.asarray(g, np.float32), want, rtol=0, atol=8e-3 * np.abs(want).max())
+    assert launches == ([4, 4] if 2 * rows <= stacked.MAX_ROWS else [])     # 66 rows: each product alone
+
+
+def test_glu_in_one_launch_is_act_of_the_two_products():
+    """stacked_glu: act(x @ gate, x @ up) with act in the kernel's epilogue on each product rounded to bf16,
+    as the two launches and the activation compute it; without the kernel the same function of the slices."""
+    r = np.random.RandomState(2)
+    gate, up = (jnp.asarray(r.randn(3, 64, 48) * 0.1, jnp.bfloat16) for _ in range(2))
+    x = jnp.asarray(r.randn(5, 64), jnp.bfloat16)
+    act = lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)   # noqa: E731
+    for i in (0, 1):
+        got = stacked.stacked_glu(x, gate, up, jnp.int32(i), act, kernel=True, interpret=True)
+        want = act(stacked.stacked_matmul(x, gate, jnp.int32(i), kernel=True, interpret=True),
+                   stacked.stacked_matmul(x, up, jnp.int32(i), kernel=True, interpret=True))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
+                                   atol=1e-2 * float(jnp.abs(want.astype(jnp.float32)).max()))
+        np.testing.assert_array_equal(np.asarray(stacked.stacked_glu(x, gate, up, jnp.int32(i), act, kernel=False)),
+                                      np.asarray(act(x @ gate[i], x @ up[i])))
+
+
 def _matmul_weights(tree) -> list:
     """The arrays of a unit's parameter tree that the layers use as `x @ w` (their projections)."""
     if isinstance(tree, list):
@@ -62,7 +103,7 @@ def _matmul_weights(tree) -> list:
 @pytest.mark.slow
 def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
     """The scan passes only the repeat index; with dense_in_place every projection of the scanned block
-    reaches ops.stacked_matmul as its whole stack [repeats, K, N] (read in place where the kernel
+    reaches ops.stacked_matmul(s) or ops.stacked_glu as its whole stack [repeats, K, N] (read in place where the kernel
     fits), and the step computes what it computes with the repeats' slices."""
     c = preset_config("tiny-random")
     params = stack_layers(init_params_numpy(c, 2, jnp.float32), c)
@@ -70,8 +111,12 @@ def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
     batch = make_step_batch([SeqChunk(tokens, 0, [3, 1], -1, 2, ckpt_dst=1)], 8, num_tokens=16, num_seqs=4,
                             max_pages=4)
     calls = []
-    real = ops.stacked_matmul
-    monkeypatch.setattr(ops, "stacked_matmul", lambda x, w, i, **kw: calls.append(w.shape) or real(x, w, i, **kw))
+    real = ops.stacked_matmul, ops.stacked_matmuls, ops.stacked_glu
+    monkeypatch.setattr(ops, "stacked_matmul", lambda x, w, i, **kw: calls.append(w.shape) or real[0](x, w, i, **kw))
+    monkeypatch.setattr(ops, "stacked_matmuls", lambda pairs, i, **kw: calls.extend(w.shape for _, w in pairs)
+                        or real[1](pairs, i, **kw))
+    monkeypatch.setattr(ops, "stacked_glu", lambda x, a, b, i, act, **kw: calls.extend((a.shape, b.shape))
+                        or real[2](x, a, b, i, act, **kw))
     outs, scans, seen = [], [], []
     for b in (Backend(), Backend(dense_in_place=True)):
         fn = make_step(c, b)
@@ -110,3 +155,49 @@ def test_gpu_decode_step_slices_no_projection_stack(monkeypatch):
         operands = {m.group(1) for m in re.finditer(r"stablehlo\.dynamic_slice .*?: \(tensor<([\dx\w]+)>", text)}
         sliced.append(stacks & operands)
     assert sliced == [stacks, set()], sliced
+
+
+def _pallas_names(jaxpr, out):
+    """Counts of the pallas_call kernel names in a jaxpr and its sub-jaxprs (a scan's body counted once)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            name = e.params.get("name_and_src_info", e.params.get("name"))    # (its key differs by jax version)
+            out[str(name).split(" ")[0]] += 1
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _pallas_names(inner, out)
+    return out
+
+
+def test_gpu_decode_step_runs_a_layers_projections_of_one_input_in_one_launch(monkeypatch):
+    """The tiny model's decode step traced for the GPU kernels with dense_in_place: the KDA layer's
+    projections of x (q, k, v, f_a, full-rank gate; b_proj's 4 columns are not a multiple of 16) are one
+    launch, MLA's q_a and kv_a another, every GLU (shared experts, dense MLP) gate + up + activation one."""
+    import collections
+    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
+    c = preset_config("tiny-random")
+    assert c.kda_full_rank_gate and c.q_lora_rank
+    params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.bfloat16))
+    pools = pool_shapes(c, 17, 16, 6, jnp.bfloat16)
+    batch = make_step_batch([SeqChunk([1], 5, [1], 1, 1), SeqChunk([1], 5, [2], 2, 2)], 16, num_tokens=16,
+                            num_seqs=4, max_pages=2)
+    names = []
+    for in_place in (False, True):
+        backend = Backend(kernels=True, platform="gpu", device="gpu", dense_in_place=in_place)
+        names.append(_pallas_names(jax.make_jaxpr(make_step(c, backend))(params, pools, batch).jaxpr,
+                                   collections.Counter()))
+    assert not any(n.startswith(("stacked", "moe_gmm_bf16")) for n in names[0])
+    assert names[1]["stacked_matmuls_5"] == 1 and names[1]["stacked_matmuls_2"] == 1, names[1]
+    assert names[1]["moe_gmm_bf16_2"] == _glus(params["layers"]["units"]) >= 1, names[1]
+
+
+def _glus(tree) -> int:
+    """GLU MLPs (gate, up and down weights of their own, not the routed experts') in a parameter tree."""
+    if isinstance(tree, list):
+        return sum(_glus(t) for t in tree)
+    if not isinstance(tree, dict):
+        return 0
+    own = int({"gate", "up", "down"} <= tree.keys() and not isinstance(tree["gate"], dict))
+    return own + sum(_glus(v) for k, v in tree.items() if k != "experts")
