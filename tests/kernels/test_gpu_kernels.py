@@ -177,3 +177,52 @@ def test_stacked_products_in_one_launch_match_each_alone(rows):
     ref = act(np.asarray(x, np.float32) @ np.asarray(ws[0][2, :, :1024], np.float32),
               np.asarray(x, np.float32) @ np.asarray(ws[1][2, :, :1024], np.float32))
     assert rel_err(g, ref) < BF16_TOL
+
+
+def test_routing_kernel_matches_the_xla_routing(monkeypatch):
+    """The routing kernel (pallas_kernels/moe/route_kernel.py) at a 16-token decode bucket's top-8 over 256
+    experts, bm 16: the sort and the tile schedule equal XLA's bit for bit (ids of bucket padding rows == E,
+    other devices' experts, repeats), and Kimi-Linear-48B's routed expert MLP gives the same bits with
+    either routing."""
+    from pallas_kernels import moe
+    from pallas_kernels.moe import route_kernel, routing
+    from pallas_kernels.moe import schedule as sch
+    r = np.random.RandomState(4)
+    T, k, E, D, I = 16, 8, 256, 2304, 1024
+    ids = np.stack([r.choice(E, k, replace=False) for _ in range(T)])
+    ids[1] = ids[0]
+    ids[2, :3] = [-1, E + 5, E]
+    ids[9:] = E                                         # bucket padding rows
+
+    def xla(i):
+        tok, gs, inv = routing.sort_by_expert(i, E)
+        return (tok, gs, inv), sch.tile_schedule(gs, T * k, 16)
+
+    route, xla = jax.jit(lambda i: route_kernel.route(i, E, (16,))), jax.jit(xla)
+    for case in (ids, np.full((T, k), E), np.full((T, k), 7), r.randint(-2, E + 2, (T, k))):
+        case = jnp.asarray(case, jnp.int32)
+        *got, schedules = route(case)
+        (tok, gs, inv), (tg, ts, te) = xla(case)
+        s = schedules[16]
+        for a, b in zip((*got, s.tg, s.ts, s.te), (tok, gs, inv, tg, ts, te)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    x = jnp.asarray(r.randn(T, D), jnp.bfloat16)
+    w = jnp.asarray(r.rand(T, k), jnp.float32)
+    ws = [jnp.asarray(r.randn(E, a, b) / np.sqrt(a), jnp.bfloat16) for a, b in ((D, I), (D, I), (I, D))]
+    routed = []
+
+    def spy(*args, _route=route_kernel.route, **kw):
+        routed.append(args)
+        return _route(*args, **kw)
+    monkeypatch.setattr(route_kernel, "route", spy)
+
+    def mlp():
+        return np.asarray(jax.jit(lambda x, i, w, *ws: moe.expert_mlp(x, i, w, *ws, activation="silu"))(
+            x, jnp.asarray(ids, jnp.int32), w, *ws), np.float32)
+
+    new = mlp()
+    monkeypatch.setattr(route_kernel, "MAX_CELLS", 0)   # XLA's routing
+    old = mlp()
+    assert len(routed) == 1                             # the first call took the routing kernel
+    np.testing.assert_array_equal(new, old)
