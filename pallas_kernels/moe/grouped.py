@@ -127,22 +127,15 @@ def _pad_rows_or_index(lhs, row_index, bm):
   return lhs, (row_index if m >= bm else jnp.pad(row_index, (0, bm - m)))
 
 
-def bf16_tiling(m: int, k: int, n: int, g: int, *, tiling=None, fused=False, avg_rows=None) -> sch.Tiling:
-  """The tiles run_bf16 runs for M rows, contraction K, N output columns over G groups (K and N padded to
-  multiples of 16 as run_bf16 pads them); fused as schedule.choose_tiling's."""
-  return _as_tiling(tiling, m, k + (-k) % 16, n + (-n) % 16, g, fused=fused, avg_rows=avg_rows)
-
-
 def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_rows=None, layer=None,
-             row_index=None, zero_tail=True, schedule=None):
+             row_index=None, zero_tail=True):
   """Kernel call for bf16 weights ws = (w [G, K, N], ...) with K/N/M padding as needed.
   avg_rows: expected rows per group for the tile heuristic (schedule.choose_tiling).
   layer (int32, may be traced): ws are stacks over layers ([L, G, K, N]) and this layer's groups
   are used, read in place by the kernel (no per-layer copy of the experts).
   row_index, zero_tail: see kernel.grouped_matmul (rows gathered from lhs [T, K] in the kernel;
   rows past the groups left unwritten). One weight with act: merged gate/up ([G, K, 2N],
-  layout.merge_gate_up), output [M, N]. schedule: the row tiles' schedule.TileSchedule computed
-  ahead (route_kernel), for the rows padded to the tiles' bm (None: the kernel call computes it)."""
+  layout.merge_gate_up), output [M, N]."""
   m, k = _rows(lhs, row_index), lhs.shape[1]
   _check_groups(group_sizes, ws[0].shape[0 if layer is None else 1])
   ws, offset = _layer_groups(ws, layer)
@@ -156,18 +149,17 @@ def run_bf16(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, avg_row
     ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))) for w in ws)
   ws = tuple(_pad_last(w, 16 * per_col) for w in ws)  # merged: zero (gate, up) pairs
   np_ = ws[0].shape[-1] // per_col
-  t = bf16_tiling(m, kp, np_, group_sizes.shape[0], tiling=tiling, fused=_fused(act, per_col == 2),
-                  avg_rows=avg_rows)
+  t = _as_tiling(tiling, m, kp, np_, group_sizes.shape[0], fused=_fused(act, per_col == 2),
+                 avg_rows=avg_rows)
   x, idx = _pad_rows_or_index(lhs, row_index, t.bm)
   out = kn.grouped_matmul(x, ws, group_sizes, fmt="bf16", n=np_, tiling=t, act=act,
-                          interpret=interpret, group_offset=offset, row_index=idx, zero_tail=zero_tail,
-                          schedule=schedule)
+                          interpret=interpret, group_offset=offset, row_index=idx, zero_tail=zero_tail)
   return out[:m, :n]
 
 
 def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=None,
               avg_rows=None, layer=None, decoder: str | None = None, row_index=None, x_halves=False,
-              zero_tail=True, out_halves=False, schedule=None):
+              zero_tail=True, out_halves=False):
   """Kernel call for MXFP4 weights ws = (packed [G, N, K/2], scales [G, N, K/32], ...).
 
   mode 'kernel': decode in the kernel's main loop, each weight tile decoded once per row tile
@@ -182,7 +174,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   same form (halves order needs N % (2 bn) == 0 and two weights or one). Merged gate/up (one
   weight with act: packed [G, 2N, K/2], layout.merge_gate_up_mxfp4) holds its features in halves
   order, so its output is in halves order whatever the tiles; out_halves adds the 2^shift (and is
-  refused with joined tiles, whose consumer would read natural order). schedule: as run_bf16.
+  refused with joined tiles, whose consumer would read natural order).
   """
   m, k = _rows(lhs, row_index), lhs.shape[1]
   g = group_sizes.shape[0]
@@ -224,7 +216,7 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
   out = kn.grouped_matmul(x, wd, group_sizes, fmt=fmt, n=n + rn, tiling=t, act=act,
                           interpret=interpret, group_offset=offset, decoder=decoder, row_index=idx,
                           x_halves=x_halves, zero_tail=zero_tail, split_rows=split,
-                          out_scale=2.0 ** shift if out_halves else 1.0, schedule=schedule)
+                          out_scale=2.0 ** shift if out_halves else 1.0)
   return out[:m, :n]
 
 

@@ -152,23 +152,10 @@ def _kernel(tg_ref, ts_ref, te_ref, off_ref, *refs, fmt, n_x, n_w, m, k, n, g, t
                 mask=(rows >= start) & (rows < end))
 
 
-def _row_tiles(group_sizes, m: int, bm: int, schedule):
-  """tile_schedule(group_sizes, m, bm): computed here, or `schedule` if it was computed for m and bm (a
-  schedule for other tiles would leave rows unwritten or written twice)."""
-  if schedule is None:
-    return sch.tile_schedule(group_sizes, m, bm)
-  tiles = (sch.num_tiles(m, group_sizes.shape[0], bm),)
-  if (schedule.m, schedule.bm) != (m, bm) or schedule.tg.shape != tiles:
-    raise ValueError(f"a tile schedule for m={schedule.m}, bm={schedule.bm} ({schedule.tg.shape[0]} tiles) "
-                     f"given to a grouped matmul of m={m}, bm={bm} ({tiles[0]} tiles)")
-  return schedule.tg, schedule.ts, schedule.te
-
-
 def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Tiling,
                    act=None, out_dtype=None, interpret: bool = False, group_offset=None,
                    decoder: str | None = None, row_index=None, x_halves: bool = False, zero_tail: bool = True,
-                   split_rows: bool = False, out_scale: float = 1.0,
-                   schedule: sch.TileSchedule | None = None):
+                   split_rows: bool = False, out_scale: float = 1.0):
   """Pallas grouped matmul.
 
   x [M, K] (rows sorted by group), group_sizes [G] int32.
@@ -189,8 +176,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
   rows past sum(group_sizes) unwritten (the caller never reads them). split_rows (bf16t,
   mxfp4): output column c < N/2 is weight row 2c, c >= N/2 row 2(c - N/2) + 1, so the output
   is in halves order for an MXFP4 consumer. out_scale: factor on the fp32 result (a power of
-  two: exact). schedule: the row tiles' schedule computed ahead (route_kernel), for this m and
-  tiling.bm; None computes it here (schedule.tile_schedule).
+  two: exact).
   """
   m = x.shape[0] if row_index is None else row_index.shape[0]
   k = x.shape[1]
@@ -211,7 +197,7 @@ def grouped_matmul(x, weights, group_sizes, *, fmt: str, n: int, tiling: sch.Til
       xs = tuple(xi * jnp.asarray(2.0 ** shift, xi.dtype) for xi in xs)
   else:
     xs = (x,)
-  tg, ts, te = _row_tiles(group_sizes, m, tiling.bm, schedule)
+  tg, ts, te = sch.tile_schedule(group_sizes, m, tiling.bm)
   off = jnp.zeros((1,), jnp.int32) if group_offset is None else jnp.reshape(group_offset, (1,)).astype(jnp.int32)
   grid = (n // tiling.bn, tg.shape[0])
   gather = row_index is not None

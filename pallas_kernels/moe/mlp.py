@@ -9,7 +9,6 @@ from pallas_kernels.moe import grouped as gm
 from pallas_kernels.moe import kernel as kn
 from pallas_kernels.moe import layout
 from pallas_kernels.moe import mxfp4 as mx
-from pallas_kernels.moe import route_kernel
 from pallas_kernels.moe import routing
 from pallas_kernels.moe import schedule as sch
 
@@ -39,39 +38,23 @@ def _layer_of(ws, layer):
   return ws if layer is None else tuple(w[layer] for w in ws)
 
 
-def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret, gather, row_tiles):
+def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret, gather):
   """Shared frame of both expert MLPs: sort token copies by expert, run the kernels, combine the
-  weighted rows back to token order. gather=False: `kernel(xs, None, gs, interp, schedules)` on the
-  gathered rows xs = x[tok]. gather=True: `kernel(x, tok, gs, interp, schedules)`, the up kernel reads
-  the token rows in place, and rows past the local groups are never written nor read (the combine
-  skips them), so other devices' rows under expert parallelism cost nothing. Off-accelerator
-  `reference(xs, gs)`. row_tiles: the bm of the kernels' tiles (see _route; None: not known ahead)."""
+  weighted rows back to token order. gather=False: `kernel(xs, None, gs, interp)` on the gathered
+  rows xs = x[tok]. gather=True: `kernel(x, tok, gs, interp)`, the up kernel reads the token rows
+  in place, and rows past the local groups are never written nor read (the combine skips
+  them), so other devices' rows under expert parallelism cost nothing. Off-accelerator
+  `reference(xs, gs)`."""
+  tok, gs, inv = routing.sort_by_expert(topk_ids, num_experts)
   use, interp = sch.use_kernel(interpret)
-  tok, gs, inv, schedules = _route(topk_ids, num_experts, use and row_tiles is not None, interp, row_tiles)
   if not use:
     y = reference(x[tok], gs)
   elif gather:
-    y = kernel(x, tok, gs, interp, schedules)
+    y = kernel(x, tok, gs, interp)
     return routing.combine(y, topk_weights, inv, out_dtype=x.dtype, valid_rows=jnp.sum(gs))
   else:
-    y = kernel(x[tok], None, gs, interp, schedules)
+    y = kernel(x[tok], None, gs, interp)
   return routing.combine(y, topk_weights, inv, out_dtype=x.dtype)
-
-
-def _route(topk_ids, num_experts, kernels: bool, interp: bool, row_tiles):
-  """(sorted_token_index, group_sizes, inverse, {bm: schedule.TileSchedule}). For the kernels at decode
-  sizes (route_kernel.fits) one Pallas launch computes the sort and the tile schedule of each bm in
-  row_tiles, where XLA would run several small kernels for the sort and each grouped matmul more for
-  its schedule; else routing.sort_by_expert and no schedules (each grouped matmul computes its own)."""
-  if kernels and route_kernel.fits(topk_ids.size, num_experts, row_tiles):
-    return route_kernel.route(topk_ids, num_experts, row_tiles, interpret=interp)
-  return (*routing.sort_by_expert(topk_ids, num_experts), {})
-
-
-def _schedule(schedules, tiling):
-  """The tile schedule _route computed for a kernel's tiles; None (its grouped matmul computes one)
-  where _route computed none."""
-  return schedules[tiling.bm] if schedules else None
 
 
 def _use_gather(gather, avg_rows):
@@ -95,35 +78,23 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   the up kernel (see _routed_mlp); None picks by rows per expert. Returns [T, D] in x.dtype.
   """
   act = _act(activation, situ_beta, situ_linear_beta)
+  t_up, t_down = tiling if tiling is not None else (None, None)
   E = w1.shape[0 if layer is None else 1]
   avg = _avg_rows(topk_ids, E, num_experts_total)
   keep = not _use_gather(gather, avg)  # materialized rows: the kernels zero the tail
   up = (w1,) if w3 is None else (w1, w3)
-  t_up, t_down = _bf16_tilings(tiling, topk_ids.size, avg, w3 is None, (E, x.shape[1], w2.shape[-2]))
 
-  def kernel(xs, tok, gs, interp, schedules):
+  def kernel(xs, tok, gs, interp):
     kw = dict(interpret=interp, avg_rows=avg, layer=layer, zero_tail=keep)
-    h = gm.run_bf16(xs, up, gs, tiling=t_up, act=act, row_index=tok, schedule=_schedule(schedules, t_up),
-                    **kw)
-    return gm.run_bf16(h, (w2,), gs, tiling=t_down, schedule=_schedule(schedules, t_down), **kw)
+    h = gm.run_bf16(xs, up, gs, tiling=t_up, act=act, row_index=tok, **kw)
+    return gm.run_bf16(h, (w2,), gs, tiling=t_down, **kw)
 
   def reference(xs, gs):
     w1l, w2l = _layer_of((w1, w2), layer)
     g, u = layout.split_gate_up(w1l, 2) if w3 is None else (w1l, _layer_of((w3,), layer)[0])
     return _reference_path(xs, gs, g, u, w2l, act, x.dtype)
 
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, not keep,
-                     (t_up.bm, t_down.bm))
-
-
-def _bf16_tilings(tiling, rows, avg, merged, dims):
-  """The up / down tilings run_bf16 runs (defaults from avg rows per expert), decided here so that the
-  routing can compute their tile schedules. tiling: None or (up, down), each None or given; dims
-  (E, D, I)."""
-  e, d, i = dims
-  t_up, t_down = tiling if tiling is not None else (None, None)
-  return (gm.bf16_tiling(rows, d, i, e, tiling=t_up, fused="merged" if merged else True, avg_rows=avg),
-          gm.bf16_tiling(rows, i, d, e, tiling=t_down, avg_rows=avg))
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, not keep)
 
 
 def _mxfp4_tilings(t_up, t_down, avg, merged, dims, decoder):
@@ -181,20 +152,16 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   kw = dict(avg_rows=avg, mode=mode, zero_tail=not use_gather, layer=layer, decoder=decoder)
   up = tuple(w1) if merged else (*w1, *w3)
 
-  def kernel(xs, tok, gs, interp, schedules):
+  def kernel(xs, tok, gs, interp):
     if halves:
       xs = mx.to_operand(xs, mx.x_shift(decoder or mx.DECODER), joined)
     h = gm.run_mxfp4(xs, up, gs, tiling=t_up, act=act, interpret=interp, row_index=tok,
-                     x_halves=halves, out_halves=h_halves, schedule=_schedule(schedules, t_up), **kw)
-    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=h_halves,
-                        schedule=_schedule(schedules, t_down), **kw)
+                     x_halves=halves, out_halves=h_halves, **kw)
+    return gm.run_mxfp4(h, tuple(w2), gs, tiling=t_down, interpret=interp, x_halves=h_halves, **kw)
 
   def reference(xs, gs):
     w1l, w2l = _layer_of(w1, layer), _layer_of(w2, layer)
     g, u = layout.unmerge_gate_up_mxfp4(w1l) if merged else (w1l, _layer_of(w3, layer))
     return _reference_path(xs, gs, deq(g), deq(u), deq(w2l), act, x.dtype)
 
-  # mode 'kernel' decided its tiles above; predequant (prefill) leaves them to run_mxfp4
-  row_tiles = (t_up.bm, t_down.bm) if mode == "kernel" else None
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, use_gather, row_tiles)
-
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, use_gather)

@@ -10,7 +10,6 @@ Rows past sum(group_sizes) form one extra pseudo-group whose tiles write zeros.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,19 +77,6 @@ def tile_schedule(group_sizes: jax.Array, m: int, bm: int):
   row_start = jnp.where(valid, row_start, 0)
   row_end = jnp.where(valid, row_end, 0)
   return gid_c, row_start.astype(jnp.int32), row_end.astype(jnp.int32)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["tg", "ts", "te"], meta_fields=["bm", "m"])
-@dataclasses.dataclass(frozen=True)
-class TileSchedule:
-  """tile_schedule(group_sizes, m, bm)'s (tg, ts, te), computed ahead of the grouped matmul (by
-  route_kernel, with the routing, in one launch); kernel.grouped_matmul takes it only for its own m
-  and tiling.bm."""
-  bm: int
-  m: int
-  tg: jax.Array
-  ts: jax.Array
-  te: jax.Array
 
 
 def platform() -> str:
