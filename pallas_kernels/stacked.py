@@ -87,7 +87,7 @@ def stacked_matmuls(pairs, index, *, kernel: bool, interpret: bool = False) -> l
     """[x @ w[index] for (x, w) in pairs] (w [L, K, N] stacks of one scanned block, index its repeat).
 
     A decode step's dense projections are small (0.1-20 MB) and each launch of its own pays a kernel's
-    ramp and tail (3-6 us for a weight under a megabyte, as long as a 5 MB one); the products of one
+    ramp and tail (a weight under a megabyte takes as long as one several times larger); the products of one
     input (a layer's projections of x) run here as one launch whose column tiles stream every weight at
     once. With `kernel`, the pairs that `fits` (bf16, few rows: the same rows for all) run in that launch
     and any other is `stacked_matmul`'s, as it would be alone. Each output column is computed as

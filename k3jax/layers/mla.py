@@ -177,7 +177,8 @@ class MLA(Module):
         """
         with jax.named_scope("mla_in"):
             q, kv = self.projections(x, c)
-            kv_pages = ops.write_kv_pages(kv_pages, kv.astype(scatter.value_dtype(kv_pages, x.dtype)), meta["slot_mapping"])
+            kv_pages = ops.write_kv_pages(kv_pages, kv.astype(scatter.value_dtype(kv_pages, x.dtype)),
+                                          meta["slot_mapping"])
         backend = resolve(backend)
         num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
                                        bool(meta.get("decode_only", False)), backend)

@@ -51,7 +51,8 @@ def test_products_in_one_launch_are_each_products_bits(rows):
     own launch (stacked_matmul) does, for every repeat; a pair the kernel cannot take (N not a multiple of
     16) is the sliced matmul, and the others still share one launch."""
     r = np.random.RandomState(1)
-    ws = [jnp.asarray(r.randn(3, k, n) * 0.1, jnp.bfloat16) for k, n in ((64, 96), (64, 32), (64, 16), (32, 48), (64, 8))]
+    shapes = ((64, 96), (64, 32), (64, 16), (32, 48), (64, 8))
+    ws = [jnp.asarray(r.randn(3, k, n) * 0.1, jnp.bfloat16) for k, n in shapes]
     xs = [jnp.asarray(r.randn(2, rows, w.shape[1]), jnp.bfloat16) for w in ws]
     launches = []
     real = stacked._one_launch
