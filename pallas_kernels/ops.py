@@ -117,7 +117,7 @@ def stacked_matmul(x, w, index, *, backend: Backend | None = None):
     (pallas_kernels/stacked.py: GPU kernels read few-row steps' weight in place)."""
     from pallas_kernels import stacked
     b = resolve(backend)
-    return stacked.stacked_matmul(x, w, index, kernel=b.kernels and b.platform == "gpu", interpret=b.interpret)
+    return stacked.stacked_matmul(x, w, index, kernel=_gpu_kernels(b), interpret=b.interpret)
 
 
 def stacked_matmuls(pairs, index, *, backend: Backend | None = None):
@@ -125,7 +125,7 @@ def stacked_matmuls(pairs, index, *, backend: Backend | None = None):
     kernel launch (pallas_kernels/stacked.py)."""
     from pallas_kernels import stacked
     b = resolve(backend)
-    return stacked.stacked_matmuls(pairs, index, kernel=b.kernels and b.platform == "gpu", interpret=b.interpret)
+    return stacked.stacked_matmuls(pairs, index, kernel=_gpu_kernels(b), interpret=b.interpret)
 
 
 def stacked_glu(x, w_gate, w_up, index, act, *, backend: Backend | None = None):
@@ -133,8 +133,12 @@ def stacked_glu(x, w_gate, w_up, index, act, *, backend: Backend | None = None):
     launch with act in its epilogue (pallas_kernels/stacked.py)."""
     from pallas_kernels import stacked
     b = resolve(backend)
-    return stacked.stacked_glu(x, w_gate, w_up, index, act, kernel=b.kernels and b.platform == "gpu",
-                               interpret=b.interpret)
+    return stacked.stacked_glu(x, w_gate, w_up, index, act, kernel=_gpu_kernels(b), interpret=b.interpret)
+
+
+def _gpu_kernels(b: Backend) -> bool:
+    """The stacked dense kernels run: Pallas kernels on the GPU (elsewhere the layer's slice and XLA's dot)."""
+    return b.kernels and b.platform == "gpu"
 
 
 # ---- MoE -------------------------------------------------------------------

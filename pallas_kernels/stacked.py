@@ -79,8 +79,9 @@ def _many_kernel(layer_ref, *refs, plan, bm):
 
 
 def _one_launch_fits(x, w) -> bool:
-    """`fits`, and the stack indexable with 32-bit offsets (the kernel reads it whole)."""
-    return fits(x, w) and w.size < 2**31
+    """`fits`, and the stack indexable with 32-bit offsets (the kernel reads it whole, where stacked_matmul's
+    grouped kernel would copy the layer's slice)."""
+    return fits(x, w) and not grouped.overflows_i32_offsets(w.shape, w.dtype)
 
 
 def stacked_matmuls(pairs, index, *, kernel: bool, interpret: bool = False) -> list:
@@ -94,15 +95,12 @@ def stacked_matmuls(pairs, index, *, kernel: bool, interpret: bool = False) -> l
     `stacked_matmul`'s kernel computes it (the same K steps and column tiles)."""
     pairs = list(pairs)
     one = [i for i, (x, w) in enumerate(pairs) if kernel and _one_launch_fits(x, w)]
-    if len({math.prod(pairs[i][0].shape[:-1]) for i in one}) > 1:
-        one = []                                  # rows differ: never in this model's layers
+    if len(one) < 2 or len({math.prod(pairs[i][0].shape[:-1]) for i in one}) > 1:
+        one = []                                  # (rows that differ: never in this model's layers)
     out = [None if i in one else stacked_matmul(x, w, index, kernel=kernel, interpret=interpret)
            for i, (x, w) in enumerate(pairs)]
-    if len(one) == 1:
-        out[one[0]] = stacked_matmul(*pairs[one[0]], index, kernel=kernel, interpret=interpret)
-    elif one:
-        for i, y in zip(one, _one_launch([pairs[i] for i in one], index, interpret)):
-            out[i] = y
+    for i, y in zip(one, _one_launch([pairs[i] for i in one], index, interpret) if one else ()):
+        out[i] = y
     return out
 
 

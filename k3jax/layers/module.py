@@ -199,12 +199,10 @@ def matmul(x, p: nnx.Param):
     """x @ read(p); a stacked weight is read in place in its stack (no slice copied) where the
     step's backend sets dense_in_place (ops.stacked_matmul: few-row steps on the GPU kernels)."""
     w, r = stacked(p)
-    if r is None:
-        return x @ w
-    backend = _REPEAT.get().backend
-    if backend is not None and backend.dense_in_place:
+    backend = _in_place([(w, r)])
+    if backend is not None:
         return ops.stacked_matmul(x, w, r, backend=backend)
-    return x @ _slice(w, r)
+    return x @ (w if r is None else _slice(w, r))
 
 
 def _in_place(stacks):
