@@ -69,6 +69,7 @@ def _run(engine, prompts, max_tokens, what=""):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"r{i}")
+    before = dict(engine.counters, **(engine.spec.stats if engine.spec is not None else {}))
     t0 = time.perf_counter()
     done = {}
     while engine.has_unfinished():
@@ -76,7 +77,9 @@ def _run(engine, prompts, max_tokens, what=""):
             if o.finished:
                 done[o.request_id] = o
     wall = time.perf_counter() - t0
-    log(f"{what}: {wall:.2f} s ({COMPILES})")
+    after = dict(engine.counters, **(engine.spec.stats if engine.spec is not None else {}))
+    launches = {k: after[k] - before.get(k, 0) for k in ("steps", "multi_step_launches", "spec_steps") if k in after}
+    log(f"{what}: {wall:.2f} s ({COMPILES}); launches {launches}")
     outs = {k: o.outputs[0].token_ids for k, o in done.items()}
     decode = [(len(outs[k]) - 1) / (o.metrics["last_token"] - o.metrics["first_token"])
               for k, o in done.items() if len(outs[k]) > 1 and o.metrics["last_token"] > o.metrics["first_token"]]

@@ -139,6 +139,16 @@ class K3Model(Module):
         w = value(self.embed).T if self.tied_embeddings else value(self.lm_head)
         return jnp.dot(h, w, preferred_element_type=upcast(h).dtype)
 
+    def _step_logits(self, h, batch: StepBatch):
+        """Logits at batch.logits_indices. A verification step's (spec_dst [N, W]: N * W rows) are computed a
+        position at a time, N rows each as a decode step computes them: a GPU dot's algorithm, so its
+        rounding, may change with its row count, and a verified token must round as decoding it does."""
+        if batch.spec_dst is None:
+            return self.lm_logits(h[batch.logits_indices])
+        n, w = batch.spec_dst.shape
+        idx = batch.logits_indices.reshape(n, w)
+        return jnp.stack([self.lm_logits(h[idx[:, j]]) for j in range(w)], axis=1).reshape(n * w, -1)
+
     def decode(self, h0, attention: Callable, backend: Backend, cache=None, real_tokens=None):
         """Runs all layers. attention(kind, ordinal, attn, x, cache) -> (out, cache), where ordinal is
         the layer's index among the layers of its kind (traced inside the scan). real_tokens (traced
@@ -204,7 +214,7 @@ class K3Model(Module):
         # the bucket's padding rows follow the chunks' tokens (cu_seqlens[-1] of them)
         h, (kv, st, cv) = self.decode(self.embed_tokens(tokens, batch.mm_embeds, batch.mm_mask),
                                       attention, b, cache, real_tokens=batch.cu_seqlens[-1])
-        logits = self.lm_logits(h[batch.logits_indices])
+        logits = self._step_logits(h, batch)
         unflat = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
         return logits, CachePools(mla_kv=unflat(kv, pools.mla_kv), kda_state=unflat(st, pools.kda_state),
                                   kda_conv=unflat(cv, pools.kda_conv))

@@ -69,16 +69,19 @@ def write_kv_pages(kv_pages, new_kv, slot_mapping):
 
 
 def mla_ragged_paged(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     decode_only=False, backend: Backend | None = None):
+                     decode_only=False, token_rows=False, backend: Backend | None = None):
     """Absorbed MLA attention of ragged query chunks over paged latent caches.
-    decode_only (static): at most one token per sequence (the kernel's decode schedule and tuning)."""
+    decode_only (static): at most one token per sequence (the kernel's decode schedule and tuning).
+    token_rows (static): each token a decode row of its own on the decode kernel (short speculative
+    verification chunks: their tokens round as decode steps; mla.paged.ragged_paged_mla)."""
     b = resolve(backend)
     if b.kernels:
         from pallas_kernels import mla
         kv_pages = scatter.values(kv_pages, q_latent.dtype)   # a CPU bits pool (interpret mode): as floats
         return mla.ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
                                     scale=scale, interpret=b.interpret, platform=b.platform,
-                                    decode_only=bool(decode_only), decode_kernel=b.mla_decode)
+                                    decode_only=bool(decode_only), decode_kernel=b.mla_decode,
+                                    token_rows=bool(token_rows))
     # CPU: work bounded by the real lengths (the reference reads every table entry: ~3x slower there at the
     # default 8192-token context); accelerators without a kernel keep the reference's parallel form
     ragged = mla_blocked.ragged_paged_mla_blocked if b.device == "cpu" else mla_ref.ragged_paged_mla_reference

@@ -184,24 +184,33 @@ class KDA(Module):
 
     def _decode_step(self, x, c: ModelConfig, state_pool, conv_pool, meta, b: Backend):
         """Decode-only step: one token per sequence, each continuing in its own slot, so the delta rule
-        runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter)."""
+        runs as the fused decode op updating the pool in place (no chunk padding, no gather/scatter).
+        On the GPU kernels everything but the recurrence runs on the step's token rows with the ragged path's
+        functions, as a speculative verification step does (`step`, then kda_positions): the same shapes and
+        programs, so a verified token rounds as decoding it does. Elsewhere on the sequences' rows (fewer)."""
         cu = meta["cu_seqlens"]
         n = cu.shape[0] - 1
         valid = cu[1:] > cu[:-1]
         slots = jnp.where(valid, meta["state_src"], -1)
-        xs = x[jnp.minimum(cu[:-1], x.shape[0] - 1)]                       # [N, D], one token per sequence
-        x_in, f, beta, gate = self.projections(xs, c)
+        first = jnp.minimum(cu[:-1], x.shape[0] - 1)                       # each sequence's token
         conv0 = read_rows(conv_pool, jnp.maximum(slots, 0), x.dtype)        # [N, Kc-1, C]
         w = self.conv_weights()
-        # Same arithmetic as the ragged path: cached inputs from the pool, the new input at full precision.
-        conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
-        window = jnp.concatenate([conv0, x_in[:, None].astype(conv0.dtype)], axis=1)   # [N, Kc, C]
-        q, k, v, g = self.core(xs, conv_out, f, c)
-        o, state_pool = ops.kda_decode(q, k, v, g, beta, state_pool, slots, scale=c.kda_head_dim ** -0.5,
-                                       backend=b)
-        conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]), window[:, 1:],
-                             mode="drop")
-        out = self.output(xs, o, gate, c)                                       # [N, D]
-        tok_seq = meta["token_seq"]
-        tok_ok = jnp.arange(x.shape[0]) < cu[n]
-        return jnp.where(tok_ok[:, None], out[tok_seq], 0).astype(out.dtype), state_pool, conv_pool
+        rows = x if b.kernels else x[first]
+        x_in, f, beta, gate = self.projections(rows, c)
+        if b.kernels:
+            conv_out, conv_new = _step_conv(x_in, w, conv0, meta)
+        else:   # the ragged path's arithmetic: cached inputs from the pool, the new input at full precision
+            conv_out = jnp.sum(upcast(conv0) * upcast(w[:-1])[None], axis=1) + upcast(x_in) * upcast(w[-1])
+            conv_new = jnp.concatenate([conv0[:, 1:], x_in[:, None].astype(conv0.dtype)], axis=1)
+        q, k, v, g = self.core(rows, conv_out, f, c)
+        at = first if b.kernels else slice(None)
+        o, state_pool = ops.kda_decode(q[at], k[at], v[at], g[at], beta[at], state_pool, slots,
+                                       scale=c.kda_head_dim ** -0.5, backend=b)
+        conv_pool = set_rows(conv_pool, jnp.where(valid, meta["state_dst"], conv_pool.shape[0]),
+                             conv_new.astype(value_dtype(conv_pool, x.dtype)), mode="drop")
+        tok_ok = (jnp.arange(x.shape[0]) < cu[n])[:, None]
+        if b.kernels:
+            o = jnp.where(tok_ok[..., None], o[meta["token_seq"]], 0).astype(o.dtype)
+            return self.output(x, o, gate, c), state_pool, conv_pool
+        out = self.output(rows, o, gate, c)                                   # [N, D]
+        return jnp.where(tok_ok, out[meta["token_seq"]], 0).astype(out.dtype), state_pool, conv_pool

@@ -137,14 +137,31 @@ class MLA(Module):
         return self.output(x, o, c)
 
     def _absorbed(self, c: ModelConfig, q, kv_pages, meta, dtype, backend: Backend):
-        """o [T, H, v]: attention on the latent cache with queries folded through W_uk."""
+        """o [T, H, v]: attention on the latent cache with queries folded through W_uk. In a speculative
+        verification step (meta spec_dst [N, W]) on the kernels, the tokens of chunks of at most W tokens run
+        as decode rows of their own (ops.mla_ragged_paged's token_rows), so that a verified token rounds as
+        decoding it does and greedy speculation keeps plain decoding's tokens; longer chunks run ragged."""
         w_uk, w_uv = self.kv_b(c)
         q_lat = jnp.einsum("thd,lhd->thl", q[..., :c.qk_nope_head_dim], w_uk)
         kv_dtype = scatter.value_dtype(kv_pages, dtype)
-        o_lat = ops.mla_ragged_paged(q_lat.astype(kv_dtype), q[..., c.qk_nope_head_dim:].astype(kv_dtype),
-                                     kv_pages, meta["block_tables"], meta["cu_seqlens"], meta["kv_lens"],
-                                     scale=scale(c), decode_only=bool(meta.get("decode_only", False)),
-                                     backend=backend)
+
+        def attend(kv_lens, **kw):
+            return ops.mla_ragged_paged(q_lat.astype(kv_dtype), q[..., c.qk_nope_head_dim:].astype(kv_dtype),
+                                        kv_pages, meta["block_tables"], meta["cu_seqlens"], kv_lens,
+                                        scale=scale(c), backend=backend, **kw)
+        spec = meta.get("spec_dst")
+        if spec is None or not backend.kernels:
+            o_lat = attend(meta["kv_lens"], decode_only=bool(meta.get("decode_only", False)))
+        else:
+            cu, kv_lens = meta["cu_seqlens"], meta["kv_lens"]
+            short = (cu[1:] - cu[:-1]) <= spec.shape[1]
+            o_lat = attend(jnp.where(short, kv_lens, 0), token_rows=True)
+            t = jnp.arange(q.shape[0])
+            tok_short = short[jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, short.shape[0] - 1)]
+            o_lat = jax.lax.cond(jnp.any(~short & (cu[1:] > cu[:-1])),
+                                 lambda: jnp.where(tok_short[:, None, None], o_lat,
+                                                   attend(jnp.where(short, 0, kv_lens))),
+                                 lambda: o_lat)
         return jnp.einsum("thl,lhd->thd", o_lat.astype(dtype), w_uv)
 
     def _mixed(self, c: ModelConfig, q, kv_pages, meta, dtype, num_keys: int, backend: Backend):

@@ -367,13 +367,28 @@ def plan(num_heads, max_keys, n_seqs, bk, splits=None, slots=None):
     return heads_padded, -(-max_keys // kps), kps
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
+                      interpret=False, config=None):
+    """ragged_paged_mla's token_rows form on the Mosaic kernel: every token a decode row of its own (its
+    sequence's block table, its own position), split as a decode step of the N sequences would be."""
+    n_tok = q_latent.shape[0]
+    n_seqs = block_tables.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(n_tok, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, n_seqs - 1)
+    lens = jnp.where(t < cu[n_seqs], jnp.maximum(kv_lens.astype(jnp.int32)[seq] - (cu[seq + 1] - t) + 1, 0), 0)
+    return mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables[seq], lens, scale=scale,
+                                   interpret=interpret, config=config, plan_seqs=n_seqs)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "plan_seqs"))
 def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale,
-                            interpret=False, config=None):
+                            interpret=False, config=None, plan_seqs=None):
     """Paged MLA decode, same contract as paged.mla_paged_decode: q_latent [N, H, L], q_rope [N, H, R],
     kv_pages [P, page_size, L+R] (16-bit), block_tables [N, max_pages], kv_lens [N] (the query sits at
     kv_lens - 1; 0 = padding sequence, zeros out). ``config``: a MosaicTiling or hashable (key, value)
-    pairs of its fields (the fields not named: DEFAULT_TILING's); None: tiling_for's choice.
+    pairs of its fields (the fields not named: DEFAULT_TILING's); None: tiling_for's choice. plan_seqs: split
+    the keys as a step of that many sequences would (default N).
     Returns [N, H, L] in q_latent.dtype."""
     from pallas_kernels.mla.triton_kernel import combine_splits
     n_seqs, num_heads, lat = q_latent.shape
@@ -385,7 +400,7 @@ def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *
         raise ValueError(f"MLA Mosaic GPU decode: 16-bit caches only (wgmma bf16/f16), got {kv_pages.dtype}")
     if lat + q_rope.shape[-1] != width:
         raise ValueError(f"q widths {lat} + {q_rope.shape[-1]} != cache row width {width}")
-    heads_padded, splits, kps = plan(num_heads, block_tables.shape[1] * page_size, n_seqs, cfg["bk"],
+    heads_padded, splits, kps = plan(num_heads, block_tables.shape[1] * page_size, plan_seqs or n_seqs, cfg["bk"],
                                      cfg.get("splits"), cfg.get("slots"))
     q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(kv_pages.dtype)
     q = jnp.pad(q, ((0, 0), (0, heads_padded - num_heads), (0, 0))).reshape(n_seqs * heads_padded, width)

@@ -167,8 +167,24 @@ def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
     return meta.reshape(n_chunks * hb, 4).astype(jnp.int32)
 
 
+def _token_tile_meta(cu_seqlens, kv_lens, n_tok, bh, num_heads):
+    """[n_tok * H/bh, 4] int32 decode tiles, one per token (token_rows): the token's sequence, its rows, one
+    valid token (none past cu_seqlens[N] or of a sequence given kv_len 0) and its own cache position."""
+    t = jnp.arange(n_tok, dtype=jnp.int32)
+    n_seqs = kv_lens.shape[0]
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens[1:], t, side="right"), 0, n_seqs - 1).astype(jnp.int32)
+    pos = kv_lens[seq] - (cu_seqlens[seq + 1] - t)
+    n_valid = ((t < cu_seqlens[n_seqs]) & (pos >= 0)).astype(jnp.int32)    # kv_len 0: the token has no keys
+    pos = jnp.where(n_valid > 0, pos, 0)
+    j = jnp.arange(num_heads // bh, dtype=jnp.int32)
+    start_row = t[:, None] * num_heads + j[None, :] * bh
+    col = lambda x: jnp.broadcast_to(x[:, None], start_row.shape)    # noqa: E731
+    meta = jnp.stack([col(seq), start_row, col(n_valid), col(pos)], axis=-1)
+    return meta.reshape(-1, 4).astype(jnp.int32)
+
+
 def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                 decode, interpret, config):
+                 decode, interpret, config, token_rows=False):
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
@@ -184,7 +200,7 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
         for h, group_cfg in groups:
             outs.append(_kernel_path(q_latent[:, a:a + h], q_rope[:, a:a + h], kv_pages, block_tables,
                                      cu_seqlens, kv_lens, scale=scale, decode=decode,
-                                     interpret=interpret, config=group_cfg))
+                                     interpret=interpret, config=group_cfg, token_rows=token_rows))
             a += h
         return jnp.concatenate(outs, axis=1)
     itemsize = max(jnp.dtype(q_latent.dtype).itemsize, jnp.dtype(kv_pages.dtype).itemsize)
@@ -195,12 +211,17 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
                         **tune)
     bq = probe["bq"]
     n_chunks = n_seqs if decode else (n_tok if bq == 1 else -(-n_tok // bq) + n_seqs)
+    # token_rows: a tile per token, split as a decode step of the n_seqs sequences (pick_config's splits
+    # depend on its tile count): each token's keys cut where that step cuts them
     tc = pick_config(num_heads, page_size, max_pages, n_chunks, min_rows=MIN_TILE,
                      decode=decode, **tune)
     rows = tc["rows"]
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
-    meta = _tile_meta(cu_seqlens, kv_lens, n_chunks, tc["bq"], tc["bh"], num_heads, decode)
+    if token_rows:
+        meta = _token_tile_meta(cu_seqlens, kv_lens, n_tok, tc["bh"], num_heads)
+    else:
+        meta = _tile_meta(cu_seqlens, kv_lens, n_chunks, tc["bq"], tc["bh"], num_heads, decode)
     pad = ((0, rows), (0, 0))
     ql = jnp.pad(q_latent.reshape(n_tok * num_heads, lat), pad)
     qr = jnp.pad(q_rope.reshape(n_tok * num_heads, q_rope.shape[-1]), pad)
@@ -260,9 +281,10 @@ def _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "platform",
-                                             "decode_only", "decode_kernel"))
+                                             "decode_only", "decode_kernel", "token_rows"))
 def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
-                     interpret=None, config=None, platform=None, decode_only=False, decode_kernel=None):
+                     interpret=None, config=None, platform=None, decode_only=False, decode_kernel=None,
+                     token_rows=False):
     """Ragged paged MLA: prefill chunks (attending to their cached prefix) and decode rows.
 
     Same contract as `reference.ragged_paged_mla_reference`: q_latent [T, H, L],
@@ -273,6 +295,10 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     steps), so the GPU kernel runs the decode schedule and tuning (one tile per sequence).
     decode_kernel (static): "mosaic" runs decode-only steps on the Mosaic GPU kernel where it fits
     (backend.mla_decode, detect()'s choice on Hopper); None / "triton": the Triton kernel.
+    token_rows (static): every token runs as a decode row of its own (its sequence's cache up to its own
+    position) on the decode kernel, split as a decode step of these N sequences: a speculative verification
+    chunk's tokens get the bits that decoding them one step at a time gives (each token reads its whole
+    prefix: for short chunks only). The references compute the same attention.
     """
     if _tpu_kernel(platform, kv_pages):  # Mosaic kernel (interpreted if asked)
         from pallas_kernels.mla.tpu_kernel import ragged_paged_mla_tpu
@@ -282,9 +308,11 @@ def ragged_paged_mla(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_le
     if not _use_kernel(interpret) or (platform or jax.default_backend()) == "tpu":
         return reference.ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables,
                                                     cu_seqlens, kv_lens, scale=scale)
-    if decode_only and _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
-        from pallas_kernels.mla.mosaic_gpu import ragged_decode_mosaic
-        return ragged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                                    scale=scale, interpret=bool(interpret))
+    if (decode_only or token_rows) and _mosaic_decode(decode_kernel, q_latent, kv_pages, q_rope):
+        from pallas_kernels.mla.mosaic_gpu import ragged_decode_mosaic, token_rows_mosaic
+        decode = token_rows_mosaic if token_rows else ragged_decode_mosaic
+        return decode(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, scale=scale,
+                      interpret=bool(interpret))
     return _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens,
-                        scale=scale, decode=bool(decode_only), interpret=interpret, config=cfg)
+                        scale=scale, decode=bool(decode_only or token_rows), interpret=interpret, config=cfg,
+                        token_rows=token_rows)

@@ -277,6 +277,11 @@ def combine_splits(o, m, l, row_valid):
     m = jnp.where(ok, m, -jnp.inf)
     m_tot = jnp.max(m, axis=0)
     w = jnp.where(ok, jnp.exp2(m - jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)[None]) * l, 0.0)
-    denom = jnp.sum(w, axis=0)
-    num = jnp.sum(w[..., None] * jnp.where(ok[..., None], o.astype(jnp.float32), 0.0), axis=0)
+    o = jnp.where(ok[..., None], o.astype(jnp.float32), 0.0)
+    # Split by split, in order: a sum over the splits axis is a reduction whose order XLA picks from the
+    # whole shape, so a row's bits would depend on how many rows the step has; speculative verification
+    # rows must round as the decode rows they stand for (paged.ragged_paged_mla's token_rows).
+    denom, num = w[0], w[0][:, None] * o[0]
+    for s in range(1, o.shape[0]):
+        denom, num = denom + w[s], num + w[s][:, None] * o[s]
     return jnp.where((denom > 0)[:, None], num / jnp.where(denom > 0, denom, 1.0)[:, None], 0.0)

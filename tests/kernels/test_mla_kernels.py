@@ -160,3 +160,32 @@ def test_head_groups_must_cover_the_heads():
     with pytest.raises(ValueError, match="head_groups"):
         mla_paged_decode(*_args(case, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
                          scale=SCALE, interpret=True, config=(("head_groups", (2, 1)),))
+
+
+@pytest.mark.parametrize("config", [
+    None,
+    (("bk", 16), ("slots", 12), ("transposed", False)),  # the 4 sequences' step: 3 splits; 11 token tiles: 1
+])
+def test_token_rows_are_decode_rows(config):
+    """token_rows (a speculative verification step): a 5-token chunk, a decode row, a sequence left out (kv_len
+    0: zeros) and bucket padding. Each token equals the oracle, and has the bits of a decode-only step of the
+    same 4 sequences that feeds that token alone at its position (so the same key splits)."""
+    rng = np.random.default_rng(7)
+    case = build_case(rng, [45, 20, 9, 0], [5, 1, 3, 0], heads=4, lat=L, rope=R, page_size=8, pad_tokens=2,
+                      max_pages=12)
+    ref = numpy_attention(case, SCALE)
+    q, qr, kv, bt, cu, kl = _args(case)
+    given = kl.at[2].set(0)                                   # sequence 2 runs another form
+    got = np.asarray(ragged_paged_mla(q, qr, kv, bt, cu, given, scale=SCALE, interpret=True, config=config,
+                                      token_rows=True))
+    ok = np.r_[0:6]
+    np.testing.assert_allclose(got[ok], ref[ok], rtol=1e-5, atol=1e-5)
+    assert np.all(got[6:] == 0), "tokens of a kv_len-0 sequence and padding tokens get zeros"
+    for t, (seq, pos) in enumerate([(0, 45), (0, 46), (0, 47), (0, 48), (0, 49), (1, 20)]):
+        one = jnp.zeros_like(q).at[0].set(q[t])
+        one_r = jnp.zeros_like(qr).at[0].set(qr[t])
+        order = [seq] + [n for n in range(4) if n != seq]          # the token's sequence first
+        lens = jnp.zeros_like(kl).at[0].set(pos + 1)
+        dec = ragged_paged_mla(one, one_r, kv, bt[jnp.asarray(order)], jnp.asarray([0, 1, 1, 1, 1], jnp.int32), lens,
+                               scale=SCALE, interpret=True, config=config, decode_only=True)
+        assert np.array_equal(np.asarray(dec[0]), got[t]), f"token {t}"

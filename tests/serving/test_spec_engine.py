@@ -200,6 +200,21 @@ def test_gpu_kernels_interpret(tmp_path):
     assert got == ref and m["spec_drafted_tokens"] >= 8 and m["spec_acceptance_rate"] == 1.0, m
 
 
+def test_verify_step_rounds_as_decode_steps_on_the_gpu_kernels():
+    """A verification step on the GPU kernels (interpreted; Kimi-Linear's layer kinds, bf16) gives each position
+    the bits of K + 1 decode steps: logits and every KDA layer's state. Verification rows run as decode rows
+    (MLA token_rows, KDA's decode step on the token rows, the LM head a position at a time), which is what lets
+    greedy speculation keep speculation off's tokens on random bf16 weights, where near-ties are everywhere."""
+    import jax.numpy as jnp
+    from tests.support.spec_steps import spec_model, verify_vs_decode
+    m = spec_model("tiny-linear", "reference", "bfloat16")
+    m.backend = m.backend.replace(kernels=True, interpret=True)
+    dec, ver, ds, vs = verify_vs_decode(m.config, m.params, m.backend, jnp.bfloat16)
+    assert np.abs(dec).max() > 0 and np.abs(ds[1] - ds[0]).max() > 0
+    assert np.array_equal(vs, ds), np.abs(vs - ds).reshape(len(ds), -1).max(-1)
+    assert np.array_equal(ver, dec), np.abs(ver - dec).max(-1)
+
+
 @pytest.mark.slow      # ~25 s on 2 cores: the draft runner's own compiles
 def test_draft_model_greedy_identical(rnd):
     """The draft-model drafter (here the target's own weights: every draft must be accepted), its catch-up

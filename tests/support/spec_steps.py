@@ -62,3 +62,36 @@ def verify_vs_decode(config, params, backend, dtype, prompt_len=600):
     ver, pools = decode.verify(start, toks[:W], slots)
     ver_states = [np.asarray(pools.kda_state[s]) for s in slots]
     return np.stack(dec), ver, np.stack(dec_states), np.stack(ver_states)
+
+
+def _tiny_linear():
+    """Kimi-Linear's layer kinds and head counts (32 MLA heads: the Triton decode kernel; its unbounded KDA gate),
+    tiny widths."""
+    from k3jax.config import ModelConfig
+    from k3jax.presets import preset_config_dict
+    d = preset_config_dict("kimi-linear-48b-a3b")
+    d.update(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
+             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=256,
+             moe_intermediate_size=64, num_experts=8, num_experts_per_token=2, bos_token_id=500, eos_token_id=501,
+             pad_token_id=511, max_position_embeddings=8192,
+             linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 32, "num_heads": 4,
+                                 "short_conv_kernel_size": 4})
+    return ModelConfig.from_dict(d)
+
+
+def spec_model(name, kernels, dtype="float32"):
+    """A test model for the verification tests: "tiny-random" / "tiny" or "tiny-linear" (_tiny_linear), on the
+    backend detect(kernels) picks."""
+    from k3jax import load_model
+    from pallas_kernels.backend import detect
+    if name in ("tiny-random", "tiny"):
+        m = load_model(name, dtype=dtype)
+    else:
+        import jax.numpy as jnp
+        from k3jax.api import Model, _place
+        from k3jax.params import init_params_numpy
+        c = _tiny_linear()
+        m = Model(c, _place(init_params_numpy(c, 0, jnp.dtype(dtype)), None, c, detect()), None, name="tiny-linear",
+                  backend=detect())
+    m.backend = detect(kernels).replace(mxfp4_decoder=m.backend.mxfp4_decoder)
+    return m
