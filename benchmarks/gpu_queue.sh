@@ -34,11 +34,11 @@ run kernels-fp8-sweep 300 bash -c 'python -m benchmarks.sweep_mla_fp8 --shapes 6
 run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --json
 # speculative decoding at its two ends (oracle drafter all accepted, also on its own continuation / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
-run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64
+run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
 # speculation's verification step vs decode on the GPU kernels: the kernels (the tiny presets' lowering on the GPU
-# included), fp32 at Kimi-Linear's widths (verify vs decode, kernels vs references), the bf16 rounding diagnostics
-# (strict xfail); full log in $OUT/spec_gpu_tests.txt
-run spec-gpu-tests 420 bash -c "JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q -s -rA tests/serving/test_spec_gpu.py -k 'mla_verify or kda_position or verify_step or fp32 or oracle_kimi' > $out/spec_gpu_tests.txt 2>&1; grep -E '^(PASSED|FAILED|XFAIL|XPASS|ERROR)|max\\|' $out/spec_gpu_tests.txt | cut -c1-400"
+# included), one MLA layer's stages bitwise, verify vs decode at Kimi-Linear's widths (fp32; bf16 with a report of
+# where rows differ), the engine's oracle rows on a 5-layer slice; full log in $OUT/spec_gpu_tests.txt
+run spec-gpu-tests 420 bash -c "JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q -s -rA tests/serving/test_spec_gpu.py -k 'mla_verify or kda_position or verify_step or fp32 or oracle_kimi or mla_layer' > $out/spec_gpu_tests.txt 2>&1; grep -E '^(PASSED|FAILED|XFAIL|XPASS|ERROR)|max\\|' $out/spec_gpu_tests.txt | cut -c1-400"
 # long context: 2k-128k prompts, the MLA kernel row at 128k, decode at 128k vs 2k, 16 streams during a 128k prefill
 run long 330 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,32768,131072 --no-warmup --max-model-len 140000 --json "$out/long.json"
 # a 1M-token prompt (66 steps), then decodes: with 48B of bf16 weights the H200 keeps ~10 GiB of cache, so 16
