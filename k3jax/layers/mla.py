@@ -156,8 +156,7 @@ class MLA(Module):
             cu, kv_lens = meta["cu_seqlens"], meta["kv_lens"]
             short = (cu[1:] - cu[:-1]) <= spec.shape[1]
             o_lat = attend(jnp.where(short, kv_lens, 0), token_rows=True)
-            t = jnp.arange(q.shape[0])
-            tok_short = short[jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, short.shape[0] - 1)]
+            tok_short = short[meta["token_seq"]]
             o_lat = jax.lax.cond(jnp.any(~short & (cu[1:] > cu[:-1])),
                                  lambda: jnp.where(tok_short[:, None, None], o_lat,
                                                    attend(jnp.where(short, 0, kv_lens))),

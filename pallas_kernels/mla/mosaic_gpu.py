@@ -371,14 +371,10 @@ def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_l
                       interpret=False, config=None):
     """ragged_paged_mla's token_rows form on the Mosaic kernel: every token a decode row of its own (its
     sequence's block table, its own position), split as a decode step of the N sequences would be."""
-    n_tok = q_latent.shape[0]
-    n_seqs = block_tables.shape[0]
-    cu = cu_seqlens.astype(jnp.int32)
-    t = jnp.arange(n_tok, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, n_seqs - 1)
-    lens = jnp.where(t < cu[n_seqs], jnp.maximum(kv_lens.astype(jnp.int32)[seq] - (cu[seq + 1] - t) + 1, 0), 0)
-    return mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables[seq], lens, scale=scale,
-                                   interpret=interpret, config=config, plan_seqs=n_seqs)
+    from pallas_kernels.mla.paged import token_positions
+    seq, pos, valid = token_positions(cu_seqlens, kv_lens, q_latent.shape[0])
+    return mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables[seq], jnp.where(valid, pos + 1, 0),
+                                   scale=scale, interpret=interpret, config=config, plan_seqs=block_tables.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "plan_seqs"))

@@ -335,7 +335,7 @@ def test_mla_layer_verify_rows_bitwise():
         slots = np.full(T, -1, np.int32)
         slots[:n] = ps + np.arange(pos, pos + n)                 # page 1 holds position 0
         m = dict(slot_mapping=jnp.asarray(slots), block_tables=bt, cu_seqlens=jnp.asarray([0, n], jnp.int32),
-                 kv_lens=jnp.asarray([pos + n], jnp.int32))
+                 kv_lens=jnp.asarray([pos + n], jnp.int32), token_seq=jnp.zeros(T, jnp.int32))
         return m | ({"spec_dst": jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)} if spec else {})
     dec, dp = [], pages
     for j in range(W):
