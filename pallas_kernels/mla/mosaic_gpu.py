@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mla.reference import decode_row_positions
 from pallas_kernels.mla.splits import pick_splits
 
 _LOG2E = math.log2(math.e)
@@ -371,8 +372,7 @@ def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_l
                       interpret=False, config=None):
     """ragged_paged_mla's token_rows form on the Mosaic kernel: every token a decode row of its own (its
     sequence's block table, its own position), split as a decode step of the N sequences would be."""
-    from pallas_kernels.mla.paged import token_positions
-    seq, pos, valid = token_positions(cu_seqlens, kv_lens, q_latent.shape[0])
+    seq, pos, valid = decode_row_positions(cu_seqlens, kv_lens, q_latent.shape[0])
     return mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables[seq], jnp.where(valid, pos + 1, 0),
                                    scale=scale, interpret=interpret, config=config, plan_seqs=block_tables.shape[0])
 

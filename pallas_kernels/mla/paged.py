@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.device_info import num_sms, smem_per_block
 from pallas_kernels.mla import fp8_cache, reference
+from pallas_kernels.mla.reference import decode_row_positions
 from pallas_kernels.mla.splits import pick_splits
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
@@ -167,23 +168,11 @@ def _tile_meta(cu_seqlens, kv_lens, n_chunks, bq, bh, num_heads, decode):
     return meta.reshape(n_chunks * hb, 4).astype(jnp.int32)
 
 
-def token_positions(cu_seqlens, kv_lens, n_tok):
-    """Per flat token (token_rows): (its sequence, its cache position, valid), int32 [n_tok] each; not valid
-    past cu_seqlens[N] or in a sequence given kv_len 0 (no keys: position 0)."""
-    t = jnp.arange(n_tok, dtype=jnp.int32)
-    cu, kv_lens = cu_seqlens.astype(jnp.int32), kv_lens.astype(jnp.int32)
-    n_seqs = kv_lens.shape[0]
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, n_seqs - 1).astype(jnp.int32)
-    pos = kv_lens[seq] - (cu[seq + 1] - t)
-    valid = (t < cu[n_seqs]) & (pos >= 0)
-    return seq, jnp.where(valid, pos, 0), valid
-
-
 def _token_tile_meta(cu_seqlens, kv_lens, n_tok, bh, num_heads):
     """[n_tok * H/bh, 4] int32 decode tiles, one per token (token_rows): the token's sequence, its rows, one
-    valid token and its own cache position (token_positions)."""
+    valid token and its own cache position (decode_row_positions)."""
     t = jnp.arange(n_tok, dtype=jnp.int32)
-    seq, pos, valid = token_positions(cu_seqlens, kv_lens, n_tok)
+    seq, pos, valid = decode_row_positions(cu_seqlens, kv_lens, n_tok)
     n_valid = valid.astype(jnp.int32)
     j = jnp.arange(num_heads // bh, dtype=jnp.int32)
     start_row = t[:, None] * num_heads + j[None, :] * bh

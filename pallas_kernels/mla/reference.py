@@ -55,6 +55,14 @@ def token_positions(cu_seqlens, kv_lens, num_tokens):
     return seq, pos, valid
 
 
+def decode_row_positions(cu_seqlens, kv_lens, num_tokens):
+    """token_positions for the token_rows form (each token a decode row of its own): positions clamped to 0
+    and not valid where a token is padding or its sequence has no keys (kv_len 0)."""
+    seq, pos, valid = token_positions(cu_seqlens.astype(jnp.int32), kv_lens.astype(jnp.int32), num_tokens)
+    valid = valid & (pos >= 0)
+    return seq, jnp.where(valid, pos, 0), valid
+
+
 def _attend_one(q_lat, q_rope, kv, pos, scale):
     """One query token vs one gathered sequence cache.
 
