@@ -12,6 +12,10 @@ Rows:
                          (each run agrees on at least one more token: causal rows, deterministic steps;
                          at most --fixed-point-runs runs). Its row is speculation's speed when every draft
                          is accepted, whatever the rounding
+  c1 K=4 forced acceptance  the all-accepted oracle with verification's verdict overridden: every draft is
+                         accepted and the token after them is the verification step's own greedy one. The
+                         step programs and the work per token are speculation's; the row is its speed when
+                         every draft is accepted, however verification rounds
   c1 K=4 all rejected    a drafter proposing wrong tokens, adaptive speculation on
   c16 off / c16 ngram    16 sequences of 1024 prompt + 1024 output tokens, n-gram drafter on vs off
 
@@ -52,6 +56,37 @@ class Oracle:
             d = self.ref.get(r.request_id, [])[len(r.output_ids):len(r.output_ids) + k]
             out.append([(t + 1) % self.vocab for t in d] if self.wrong else list(d))
         return out
+
+
+def forced_tokens(logits, drafts, num_drafts):
+    """Verification's outputs when every draft is accepted: (tokens [N, W]: the drafts, then the greedy token
+    after the last of them; accepted [N] = num_drafts). logits [N, W, V]; drafts [N, K]; num_drafts [N]."""
+    import jax.numpy as jnp
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    nd = num_drafts.astype(jnp.int32)
+    bonus = jnp.take_along_axis(greedy, nd[:, None], axis=1)
+    drafted = jnp.pad(drafts.astype(jnp.int32), ((0, 0), (0, 1)))
+    return jnp.where(jnp.arange(greedy.shape[1])[None] < nd[:, None], drafted, bonus), nd
+
+
+def force_acceptance(runner):
+    """Make the runner's verification programs accept every draft (forced_tokens after each; the greedy sampler's
+    only). Returns a function that undoes it. The verification step and its sampler still run as they are."""
+    import jax
+    fix = jax.jit(forced_tokens)
+    saved = runner._compiled, runner._verify
+
+    def wrap(verify):
+        def call(logits, sarr, key_data, counters, drafts, num_drafts):
+            _, _, logprobs, tops = verify(logits, sarr, key_data, counters, drafts, num_drafts)
+            return (*fix(logits, drafts, num_drafts), logprobs, tops)
+        return call
+    runner._compiled = {k: wrap(v) if k[0] == "verify" else v for k, v in runner._compiled.items()}
+    runner._verify = wrap(runner._verify)
+
+    def undo():
+        runner._compiled, runner._verify = saved
+    return undo
 
 
 def _commit() -> str:
@@ -113,6 +148,26 @@ def own_continuation_row(args, eargs, model, engine, c1, first, base, row):
     row(f"c1 K={args.k} own continuation", tput, dec,
         f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; run {run}: "
         f"{'every token as proposed' if out == tokens else f'{agreed} tokens as proposed'})")
+
+
+def forced_row(args, eargs, model, engine, c1, ref, base, row):
+    """The all-accepted oracle with every draft accepted whatever verification computes (force_acceptance)."""
+    from serving.spec import make_speculator
+    undo = force_acceptance(engine.runner)
+    try:
+        engine.spec = make_speculator(eargs, model, engine.max_model_len)
+        engine.spec.drafter = Oracle(ref)
+        _run(engine, [c1[0][:64]], 2 * (args.k + 1), "forced acceptance, first use")   # compiles forced_tokens
+        engine.spec = make_speculator(eargs, model, engine.max_model_len)
+        engine.spec.drafter = Oracle(ref)
+        out, tput, dec = _run(engine, c1, args.c1_tokens, "forced acceptance")
+        m = engine.spec.metrics()
+    finally:
+        undo()
+    agreed = _agreed(out["r0"], ref["r0"])
+    row(f"c1 K={args.k} forced acceptance", tput, dec,
+        f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; "
+        f"{'same tokens' if out == ref else f'first {agreed} tokens as off'})")
 
 
 def main(argv=None):
@@ -181,6 +236,8 @@ def main(argv=None):
         row(name, tput, dec, f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; {same})")
         if "accepted" in name and out != ref and args.fixed_point_runs:
             own_continuation_row(args, eargs, model, engine, c1, out, base, row)
+        if "accepted" in name:
+            forced_row(args, eargs, model, engine, c1, ref, base, row)
 
     cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
     engine.spec = None
