@@ -222,7 +222,7 @@ class K3Model(Module):
 
 def _token_meta(cu_seqlens, T: int):
     t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="compare_all").astype(jnp.int32)
     seq = jnp.minimum(seq, cu_seqlens.shape[0] - 2)
     return seq, t - cu_seqlens[seq]
 

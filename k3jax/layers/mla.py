@@ -171,7 +171,7 @@ class MLA(Module):
         n_new = cu[1:] - cu[:-1]
         expanded = n_new >= (EXPANDED_MIN_SEQ_TOKENS if backend.mla_prefill == "auto" else 1)
         t = jnp.arange(q.shape[0], dtype=jnp.int32)
-        tok_seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, n_new.shape[0] - 1)
+        tok_seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right", method="compare_all"), 0, n_new.shape[0] - 1)
         tok_expanded = (t < cu[-1]) & expanded[tok_seq]
         # a sequence with kv_len 0 has no keys in a form: its tokens get zeros there
         o = ops.mla_prefix_attention(q.astype(kv_dtype), kv_pages, meta["block_tables"], cu,

@@ -170,7 +170,7 @@ def _chunk_info(cs, NC):
     sequence owns), all int32 [NC]."""
     N = cs.shape[0] - 1
     j = jnp.arange(NC, dtype=jnp.int32)
-    sid = jnp.clip(jnp.searchsorted(cs, j, side="right") - 1, 0, N - 1).astype(jnp.int32)
+    sid = jnp.clip(jnp.searchsorted(cs, j, side="right", method="compare_all") - 1, 0, N - 1).astype(jnp.int32)
     owned = (j >= cs[0]) & (j < cs[N])
     first = owned & (j == cs[sid])
     last = owned & (j == cs[sid + 1] - 1)

@@ -80,7 +80,7 @@ def _token_step(S, q, k, v, g, beta):
 def _seq_ids(cu, T):
     """Per token: sequence id (clipped to [0, N-1]) and validity mask."""
     t = jnp.arange(T, dtype=cu.dtype)
-    sid = jnp.searchsorted(cu, t, side='right') - 1
+    sid = jnp.searchsorted(cu, t, side='right', method='compare_all') - 1
     valid = (t >= cu[0]) & (t < cu[-1])
     return jnp.clip(sid, 0, cu.shape[0] - 2), valid
 
@@ -253,7 +253,7 @@ def varlen_chunk_layout(cu, T, C):
     cs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + C - 1) // C).astype(jnp.int32)])
     NC = (T + N * (C - 1) + C - 1) // C  # upper bound on sum(ceil(len_i / C))
     j = jnp.arange(NC, dtype=jnp.int32)
-    cid = jnp.clip(jnp.searchsorted(cs, j, side='right') - 1, 0, N - 1).astype(jnp.int32)
+    cid = jnp.clip(jnp.searchsorted(cs, j, side='right', method='compare_all') - 1, 0, N - 1).astype(jnp.int32)
     tok = cu[cid][:, None] + (j - cs[cid])[:, None] * C + jnp.arange(C, dtype=jnp.int32)[None]
     ok = (j < cs[N])[:, None] & (tok < cu[cid + 1][:, None])
     sid, valid = _seq_ids(cu, T)

@@ -38,7 +38,7 @@ def gather_latents(kv_pages, block_tables, kv_lens, num_keys, offset=0):
     starts = key_starts(kv_lens)
     k = offset + jnp.arange(num_keys, dtype=jnp.int32)
     ends = starts + kv_lens
-    seq = jnp.clip(jnp.searchsorted(ends, k, side="right"), 0, kv_lens.shape[0] - 1)
+    seq = jnp.clip(jnp.searchsorted(ends, k, side="right", method="compare_all"), 0, kv_lens.shape[0] - 1)
     pos = k - starts[seq]
     valid = k < ends[-1]
     page = block_tables.astype(jnp.int32)[seq, jnp.where(valid, pos // page_size, 0)]

@@ -140,7 +140,7 @@ def chunk_schedule(cu_seqlens, kv_lens, n_chunks, bq):
     n_tok = cu_seqlens[1:] - cu_seqlens[:-1]
     cu_ch = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                              jnp.cumsum((n_tok + bq - 1) // bq).astype(jnp.int32)])
-    seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right"), 0, n_seqs - 1)
+    seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right", method="compare_all"), 0, n_seqs - 1)
     seq = seq.astype(jnp.int32)
     local = c - cu_ch[seq]
     first = cu_seqlens[seq] + local * bq

@@ -47,7 +47,7 @@ def token_positions(cu_seqlens, kv_lens, num_tokens):
     """
     n_seqs = kv_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="compare_all").astype(jnp.int32)
     valid = t < cu_seqlens[n_seqs]
     seq = jnp.clip(seq, 0, n_seqs - 1)
     pos = kv_lens[seq] - (cu_seqlens[seq + 1] - t)

@@ -127,7 +127,7 @@ def _tiles(cu, kv_lens, n_tiles, bq, bk):
     n_tok = cu[1:] - cu[:-1]
     cu_ch = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-n_tok // bq)).astype(jnp.int32)])
     c = jnp.arange(n_tiles, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right"), 0, N - 1).astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_ch[1:], c, side="right", method="compare_all"), 0, N - 1).astype(jnp.int32)
     local = c - cu_ch[seq]
     first = cu[seq] + local * bq
     n_valid = jnp.where(c < cu_ch[N], jnp.clip(n_tok[seq] - local * bq, 0, bq), 0)

@@ -20,14 +20,14 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int):
   valid = (flat >= 0) & (flat < num_experts)
   key = jnp.where(valid, flat, num_experts)
   if t * k * (num_experts + 1) <= COUNTING_SORT_MAX_CELLS:
-    order, inverse = _counting_sort(key, num_experts + 1)
+    order, inverse, counts = _counting_sort(key, num_experts + 1)
+    group_sizes = counts[:num_experts]        # the sort's own counts: no scatter-add kernel of its own
   else:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
         jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
-  sorted_token_index = order // k
-  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[key].add(1, mode="drop")
-  return sorted_token_index, group_sizes, inverse
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[key].add(1, mode="drop")
+  return order // k, group_sizes, inverse
 
 
 # Decode-sized routing (T*k x (E+1) cells up to this) sorts by counting: a few fused passes over the
@@ -37,8 +37,8 @@ COUNTING_SORT_MAX_CELLS = 1 << 20
 
 
 def _counting_sort(key, num_keys: int):
-  """(order, inverse) of a stable sort of int keys in [0, num_keys): order = argsort(key, stable),
-  inverse[i] = sorted position of element i."""
+  """(order, inverse, counts) of a stable sort of int keys in [0, num_keys): order = argsort(key, stable),
+  inverse[i] = sorted position of element i, counts [num_keys] the elements of each key."""
   n = key.shape[0]
   onehot = (key[:, None] == jnp.arange(num_keys, dtype=jnp.int32)[None, :]).astype(jnp.int32)
   counts = jnp.sum(onehot, axis=0)
@@ -46,7 +46,7 @@ def _counting_sort(key, num_keys: int):
   before = jnp.cumsum(onehot, axis=0) - onehot          # earlier elements with the same key
   inverse = starts[key] + jnp.take_along_axis(before, key[:, None], axis=1)[:, 0]
   order = jnp.zeros((n,), jnp.int32).at[inverse].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
-  return order, inverse
+  return order, inverse, counts
 
 
 def combine(expert_out: jax.Array, weights: jax.Array, inverse: jax.Array,

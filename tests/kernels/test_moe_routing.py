@@ -9,8 +9,9 @@ from pallas_kernels.moe import routing
 
 def test_counting_sort_is_the_stable_argsort():
     key = np.random.RandomState(0).randint(0, 9, 300).astype(np.int32)       # many ties
-    order, inverse = routing._counting_sort(jnp.asarray(key), 9)
+    order, inverse, counts = routing._counting_sort(jnp.asarray(key), 9)
     want = np.argsort(key, kind="stable")
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(key, minlength=9))
     np.testing.assert_array_equal(np.asarray(order), want)
     np.testing.assert_array_equal(np.asarray(inverse)[want], np.arange(300))
 
