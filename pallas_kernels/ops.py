@@ -153,7 +153,7 @@ def gmm(lhs, rhs, group_sizes, *, backend: Backend | None = None):
         return gmm_tpu(lhs, rhs, group_sizes, interpret=b.interpret)
     if b.kernels:
         from pallas_kernels import moe
-        return moe.gmm(lhs, rhs, group_sizes, interpret=b.interpret)
+        return moe.gmm(lhs, rhs, group_sizes, interpret=b.interpret, platform=b.platform)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
@@ -171,7 +171,7 @@ def expert_mlp(x, topk_ids, topk_weights, experts: dict, *, mxfp4: bool, activat
         return reference()
     from pallas_kernels import moe
     kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=b.interpret,
-              num_experts_total=num_experts_total, layer=layer)
+              num_experts_total=num_experts_total, layer=layer, platform=b.platform)
     if not mxfp4:
         up = (experts["w13"], None) if "w13" in experts else (experts["w1"], experts["w3"])
         return moe.expert_mlp(x, topk_ids, topk_weights, *up, experts["w2"], **kw)

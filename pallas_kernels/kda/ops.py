@@ -4,6 +4,8 @@ interpret=None: GPU -> compiled Triton kernels, TPU -> compiled Mosaic kernels, 
 reference.
 interpret=True: the Pallas kernels in interpret mode (any platform; used by the CPU tests).
 interpret=False: compiled kernels on GPU / TPU, the reference elsewhere.
+platform (chunk_kda, fused_recurrent_kda): the target these choices are made for (None: the default backend);
+a step's Backend passes its own, so a step lowered for the GPU on another host gets the GPU's kernels.
 TPU: the GPU chunk kernels' per-head (C, None, K) blocks break Mosaic's (8, 128) block rule, so
 prefill has its own Mosaic kernel over an [H, R, K] layout (chunk_tpu.py), and the decode step its
 own too (recurrent_tpu.py). chunk_kda / fused_recurrent_kda run them whenever the target platform
@@ -25,10 +27,10 @@ from pallas_kernels.kda.reference import (
 _CHUNK = 64
 
 
-def _mode(interpret):
+def _mode(interpret, platform=None):
     if interpret:
         return "interpret"
-    if jax.default_backend() == "gpu":
+    if (platform or jax.default_backend()) == "gpu":
         return "triton"
     return "reference"
 
@@ -56,7 +58,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q).astype(_dot_dtype(q)), l2norm(k).astype(_dot_dtype(k))
     tpu = (platform or jax.default_backend()) == "tpu"
-    mode = _mode(interpret)
+    mode = _mode(interpret, platform)
     if mode == "reference" and not tpu:
         if use_gate_in_kernel:
             g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
@@ -137,7 +139,7 @@ def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=No
             q, k, v, g, beta, state_pool, state_indices.astype(jnp.int32), a, dt, scale=scale,
             l2norm=use_qk_l2norm_in_kernel, gate=use_gate_in_kernel, lower_bound=lower_bound,
             interpret=bool(interpret), **recurrent_tpu.CONFIG)
-    mode = _mode(interpret)
+    mode = _mode(interpret, platform)
     if mode != "reference":
         a, dt = _gate_params(A_log, dt_bias, H, K)
         return fused_recurrent_kda_pallas(

@@ -221,13 +221,14 @@ def run_mxfp4(lhs, ws, group_sizes, *, tiling, act=None, interpret=False, mode=N
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=None,
-        tiling=None) -> jax.Array:
+        tiling=None, platform=None) -> jax.Array:
   """Grouped matmul, ragged_dot semantics: lhs [M, K], rhs [G, K, N], group_sizes [G] -> [M, N].
 
   GPU: Pallas Triton kernel. CPU: reference unless interpret=True. TPU: reference.
   tiling: None (heuristic), Tiling, dict or tuple (bm, bk, bn, num_warps, num_stages).
+  platform: the target (None: the default backend; schedule.use_kernel).
   """
-  use, interp = sch.use_kernel(interpret)
+  use, interp = sch.use_kernel(interpret, platform)
   if not use:
     return gmm_reference(lhs, rhs, group_sizes)
   return run_bf16(lhs, (rhs,), group_sizes, tiling=tiling, interpret=interp)
@@ -235,14 +236,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret=Non
 
 def gmm_mxfp4(lhs: jax.Array, rhs_packed: jax.Array, rhs_scales: jax.Array,
               group_sizes: jax.Array, *, interpret=None, tiling=None, mode=None,
-              decoder: str | None = None) -> jax.Array:
+              decoder: str | None = None, platform=None) -> jax.Array:
   """Grouped matmul with MXFP4 weights decoded inside the kernel.
 
   lhs [M, K] bf16, rhs_packed uint8 [G, N, K/2], rhs_scales uint8 [G, N, K/32]
   (HF [out, in] orientation), group_sizes [G] -> [M, N] = gmm(lhs, dequant(rhs)^T).
   mode: None (auto), 'kernel' or 'predequant' (see run_mxfp4).
   """
-  use, interp = sch.use_kernel(interpret)
+  use, interp = sch.use_kernel(interpret, platform)
   if not use:
     return gmm_mxfp4_reference(lhs, rhs_packed, rhs_scales, group_sizes)
   return run_mxfp4(lhs, (rhs_packed, rhs_scales), group_sizes, tiling=tiling,

@@ -38,15 +38,15 @@ def _layer_of(ws, layer):
   return ws if layer is None else tuple(w[layer] for w in ws)
 
 
-def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret, gather):
+def _routed_mlp(x, topk_ids, topk_weights, num_experts, kernel, reference, interpret, gather, platform):
   """Shared frame of both expert MLPs: sort token copies by expert, run the kernels, combine the
   weighted rows back to token order. gather=False: `kernel(xs, None, gs, interp)` on the gathered
   rows xs = x[tok]. gather=True: `kernel(x, tok, gs, interp)`, the up kernel reads the token rows
   in place, and rows past the local groups are never written nor read (the combine skips
   them), so other devices' rows under expert parallelism cost nothing. Off-accelerator
-  `reference(xs, gs)`."""
+  `reference(xs, gs)` (platform: schedule.use_kernel's target)."""
   tok, gs, inv = routing.sort_by_expert(topk_ids, num_experts)
-  use, interp = sch.use_kernel(interpret)
+  use, interp = sch.use_kernel(interpret, platform)
   if not use:
     y = reference(x[tok], gs)
   elif gather:
@@ -64,7 +64,7 @@ def _use_gather(gather, avg_rows):
 
 def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
-               interpret=None, tiling=None, num_experts_total=None, layer=None, gather=None):
+               interpret=None, tiling=None, num_experts_total=None, layer=None, gather=None, platform=None):
   """y[t] = sum_j topk_weights[t, j] * w2_e(act(w1_e x[t], w3_e x[t])), e = topk_ids[t, j].
 
   x [T, D]; topk_ids [T, k] int (ids outside [0, E) contribute nothing);
@@ -75,7 +75,8 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
   experts are outside [0, E)); sizes the default tiles from T*k / num_experts_total rows per
   expert instead of T*k / E. layer (int32, may be traced): w1, w3, w2 are stacks over layers
   ([L, E, ...]) and layer `layer` runs, its experts read in place. gather: rows read in place by
-  the up kernel (see _routed_mlp); None picks by rows per expert. Returns [T, D] in x.dtype.
+  the up kernel (see _routed_mlp); None picks by rows per expert. platform: the target (None: the
+  default backend; schedule.use_kernel). Returns [T, D] in x.dtype.
   """
   act = _act(activation, situ_beta, situ_linear_beta)
   t_up, t_down = tiling if tiling is not None else (None, None)
@@ -94,7 +95,7 @@ def expert_mlp(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
     g, u = layout.split_gate_up(w1l, 2) if w3 is None else (w1l, _layer_of((w3,), layer)[0])
     return _reference_path(xs, gs, g, u, w2l, act, x.dtype)
 
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, not keep)
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, not keep, platform)
 
 
 def _mxfp4_tilings(t_up, t_down, avg, merged, dims, decoder):
@@ -117,7 +118,7 @@ def _mxfp4_tilings(t_up, t_down, avg, merged, dims, decoder):
 def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
                      situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0,
                      interpret=None, tiling=None, num_experts_total=None, layer=None,
-                     decoder: str | None = None, gather=None, mode=None):
+                     decoder: str | None = None, gather=None, mode=None, platform=None):
   """expert_mlp with MXFP4 experts; each w is (packed uint8, scales uint8) in HF layout:
   w1, w3: ([E, I, D/2], [E, I, D/32]); w2: ([E, D, I/2], [E, D, I/32]). Returns [T, D].
   layer: each array is a stack over layers ([L, E, ...]), as in expert_mlp. decoder: the kernel's
@@ -164,4 +165,4 @@ def expert_mlp_mxfp4(x, topk_ids, topk_weights, w1, w3, w2, *, activation: str,
     g, u = layout.unmerge_gate_up_mxfp4(w1l) if merged else (w1l, _layer_of(w3, layer))
     return _reference_path(xs, gs, deq(g), deq(u), deq(w2l), act, x.dtype)
 
-  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, use_gather)
+  return _routed_mlp(x, topk_ids, topk_weights, E, kernel, reference, interpret, use_gather, platform)

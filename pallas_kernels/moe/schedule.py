@@ -85,19 +85,17 @@ def platform() -> str:
   return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
-def use_kernel(interpret: bool | None) -> tuple[bool, bool]:
-  """(run the Pallas kernel?, in interpret mode?) for the current backend.
+def use_kernel(interpret: bool | None, target: str | None = None) -> tuple[bool, bool]:
+  """(run the Pallas kernel?, in interpret mode?) for the target platform (None: the default backend's).
 
   GPU runs the Triton kernel; CPU runs it only when interpret=True; TPU uses the
-  reference (XLA's native ragged_dot lowering on TPU is reasonable).
+  reference (XLA's native ragged_dot lowering on TPU is reasonable). A step's Backend names its
+  target, so a step lowered for the GPU on another host (jit(...).lower(lowering_platforms=("cuda",)))
+  gets the kernels it runs there.
   """
   if interpret:
     return True, True
-  if interpret is None and platform() == "gpu":
-    return True, False
-  if interpret is False and platform() == "gpu":
-    return True, False
-  return False, False
+  return (target or platform()) == "gpu", False
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:

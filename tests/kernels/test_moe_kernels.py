@@ -277,11 +277,9 @@ def test_kernels_lower_to_triton(fmt, fused, decoder, swap):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_stacked_gather_mlp_lowers_to_triton(fmt, monkeypatch):
+def test_stacked_gather_mlp_lowers_to_triton(fmt):
   """The scanned decoder's MoE call (a layer of stacked experts read in place) with the in-kernel
   row gather (MXFP4: halves order between the kernels) lowers for CUDA: one Triton call per kernel."""
-  from pallas_kernels.moe import schedule as sch
-  monkeypatch.setattr(sch, "platform", lambda: "gpu")
   t, d, i, e, n_layers = 256, 256, 512, 8, 3
   sds = jax.ShapeDtypeStruct
   if fmt == "bf16":
@@ -292,7 +290,7 @@ def test_stacked_gather_mlp_lowers_to_triton(fmt, monkeypatch):
     ws = (up, up, (sds((n_layers, e, d, i // 2), jnp.uint8), sds((n_layers, e, d, i // 32), jnp.uint8)))
     fn, kw = moe.expert_mlp_mxfp4, dict(decoder="ptx8")
   f = lambda x, ids, wts, r, *ws: fn(x, ids, wts, *ws, activation="silu", interpret=False, layer=r,
-                                     gather=True, **kw)
+                                     gather=True, platform="gpu", **kw)
   text = jax.jit(f).trace(sds((t, d), jnp.bfloat16), sds((t, 2), jnp.int32), sds((t, 2), jnp.float32),
                           sds((), jnp.int32), *ws).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2
