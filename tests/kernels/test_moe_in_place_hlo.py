@@ -15,7 +15,6 @@ from k3jax.layers.moe import MoE
 from k3jax.params import moe_spec, random_values
 from pallas_kernels.backend import Backend
 from pallas_kernels.moe import grouped as gm
-from pallas_kernels.moe import schedule as sch
 
 _TENSOR = re.compile(r"tensor<((?:\d+x)+)(\w+)>")
 
@@ -27,9 +26,8 @@ def _elements(dims: str) -> int:
     return n
 
 
-def _lowered(c, experts, depth, tokens, monkeypatch):
+def _lowered(c, experts, depth, tokens):
     """StableHLO text of the MoE layer over the stacked experts, lowered for CUDA (the Triton kernels)."""
-    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
     backend = Backend(kernels=True, platform="gpu", device="gpu")
     spec = moe_spec(c, merged_experts=True)
     key = jax.random.key(0)
@@ -55,7 +53,7 @@ def _layer_sized_ops(text: str, layer_elements: int):
 
 
 @pytest.mark.parametrize("tokens", [16])
-def test_k3_moe_layer_reads_the_stacked_experts_in_place(tokens, monkeypatch):
+def test_k3_moe_layer_reads_the_stacked_experts_in_place(tokens):
     c = case_config("kimi-k3", 112, False)
     spec = moe_spec(c, merged_experts=True)["experts"]
     one = jax.eval_shape(lambda: random_values(spec, jax.random.key(1)))
@@ -66,7 +64,7 @@ def test_k3_moe_layer_reads_the_stacked_experts_in_place(tokens, monkeypatch):
 
     depth = stack_depth(spec, tiny=False)           # the models' regime: no array in the 2-4 GiB window
     assert depth > STACK_WINDOW
-    text = _lowered(c, stacked(depth), depth, tokens, monkeypatch)
+    text = _lowered(c, stacked(depth), depth, tokens)
     assert _layer_sized_ops(text, smallest) == []
     # both kernels (up: merged gate/up; down) take the whole flat stacks [depth * E, ...] as operands
     calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
@@ -79,5 +77,5 @@ def test_k3_moe_layer_reads_the_stacked_experts_in_place(tokens, monkeypatch):
     window = stacked(STACK_WINDOW)
     assert any(gm.overflows_i32_offsets((a.shape[0] * a.shape[1],) + a.shape[2:], a.dtype)
                for a in jax.tree_util.tree_leaves(window))
-    copies = _layer_sized_ops(_lowered(c, window, STACK_WINDOW, tokens, monkeypatch), smallest)
+    copies = _layer_sized_ops(_lowered(c, window, STACK_WINDOW, tokens), smallest)
     assert copies and all("dynamic_slice" in line for line in copies), copies

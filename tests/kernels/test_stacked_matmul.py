@@ -136,11 +136,10 @@ def test_scanned_step_reads_projections_in_their_stacks(monkeypatch):
     assert seen == [[], want], seen
 
 
-def test_gpu_decode_step_slices_no_projection_stack(monkeypatch):
+def test_gpu_decode_step_slices_no_projection_stack():
     """The tiny model's decode step lowered for the GPU from CPU (bf16, shapes only): with dense_in_place no
     op slices a scanned projection the kernel takes (K, N multiples of 16) out of its stack; the kernel
     reads the whole stack. Without it, each such stack is sliced (the detector is seen to find them)."""
-    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
     c = preset_config("tiny-random")
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.bfloat16))
     pools = pool_shapes(c, 17, 16, 6, jnp.bfloat16)
@@ -172,12 +171,11 @@ def _pallas_names(jaxpr, out):
     return out
 
 
-def test_gpu_decode_step_runs_a_layers_projections_of_one_input_in_one_launch(monkeypatch):
+def test_gpu_decode_step_runs_a_layers_projections_of_one_input_in_one_launch():
     """The tiny model's decode step traced for the GPU kernels with dense_in_place: the KDA layer's
     projections of x (q, k, v, f_a, full-rank gate; b_proj's 4 columns are not a multiple of 16) are one
     launch, MLA's q_a and kv_a another, every GLU (shared experts, dense MLP) gate + up + activation one."""
     import collections
-    monkeypatch.setattr(sch, "use_kernel", lambda interpret: (True, False))   # CPU host, GPU target
     c = preset_config("tiny-random")
     assert c.kda_full_rank_gate and c.q_lora_rank
     params = jax.eval_shape(lambda p: stack_layers(p, c), param_shapes(c, jnp.bfloat16))
