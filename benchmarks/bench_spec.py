@@ -178,7 +178,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--context", type=int, default=2048, help="c1 prompt tokens")
     ap.add_argument("--c1-tokens", type=int, default=256, help="c1 output tokens")
-    ap.add_argument("--cN", type=int, default=16, help="sequences of the loaded rows")
+    ap.add_argument("--cN", type=int, default=16, help="sequences of the loaded rows (0: the c1 rows only)")
     ap.add_argument("--cN-prompt", type=int, default=1024)
     ap.add_argument("--cN-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -239,16 +239,17 @@ def main(argv=None):
         if "accepted" in name:
             forced_row(args, eargs, model, engine, c1, ref, base, row)
 
-    cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
-    engine.spec = None
-    ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens, "cN off")
-    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, dec_n)
-    engine.spec = make_speculator(eargs, model, engine.max_model_len)
-    out, tput, dec = _run(engine, cn, args.cN_tokens, "cN ngram")
-    m = engine.spec.metrics()
-    row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
-        f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
-        f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
+    if args.cN:
+        cn = [rng.integers(0, vocab, args.cN_prompt).tolist() for _ in range(args.cN)]
+        engine.spec = None
+        ref_n, base_n, dec_n = _run(engine, cn, args.cN_tokens, "cN off")
+        row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} off", base_n, dec_n)
+        engine.spec = make_speculator(eargs, model, engine.max_model_len)
+        out, tput, dec = _run(engine, cn, args.cN_tokens, "cN ngram")
+        m = engine.spec.metrics()
+        row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
+            f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
+            f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
     del spec
 
     dev = jax.devices()[0]

@@ -35,6 +35,9 @@ run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --js
 # speculative decoding at its two ends (oracle drafter all accepted, also on its own continuation / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
 run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
+# the c1 rows with every XLA matmul on cuBLAS at its default algorithm (no Triton GEMM fusions, no autotuning): does
+# the oracle's acceptance reach 1.00 when XLA cannot pick other GEMM kernels for the decode and verification programs?
+run spec-xla-gemm 360 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --fixed-point-runs 0
 # speculation's verification step vs decode on the GPU kernels: the kernels (the tiny presets' lowering on the GPU
 # included), one MLA layer's stages bitwise, verify vs decode at Kimi-Linear's widths (fp32; bf16 with a report of
 # where rows differ), the engine's oracle rows on a 5-layer slice; full log in $OUT/spec_gpu_tests.txt
