@@ -182,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--cN-prompt", type=int, default=1024)
     ap.add_argument("--cN-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="EngineArgs.max_num_seqs (default: the engine's); 4 with --cN 0 compiles the c1 programs only")
     ap.add_argument("--fixed-point-runs", type=int, default=12,
                     help="runs of the own-continuation oracle at most (0: skip that row)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
@@ -200,7 +202,8 @@ def main(argv=None):
     log(f"loading {args.model}")
     model = load_model(args.model, dtype=args.dtype, seed=args.seed)
     log("engine (warm-up)")
-    eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k,
+    sized = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k, **sized,
                        enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch,
                        speculative_on_gpu=True)   # measured where refused by default: its rows say if tokens match
     engine = LLMEngine(model, eargs)

@@ -2,12 +2,12 @@
 # The GPU queue: the commands of docs/performance.md's figures, run from the repository root on one
 # H200, each under its own timeout, 8 minutes in all. Tables go to stdout; with $OUT set, CSV / JSON
 # files go there too.
-#   bash benchmarks/gpu_queue.sh                 # end to end and serve start (8 minutes)
+#   bash benchmarks/gpu_queue.sh                 # end to end and speculation's c1 rows (8 minutes)
 #   bash benchmarks/gpu_queue.sh gpu-tests       # others by name (gpu-tests: the pytest gpu tier)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}
-want=" ${*:-e2e serve-start} "
+want=" ${*:-e2e spec-c1} "
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   [[ $want == *" $name "* ]] || return 0
@@ -35,6 +35,9 @@ run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --js
 # speculative decoding at its two ends (oracle drafter all accepted, also on its own continuation / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
 run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
+# speculation's c1 rows alone (off, 1 step a launch, all accepted, forced acceptance, all rejected), an engine of 4
+# sequences (its few programs compile in ~2 min): ~3.5 min
+run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
 # the c1 rows with every XLA matmul on cuBLAS at its default algorithm (no Triton GEMM fusions, no autotuning): does
 # the oracle's acceptance reach 1.00 when XLA cannot pick other GEMM kernels for the decode and verification programs?
 run spec-xla-gemm 360 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --fixed-point-runs 0
