@@ -60,9 +60,11 @@ class Oracle:
 
 def forced_tokens(logits, drafts, num_drafts):
     """Verification's outputs when every draft is accepted: (tokens [N, W]: the drafts, then the greedy token
-    after the last of them; accepted [N] = num_drafts). logits [N, W, V]; drafts [N, K]; num_drafts [N]."""
+    after the last of them; accepted [N] = num_drafts). logits [N, W, V] or, as a verification step returns them,
+    [N * W, V]; drafts [N, K]; num_drafts [N]."""
     import jax.numpy as jnp
-    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    n = num_drafts.shape[0]
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32).reshape(n, -1)
     nd = num_drafts.astype(jnp.int32)
     bonus = jnp.take_along_axis(greedy, nd[:, None], axis=1)
     drafted = jnp.pad(drafts.astype(jnp.int32), ((0, 0), (0, 1)))

@@ -93,6 +93,14 @@ def _multi_decode(step, steps: int, num_top_logprobs: int):
     return run
 
 
+def _verify_rows(logits, sarr, key_data, counters, drafts, num_drafts, *, num_top_logprobs):
+    """rejection.verify on a verification step's logits as the step returns them ([N * W, V], a sequence's W
+    positions in a row): the reshape inside the program, not an eager op on the host between the two."""
+    n = counters.shape[0]
+    return spec_verify(logits.reshape(n, -1, logits.shape[-1]), sarr, key_data, counters, drafts, num_drafts,
+                       num_top_logprobs=num_top_logprobs)
+
+
 def _sample_and_keep(logits, sarr, key_data, counters, last_tokens, *, num_top_logprobs):
     toks, lp, top = sample(logits, sarr, key_data, counters, num_top_logprobs=num_top_logprobs)
     return toks, lp, top, jax.lax.dynamic_update_slice(last_tokens, toks.astype(last_tokens.dtype), (0,))
@@ -155,7 +163,7 @@ class ModelRunner:
         # dispatch until the step before had run; see sampler.SamplingArrays.truncate)
         self._sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=max_logprobs),
                                donate_argnums=(4,), **sample_kw)
-        self._verify = jax.jit(functools.partial(spec_verify, num_top_logprobs=max_logprobs), **sample_kw)
+        self._verify = jax.jit(functools.partial(_verify_rows, num_top_logprobs=max_logprobs), **sample_kw)
         if self.decode_steps_max_seqs:
             multi_kw = dict(out_shardings=(rep,) * 5 + (ps,)) if mesh is not None else {}
             self._multi = jax.jit(_multi_decode(make_step(c, self.backend, self.graph), decode_steps, max_logprobs),
@@ -428,7 +436,7 @@ class ModelRunner:
                                  (logits, sarr, self.key_data, np.zeros(N, np.int32), self.last_tokens),
                                  (("sample", N, self._variant(sarr)),), True, (0,)))
                 if W:
-                    wide = jax.ShapeDtypeStruct((N, W, logits.shape[1]), logits.dtype)
+                    wide = jax.ShapeDtypeStruct((N * W, logits.shape[1]), logits.dtype)
                     jobs.append(Job(_verify_key(sarr, W), self._verify, "verify",
                                      (wide, sarr, self.key_data, np.zeros(N, np.int32), np.zeros((N, W - 1), np.int32),
                                       np.zeros(N, np.int32)), (("verify-sample", N, self._variant(sarr)),), True, (0,)))
@@ -564,10 +572,8 @@ class ModelRunner:
                 batch, sarr, counters, drafts, num_drafts = args
                 step = self._compiled.get(_step_key(batch), self._step)
                 logits, self.pools = step(self.params, self.pools, batch, self.last_tokens)
-                n = sarr.temperature.shape[0]
                 verify = self._compiled.get(_verify_key(sarr, self.spec_width), self._verify)
-                toks, acc, lp, (top_ids, top_vals) = verify(logits.reshape(n, self.spec_width, -1), sarr,
-                                                                   self.key_data, counters, drafts, num_drafts)
+                toks, acc, lp, (top_ids, top_vals) = verify(logits, sarr, self.key_data, counters, drafts, num_drafts)
                 return multihost.settle((toks, acc, lp, top_ids, top_vals))
             if control == "multi":
                 batch, sarr, counters = args
