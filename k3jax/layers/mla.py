@@ -171,8 +171,7 @@ class MLA(Module):
         n_new = cu[1:] - cu[:-1]
         expanded = n_new >= (EXPANDED_MIN_SEQ_TOKENS if backend.mla_prefill == "auto" else 1)
         t = jnp.arange(q.shape[0], dtype=jnp.int32)
-        tok_seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right", method="compare_all"), 0, n_new.shape[0] - 1)
-        tok_expanded = (t < cu[-1]) & expanded[tok_seq]
+        tok_expanded = (t < cu[-1]) & expanded[meta["token_seq"]]
         # a sequence with kv_len 0 has no keys in a form: its tokens get zeros there
         o = ops.mla_prefix_attention(q.astype(kv_dtype), kv_pages, meta["block_tables"], cu,
                                      jnp.where(expanded, kv_lens, 0), read(self.kv_b_proj),
@@ -189,7 +188,8 @@ class MLA(Module):
 
         x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
         -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
-        this step), optional static decode_only. Returns (out [T, D], kv_pages).
+        this step), token_seq [T] (each token's sequence, clamped to N - 1), optional static decode_only.
+        Returns (out [T, D], kv_pages).
         """
         with jax.named_scope("mla_in"):
             q, kv = self.projections(x, c)
