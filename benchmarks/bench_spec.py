@@ -172,6 +172,33 @@ def forced_row(args, eargs, model, engine, c1, ref, base, row):
         f"{'same tokens' if out == ref else f'first {agreed} tokens as off'})")
 
 
+def timeline_rows(args, eargs, model, engine, c1, ref):
+    """Where a c1 step's time goes, speculation off (one decode step a launch, and the engine's default) and
+    with forced acceptance (benchmarks/step_timeline.py)."""
+    from benchmarks import step_timeline
+    from serving.spec import make_speculator
+    n = min(args.c1_tokens, 96)
+    print("\n## where a c1 step's time goes (host parts timed around the engine's calls; GPU from a trace)")
+    runs = [("off, 1 step/launch", None, 1), ("off", None, engine.decode_steps), ("forced acceptance", True, 1)]
+    for name, forced, steps in runs:
+        saved = engine.decode_steps
+        engine.decode_steps = steps
+        undo = force_acceptance(engine.runner) if forced else None
+        engine.spec = None
+        if forced:
+            engine.spec = make_speculator(eargs, model, engine.max_model_len)
+            engine.spec.drafter = Oracle({"t0": ref["r0"]})
+        trace = os.path.join(args.timeline, name.replace(" ", "_").replace(",", "").replace("/", "_"))
+        try:
+            walls, parts, traced, tokens = step_timeline.run_timed(engine, c1, n, trace_dir=trace)
+            programs, gpu, top = step_timeline.device_programs(trace, traced) if traced else ({}, (0.0, 0.0), {})
+        finally:
+            engine.decode_steps = saved
+            if undo:
+                undo()
+        print(step_timeline.report(name, walls, parts, tokens, programs, gpu, top), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
@@ -190,6 +217,9 @@ def main(argv=None):
                     help="runs of the own-continuation oracle at most (0: skip that row)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="after the rows: where a c1 step's time goes (host parts, and a profiler trace in DIR of a "
+                         "few steps: the GPU's busy time and its programs) for off and forced acceptance")
     args = ap.parse_args(argv)
 
     import jax
@@ -255,6 +285,8 @@ def main(argv=None):
         row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
             f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
             f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
+    if args.timeline:
+        timeline_rows(args, eargs, model, engine, c1, ref)
     del spec
 
     dev = jax.devices()[0]

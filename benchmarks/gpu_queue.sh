@@ -36,11 +36,11 @@ run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --js
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
 run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
 # speculation's c1 rows alone (off, 1 step a launch, all accepted, forced acceptance, all rejected), an engine of 4
-# sequences (its few programs compile in ~2 min): ~3.5 min
-run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
+# sequences (its few programs compile in ~1 min), then where a c1 step's time goes (host parts, GPU programs): ~3 min
+run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0 --timeline "$(mktemp -d)"
 # the c1 rows with every XLA matmul on cuBLAS at its default algorithm (no Triton GEMM fusions, no autotuning): does
 # the oracle's acceptance reach 1.00 when XLA cannot pick other GEMM kernels for the decode and verification programs?
-run spec-xla-gemm 360 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --fixed-point-runs 0
+run spec-xla-gemm 270 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
 # speculation's verification step vs decode on the GPU kernels: the kernels (the tiny presets' lowering on the GPU
 # included), one MLA layer's stages bitwise, verify vs decode at Kimi-Linear's widths (fp32; bf16 with a report of
 # where rows differ), the engine's oracle rows on a 5-layer slice; full log in $OUT/spec_gpu_tests.txt
