@@ -175,6 +175,7 @@ def forced_row(args, eargs, model, engine, c1, ref, base, row):
 def timeline_rows(args, eargs, model, engine, c1, ref):
     """Where a c1 step's time goes, speculation off (one decode step a launch, and the engine's default) and
     with forced acceptance (benchmarks/step_timeline.py)."""
+    import jax
     from benchmarks import step_timeline
     from serving.spec import make_speculator
     n = min(args.c1_tokens, 96)
@@ -197,6 +198,9 @@ def timeline_rows(args, eargs, model, engine, c1, ref):
             if undo:
                 undo()
         print(step_timeline.report(name, walls, parts, tokens, programs, gpu, top), flush=True)
+        if traced and jax.default_backend() != "cpu":
+            from benchmarks.profile_step import summarize
+            summarize(trace, os.path.join(args.timeline, "hlo"), steps=traced)
 
 
 def main(argv=None):
@@ -219,8 +223,15 @@ def main(argv=None):
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="after the rows: where a c1 step's time goes (host parts, and a profiler trace in DIR of a "
-                         "few steps: the GPU's busy time and its programs) for off and forced acceptance")
+                         "few steps: the GPU's busy time, its programs, the step's kernels by scope) for off and "
+                         "forced acceptance; every row then runs without command buffers (so the trace names "
+                         "each kernel)")
     args = ap.parse_args(argv)
+    if args.timeline:   # the trace names each kernel's op: no command buffers, the step programs' HLO dumped
+        from benchmarks.profile_step import STEP_MODULES
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.timeline}/hlo"
+                                   " --xla_dump_hlo_module_re=" + "|".join(STEP_MODULES)
+                                   + " --xla_gpu_enable_command_buffer=").strip()
 
     import jax
 
