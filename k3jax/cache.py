@@ -134,6 +134,9 @@ class StepBatch:
     spec_dst [N, W]       optional (speculative verification): KDA slot receiving the state after each
                           of the chunk's first W tokens (-1 = not kept); logits_indices then has N * W
                           entries, row n * W + j the logits after token j of sequence n
+    verify_only           static: a verification step whose every chunk has at most W tokens (text only), so
+                          KDA runs the decode recurrence token by token and no chunk kernel, and MLA runs
+                          every token as a decode row (no branch on the chunks' lengths)
     """
     tokens: jax.Array
     slot_mapping: jax.Array
@@ -148,6 +151,7 @@ class StepBatch:
     mm_embeds: Optional[jax.Array] = None
     mm_mask: Optional[jax.Array] = None
     spec_dst: Optional[jax.Array] = None
+    verify_only: bool = struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass
@@ -228,6 +232,7 @@ def make_step_batch(chunks: Sequence[SeqChunk], page_size: int, *, num_tokens: i
             spec_dst[n, :len(ch.spec_slots)] = ch.spec_slots
     decode_only = not spec_width and not rows and bool(chunks) and all(len(ch.tokens) == 1 and ch.state_src == ch.state_dst >= 0 and not ch.ckpt_dst
                                        for ch in chunks)
+    verify_only = bool(spec_width) and not rows and bool(chunks) and max(lens) <= spec_width
     return StepBatch(tokens=tokens, slot_mapping=slot, cu_seqlens=cu, kv_lens=kv_lens, block_tables=bt,
                      state_src=src, state_dst=dst, ckpt_dst=ckpt, logits_indices=logits_idx, decode_only=decode_only,
-                     mm_embeds=mm_embeds, mm_mask=mm_mask, spec_dst=spec_dst)
+                     mm_embeds=mm_embeds, mm_mask=mm_mask, spec_dst=spec_dst, verify_only=verify_only)

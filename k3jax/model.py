@@ -198,7 +198,7 @@ class K3Model(Module):
         meta = dict(cu_seqlens=batch.cu_seqlens, token_seq=seq, token_local=local, state_src=batch.state_src,
                     state_dst=batch.state_dst, ckpt_dst=batch.ckpt_dst, slot_mapping=batch.slot_mapping,
                     block_tables=batch.block_tables, kv_lens=batch.kv_lens, decode_only=batch.decode_only,
-                    spec_dst=batch.spec_dst)
+                    spec_dst=batch.spec_dst, verify_only=batch.verify_only)
         n_kda, n_mla = len(c.kda_layers), len(c.mla_layers)
         page_size = pools.page_size
 

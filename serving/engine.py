@@ -332,7 +332,9 @@ class LLMEngine:
         if speculate:                  # drafts of requests this step did not schedule are stale next step
             for r in self.scheduler.running:
                 r.spec_drafts = []
-            if any(ch.drafts for ch in out.chunks) and not self.runner.can_verify(out.num_tokens, len(out.chunks)):
+            short = all(ch.end - ch.start + len(ch.drafts) <= self.runner.spec_width for ch in out.chunks)
+            if any(ch.drafts for ch in out.chunks) and not self.runner.can_verify(out.num_tokens, len(out.chunks),
+                                                                                  short):
                 for ch in out.chunks:  # its verification program is still compiling: a plain step
                     ch.drafts = []
         if out.restores:

@@ -28,7 +28,8 @@ from serving.compile_queue import CompileQueue, Job, abstract, compile_now, comp
 from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data, sample
 from serving.sampling_params import SamplingParams
 from serving.spec.rejection import verify as spec_verify
-from serving.step_shapes import (_fit, _multi_key, _sampler_key, _shape_key, _step_key, _verify_key, long_buckets,
+from serving.step_shapes import (_fit, _multi_key, _sampler_key, _shape_key, _step_key, _verify_key, holds_short_verify,
+                                 long_buckets,
                                  sampler_variant, step_buckets, step_compiler_options, step_shape, tqdm_if,
                                  warmup_shapes)
 
@@ -228,15 +229,19 @@ class ModelRunner:
         T, N = step_shape(num_tokens, len(chunks), self.token_buckets, self.seq_buckets, self.long_token_buckets)
         batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
                                 spec_width=spec_width)
+        if batch.verify_only and not holds_short_verify(T, N, self.token_buckets, spec_width):
+            batch = batch.replace(verify_only=False)    # no such variant: the general verification runs them too
         if self._queue is not None and _step_key(batch) not in self._compiled:     # its program is still compiling
             picked = self._compiled_bucket(num_tokens, len(chunks), batch.decode_only, batch.mm_embeds is not None,
-                                           spec_width)
+                                           spec_width, batch.verify_only)
             if picked is not None:
-                T, N, decode = picked
+                T, N, decode, short = picked
                 batch = make_step_batch(chunks, self.page_size, num_tokens=T, num_seqs=N, max_pages=self.max_pages,
                                         spec_width=spec_width)
                 if batch.decode_only and not decode:
                     batch = batch.replace(decode_only=False)     # the general variant runs one-token chunks too
+                if batch.verify_only and not short:
+                    batch = batch.replace(verify_only=False)
         sarr = build_sampling_arrays(list(params), seeds=list(seeds), num_rows=N, vocab_size=self.config.vocab_size,
                                      prompt_token_ids=prompt_ids, output_token_ids=output_ids,
                                      allowed_masks=allowed_masks, penalty_width=self.penalty_width,
@@ -271,15 +276,17 @@ class ModelRunner:
         for n, ds in enumerate(drafts):
             d[n, :len(ds)] = ds
             nd[n] = len(ds)
-        self._note_shape(("verify", T, N, W))
+        self._note_shape(("verify", T, N, W, batch.verify_only))
         self._note_shape(("verify-sample", N, self._variant(sarr)))
         return self._call("verify", batch, sarr, cnt, d, nd)
 
     # ---- while programs compile in the background (warmup(background=True)), steps use compiled ones only
-    def _compiled_bucket(self, num_tokens: int, num_seqs: int, decode: bool, mm: bool, spec_width: int = 0):
-        """(T, N, decode variant) of the smallest bucket whose program is compiled and holds the step: a bucket of
-        at least its tokens and sequences (a lone long prompt's: of the long buckets), the decode-only variant or
-        the general one for a decode-only batch; None when none is."""
+    def _compiled_bucket(self, num_tokens: int, num_seqs: int, decode: bool, mm: bool, spec_width: int = 0,
+                         verify_only: bool = False):
+        """(T, N, decode variant, verify-only variant) of the smallest bucket whose program is compiled and holds
+        the step: a bucket of at least its tokens and sequences (a lone long prompt's: of the long buckets), the
+        decode-only (verify-only) variant or the general one for a decode-only (verify-only) batch; None when none
+        is."""
         tb, sb = self.token_buckets, self.seq_buckets
         T, N = step_shape(num_tokens, num_seqs, tb, sb, self.long_token_buckets)
         if T > tb[-1]:
@@ -288,8 +295,9 @@ class ModelRunner:
             holding = [(t, n) for t in tb if t >= T for n in sb if N <= n <= t]
         for t, n in holding:
             for d in ((True, False) if decode else (False,)):
-                if _shape_key(t, n, d, mm, spec_width) in self._compiled:
-                    return t, n, d
+                for v in ((True, False) if verify_only else (False,)):
+                    if _shape_key(t, n, d, mm, spec_width, v) in self._compiled:
+                        return t, n, d, v
         return None
 
     def long_prefill_limit(self) -> int:
@@ -309,11 +317,11 @@ class ModelRunner:
         T, N = _fit(self.token_buckets, num_seqs), _fit(self.seq_buckets, num_seqs)
         return all(self._multi_keys.get((T, N, t)) in self._compiled for t in (False, True))
 
-    def can_verify(self, num_tokens: int, num_seqs: int) -> bool:
-        """Whether a verification step of `num_tokens` (drafts included) over `num_seqs` sequences has a compiled
-        program (always, unless compiling in the background)."""
+    def can_verify(self, num_tokens: int, num_seqs: int, short: bool = False) -> bool:
+        """Whether a verification step of `num_tokens` (drafts included) over `num_seqs` sequences (`short`: every
+        chunk at most spec_width tokens) has a compiled program (always, unless compiling in the background)."""
         return self._queue is None or self._compiled_bucket(num_tokens, num_seqs, False, False,
-                                                            self.spec_width) is not None
+                                                            self.spec_width, short) is not None
 
     def multi_step_shapes(self) -> list:
         """The (tokens, sequences) buckets of decode-only steps launch_decode_steps may run."""
@@ -388,10 +396,11 @@ class ModelRunner:
             for truncate in (False, True):
                 if ready(self._multi_keys.get((T, N, truncate))):
                     self._run_padding_multi(T, N, truncate)
-        if self.spec_width:            # the verification variant of every (tokens, sequences) bucket
+        if self.spec_width:            # the verification variants of every (tokens, sequences) bucket
             for T, N, decode, mm in shapes:
-                if not decode and not mm and ready(_shape_key(T, N, False, False, self.spec_width)):
-                    self._run_padding_verify(T, N)
+                for short in self._verify_variants(T, N, decode, mm):
+                    if ready(_shape_key(T, N, False, False, self.spec_width, short)):
+                        self._run_padding_verify(T, N, verify_only=short)
             for N in self.seq_buckets:                 # and its sampler variants, as the plain sampler's
                 T = _fit(self.token_buckets, N)
                 if ready(_shape_key(T, N, False, False, self.spec_width)):
@@ -422,11 +431,11 @@ class ModelRunner:
             rank = (1, T, N) if decode else (3, T, N) if long else (2, T, N, mm)
             jobs.append(Job(_step_key(batch), self._step, "step", (self.params, self.pools, batch, self.last_tokens),
                              (("step", T, N, bool(decode), bool(mm)),), decode or (T, N) == largest, rank))
-            if W and not decode and not mm:      # the verification variant of the bucket
-                batch = self._padding_verify_batch(T, N)
+            for short in self._verify_variants(T, N, decode, mm):      # the verification variants of the bucket
+                batch = self._padding_verify_batch(T, N, verify_only=short)
                 jobs.append(Job(_step_key(batch), self._step, "step",
-                                 (self.params, self.pools, batch, self.last_tokens), (("verify", T, N, W),), False,
-                                 (4, T, N)))
+                                 (self.params, self.pools, batch, self.last_tokens), (("verify", T, N, W, short),),
+                                 False, (4, T, N)))
         for N in sb:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
@@ -531,14 +540,23 @@ class ModelRunner:
             allowed_masks=[np.full((v + 31) // 32, 0xFFFFFFFF, np.uint32)] if masked else None)
         return batch, sarr
 
-    def _padding_verify_batch(self, T: int, N: int):
-        return make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
-                               num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
+    def _verify_variants(self, T: int, N: int, decode: bool, mm: bool) -> tuple:
+        """The verification programs of warm-up shape (T, N, decode, mm), as their verify_only flags: the general
+        one of each text bucket, and the short-chunk one where such a step can land (holds_short_verify)."""
+        if not self.spec_width or decode or mm:
+            return ()
+        short = T <= self.token_buckets[-1] and holds_short_verify(T, N, self.token_buckets, self.spec_width)
+        return (False, True) if short else (False,)
 
-    def _run_padding_verify(self, T: int, N: int, *variant):
-        batch = self._padding_verify_batch(T, N)
+    def _padding_verify_batch(self, T: int, N: int, verify_only: bool = False):
+        batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,
+                                num_seqs=N, max_pages=self.max_pages, spec_width=self.spec_width)
+        return batch.replace(verify_only=verify_only)
+
+    def _run_padding_verify(self, T: int, N: int, *variant, verify_only: bool = False):
+        batch = self._padding_verify_batch(T, N, verify_only)
         _, sarr = self._padding_batch(T, N, False, False, *variant)
-        self._note_shape(("verify", T, N, self.spec_width))
+        self._note_shape(("verify", T, N, self.spec_width, verify_only))
         self._note_shape(("verify-sample", N, self._variant(sarr)))
         self._call("verify", batch, sarr, np.zeros(N, np.int32), np.zeros((N, self.spec_width - 1), np.int32),
                    np.zeros(N, np.int32))

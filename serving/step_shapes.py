@@ -31,15 +31,24 @@ def tqdm_if(items, progress: bool):
     return tqdm(items, desc="warm-up (compiling step shapes)", unit="shape")
 
 
-def _shape_key(T: int, N: int, decode: bool, mm: bool, spec_width: int = 0) -> tuple:
-    """The compiled step variant of bucket (T, N): decode-only, image embeddings, verification width."""
-    return (T, N, bool(decode), bool(mm)) + ((("spec", spec_width),) if spec_width else ())
+def _shape_key(T: int, N: int, decode: bool, mm: bool, spec_width: int = 0, verify_only: bool = False) -> tuple:
+    """The compiled step variant of bucket (T, N): decode-only, image embeddings, verification width, verification
+    of short chunks only (StepBatch.verify_only)."""
+    return ((T, N, bool(decode), bool(mm)) + ((("spec", spec_width),) if spec_width else ())
+            + (("verify_only",) if verify_only else ()))
 
 
 def _step_key(batch) -> tuple:
     """The compiled variant a step batch needs (_shape_key of its bucket and flags)."""
     return _shape_key(batch.tokens.shape[0], batch.cu_seqlens.shape[0] - 1, batch.decode_only,
-                      batch.mm_embeds is not None, batch.spec_dst.shape[1] if batch.spec_dst is not None else 0)
+                      batch.mm_embeds is not None, batch.spec_dst.shape[1] if batch.spec_dst is not None else 0,
+                      batch.verify_only)
+
+
+def holds_short_verify(T: int, N: int, token_buckets: Sequence[int], spec_width: int) -> bool:
+    """Whether a verification step of short chunks only (StepBatch.verify_only: N chunks of at most spec_width
+    tokens) can land in bucket (T, N): its own variant is compiled for these buckets."""
+    return T <= _fit(token_buckets, min(N * spec_width, token_buckets[-1]))
 
 
 def sampler_variant(sarr) -> tuple:

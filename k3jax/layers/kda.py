@@ -13,7 +13,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import upcast
-from k3jax.layers.kda_positions import write_position_states
+from k3jax.layers.kda_positions import recurrent_step, write_position_states
 from k3jax.layers.module import Module, matmul, matmuls, param, read
 from pallas_kernels import ops
 from pallas_kernels.backend import Backend, resolve
@@ -153,7 +153,8 @@ class KDA(Module):
         x [T, D] flat tokens; state_pool [S, H, K, V] fp32; conv_pool [S, Kc-1, 3*H*K].
         meta: cu_seqlens [N+1], token_seq [T], token_local [T], state_src [N] (slot to resume from,
         -1 = zero state), state_dst [N] (slot to write), ckpt_dst [N] (extra slot to write a prefix
-        checkpoint into; 0 = the reserved garbage slot). Returns (out [T, D], state_pool, conv_pool).
+        checkpoint into; 0 = the reserved garbage slot); optional spec_dst [N, W] and static decode_only /
+        verify_only (StepBatch). Returns (out [T, D], state_pool, conv_pool).
         """
         b = resolve(backend)
         if meta.get("decode_only"):
@@ -165,6 +166,13 @@ class KDA(Module):
             conv_out, conv_new = _step_conv(x_in, self.conv_weights(), conv0, meta)
             q, k, v, g = self.core(x, conv_out, f, c)
             s0 = _gather_state(state_pool, src)
+        if meta.get("verify_only"):                 # short chunks: the decode recurrence, no chunk kernel
+            with jax.named_scope("kda_position_states"):
+                state_pool, conv_pool, o = recurrent_step(
+                    state_pool, conv_pool, conv_new, s0, conv0, x_in, q, k, v, g, beta, meta,
+                    scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
+            with jax.named_scope("kda_out"):
+                return self.output(x, o, gate, c), state_pool, conv_pool
         with jax.named_scope("kda_chunk"):
             o, s1 = ops.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale=c.kda_head_dim ** -0.5,
                                   initial_state=s0, cu_seqlens=meta["cu_seqlens"], safe_gate=_safe_gate(c),

@@ -23,13 +23,43 @@ def write_position_states(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g,
     o [T, H, V] the chunk's outputs (replaced at the kept positions); s0 [N, H, K, V] and conv0
     [N, Kc-1, C] the states before the chunk; x_in [T, C] the conv inputs; q, k, g [T, H, K], v
     [T, H, V], beta [T, H]. Returns (state_pool, conv_pool, o)."""
+    state_pool, conv_pool, o, _ = _recurrence(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta,
+                                              every_token=False, scale=scale, backend=backend, act_dtype=act_dtype)
+    return state_pool, conv_pool, o
+
+
+def recurrent_step(state_pool, conv_pool, conv_new, s0, conv0, x_in, q, k, v, g, beta, meta, *, scale, backend,
+                   act_dtype):
+    """A verification step of short chunks (StepBatch.verify_only: every chunk at most W tokens) without the
+    chunk kernel: every token's output and state from the decode recurrence, position j's state written to
+    meta["spec_dst"][n, j] where kept, and each chunk's last state and conv window (conv_new [N, Kc-1, C], from
+    the step's conv) to its state_dst and ckpt_dst, as the chunk path writes them. Returns (state_pool,
+    conv_pool, o [T, H, V])."""
+    o = jnp.zeros(v.shape, v.dtype)
+    state_pool, conv_pool, o, last = _recurrence(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta,
+                                                 every_token=True, scale=scale, backend=backend, act_dtype=act_dtype)
+    cdt = value_dtype(conv_pool, act_dtype)
+    for dst in (meta["state_dst"], meta["ckpt_dst"]):
+        state_pool = set_rows(state_pool, dst, last)
+        conv_pool = set_rows(conv_pool, dst, conv_new.astype(cdt))
+    return state_pool, conv_pool, o
+
+
+def _recurrence(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta, *, every_token, scale, backend,
+                act_dtype):
+    """The decode recurrence over each sequence's first W tokens (W = spec_dst's width): the output of every
+    computed position into o, its state and conv window into spec_dst's kept slots. Computed: the kept positions,
+    or with every_token every token of the chunk. Returns (state_pool, conv_pool, o, each sequence's state after
+    its last computed token [N, H, K, V])."""
     dst = meta["spec_dst"]
     cu = meta["cu_seqlens"]
     n, w = dst.shape
     T = q.shape[0]
     lens = cu[1:] - cu[:-1]
     pos = jnp.arange(w, dtype=jnp.int32)[None]
-    keep = (dst >= 0) & (pos < lens[:, None])                         # [N, W]
+    inside = pos < lens[:, None]
+    kept = (dst >= 0) & inside                                        # [N, W]
+    run = inside if every_token else kept
     idx = jnp.clip(cu[:-1, None] + pos, 0, T - 1)                     # flat token of position j
     rows = jnp.arange(n, dtype=jnp.int32)
     states = s0
@@ -38,12 +68,12 @@ def write_position_states(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g,
     cdt = value_dtype(conv_pool, act_dtype)
     for j in range(w):
         t = idx[:, j]
-        ok = keep[:, j]
+        ok = run[:, j]
         oj, states = ops.kda_decode(q[t], k[t], v[t], g[t], beta[t], states, jnp.where(ok, rows, -1),
                                     scale=scale, backend=backend)
         o = o.at[jnp.where(ok, t, T)].set(oj.astype(o.dtype), mode="drop")
-        at = jnp.where(ok, dst[:, j], state_pool.shape[0])
+        at = jnp.where(kept[:, j], dst[:, j], state_pool.shape[0])
         state_pool = set_rows(state_pool, at, states, mode="drop")
-        conv_pool = set_rows(conv_pool, jnp.where(ok, dst[:, j], conv_pool.shape[0]),
+        conv_pool = set_rows(conv_pool, jnp.where(kept[:, j], dst[:, j], conv_pool.shape[0]),
                              window[:, j + 1:j + 1 + kc1].astype(cdt), mode="drop")
-    return state_pool, conv_pool, o
+    return state_pool, conv_pool, o, states

@@ -59,7 +59,7 @@ def expanded_key_budget(num_tokens: int, block_tables_shape, page_size: int, dec
                         backend: Backend | None = None) -> int:
     """Static rows of the expanded form's key window for a step shape; 0 = absorbed only. At most the
     keys the block tables can hold. The form is the backend's mla_prefill (EngineArgs.mla_prefill when the
-    backend was built)."""
+    backend was built). decode_only: a step of decode rows only (decode-only or verify-only), always absorbed."""
     b = resolve(backend)
     if decode_only or b.mla_prefill == "absorbed":
         return 0
@@ -152,6 +152,8 @@ class MLA(Module):
         spec = meta.get("spec_dst")
         if spec is None or not backend.kernels:
             o_lat = attend(meta["kv_lens"], decode_only=bool(meta.get("decode_only", False)))
+        elif meta.get("verify_only"):                # every chunk short: all decode rows, no branch
+            o_lat = attend(meta["kv_lens"], token_rows=True)
         else:
             cu, kv_lens = meta["cu_seqlens"], meta["kv_lens"]
             short = (cu[1:] - cu[:-1]) <= spec.shape[1]
@@ -188,7 +190,8 @@ class MLA(Module):
 
         x [T, D]; kv_pages [P, page_size, L+R]; meta: slot_mapping [T] (cache row of each new token,
         -1 = padding), block_tables [N, max_pages], cu_seqlens [N+1], kv_lens [N] (cache length after
-        this step), token_seq [T] (each token's sequence, clamped to N - 1), optional static decode_only.
+        this step), token_seq [T] (each token's sequence, clamped to N - 1), optional static decode_only and
+        verify_only (StepBatch).
         Returns (out [T, D], kv_pages).
         """
         with jax.named_scope("mla_in"):
@@ -197,7 +200,7 @@ class MLA(Module):
                                           meta["slot_mapping"])
         backend = resolve(backend)
         num_keys = expanded_key_budget(x.shape[0], meta["block_tables"].shape, kv_pages.shape[1],
-                                       bool(meta.get("decode_only", False)), backend)
+                                       bool(meta.get("decode_only") or meta.get("verify_only")), backend)
         with jax.named_scope("mla_attn"):
             if num_keys:
                 o = self._mixed(c, q, kv_pages, meta, x.dtype, num_keys, backend)

@@ -205,16 +205,22 @@ def test_steps_take_the_smallest_compiled_bucket(model):
     r = eng.runner
     r._queue = CompileQueue([], None).start()      # a background compile that has landed nothing yet
     r._compiled = dict.fromkeys([_shape_key(16, 4, True, False), _shape_key(64, 4, False, False)])
-    assert r._compiled_bucket(5, 1, False, False) == (64, 4, False)
-    assert r._compiled_bucket(3, 3, True, False) == (16, 4, True)
+    assert r._compiled_bucket(5, 1, False, False) == (64, 4, False, False)
+    assert r._compiled_bucket(3, 3, True, False) == (16, 4, True, False)
     del r._compiled[_shape_key(16, 4, True, False)]
-    assert r._compiled_bucket(3, 3, True, False) == (64, 4, False)
+    assert r._compiled_bucket(3, 3, True, False) == (64, 4, False, False)
     assert r._compiled_bucket(100, 1, False, False) is None and r.long_prefill_limit() == 0
     r._compiled[_shape_key(128, 4, False, False)] = None
-    assert r._compiled_bucket(100, 1, False, False) == (128, 4, False) and r.long_prefill_limit() == 128
-    assert not r.can_verify(6, 2)
+    assert r._compiled_bucket(100, 1, False, False) == (128, 4, False, False) and r.long_prefill_limit() == 128
+    assert not r.can_verify(6, 2) and not r.can_verify(6, 2, short=True)
     r._compiled[_shape_key(64, 4, False, False, 3)] = None
     assert r.can_verify(6, 2) and not r.can_verify(100, 1)
+    # a verification of short chunks takes its own variant once compiled, the general one until then
+    assert r.can_verify(6, 2, short=True)
+    assert r._compiled_bucket(6, 2, False, False, 3, True) == (64, 4, False, False)
+    r._compiled[_shape_key(16, 4, False, False, 3, True)] = None
+    assert r._compiled_bucket(6, 2, False, False, 3, True) == (16, 4, False, True)
+    assert r._compiled_bucket(6, 2, False, False, 3) == (64, 4, False, False)
     assert not r.can_launch_decode_steps(2)
 
 

@@ -7,7 +7,11 @@ Backend names its target, so every op picks the GPU's kernel) at Kimi-Linear-48B
   positions at once, a projection over a gathered subset of rows) gets another kernel from XLA.
 - The only device loop is the layer scan: index math (which sequence a token or tile belongs to) is one fused
   compare, not jnp.searchsorted's default binary search, a while loop of its own in every step.
-- Routed experts, KDA and MLA run on their Pallas kernels."""
+- Routed experts, KDA and MLA run on their Pallas kernels.
+- Neither program branches on device values: a conditional (lax.cond / lax.switch) inside a GPU program copies its
+  predicate to the host and waits for it, a pipeline drain per layer. A verification of short chunks runs KDA's
+  decode recurrence only (no chunk kernel, whose tiling switch is such a branch) and MLA's decode rows; the
+  general verification program (a prefill chunk beside the drafts) keeps the chunk path."""
 import re
 
 import jax
@@ -26,7 +30,8 @@ _DOT = re.compile(r"stablehlo\.dot_general (.*?) : (\(.*?\) -> tensor<[^>]*>)")
 
 @pytest.fixture(scope="module")
 def programs():
-    """{"decode": text, "verify": text}: the two step programs lowered for CUDA."""
+    """{"decode": text, "verify": text, "verify-mixed": text}: the step programs lowered for CUDA (the last: the
+    general verification program, which also runs chunks longer than the drafts)."""
     c = ModelConfig.from_dict(preset_config_dict("kimi-linear-48b-a3b"))
     backend = Backend(kernels=True, platform="gpu", device="gpu", mla_decode="mosaic", dense_in_place=True)
     params = param_shapes(c, jnp.bfloat16)
@@ -35,10 +40,11 @@ def programs():
     decode = make_step_batch([SeqChunk([5], 600, pages, 1, 1)], 16, num_tokens=16, num_seqs=4, max_pages=256)
     verify = make_step_batch([SeqChunk([5, 6, 7, 8, 9], 600, pages, 1, 1, spec_slots=[2, 3, 4, 5, 1])], 16,
                              num_tokens=16, num_seqs=4, max_pages=256, spec_width=5)
-    assert decode.decode_only and not verify.decode_only
+    assert decode.decode_only and not verify.decode_only and verify.verify_only
     step = jax.jit(make_step(c, backend))
     out = {name: step.trace(params, pools, batch).lower(lowering_platforms=("cuda",)).as_text()
-           for name, batch in (("decode", decode), ("verify", verify))}
+           for name, batch in (("decode", decode), ("verify", verify),
+                               ("verify-mixed", verify.replace(verify_only=False)))}
     jax.clear_caches()          # nothing traced for the GPU is reused by a later CPU call
     return out
 
@@ -67,4 +73,14 @@ def test_steps_run_on_the_kernels(programs, name):
     assert "ragged_dot" not in text                            # routed experts: the MoE kernels
     for kernel in ("moe_gmm_bf16", "kda_decode", "mla_paged", "stacked_matmuls"):
         assert f'name = "{kernel}' in text, kernel
-    assert ('name = "kda_intra' in text) == (name == "verify")  # a verify chunk's KDA: the chunk kernels
+    assert 'name = "kda_intra' not in text                     # short chunks: no chunk kernel
+
+
+@pytest.mark.parametrize("name", ["decode", "verify"])
+def test_steps_do_not_branch_on_device_values(programs, name):
+    assert "stablehlo.case" not in programs[name] and "stablehlo.if" not in programs[name]
+
+
+def test_the_general_verification_keeps_the_chunk_path(programs):
+    text = programs["verify-mixed"]
+    assert 'name = "kda_intra' in text and "stablehlo.case" in text
