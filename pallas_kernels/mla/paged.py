@@ -51,7 +51,7 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
 
 
-def default_tuning(num_heads, decode, max_keys=None, page_size=None):
+def default_tuning(num_heads, decode, max_keys=None, page_size=None, fp8=False):
     """Kernel knobs chosen from GPU sweeps (docs/performance.md, "Tuning of record").
 
     Decode, H <= 32: keys-on-M ("transposed") form, 4 warps, 2 stages, no explicit
@@ -65,7 +65,12 @@ def default_tuning(num_heads, decode, max_keys=None, page_size=None):
       pages >= 64: split < 64k keys (189 vs 171 TFLOP/s at 8k), 32-head tiles >= 64k (218 vs 207);
       pages of 16: 64-row tiles < 64k (153 vs 132 split), split >= 64k (151 vs 138 32-head tiles).
     Ragged prefill: row form, 8 warps (150 TFLOP/s at H=32 vs 140 transposed).
+    An FP8 cache (fp8), decode at H <= 32: row form, 8 warps, each latent value dequantized before the MMAs
+    (fp8_scale "codes"): 1.8x the keys-on-M form's speed, which reads the codes once per MMA
+    (benchmarks/sweep_mla_fp8, page 64).
     """
+    if fp8 and decode and num_heads <= 32:
+        return {"num_warps": 8, "transposed": False, "fp8_scale": "codes"}
     if num_heads > 32:
         wide = decode and max_keys is not None and max_keys >= 65536
         gathered = page_size is not None and page_size < 64
@@ -81,10 +86,10 @@ def default_tuning(num_heads, decode, max_keys=None, page_size=None):
     return {"num_warps": 8, "transposed": False}
 
 
-def tuning_for(num_heads, decode, max_keys, page_size, config):
+def tuning_for(num_heads, decode, max_keys, page_size, config, fp8=False):
     """default_tuning overridden by config's keys. A config that names anything runs as one head
     group unless it names head_groups itself (so a measured variant is what it says)."""
-    base = default_tuning(num_heads, decode, max_keys, page_size)
+    base = default_tuning(num_heads, decode, max_keys, page_size, fp8)
     if config:
         base.pop("head_groups", None)
     return {**base, **dict(config or {})}
@@ -186,7 +191,7 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     n_tok, num_heads, lat = q_latent.shape
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
-    cfg = tuning_for(num_heads, decode, max_pages * page_size, page_size, config)
+    cfg = tuning_for(num_heads, decode, max_pages * page_size, page_size, config, fp8_cache.is_fp8(kv_pages))
     groups = cfg.pop("head_groups", None)
     if groups:  # e.g. H=96 as 64 + 32: each group its own tiles (no padding rows) and tuning
         # an entry is a head count (config's other keys apply) or (heads, config tuple or None)

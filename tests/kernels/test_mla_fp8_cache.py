@@ -100,7 +100,8 @@ def test_triton_decode_on_fp8_pages(page_size, config):
 
 
 @pytest.mark.parametrize("heads,page_size", [
-    (32, 16),      # Kimi-Linear's heads, default decode tuning: keys-on-M, a 64-key block gathered from 4 pages
+    (32, 16),      # Kimi-Linear's heads, default FP8 decode tuning: row form, codes dequantized, a 64-key block
+                   # gathered from 4 pages
     # K3's heads: two head groups (64 in row form, 32 keys-on-M), blocks inside a page
     pytest.param(96, 64, marks=pytest.mark.slow),
 ])
@@ -155,7 +156,8 @@ def test_long_prefix_on_fp8_pages():
 
 
 @pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [
-    (16, True, "scores", None), (64, False, "scores", None), (64, True, "codes", None), (64, True, "scores", False)])
+    (16, True, "scores", None), (64, False, "scores", None), (64, True, "codes", None), (64, True, "scores", False),
+    (16, False, "codes", None)])
 def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload):
     """The kernel's FP8 path (byte splits and assembly, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
     (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements, the

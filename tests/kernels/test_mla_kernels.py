@@ -107,6 +107,10 @@ def test_default_tuning_h96_decode_depends_on_table_width_and_pages():
     assert "head_groups" in default_tuning(96, True, 131072, 16)
     assert default_tuning(96, False, 131072, 16)["max_rows"] == 64     # prefill unchanged
     assert default_tuning(32, True, 131072, 16)["transposed"] is True
+    # an FP8 cache at H <= 32: row form, 8 warps, codes dequantized before the MMAs; prefill and H=96 as bf16
+    assert default_tuning(32, True, 8192, 16, fp8=True) == {"num_warps": 8, "transposed": False, "fp8_scale": "codes"}
+    assert default_tuning(32, False, 8192, 16, fp8=True) == default_tuning(32, False, 8192, 16)
+    assert default_tuning(96, True, 8192, 64, fp8=True) == default_tuning(96, True, 8192, 64)
     assert "head_groups" not in default_tuning(48, True, 8192, 64)     # H=96 under tensor=2
     # a config that names knobs is one group (a benchmark variant runs as it says)
     assert tuning_for(96, True, 8192, 64, (("num_warps", 16),)) == {"num_warps": 16}
