@@ -29,6 +29,7 @@ Random weights make real acceptance meaningless, so the two c1 drafters bound wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -221,6 +222,9 @@ def main(argv=None):
                     help="runs of the own-continuation oracle at most (0: skip that row)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
+    ap.add_argument("--quick", action="store_true",
+                    help="no warm-up: only c1 off and forced acceptance, each run once untimed first (it compiles the "
+                         "programs it uses), then timed")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="after the rows: where a c1 step's time goes (host parts, and a profiler trace in DIR of a "
                          "few steps: the GPU's busy time, its programs, the step's kernels by scope) for off and "
@@ -249,6 +253,8 @@ def main(argv=None):
     eargs = EngineArgs(max_model_len=args.max_model_len, speculative="ngram", num_speculative_tokens=args.k, **sized,
                        enable_prefix_caching=False, decode_steps_per_launch=args.decode_steps_per_launch,
                        speculative_on_gpu=True)   # measured where refused by default: its rows say if tokens match
+    if args.quick:
+        eargs = dataclasses.replace(eargs, warmup=False)
     engine = LLMEngine(model, eargs)
     engine.wait_for_compiles()                # every step and verification program compiled before timing
     spec = engine.spec
@@ -261,6 +267,10 @@ def main(argv=None):
         print(f"{name}: {tok_s:.1f} output tok/s, {decode:.1f} decode tok/s per sequence {note}", flush=True)
 
     c1 = [rng.integers(0, vocab, args.context).tolist()]
+    if args.quick:
+        quick_rows(args, eargs, model, engine, c1, row)
+        _table(args, model, rows)
+        return
     engine.spec = None
     _run(engine, [c1[0][:64]], 8, "first use")      # first-use costs out of the timed runs
     ref, tput, dec = _run(engine, c1, args.c1_tokens, "c1 off")
@@ -299,7 +309,33 @@ def main(argv=None):
     if args.timeline:
         timeline_rows(args, eargs, model, engine, c1, ref)
     del spec
+    _table(args, model, rows)
 
+
+def quick_rows(args, eargs, model, engine, c1, row):
+    """c1 off and forced acceptance on an engine without warm-up: each run once untimed (its compiles), then timed."""
+    from serving.spec import make_speculator
+    engine.spec = None
+    _run(engine, c1, args.c1_tokens, "c1 off, compiling")
+    ref, tput, base = _run(engine, c1, args.c1_tokens, "c1 off")
+    row("c1 off", tput, base, f"({engine.decode_steps} decode steps per launch)")
+    undo = force_acceptance(engine.runner)
+    try:
+        for what in ("forced acceptance, compiling", "forced acceptance"):
+            engine.spec = make_speculator(eargs, model, engine.max_model_len)
+            engine.spec.drafter = Oracle(ref)
+            out, tput, dec = _run(engine, c1, args.c1_tokens, what)
+        m = engine.spec.metrics()
+    finally:
+        undo()
+    agreed = _agreed(out["r0"], ref["r0"])
+    row(f"c1 K={args.k} forced acceptance", tput, dec,
+        f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; "
+        f"{'same tokens' if out == ref else f'first {agreed} tokens as off'})")
+
+
+def _table(args, model, rows):
+    import jax
     dev = jax.devices()[0]
     print()
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")

@@ -31,6 +31,8 @@ run kernels-mla 150 python -m benchmarks.bench_kernels --only mla_mosaic --no-fl
 run kernels-fp8 200 python -m benchmarks.bench_kernels --only mla_fp8 --no-fla --budget 150
 # the FP8 decode kernel under its tuning variants vs bf16 at its default (bytes/s ratio, error vs jnp)
 run kernels-fp8-sweep 300 bash -c 'python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x32,16x131072x32 && python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x96,16x131072x96'
+# the same at the engine's default 16-token pages: the default FP8 tuning (row form, codes) vs the keys-on-M form
+run kernels-fp8-p16 200 python -m benchmarks.sweep_mla_fp8 --shapes 64x8192x32,16x131072x32 --page-size 16 --variants default,T-w4,R-w8,R-w8-C
 run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --json
 # speculative decoding at its two ends (oracle drafter all accepted, also on its own continuation / wrong drafter all rejected), c1 with one
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
