@@ -153,17 +153,19 @@ def own_continuation_row(args, eargs, model, engine, c1, first, base, row):
         f"{'every token as proposed' if out == tokens else f'{agreed} tokens as proposed'})")
 
 
-def forced_row(args, eargs, model, engine, c1, ref, base, row):
-    """The all-accepted oracle with every draft accepted whatever verification computes (force_acceptance)."""
+def forced_row(args, eargs, model, engine, c1, ref, base, row, first_use=None):
+    """The all-accepted oracle with every draft accepted whatever verification computes (force_acceptance).
+    first_use: (prompts, tokens) of the untimed run before it (default: a short one, which compiles
+    forced_tokens)."""
     from serving.spec import make_speculator
+    prompts, tokens = first_use or ([c1[0][:64]], 2 * (args.k + 1))
     undo = force_acceptance(engine.runner)
     try:
-        engine.spec = make_speculator(eargs, model, engine.max_model_len)
-        engine.spec.drafter = Oracle(ref)
-        _run(engine, [c1[0][:64]], 2 * (args.k + 1), "forced acceptance, first use")   # compiles forced_tokens
-        engine.spec = make_speculator(eargs, model, engine.max_model_len)
-        engine.spec.drafter = Oracle(ref)
-        out, tput, dec = _run(engine, c1, args.c1_tokens, "forced acceptance")
+        for what, p, n in (("forced acceptance, first use", prompts, tokens),
+                           ("forced acceptance", c1, args.c1_tokens)):
+            engine.spec = make_speculator(eargs, model, engine.max_model_len)
+            engine.spec.drafter = Oracle(ref)
+            out, tput, dec = _run(engine, p, n, what)
         m = engine.spec.metrics()
     finally:
         undo()
@@ -314,24 +316,11 @@ def main(argv=None):
 
 def quick_rows(args, eargs, model, engine, c1, row):
     """c1 off and forced acceptance on an engine without warm-up: each run once untimed (its compiles), then timed."""
-    from serving.spec import make_speculator
     engine.spec = None
-    _run(engine, c1, args.c1_tokens, "c1 off, compiling")
+    _run(engine, c1, args.c1_tokens, "c1 off, first use")
     ref, tput, base = _run(engine, c1, args.c1_tokens, "c1 off")
     row("c1 off", tput, base, f"({engine.decode_steps} decode steps per launch)")
-    undo = force_acceptance(engine.runner)
-    try:
-        for what in ("forced acceptance, compiling", "forced acceptance"):
-            engine.spec = make_speculator(eargs, model, engine.max_model_len)
-            engine.spec.drafter = Oracle(ref)
-            out, tput, dec = _run(engine, c1, args.c1_tokens, what)
-        m = engine.spec.metrics()
-    finally:
-        undo()
-    agreed = _agreed(out["r0"], ref["r0"])
-    row(f"c1 K={args.k} forced acceptance", tput, dec,
-        f"({dec / base:.2f}x of off; acceptance {m['spec_acceptance_rate']:.2f}; "
-        f"{'same tokens' if out == ref else f'first {agreed} tokens as off'})")
+    forced_row(args, eargs, model, engine, c1, ref, base, row, first_use=(c1, args.c1_tokens))
 
 
 def _table(args, model, rows):

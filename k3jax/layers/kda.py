@@ -166,11 +166,12 @@ class KDA(Module):
             conv_out, conv_new = _step_conv(x_in, self.conv_weights(), conv0, meta)
             q, k, v, g = self.core(x, conv_out, f, c)
             s0 = _gather_state(state_pool, src)
+        # the decode recurrence's inputs (speculative verification, kda_positions)
+        inputs = (s0, conv0, x_in, q, k, v, g, beta, meta)
+        kw = dict(scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
         if meta.get("verify_only"):                 # short chunks: the decode recurrence, no chunk kernel
             with jax.named_scope("kda_position_states"):
-                state_pool, conv_pool, o = recurrent_step(
-                    state_pool, conv_pool, conv_new, s0, conv0, x_in, q, k, v, g, beta, meta,
-                    scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
+                state_pool, conv_pool, o = recurrent_step(state_pool, conv_pool, conv_new, *inputs, **kw)
             with jax.named_scope("kda_out"):
                 return self.output(x, o, gate, c), state_pool, conv_pool
         with jax.named_scope("kda_chunk"):
@@ -184,9 +185,7 @@ class KDA(Module):
         o = o[0]
         if meta.get("spec_dst") is not None:        # speculative verification: a state per position
             with jax.named_scope("kda_position_states"):
-                state_pool, conv_pool, o = write_position_states(
-                    state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, meta,
-                    scale=c.kda_head_dim ** -0.5, backend=b, act_dtype=x.dtype)
+                state_pool, conv_pool, o = write_position_states(state_pool, conv_pool, o, *inputs, **kw)
         with jax.named_scope("kda_out"):
             return self.output(x, o, gate, c), state_pool, conv_pool
 

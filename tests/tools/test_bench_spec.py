@@ -63,3 +63,15 @@ def test_force_acceptance_accepts_wrong_drafts_and_undoes(tmp_path):
     assert forced != ref
     again, rate = run(wrong)
     assert rate == 0.0 and again == ref
+
+
+def test_quick_rows_on_the_tiny_model(capsys):
+    """bench_spec --quick on CPU: an engine without warm-up, c1 off then forced acceptance, every draft accepted
+    and (fp32, reference ops) the same tokens as off."""
+    from benchmarks.bench_spec import main
+    main(["--model", "tiny-random", "--dtype", "float32", "--context", "64", "--c1-tokens", "16", "--cN", "0",
+          "--quick"])
+    table = capsys.readouterr().out.split("| run |")[-1]
+    rows = [line for line in table.splitlines() if line.startswith("| c1")]
+    assert [r.split(" | ")[0] for r in rows] == ["| c1 off", "| c1 K=4 forced acceptance"]
+    assert "acceptance 1.00; same tokens" in rows[1]
