@@ -38,8 +38,11 @@ run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --js
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
 run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
 # speculation's c1 rows alone (off, 1 step a launch, all accepted, forced acceptance, all rejected), an engine of 4
-# sequences (its few programs compile in ~1 min), then where a c1 step's time goes (host parts, GPU programs): ~3 min
-run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0 --timeline "$(mktemp -d)"
+# sequences (its few programs compile in ~1.5 min): ~3 min
+run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
+# the same rows without command buffers, then where a c1 decode and a verification step's time goes (host parts, the
+# GPU's kernels by program, scope and part): ~3.5 min
+run spec-timeline 300 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0 --timeline "$(mktemp -d)"
 # the c1 rows with every XLA matmul on cuBLAS at its default algorithm (no Triton GEMM fusions, no autotuning): does
 # the oracle's acceptance reach 1.00 when XLA cannot pick other GEMM kernels for the decode and verification programs?
 run spec-xla-gemm 270 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
