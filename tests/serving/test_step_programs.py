@@ -8,8 +8,8 @@ Backend names its target, so every op picks the GPU's kernel) at Kimi-Linear-48B
 - The only device loop is the layer scan: index math (which sequence a token or tile belongs to) is one fused
   compare, not jnp.searchsorted's default binary search, a while loop of its own in every step.
 - Routed experts, KDA and MLA run on their Pallas kernels.
-- Neither program branches on device values: a conditional (lax.cond / lax.switch) inside a GPU program copies its
-  predicate to the host and waits for it, a pipeline drain per layer. A verification of short chunks runs KDA's
+- Neither program branches on device values: a conditional (lax.cond / lax.switch) in a GPU program that runs
+  outside a command buffer copies its predicate to the host and waits for it, a pipeline drain per layer. A verification of short chunks runs KDA's
   decode recurrence only (no chunk kernel, whose tiling switch is such a branch) and MLA's decode rows; the
   general verification program (a prefill chunk beside the drafts) keeps the chunk path."""
 import re
