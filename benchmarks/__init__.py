@@ -11,12 +11,14 @@ repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_que
   sweep_decode_tiles   a one-sequence decode step's few-row kernels (dense in place, routed experts) by tiling
   bench_long_context   long prompts through the engine (prefill steps, compiles) and decode at long context
   bench_spec           speculative decoding at c1 and under load, and several decode steps per launch
+  step_timeline        where a c1 step's wall time goes (host parts, the GPU's programs): bench_spec --timeline
   bench_serve_start    `serve` cold and restarted over the compilation cache: ready time, first tokens
   bench_offline        the offline engine on shared-prefix and multi-turn workloads, caching off / on
   bench_disagg         prefill/decode disaggregation through two servers (TTFT, transfer rate)
   bench_disagg_engines the same between two engine processes, without HTTP
   bench_compile        trace + compile time of every warm-up shape (abstract weights)
   bench_host_step      host time of one decode step (dispatch, launch, step)
+  sweep_mla_fp8        the FP8 MLA decode kernel under tuning variants vs the bf16 pool
   bench_health_under_load  /health latency while large bodies and slow clients hit the server
   probe_cudnn_mla      cuDNN fused attention at MLA's expanded prefill shapes, beside the Triton kernel
 
