@@ -29,9 +29,8 @@ from serving.sampler import SamplingArrays, build_sampling_arrays, make_key_data
 from serving.sampling_params import SamplingParams
 from serving.spec.rejection import verify as spec_verify
 from serving.step_shapes import (_fit, _multi_key, _sampler_key, _shape_key, _step_key, _verify_key, holds_short_verify,
-                                 long_buckets,
-                                 sampler_variant, step_buckets, step_compiler_options, step_shape, tqdm_if,
-                                 warmup_shapes)
+                                 long_buckets, sampler_variant, step_buckets, step_compiler_options, step_shape,
+                                 tqdm_if, warmup_shapes)
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +434,7 @@ class ModelRunner:
                 batch = self._padding_verify_batch(T, N, verify_only=short)
                 jobs.append(Job(_step_key(batch), self._step, "step",
                                  (self.params, self.pools, batch, self.last_tokens), (("verify", T, N, W, short),),
-                                 False, (4, T, N)))
+                                 False, (4, not short, T, N)))     # short chunks' first: speculation's common step
         for N in sb:
             logits = jax.ShapeDtypeStruct((N, self.config.vocab_size),       # the step's logits: fp32 or wider
                                           jnp.result_type(self.params["embed"].dtype, jnp.float32))
