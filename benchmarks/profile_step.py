@@ -136,10 +136,10 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     return ms(total), {p: ms(d) for p, d in by_part.items()}, busy
 
 
-def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
-    """Where the GPU waits: the traced span less the union of kernel intervals (all streams), and the
-    longest gaps with the kernels around them. A gap inside a step is a launch, a host sync (a
-    conditional's predicate read back, a transfer) or a kernel waiting on the host."""
+def busy_time(events):
+    """(busy ns: the union of the events' intervals over all streams, span ns: first start to last end, gaps:
+    [(gap ns, index of the event before it, index of the event after it)]) of (name, duration_ns, stats,
+    start_ns) events."""
     order = sorted(range(len(events)), key=lambda i: events[i][3])
     busy, gaps, end, last = 0, [], None, None
     for i in order:
@@ -150,7 +150,14 @@ def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
             busy, end, last = busy + stop - start, stop, i
         elif stop > end:
             busy, end, last = busy + stop - end, stop, i
-    span = end - events[order[0]][3]
+    return busy, end - events[order[0]][3], gaps
+
+
+def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
+    """Where the GPU waits: the traced span less the union of kernel intervals (all streams), and the
+    longest gaps with the kernels around them. A gap inside a step is a launch, a host sync (a
+    conditional's predicate read back, a transfer) or a kernel waiting on the host."""
+    busy, span, gaps = busy_time(events)
     per = lambda ns: ns / steps / 1e6          # noqa: E731
     small = sum(g for g, _, _ in gaps if g < min_us * 1e3)
     print(f"  GPU timeline per step: span {per(span):.2f} ms, busy {per(busy):.2f} ms, idle {per(span - busy):.2f} ms "

@@ -90,7 +90,7 @@ def run_timed(engine, prompts, max_tokens, trace_dir=None, traced_steps=6):
 def device_programs(trace_dir: str, steps: int, top_kernels: int = 10):
     """Per traced step: {program: kernel ms}, (busy ms, span ms) of the GPU (union of kernel intervals) and
     {kernel name: (ms, launches)} of the most expensive kernels."""
-    from benchmarks.profile_step import device_events
+    from benchmarks.profile_step import busy_time, device_events
     events = list(device_events(trace_dir))
     if not events:
         return {}, (0.0, 0.0), {}
@@ -99,16 +99,10 @@ def device_programs(trace_dir: str, steps: int, top_kernels: int = 10):
         by[str(stats.get("hlo_module", stats.get("program_id", "?")))] += dur
         kernels[name[:60]] += dur
         launches[name[:60]] += 1
-    spans = sorted((s, s + d) for _, d, _, s in events)
-    busy, end = 0, None
-    for s, e in spans:
-        if end is None or s > end:
-            busy, end = busy + e - s, e
-        elif e > end:
-            busy, end = busy + e - end, e
+    busy, span, _ = busy_time(events)
     per = lambda ns: ns / max(steps, 1) / 1e6      # noqa: E731
     top = {k: (per(v), launches[k] / max(steps, 1)) for k, v in kernels.most_common(top_kernels)}
-    return {k: per(v) for k, v in by.most_common()}, (per(busy), per(end - spans[0][0])), top
+    return {k: per(v) for k, v in by.most_common()}, (per(busy), per(span)), top
 
 
 def report(name: str, walls, parts: dict, tokens: int, programs=None, gpu=None, top=None) -> str:
@@ -117,10 +111,9 @@ def report(name: str, walls, parts: dict, tokens: int, programs=None, gpu=None, 
     if not n:
         return f"{name}: no decode steps timed"
     wall = sum(walls)
-    host = {k: v for k, v in parts.items()}
-    known = sum(host.values())
+    known = sum(parts.values())
     lines = [f"{name}: {n} steps, {wall / n * 1e3:.2f} ms a step, {wall / max(tokens, 1) * 1e3:.2f} ms an output token",
-             "  host parts per step (ms): " + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in sorted(host.items()))
+             "  host parts per step (ms): " + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in sorted(parts.items()))
              + f", rest of engine.step {max(wall - known, 0.0) / n * 1e3:.2f}"]
     if programs:
         busy, span = gpu

@@ -544,8 +544,7 @@ class ModelRunner:
         one of each text bucket, and the short-chunk one where such a step can land (holds_short_verify)."""
         if not self.spec_width or decode or mm:
             return ()
-        short = T <= self.token_buckets[-1] and holds_short_verify(T, N, self.token_buckets, self.spec_width)
-        return (False, True) if short else (False,)
+        return (False, True) if holds_short_verify(T, N, self.token_buckets, self.spec_width) else (False,)
 
     def _padding_verify_batch(self, T: int, N: int, verify_only: bool = False):
         batch = make_step_batch([SeqChunk([0], 0, [0], -1, 0, spec_slots=[0])], self.page_size, num_tokens=T,

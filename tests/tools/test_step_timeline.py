@@ -50,3 +50,12 @@ def test_run_timed_on_the_tiny_engine(tmp_path):
     assert "launch" not in engine.runner.__dict__              # the engine's own methods again
     text = report("off", walls, parts, tokens)
     assert f"{len(walls)} steps" in text and "fetch" in text
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    from benchmarks.profile_step import busy_time
+    # (name, duration, stats, start): two overlapping kernels on two streams, then one after a 50 ns gap
+    events = [("a", 100, {}, 0), ("b", 100, {}, 50), ("c", 10, {}, 200), ("d", 20, {}, 60)]
+    busy, span, gaps = busy_time(events)
+    assert (busy, span) == (160, 210)
+    assert gaps == [(50, 1, 2)]
