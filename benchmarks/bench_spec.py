@@ -192,7 +192,8 @@ def timeline_rows(args, eargs, model, engine, c1, ref):
         if forced:
             engine.spec = make_speculator(eargs, model, engine.max_model_len)
             engine.spec.drafter = Oracle({"t0": ref["r0"]})
-        trace = os.path.join(args.timeline, name.replace(" ", "_").replace(",", "").replace("/", "_"))
+        trace = (os.path.join(args.timeline, name.replace(" ", "_").replace(",", "").replace("/", "_"))
+                 if args.timeline else None)
         try:
             walls, parts, traced, tokens = step_timeline.run_timed(engine, c1, n, trace_dir=trace)
             programs, gpu, top = step_timeline.device_programs(trace, traced) if traced else ({}, (0.0, 0.0), {})
@@ -227,6 +228,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="no warm-up: only c1 off and forced acceptance, each run once untimed first (it compiles the "
                          "programs it uses), then timed")
+    ap.add_argument("--host-parts", action="store_true",
+                    help="after the rows: the host's parts of a c1 step (drafting, scheduling, building the inputs, "
+                         "dispatch, the wait) for off and forced acceptance, with the step's own compiler options "
+                         "(command buffers on; --timeline turns them off to trace)")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="after the rows: where a c1 step's time goes (host parts, and a profiler trace in DIR of a "
                          "few steps: the GPU's busy time, its programs, the step's kernels by scope) for off and "
@@ -308,7 +313,7 @@ def main(argv=None):
         row(f"c{args.cN} {args.cN_prompt}/{args.cN_tokens} ngram", tput, dec,
             f"({tput / base_n:.3f}x of off; drafted {m['spec_drafted_tokens']}, acceptance "
             f"{m['spec_acceptance_rate']:.2f}; {'same tokens' if out == ref_n else 'TOKENS DIFFER'})")
-    if args.timeline:
+    if args.timeline or args.host_parts:
         timeline_rows(args, eargs, model, engine, c1, ref)
     del spec
     _table(args, model, rows)

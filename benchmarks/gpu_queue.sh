@@ -38,8 +38,8 @@ run fp8-quality 300 python -m tools.kv_cache_quality --seqs 16 --tokens 256 --js
 # decode step a launch vs several, and c16 ngram; the engine's cold warm-up compiles ~75 programs: ~5.5 min
 run spec 420 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 16 --cN-prompt 1024 --cN-tokens 64 --fixed-point-runs 0
 # speculation's c1 rows alone (off, 1 step a launch, all accepted, forced acceptance, all rejected), an engine of 4
-# sequences (its few programs compile in ~1.5 min): ~3 min
-run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0
+# sequences (its few programs compile in ~1.5 min), then the host parts of a c1 step (command buffers on): ~3 min
+run spec-c1 270 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0 --host-parts
 # the same rows without command buffers, then where a c1 decode and a verification step's time goes (host parts, the
 # GPU's kernels by program, scope and part): ~3.5 min
 run spec-timeline 300 python -m benchmarks.bench_spec --model kimi-linear-48b-a3b --seed 0 --c1-tokens 256 --cN 0 --max-num-seqs 4 --fixed-point-runs 0 --timeline "$(mktemp -d)"
@@ -52,6 +52,8 @@ run spec-xla-gemm 270 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gp
 run spec-gpu-tests 420 bash -c "JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q -s -rA tests/serving/test_spec_gpu.py -k 'mla_verify or kda_position or verify_step or fp32 or oracle_kimi or mla_layer' > $out/spec_gpu_tests.txt 2>&1; grep -E '^(PASSED|FAILED|XFAIL|XPASS|ERROR)|max\\|' $out/spec_gpu_tests.txt | cut -c1-400"
 # long context: 2k-128k prompts, the MLA kernel row at 128k, decode at 128k vs 2k, 16 streams during a 128k prefill
 run long 330 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,32768,131072 --no-warmup --max-model-len 140000 --json "$out/long.json"
+# one sequence's decode step at 2k and at 128k context (the 128k prompt's prefill compiles its steps first): ~2.5 min
+run long-decode 240 python -m benchmarks.bench_long_context --rows decode --no-warmup --max-model-len 140000
 # a 1M-token prompt (66 steps), then decodes: with 48B of bf16 weights the H200 keeps ~10 GiB of cache, so 16
 # sequences (a KDA state slot each) and 8% of the cache for slots leave the pages room for 1M tokens
 run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 2048,1048320 --no-warmup --max-model-len 1048576 --max-num-seqs 16 --state-fraction 0.08 --json "$out/long_1m.json"

@@ -11,9 +11,11 @@ import contextlib
 import time
 
 # (object attribute path on the engine, part name): the calls timed, outermost first. A part's time excludes the
-# parts timed inside it (launch includes building the step's inputs; fetch is the wait for the device + transfer).
+# parts timed inside it (launch: the dispatch of the step's programs, without building their host inputs, which
+# is "inputs"; fetch is the wait for the device + transfer).
 PARTS = (("spec.propose", "draft"), ("scheduler.schedule", "schedule"), ("runner.launch", "launch"),
-         ("runner.launch_verify", "launch"), ("runner.launch_decode_steps", "launch"), ("runner.fetch", "fetch"))
+         ("runner.launch_verify", "launch"), ("runner.launch_decode_steps", "launch"),
+         ("runner._step_inputs", "inputs"), ("runner.fetch", "fetch"))
 
 
 class HostTimer:

@@ -61,6 +61,21 @@ def kda_decode(q, k, v, g, beta, state_pool, state_indices, *, scale=None, backe
     return jnp.where(ok[:, None, None], o[:, 0], 0).astype(v.dtype), pool
 
 
+def kda_decode_positions(q, k, v, g, beta, state_pool, initial_state, run, dst, *, scale=None,
+                         backend: Backend | None = None):
+    """A speculative verification chunk's tokens (each sequence's first W) decoded in order from initial_state,
+    the state after position t written to pool row dst[n, t] (negative: not written). q, k, g [N, W, H, K];
+    v [N, W, H, V]; beta [N, W, H]; run [N, W] bool. Returns (o [N, W, H, V], the state after each sequence's
+    last run position, the pool, updated in place: donate it). Each token rounds as kda_decode's."""
+    b = resolve(backend)
+    if b.kernels:
+        from pallas_kernels import kda
+        return kda.fused_recurrent_kda_positions(q, k, v, g, beta, state_pool, initial_state, run, dst,
+                                                 scale=scale, interpret=b.interpret, platform=b.platform)
+    step = lambda q, k, v, g, bt, s, i: kda_decode(q, k, v, g, bt, s, i, scale=scale, backend=b)  # noqa: E731
+    return kda_ref.decode_positions_by_steps(step, q, k, v, g, beta, state_pool, initial_state, run, dst)
+
+
 # ---- MLA -------------------------------------------------------------------
 def write_kv_pages(kv_pages, new_kv, slot_mapping):
     """Scatter new latent rows into the page pool (in place under donation; rows in the pool's value dtype

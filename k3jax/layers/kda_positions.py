@@ -49,8 +49,9 @@ def _recurrence(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, met
                 act_dtype):
     """The decode recurrence over each sequence's first W tokens (W = spec_dst's width): the output of every
     computed position into o, its state and conv window into spec_dst's kept slots. Computed: the kept positions,
-    or with every_token every token of the chunk. Returns (state_pool, conv_pool, o, each sequence's state after
-    its last computed token [N, H, K, V])."""
+    or with every_token every token of the chunk. One gather of the positions' inputs, one recurrence op for all
+    of them (a kernel launch on the GPU), one write each of outputs and conv windows. Returns (state_pool,
+    conv_pool, o, each sequence's state after its last computed token [N, H, K, V])."""
     dst = meta["spec_dst"]
     cu = meta["cu_seqlens"]
     n, w = dst.shape
@@ -61,19 +62,13 @@ def _recurrence(state_pool, conv_pool, o, s0, conv0, x_in, q, k, v, g, beta, met
     kept = (dst >= 0) & inside                                        # [N, W]
     run = inside if every_token else kept
     idx = jnp.clip(cu[:-1, None] + pos, 0, T - 1)                     # flat token of position j
-    rows = jnp.arange(n, dtype=jnp.int32)
-    states = s0
+    o_pos, last, state_pool = ops.kda_decode_positions(q[idx], k[idx], v[idx], g[idx], beta[idx], state_pool, s0,
+                                                       run, jnp.where(kept, dst, -1), scale=scale, backend=backend)
+    o = o.at[jnp.where(run, idx, T)].set(o_pos.astype(o.dtype), mode="drop")
     kc1 = conv0.shape[1]
     window = jnp.concatenate([conv0, x_in[idx].astype(conv0.dtype)], axis=1)   # [N, Kc-1+W, C]
+    windows = window[:, pos[0][:, None] + 1 + jnp.arange(kc1)]                  # [N, W, Kc-1, C]: after position j
     cdt = value_dtype(conv_pool, act_dtype)
-    for j in range(w):
-        t = idx[:, j]
-        ok = run[:, j]
-        oj, states = ops.kda_decode(q[t], k[t], v[t], g[t], beta[t], states, jnp.where(ok, rows, -1),
-                                    scale=scale, backend=backend)
-        o = o.at[jnp.where(ok, t, T)].set(oj.astype(o.dtype), mode="drop")
-        at = jnp.where(kept[:, j], dst[:, j], state_pool.shape[0])
-        state_pool = set_rows(state_pool, at, states, mode="drop")
-        conv_pool = set_rows(conv_pool, jnp.where(kept[:, j], dst[:, j], conv_pool.shape[0]),
-                             window[:, j + 1:j + 1 + kc1].astype(cdt), mode="drop")
-    return state_pool, conv_pool, o, states
+    at = jnp.where(kept, dst, conv_pool.shape[0]).reshape(-1)
+    conv_pool = set_rows(conv_pool, at, windows.reshape((n * w,) + windows.shape[2:]).astype(cdt), mode="drop")
+    return state_pool, conv_pool, o, last

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from pallas_kernels.kda.chunk_pallas import chunk_cumsum, chunk_kda_laid_out
 from pallas_kernels.kda import chunk_tpu
 from pallas_kernels.kda import recurrent_pallas
-from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas
+from pallas_kernels.kda.recurrent_pallas import fused_recurrent_kda_pallas, fused_recurrent_kda_positions_pallas
 from pallas_kernels.kda import recurrent_tpu
 from pallas_kernels.kda.reference import (
-    chunk_kda_reference, decode_reference, kda_gate, l2norm, varlen_chunk_layout)
+    chunk_kda_reference, decode_positions_by_steps, decode_reference, kda_gate, l2norm, varlen_chunk_layout)
 
 _CHUNK = 64
 
@@ -151,3 +151,26 @@ def fused_recurrent_kda(q, k, v, g, beta, state_pool, state_indices, *, scale=No
     if use_gate_in_kernel:
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
     return decode_reference(q, k, v, g, beta, state_pool, state_indices, scale=scale)
+
+
+def fused_recurrent_kda_positions(q, k, v, g, beta, state_pool, initial_state, run, dst, *, scale=None,
+                                  interpret=None, platform=None):
+    """Each sequence's first W tokens decoded in order from initial_state, the state after every position t
+    written to pool row dst[n, t] (speculative verification: K + 1 tokens, a state kept per position).
+
+    q, k, g [N, W, H, K] (gated g, l2-normalised q / k); v [N, W, H, V]; beta [N, W, H]; initial_state
+    [N, H, K, V]; run [N, W] bool (the positions computed, a prefix of each row); dst [N, W] int32 (negative:
+    not written). Returns (o [N, W, H, V] in v.dtype, 0 where not run; the state after each sequence's last
+    run position [N, H, K, V] fp32; the pool). Each token is the decode step's arithmetic: the GPU runs one
+    kernel for all positions (recurrent_pallas), other targets the decode op W times."""
+    H, K = q.shape[2:]
+    scale = K ** -0.5 if scale is None else scale
+    mode = _mode(interpret, platform)
+    if (platform or jax.default_backend()) != "tpu" and mode != "reference":
+        return fused_recurrent_kda_positions_pallas(
+            q, k, v, g, beta, state_pool, initial_state, run.astype(jnp.int32), dst.astype(jnp.int32),
+            scale=scale, interpret=(mode == "interpret"), backend=mode, **recurrent_pallas.CONFIG)
+    step = lambda q, k, v, g, b, s, i: fused_recurrent_kda(q, k, v, g, b, s, i, scale=scale,  # noqa: E731
+                                                           interpret=interpret, platform=platform)
+    return decode_positions_by_steps(step, q, k, v, g, beta, state_pool, initial_state.astype(jnp.float32),
+                                     run, dst)

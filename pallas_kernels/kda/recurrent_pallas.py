@@ -30,6 +30,15 @@ def _softplus(x):
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
+def _delta_step(S, q, k, v, g, beta, scale):
+    """One token of the gated delta rule on a [K, BV] fp32 state tile: (new state, output [BV] fp32). Both
+    kernels below run exactly these operations, so a token rounds the same in either."""
+    S = S * jnp.exp(g)[:, None]
+    vn = beta * (v - jnp.sum(k[:, None] * S, axis=0))
+    S = S + k[:, None] * vn[None, :]
+    return S, scale * jnp.sum(q[:, None] * S, axis=0)
+
+
 def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, pool_in_ref,
                    o_ref, pool_ref, *, scale, l2norm, gate, lower_bound, block_v, block_h,
                    order):
@@ -56,11 +65,9 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
                 g = -a * _softplus(x) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x)
             beta = b_ref[i].astype(_F32)
             v = v_ref[i, :].astype(_F32)
-            S = pool_ref[slot, h, :, vs] * jnp.exp(g)[:, None]  # [K, BV]
-            vn = beta * (v - jnp.sum(k[:, None] * S, axis=0))
-            S = S + k[:, None] * vn[None, :]
+            S, o = _delta_step(pool_ref[slot, h, :, vs], q, k, v, g, beta, scale)
             pool_ref[slot, h, :, vs] = S
-            o_ref[i, :] = (scale * jnp.sum(q[:, None] * S, axis=0)).astype(o_ref.dtype)
+            o_ref[i, :] = o.astype(o_ref.dtype)
 
     @pl.when(slot < 0)
     def _():
@@ -122,3 +129,72 @@ def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_lo
         name="kda_decode",
         **kw,
     )(state_indices, q, k, v, g, beta, a_log, dt_bias, state_pool)
+
+
+def _positions_kernel(run_ref, dst_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, pool_in_ref,
+                      o_ref, last_ref, pool_ref, *, scale, width, block_v, order):
+    """W tokens of one sequence in order, the state tile kept in registers between them. Refs (all full):
+    run / dst [N, W]; q, k, g [N, W, H, K]; v [N, W, H, V]; beta [N, W, H]; s0 [N, H, K, V]; outputs o
+    [N, W, H, V], last [N, H, K, V] and the pool [S, H, K, V] (aliased to pool_in)."""
+    del pool_in_ref  # same buffer as pool_ref
+    n, h, j = (pl.program_id(order.index(c)) for c in "nhv")
+    vs = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
+    S = s0_ref[n, h, :, vs]
+    for t in range(width):    # static: the chunk's positions
+        ok = run_ref[n, t] != 0
+        S_t, o = _delta_step(S, q_ref[n, t, h, :].astype(_F32), k_ref[n, t, h, :].astype(_F32),
+                             v_ref[n, t, h, vs].astype(_F32), g_ref[n, t, h, :].astype(_F32),
+                             b_ref[n, t, h].astype(_F32), scale)
+        o_ref[n, t, h, vs] = jnp.where(ok, o, 0.0).astype(o_ref.dtype)
+        S = jnp.where(ok, S_t, S)
+        row = dst_ref[n, t]
+
+        @pl.when(ok & (row >= 0))
+        def _():
+            pool_ref[row, h, :, vs] = S
+    last_ref[n, h, :, vs] = S
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "num_warps", "num_stages", "order",
+                                             "interpret", "backend"))
+def fused_recurrent_kda_positions_pallas(q, k, v, g, beta, state_pool, initial_state, run, dst, *, scale,
+                                         block_v=64, num_warps=4, num_stages=1, block_h=1, order="vhn",
+                                         interpret=False, backend="triton"):
+    """The decode step for each of a chunk's W tokens in one launch (speculative verification): q, k, g
+    [N, W, H, K]; v [N, W, H, V]; beta [N, W, H]; initial_state [N, H, K, V] fp32; run [N, W] int32 (position
+    t computed when nonzero; the positions a sequence runs come first); dst [N, W] int32 (the pool row that
+    takes the state after position t; negative: none); state_pool [S, H, K, V] fp32, aliased to the output
+    (donate it). Returns (o [N, W, H, V] in v.dtype, 0 where not run; the state after each sequence's last
+    run position [N, H, K, V]; the pool). Every token is `_delta_step` on the same tile as the decode
+    kernel's, so each position's output and state are the decode step's. Rows named in dst must not be
+    rows another sequence reads (initial_state is an array, so none is read from the pool). block_h is
+    accepted for CONFIG's sake and must be 1."""
+    if block_h != 1:
+        raise ValueError("the positions kernel runs one head a program")
+    N, W, H, K = q.shape
+    V = v.shape[-1]
+    if sorted(order) != ["h", "n", "v"]:
+        raise ValueError(f"order must be a permutation of 'nhv', got {order!r}")
+    BV = min(block_v, V)
+    if V % BV:
+        raise ValueError(f"V={V} is not a multiple of block_v={BV}")
+    kw = {}
+    if backend == "triton":
+        from jax.experimental.pallas import triton as plgpu
+        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    sizes = dict(n=N, h=H, v=V // BV)
+    kern = functools.partial(_positions_kernel, scale=scale, width=W, block_v=BV, order=order)
+    full = pl.no_block_spec
+    return pl.pallas_call(
+        kern,
+        grid=tuple(sizes[c] for c in order),
+        in_specs=[full] * 9,
+        out_specs=[full] * 3,
+        out_shape=[jax.ShapeDtypeStruct((N, W, H, V), v.dtype),
+                   jax.ShapeDtypeStruct((N, H, K, V), jnp.float32),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={8: 2},
+        interpret=interpret,
+        name="kda_decode_positions",
+        **kw,
+    )(run, dst, q, k, v, g, beta, initial_state.astype(jnp.float32), state_pool)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
+from pallas_kernels.scatter import set_rows
+
 _HI = jax.lax.Precision.HIGHEST  # keep fp32 matmuls exact on GPU (no TF32)
 
 
@@ -259,3 +261,20 @@ def varlen_chunk_layout(cu, T, C):
     sid, valid = _seq_ids(cu, T)
     pos = jnp.clip(cs[sid] * C + jnp.arange(T, dtype=jnp.int32) - cu[sid], 0, NC * C - 1)
     return VarlenChunkLayout(jnp.clip(tok, 0, T - 1), ok, cid, cs, pos, valid)
+
+
+def decode_positions_by_steps(step, q, k, v, g, beta, state_pool, initial_state, run, dst):
+    """W tokens per sequence in order as W decode steps (fused_recurrent_kda_positions' contract, for targets
+    without that kernel). step(q, k, v, g, beta, states, rows) -> (o, states) is a decode op on the
+    per-sequence state array (rows < 0 untouched, output 0). q, k, g [N, W, H, K]; v [N, W, H, V]; beta
+    [N, W, H]; initial_state [N, H, K, V]; run [N, W] bool; dst [N, W] int32 (pool row of the state after
+    position t, negative: none). Returns (o [N, W, H, V], the state after the last run position, pool)."""
+    n, w = run.shape
+    rows = jnp.arange(n, dtype=jnp.int32)
+    states, outs = initial_state, []
+    for t in range(w):
+        o, states = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], states, jnp.where(run[:, t], rows, -1))
+        outs.append(o)
+        at = jnp.where(run[:, t] & (dst[:, t] >= 0), dst[:, t], state_pool.shape[0])
+        state_pool = set_rows(state_pool, at, states, mode="drop")
+    return jnp.stack(outs, axis=1), states, state_pool

@@ -177,3 +177,35 @@ def test_stacked_products_in_one_launch_match_each_alone(rows):
     ref = act(np.asarray(x, np.float32) @ np.asarray(ws[0][2, :, :1024], np.float32),
               np.asarray(x, np.float32) @ np.asarray(ws[1][2, :, :1024], np.float32))
     assert rel_err(g, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kda_positions_kernel_is_the_decode_kernel_bit_for_bit(dtype):
+    """Kimi-Linear's KDA widths (32 heads of 128), four sequences of a verification step with K = 4 drafts: the
+    one-launch positions kernel against the decode kernel launched once per position on the state array.
+    Outputs, every kept state and the last states are the same bits: a verified token rounds as decoding it."""
+    from pallas_kernels.kda import fused_recurrent_kda, fused_recurrent_kda_positions
+    N, W, H, K, slots = 4, 5, 32, 128, 40
+    r = np.random.default_rng(3)
+    nrm = lambda x: x / np.sqrt((x ** 2).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q, k = (jnp.asarray(nrm(r.standard_normal((N, W, H, K))), dtype) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((N, W, H, K)), dtype)
+    g = jnp.asarray(-5.0 / (1 + np.exp(-2 * r.standard_normal((N, W, H, K)))), jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-r.standard_normal((N, W, H)))), dtype)
+    s0 = jnp.asarray(r.standard_normal((N, H, K, K)) * 0.3, jnp.float32)
+    pool = jnp.zeros((slots, H, K, K), jnp.float32)
+    run = np.zeros((N, W), bool)
+    run[0], run[1, :1], run[2, :3] = True, True, True
+    dst = np.full((N, W), -1, np.int32)
+    dst[0], dst[1, 0], dst[2, :3] = [3, 4, 5, 6, 7], 9, [11, 12, 13]
+    o, last, P = jax.jit(fused_recurrent_kda_positions)(q, k, v, g, beta, pool, s0, jnp.asarray(run),
+                                                          jnp.asarray(dst))
+    step = jax.jit(fused_recurrent_kda)
+    rows = jnp.arange(N, dtype=jnp.int32)
+    states = s0
+    for t in range(W):
+        o_t, states = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], states, jnp.where(run[:, t], rows, -1))
+        np.testing.assert_array_equal(np.asarray(o[:, t], np.float32), np.asarray(o_t, np.float32))
+        for n in np.nonzero(run[:, t])[0]:
+            np.testing.assert_array_equal(np.asarray(P[dst[n, t]]), np.asarray(states[n]))
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(states))

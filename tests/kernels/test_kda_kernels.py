@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
+from pallas_kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_positions
 from pallas_kernels.kda.reference import (
     decode_reference, kda_gate, l2norm, recurrent_kda_reference)
 
@@ -148,6 +148,65 @@ def test_decode_bf16_and_donated_jit():
     assert o.dtype == jnp.bfloat16 and P.dtype == jnp.float32
     assert _rel(o, o2) < 5e-3 and _rel(P, P2) < 1e-5
     np.testing.assert_array_equal(np.asarray(P)[[1, 4]], before[[1, 4]])
+
+
+def _positions_case(seed=11):
+    """Three sequences of a verification step (W = 5): one runs every position, one a single token, one three
+    with the middle state not kept; one padding row. Pool rows 20-23 are nobody's."""
+    N, W, H, K, V, slots = 4, 5, 2, 16, 32, 24
+    r = np.random.default_rng(seed)
+    q, k, v, g, beta = (x.reshape((N, W) + x.shape[2:]) for x in _inputs(seed, 1, N * W, H, K, V))
+    pool = jnp.asarray(r.standard_normal((slots, H, K, V)), jnp.float32)
+    s0 = jnp.asarray(r.standard_normal((N, H, K, V)) * 0.3, jnp.float32)
+    run = np.zeros((N, W), bool)
+    run[0], run[1, :1], run[2, :3] = True, True, True
+    dst = np.full((N, W), -1, np.int32)
+    dst[0], dst[1, 0], dst[2, :3] = [3, 4, 5, 6, 7], 9, [11, -1, 13]
+    return (q, k, v, g, beta, pool, s0, jnp.asarray(run), jnp.asarray(dst))
+
+
+def test_decode_positions_kernel_is_the_decode_kernel_per_token():
+    """The verification chunk's kernel (one launch for W tokens) against the decode kernel run W times on the
+    state array: every output, kept state and last state bit for bit; unnamed pool rows untouched; and against
+    the float64 recurrence."""
+    q, k, v, g, beta, pool, s0, run, dst = _positions_case()
+    before = np.asarray(pool).copy()
+    o, last, P = jax.jit(lambda *a: fused_recurrent_kda_positions(*a, interpret=True),
+                         compiler_options=_FAST_COMPILE)(q, k, v, g, beta, pool, s0, run, dst)
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    states, P_steps = s0, pool
+    step = jax.jit(lambda *a: fused_recurrent_kda(*a, interpret=True), compiler_options=_FAST_COMPILE)
+    for t in range(q.shape[1]):
+        o_t, states = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], states, jnp.where(run[:, t], rows, -1))
+        np.testing.assert_array_equal(np.asarray(o[:, t]), np.asarray(o_t))
+        for n in range(q.shape[0]):
+            if run[n, t] and dst[n, t] >= 0:
+                np.testing.assert_array_equal(np.asarray(P[dst[n, t]]), np.asarray(states[n]))
+                P_steps = P_steps.at[dst[n, t]].set(states[n])
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(states))
+    np.testing.assert_array_equal(np.asarray(P), np.asarray(P_steps))
+    untouched = [0, 1, 2, 8, 10, 12] + list(range(14, 24))
+    np.testing.assert_array_equal(np.asarray(P)[untouched], before[untouched])
+    np.testing.assert_array_equal(np.asarray(last[3]), np.asarray(s0[3]))     # nothing run: the initial state
+    assert not np.asarray(o)[3].any() and not np.asarray(o)[1, 1:].any()
+    # float64: sequence 2's three tokens from its initial state
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    o64, s64 = recurrent_kda_reference(*(jnp.asarray(f64(x[2:3, :3])) for x in (q, k, v, g, beta)),
+                                       initial_state=jnp.asarray(f64(s0[2:3])))
+    assert _rel(o[2, :3], o64[0]) < 1e-5 and _rel(last[2], s64[0]) < 1e-5 and _rel(P[13], s64[0]) < 1e-5
+
+
+def test_decode_positions_elsewhere_is_the_decode_op_per_token():
+    """Targets without the positions kernel (the jnp reference, TPU) run the decode op W times: the same
+    outputs, states and pool as the GPU kernel's interpret run, to fp32 rounding."""
+    case = _positions_case(5)
+    got = jax.jit(lambda *a: fused_recurrent_kda_positions(*a, interpret=True),
+                  compiler_options=_FAST_COMPILE)(*case)
+    for platform in ("cpu", "tpu"):
+        ref = jax.jit(lambda *a: fused_recurrent_kda_positions(*a, interpret=platform == "tpu", platform=platform),
+                      compiler_options=_FAST_COMPILE)(*case)
+        for a, b in zip(got, ref):
+            assert _rel(a, b) < 1e-5, platform
 
 
 @pytest.mark.parametrize("cfg", [

@@ -7,7 +7,7 @@ Backend names its target, so every op picks the GPU's kernel) at Kimi-Linear-48B
   positions at once, a projection over a gathered subset of rows) gets another kernel from XLA.
 - The only device loop is the layer scan: index math (which sequence a token or tile belongs to) is one fused
   compare, not jnp.searchsorted's default binary search, a while loop of its own in every step.
-- Routed experts, KDA and MLA run on their Pallas kernels.
+- Routed experts, KDA and MLA run on their Pallas kernels; a verification chunk's KDA tokens in one launch.
 - Neither program branches on device values: a conditional (lax.cond / lax.switch) in a GPU program that runs
   outside a command buffer copies its predicate to the host and waits for it, a pipeline drain per layer. A verification of short chunks runs KDA's
   decode recurrence only (no chunk kernel, whose tiling switch is such a branch) and MLA's decode rows; the
@@ -74,6 +74,10 @@ def test_steps_run_on_the_kernels(programs, name):
     for kernel in ("moe_gmm_bf16", "kda_decode", "mla_paged", "stacked_matmuls"):
         assert f'name = "{kernel}' in text, kernel
     assert 'name = "kda_intra' not in text                     # short chunks: no chunk kernel
+    # KDA's recurrence: the decode kernel, or for a verification chunk's tokens one launch of the positions kernel
+    # (not the decode kernel once per position, with a gather and a scatter around each launch)
+    positions = 'name = "kda_decode_positions"' in text
+    assert positions == (name == "verify") and ('name = "kda_decode"' in text) == (name == "decode")
 
 
 @pytest.mark.parametrize("name", ["decode", "verify"])

@@ -46,7 +46,7 @@ def test_run_timed_on_the_tiny_engine(tmp_path):
     walls, parts, traced, tokens = run_timed(engine, [list(range(3, 40))], 10)
     assert traced == 0 and not engine.has_unfinished()
     assert len(walls) >= 8 and tokens == len(walls)            # one token a decode step, none lost
-    assert parts["fetch"] > 0 and parts["launch"] > 0 and sum(parts.values()) <= sum(walls)
+    assert parts["fetch"] > 0 and parts["launch"] > 0 and parts["inputs"] > 0 and sum(parts.values()) <= sum(walls)
     assert "launch" not in engine.runner.__dict__              # the engine's own methods again
     text = report("off", walls, parts, tokens)
     assert f"{len(walls)} steps" in text and "fetch" in text
