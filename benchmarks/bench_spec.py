@@ -29,10 +29,12 @@ Random weights make real acceptance meaningless, so the two c1 drafters bound wh
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import datetime
 import os
 import platform
+import pstats
 import shlex
 import subprocess
 import sys
@@ -194,14 +196,21 @@ def timeline_rows(args, eargs, model, engine, c1, ref):
             engine.spec.drafter = Oracle({"t0": ref["r0"]})
         trace = (os.path.join(args.timeline, name.replace(" ", "_").replace(",", "").replace("/", "_"))
                  if args.timeline else None)
+        prof = cProfile.Profile() if args.host_profile else None
         try:
+            if prof:
+                prof.enable()
             walls, parts, traced, tokens = step_timeline.run_timed(engine, c1, n, trace_dir=trace)
+            if prof:
+                prof.disable()
             programs, gpu, top = step_timeline.device_programs(trace, traced) if traced else ({}, (0.0, 0.0), {})
         finally:
             engine.decode_steps = saved
             if undo:
                 undo()
         print(step_timeline.report(name, walls, parts, tokens, programs, gpu, top), flush=True)
+        if prof:    # the host's Python functions over the run, by own time (C++ calls show as builtins)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.host_profile)
         if traced and jax.default_backend() != "cpu":
             from benchmarks.profile_step import summarize
             summarize(trace, os.path.join(args.timeline, "hlo"), steps=traced)
@@ -232,6 +241,9 @@ def main(argv=None):
                     help="after the rows: the host's parts of a c1 step (drafting, scheduling, building the inputs, "
                          "dispatch, the wait) for off and forced acceptance, with the step's own compiler options "
                          "(command buffers on; --timeline turns them off to trace)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="with --host-parts: profile the host (cProfile) over each of those runs, print its N "
+                         "functions of most own time")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="after the rows: where a c1 step's time goes (host parts, and a profiler trace in DIR of a "
                          "few steps: the GPU's busy time, its programs, the step's kernels by scope) for off and "

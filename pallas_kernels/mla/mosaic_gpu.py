@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla.reference import decode_row_positions
-from pallas_kernels.mla.splits import pick_splits
+from pallas_kernels.mla.splits import pick_splits, split_range
 
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
@@ -203,7 +203,7 @@ def _accumulate(plgpu, acc, p, p_ref, v_ref, interpret):
 
 def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
             q_smem, kv_smem, sx_smem, p_smem, ml_smem, q_bar, full_bar, used_bar, sx_bar, *,
-            plgpu, lat, bk, stages, page_size, max_pages, keys_per_split, heads_padded, scale,
+            plgpu, lat, bk, stages, page_size, max_pages, splits, heads_padded, scale,
             interpret):
     seq = jax.lax.axis_index("seq")
     grp = jax.lax.axis_index("grp")
@@ -212,8 +212,7 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
     width = q_smem.shape[-1]
     row0 = seq * heads_padded + grp * ROWS
     kv_len = lens_ref[seq]
-    k_lo = split * keys_per_split
-    k_hi = jnp.minimum(k_lo + keys_per_split, kv_len)
+    k_lo, k_hi = split_range(split, splits, kv_len, bk)
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     unit = min(bk, page_size)          # rows of one TMA: a page, or the block's part of a page
     n_units = bk // unit
@@ -327,7 +326,7 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
     unit = min(bk, page_size)
     kernel = functools.partial(
         _kernel, plgpu=plgpu, lat=lat, bk=bk, stages=stages, page_size=page_size,
-        max_pages=max_pages, keys_per_split=keys_per_split, heads_padded=heads_padded,
+        max_pages=max_pages, splits=splits, heads_padded=heads_padded,
         scale=float(scale), interpret=bool(interpret))
     f32 = jnp.float32
     scratch = [

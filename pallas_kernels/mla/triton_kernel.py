@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import fp8_cache
+from pallas_kernels.mla.splits import split_range
 
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = NaN
@@ -63,7 +64,7 @@ def _columns(x):
 
 
 def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            rows, bh, bq, bk, page_size, max_pages, keys_per_split, lat, scale, transposed, fp8_scale,
+            rows, bh, bq, bk, page_size, max_pages, splits, lat, scale, transposed, fp8_scale,
             fp8_reload):
     tile = pl.program_id(0)
     split = pl.program_id(1)
@@ -89,8 +90,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     qr = plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
 
     kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
-    k_lo = split * keys_per_split
-    k_hi = jnp.minimum(k_lo + keys_per_split, kv_end)
+    k_lo, k_hi = split_range(split, splits, kv_end, bk)
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype
@@ -234,7 +234,9 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
       n_valid 0 = empty tile. ql_rows [T*H + rows, L] / qr_rows [T*H + rows, R]: flattened
       queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
     Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
-    m, l [splits, T*H + rows] (base-2 running max and softmax denominator).
+    m, l [splits, T*H + rows] (base-2 running max and softmax denominator). A tile's keys are divided over
+    the splits by its own context (splits.split_range); keys_per_split, the plan's share of the table's
+    width, bounds a split's keys.
     fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
     probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
     (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
@@ -250,7 +252,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
-        keys_per_split=keys_per_split, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale,
+        splits=splits, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale,
         fp8_reload=fp8_reload)
     out_shape = [jax.ShapeDtypeStruct((splits, n_rows, lat), ql_rows.dtype),
                  jax.ShapeDtypeStruct((splits, n_rows), jnp.float32),

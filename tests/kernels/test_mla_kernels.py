@@ -193,3 +193,30 @@ def test_token_rows_are_decode_rows(config):
         dec = ragged_paged_mla(one, one_r, kv, bt[jnp.asarray(order)], jnp.asarray([0, 1, 1, 1, 1], jnp.int32), lens,
                                scale=SCALE, interpret=True, config=config, decode_only=True)
         assert np.array_equal(np.asarray(dec[0]), got[t]), f"token {t}"
+
+
+def test_key_splits_divide_the_context_not_the_table():
+    """A short context in a wide block table (max_model_len far above it) spreads over every key split: split s
+    of S takes keys [s * per, (s + 1) * per) of the row's own context, in whole blocks, and together they cover
+    it once. The kernel's per-split partials show it: each of the 4 splits holds a share of a 100-key context in
+    a 1,024-key table (fixed shares of the table would leave all of it to the first), and they combine to the
+    oracle."""
+    from pallas_kernels.mla.splits import split_range
+    from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
+    for end in (0, 1, 63, 64, 65, 100, 2048, 2049):
+        bounds = [tuple(int(x) for x in split_range(s, 4, end, 16)) for s in range(4)]
+        keys = [k for lo, hi in bounds for k in range(lo, hi)]
+        assert keys == list(range(end)), (end, bounds)
+        assert all(lo % 16 == 0 for lo, _ in bounds)
+    assert [hi - lo for lo, hi in (split_range(s, 8, 2048, 64) for s in range(8))] == [256] * 8
+    rng = np.random.default_rng(3)
+    case = build_case(rng, [99], [1], heads=4, lat=L, rope=R, page_size=16, max_pages=64)
+    q, qr, kv, bt, cu, kl = _args(case)
+    rows = 16
+    pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
+    meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
+    o, m, l = mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16, splits=4,
+                             keys_per_split=256, transposed=False, interpret=True)
+    assert np.all(np.asarray(l)[:, :4] > 0), "every split holds keys of the row"
+    got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4)[:4]
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(case, SCALE).reshape(4, -1), rtol=1e-5, atol=1e-5)
