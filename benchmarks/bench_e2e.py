@@ -217,14 +217,17 @@ def full(args):
     print(f"load {t_load:.1f}s", flush=True)
     c = model.config
     t0 = time.perf_counter()
-    llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048 + 64,
+    sized = {"page_size": args.page_size, "prefix_match_unit": min(16, args.page_size)} if args.page_size else {}
+    llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=4096,
+              max_model_len=(args.max_model_len or None) if args.max_model_len is not None else 2048 + 64,
               enable_prefix_caching=False, token_buckets=(16, 64, 4096), seq_buckets=(16, 64),
-              decode_steps_per_launch=args.decode_steps_per_launch)
+              decode_steps_per_launch=args.decode_steps_per_launch, **sized)
     eng = llm.engine
     eng.wait_for_compiles()                   # ready includes the background compile (comparable figures)
     t_warm = time.perf_counter() - t0
     pools = eng.runner.pools
-    print(f"engine ready in {t_warm:.1f}s (cache: {pools.num_pages} pages, {pools.num_slots} slots)", flush=True)
+    print(f"engine ready in {t_warm:.1f}s (cache: {pools.num_pages} pages of {eng.args.page_size} tokens, "
+          f"{pools.num_slots} slots; max_model_len {eng.max_model_len})", flush=True)
     rng = np.random.RandomState(0)
     rand = lambda n, L: [rng.randint(0, c.vocab_size, L).tolist() for _ in range(n)]   # noqa: E731
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -287,6 +290,10 @@ def main():
                     help="full: also run c16 with synchronous steps (async scheduling off)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="full: EngineArgs.decode_steps_per_launch (default: the engine's)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="full: EngineArgs.max_model_len (default 2112, the rows' longest; 0: the engine's own, the "
+                         "longest sequence the cache holds, whose block tables every step carries)")
+    ap.add_argument("--page-size", type=int, default=None, help="full: EngineArgs.page_size (default: the engine's)")
     add_csv_argument(ap)
     args = ap.parse_args()
     {"full": full, "check": check, "serve": serve}[args.what](args)

@@ -17,6 +17,10 @@ run() {  # name, seconds, command...
 }
 # full-depth Kimi-Linear-48B-A3B, random bf16, engine defaults: prefill, c16, c64: ~4 min
 run e2e 200 python -m benchmarks.bench_e2e full --csv "$out/e2e.csv"
+# the same rows at the engine's own max_model_len (the longest sequence the cache holds, ~600k tokens: every step's
+# block tables that wide) and at 64-token pages (the MLA decode kernel's faster page size): ~4 min each
+run e2e-default-len 200 python -m benchmarks.bench_e2e full --max-model-len 0 --csv "$out/e2e_default_len.csv"
+run e2e-p64 200 python -m benchmarks.bench_e2e full --page-size 64 --csv "$out/e2e_p64.csv"
 # serve cold (ready after a covering set of programs, the rest compiled in the background; its c16 rows wait for
 # them), then restarted over its compilation and executable caches: ~4 min
 run serve-start 270 python -m benchmarks.bench_serve_start --model kimi-linear-48b-a3b --seed 0 --csv "$out/serve_start.csv"
@@ -54,6 +58,7 @@ run spec-gpu-tests 420 bash -c "JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 
 run long 330 python -m benchmarks.bench_long_context --rows prefill,kernel,decode,streams --prefill 2048,32768,131072 --no-warmup --max-model-len 140000 --json "$out/long.json"
 # one sequence's decode step at 2k and at 128k context (the 128k prompt's prefill compiles its steps first): ~2.5 min
 run long-decode 240 python -m benchmarks.bench_long_context --rows decode --no-warmup --max-model-len 140000
+run long-decode-p64 240 python -m benchmarks.bench_long_context --rows decode --no-warmup --max-model-len 140000 --page-size 64
 # a 1M-token prompt (66 steps), then decodes: with 48B of bf16 weights the H200 keeps ~10 GiB of cache, so 16
 # sequences (a KDA state slot each) and 8% of the cache for slots leave the pages room for 1M tokens
 run long-1m 480 python -m benchmarks.bench_long_context --rows prefill --prefill 2048,1048320 --no-warmup --max-model-len 1048576 --max-num-seqs 16 --state-fraction 0.08 --json "$out/long_1m.json"
