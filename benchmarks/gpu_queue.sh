@@ -71,8 +71,9 @@ run long-128k-triton 330 python -m benchmarks.bench_long_context --rows prefill 
 run long-128k-split 330 python -m benchmarks.bench_long_context --rows prefill --prefill 32768,131072 --no-warmup --max-model-len 140000 --mla-prefix-kernel cudnn-split
 # where a 128k prompt's time goes, op by op
 run profile-128k 300 python -m benchmarks.profile_step --scenario prefill:1x131072 --max-model-len 140000
-# where one sequence's decode step goes, by part
+# where one sequence's decode step goes, by part, at 2k and at 128k context
 run profile-c1 300 python -m benchmarks.profile_step --scenario decode:1x2048
+run profile-c1-128k 300 python -m benchmarks.profile_step --scenario decode:1x131072 --max-model-len 140000
 # the few-row kernels of that step (dense weights read in place, routed experts at 1 and 4 tokens) under tile variants
 run decode-tiles 300 python -m benchmarks.sweep_decode_tiles --tokens 1,4
 # the gpu test tier: kernels and the trained tiny vs the reference ops

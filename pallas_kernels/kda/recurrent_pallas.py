@@ -74,6 +74,20 @@ def _decode_kernel(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dt_ref, po
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
+def _grid_setup(V, block_v, order, backend, num_warps, num_stages):
+    """(V block width, pallas_call keyword arguments) of both kernels' grids, after checking order and block_v."""
+    if sorted(order) != ["h", "n", "v"]:
+        raise ValueError(f"order must be a permutation of 'nhv', got {order!r}")
+    BV = min(block_v, V)
+    if V % BV:
+        raise ValueError(f"V={V} is not a multiple of block_v={BV}")
+    kw = {}
+    if backend == "triton":
+        from jax.experimental.pallas import triton as plgpu
+        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    return BV, kw
+
+
 # Kernel choices (benchmarks/bench_kernels.py times the variants beside them on the GPU).
 # (block_h stays 1: 2 heads a program measured no faster)
 CONFIG = dict(block_v=64, num_warps=4, order="vhn")
@@ -93,18 +107,10 @@ def fused_recurrent_kda_pallas(q, k, v, g, beta, state_pool, state_indices, a_lo
     fastest first, a permutation of "nhv"."""
     N, H, K = q.shape
     V = v.shape[-1]
-    if sorted(order) != ["h", "n", "v"]:
-        raise ValueError(f"order must be a permutation of 'nhv', got {order!r}")
-    BV = min(block_v, V)
-    if V % BV:
-        raise ValueError(f"V={V} is not a multiple of block_v={BV}")
+    BV, kw = _grid_setup(V, block_v, order, backend, num_warps, num_stages)
     BH = max(1, min(block_h, H))
     while H % BH:
         BH //= 2
-    kw = {}
-    if backend == "triton":
-        from jax.experimental.pallas import triton as plgpu
-        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
     sizes = dict(n=N, h=H // BH, v=V // BV)
     pos = {c: order.index(c) for c in "nhv"}
 
@@ -173,15 +179,7 @@ def fused_recurrent_kda_positions_pallas(q, k, v, g, beta, state_pool, initial_s
         raise ValueError("the positions kernel runs one head a program")
     N, W, H, K = q.shape
     V = v.shape[-1]
-    if sorted(order) != ["h", "n", "v"]:
-        raise ValueError(f"order must be a permutation of 'nhv', got {order!r}")
-    BV = min(block_v, V)
-    if V % BV:
-        raise ValueError(f"V={V} is not a multiple of block_v={BV}")
-    kw = {}
-    if backend == "triton":
-        from jax.experimental.pallas import triton as plgpu
-        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    BV, kw = _grid_setup(V, block_v, order, backend, num_warps, num_stages)
     sizes = dict(n=N, h=H, v=V // BV)
     kern = functools.partial(_positions_kernel, scale=scale, width=W, block_v=BV, order=order)
     full = pl.no_block_spec

@@ -209,3 +209,26 @@ def test_kda_positions_kernel_is_the_decode_kernel_bit_for_bit(dtype):
         for n in np.nonzero(run[:, t])[0]:
             np.testing.assert_array_equal(np.asarray(P[dst[n, t]]), np.asarray(states[n]))
     np.testing.assert_array_equal(np.asarray(last), np.asarray(states))
+
+
+@pytest.mark.parametrize("H,kernel", [(32, "triton"), (96, "mosaic")])
+def test_mla_decode_short_contexts_in_a_wide_table(H, kernel):
+    """Decode rows whose contexts are far shorter than the block table (max_model_len's width: 65,536 keys here):
+    the key splits divide each row's own context (splits.split_range), on the Triton kernel and, at K3's 96 heads,
+    the Mosaic GPU kernel (skipped off Hopper)."""
+    from pallas_kernels import mla
+    from pallas_kernels.backend import _hopper
+    if kernel == "mosaic" and not _hopper():
+        pytest.skip("the Mosaic GPU MLA kernel needs Hopper")
+    r = np.random.RandomState(2)
+    L, R, ps, width = 512, 64, 16, 4096
+    kv_lens = np.asarray([100, 2000, 1, 5000], np.int32)
+    N = len(kv_lens)
+    pages = jnp.asarray(r.randn(N * width + 1, ps, L + R), jnp.bfloat16)
+    bt = jnp.asarray(1 + r.permutation(N * width).reshape(N, width), jnp.int32)
+    ql = jnp.asarray(r.randn(N, H, L) * 0.05, jnp.bfloat16)
+    qr = jnp.asarray(r.randn(N, H, R) * 0.05, jnp.bfloat16)
+    cu = jnp.arange(N + 1, dtype=jnp.int32)
+    args = (ql, qr, pages, bt, cu, jnp.asarray(kv_lens))
+    got = mla.ragged_paged_mla(*args, scale=0.07, decode_only=True, decode_kernel=kernel)
+    assert rel_err(got, mla.ragged_paged_mla_reference(*args, scale=0.07)) < BF16_TOL
