@@ -256,7 +256,7 @@ def main(argv=None):
                                    " --xla_dump_hlo_module_re=" + "|".join(STEP_MODULES)
                                    + " --xla_gpu_enable_command_buffer=").strip()
 
-    import jax
+    import jax  # noqa: F401  (first imported here, after XLA_FLAGS is final)
 
     global COMPILES
     COMPILES = CompileCount()

@@ -163,8 +163,7 @@ def fused_recurrent_kda_positions(q, k, v, g, beta, state_pool, initial_state, r
     not written). Returns (o [N, W, H, V] in v.dtype, 0 where not run; the state after each sequence's last
     run position [N, H, K, V] fp32; the pool). Each token is the decode step's arithmetic: the GPU runs one
     kernel for all positions (recurrent_pallas), other targets the decode op W times."""
-    H, K = q.shape[2:]
-    scale = K ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     mode = _mode(interpret, platform)
     if (platform or jax.default_backend()) != "tpu" and mode != "reference":
         return fused_recurrent_kda_positions_pallas(
