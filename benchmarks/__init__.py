@@ -11,7 +11,8 @@ repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_que
   sweep_decode_tiles   a one-sequence decode step's few-row kernels (dense in place, routed experts) by tiling
   bench_long_context   long prompts through the engine (prefill steps, compiles) and decode at long context
   bench_spec           speculative decoding at c1 and under load, and several decode steps per launch
-  step_timeline        where a c1 step's wall time goes (host parts, the GPU's programs): bench_spec --timeline
+  step_timeline        where a c1 step's wall time goes (host parts, the GPU's programs): bench_spec --timeline,
+                       --host-parts (host parts alone, the step's own compiler options), --host-profile N
   bench_serve_start    `serve` cold and restarted over the compilation cache: ready time, first tokens
   bench_offline        the offline engine on shared-prefix and multi-turn workloads, caching off / on
   bench_disagg         prefill/decode disaggregation through two servers (TTFT, transfer rate)
