@@ -217,7 +217,7 @@ def full(args):
     print(f"load {t_load:.1f}s", flush=True)
     c = model.config
     t0 = time.perf_counter()
-    sized = {"page_size": args.page_size, "prefix_match_unit": min(16, args.page_size)} if args.page_size else {}
+    sized = {"page_size": args.page_size} if args.page_size else {}
     llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=4096,
               max_model_len=(args.max_model_len or None) if args.max_model_len is not None else 2048 + 64,
               enable_prefix_caching=False, token_buckets=(16, 64, 4096), seq_buckets=(16, 64),
@@ -293,7 +293,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="full: EngineArgs.max_model_len (default 2112, the rows' longest; 0: the engine's own, the "
                          "longest sequence the cache holds, whose block tables every step carries)")
-    ap.add_argument("--page-size", type=int, default=None, help="full: EngineArgs.page_size (default: the engine's)")
+    ap.add_argument("--page-size", type=int, default=None, help="full: EngineArgs.page_size (default: the engine's; a multiple of its prefix_match_unit, 16)")
     add_csv_argument(ap)
     args = ap.parse_args()
     {"full": full, "check": check, "serve": serve}[args.what](args)

@@ -298,7 +298,7 @@ def main(argv=None):
                          "a longer context, e.g. 0.2 for a 1M-token prompt of Kimi-Linear-48B on one H200)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=None,
                     help="EngineArgs.decode_steps_per_launch (default: the engine's)")
-    ap.add_argument("--page-size", type=int, default=None, help="EngineArgs.page_size (default: the engine's)")
+    ap.add_argument("--page-size", type=int, default=None, help="EngineArgs.page_size (default: the engine's; a multiple of its prefix_match_unit, 16)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the engine's warm-up (the first prefill row then pays the compiles; later rows are clean)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the header as JSON ('-': stdout)")
@@ -335,8 +335,7 @@ def main(argv=None):
                              **({} if args.long_prefill_tokens is None else
                                 {"long_prefill_tokens": args.long_prefill_tokens}),
                              **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
-                             **({} if args.page_size is None else
-                                {"page_size": args.page_size, "prefix_match_unit": min(16, args.page_size)}),
+                             **({} if args.page_size is None else {"page_size": args.page_size}),
                              **({} if args.state_fraction is None else {"state_fraction": args.state_fraction})})
     table = Table(("row", "row", ""), ("ttft_s", "TTFT s", ".2f"), ("tok_s", "prompt tok/s", ",.0f"),
                   ("of_roofline", "of FLOP roofline", ".2f"), ("ms", "ms", ".2f"), ("tflops", "TFLOP/s", ".3g"),

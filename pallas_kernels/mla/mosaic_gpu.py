@@ -310,7 +310,7 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
 
 
 def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, heads_padded, splits,
-                     keys_per_split, bk, stages, interpret=False):
+                     bk, stages, interpret=False):
     """Run the kernel. q_rows [N * heads_padded, L+R] (latent then rope; padded heads zero),
     kv_pages [P, page_size, L+R], block_tables [N, max_pages], kv_lens [N] (0: no keys).
     Returns per-split partials o [splits, N*heads_padded, L] (normalised, q dtype) and fp32 base-2
@@ -321,7 +321,7 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
     _, page_size, _ = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
     check_shapes(lat, width - lat, bk, stages, page_size)
-    assert keys_per_split % bk == 0 and n_rows == n_seqs * heads_padded, (keys_per_split, n_rows)
+    assert n_rows == n_seqs * heads_padded, (n_rows, n_seqs, heads_padded)
     dt = q_rows.dtype
     unit = min(bk, page_size)
     kernel = functools.partial(
@@ -356,15 +356,16 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
 
 
 def plan(num_heads, max_keys, n_seqs, bk, splits=None, slots=None):
-    """(heads_padded, splits, keys_per_split): split-K over key blocks so that sequences x head tiles x
-    splits fill the SMs (one 220 KiB CTA an SM), splits.pick_splits' wave-quantised cost."""
+    """(heads_padded, splits): split-K over key blocks so that sequences x head tiles x splits fill the SMs
+    (one 220 KiB CTA an SM), splits.pick_splits' wave-quantised cost; each sequence then divides its own keys
+    over the splits (splits.split_range)."""
     from pallas_kernels.device_info import num_sms
     heads_padded = -(-num_heads // ROWS) * ROWS
     n_blocks = max(1, -(-max_keys // bk))
     if splits is None:
         splits = pick_splits(n_seqs * (heads_padded // ROWS), n_blocks, slots or num_sms())
     kps = -(-n_blocks // max(1, splits)) * bk
-    return heads_padded, -(-max_keys // kps), kps
+    return heads_padded, -(-max_keys // kps)
 
 
 def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
@@ -395,12 +396,12 @@ def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *
         raise ValueError(f"MLA Mosaic GPU decode: 16-bit caches only (wgmma bf16/f16), got {kv_pages.dtype}")
     if lat + q_rope.shape[-1] != width:
         raise ValueError(f"q widths {lat} + {q_rope.shape[-1]} != cache row width {width}")
-    heads_padded, splits, kps = plan(num_heads, block_tables.shape[1] * page_size, plan_seqs or n_seqs, cfg["bk"],
+    heads_padded, splits = plan(num_heads, block_tables.shape[1] * page_size, plan_seqs or n_seqs, cfg["bk"],
                                      cfg.get("splits"), cfg.get("slots"))
     q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(kv_pages.dtype)
     q = jnp.pad(q, ((0, 0), (0, heads_padded - num_heads), (0, 0))).reshape(n_seqs * heads_padded, width)
     o, m, l = mla_tiles_mosaic(q, kv_pages, block_tables, kv_lens, lat=lat, scale=scale,
-                               heads_padded=heads_padded, splits=splits, keys_per_split=kps,
+                               heads_padded=heads_padded, splits=splits,
                                bk=cfg["bk"], stages=cfg["stages"], interpret=interpret)
     out = combine_splits(o, m, l, jnp.ones((n_seqs * heads_padded,), bool))
     return out.reshape(n_seqs, heads_padded, lat)[:, :num_heads].astype(q_latent.dtype)

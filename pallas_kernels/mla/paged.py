@@ -33,7 +33,8 @@ def _pow2_ceil(x):
 
 def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64,
                 splits=None, min_rows=16, slots=None, decode=False):
-    """Static tiling: rows per tile, heads per tile (bh), tokens per tile (bq), bk, splits."""
+    """Static tiling: rows per tile, heads per tile (bh), tokens per tile (bq), bk, splits (each tile then
+    divides its own keys over the splits: splits.split_range)."""
     bh = num_heads
     while bh > max_rows or num_heads % bh:  # largest divisor of H that fits a tile
         bh -= 1
@@ -48,7 +49,7 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     kps = -(-max_keys // splits)
     kps = -(-kps // bk) * bk
     splits = -(-max_keys // kps)
-    return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits, keys_per_split=kps)
+    return dict(rows=rows, bh=bh, bq=bq, bk=bk, splits=splits)
 
 
 def default_tuning(num_heads, decode, max_keys=None, page_size=None, fp8=False):

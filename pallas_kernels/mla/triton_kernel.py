@@ -226,7 +226,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
-                   bk, splits, keys_per_split, num_warps=8, num_stages=2, transposed=False,
+                   bk, splits, num_warps=8, num_stages=2, transposed=False,
                    fp8_scale="scores", fp8_reload=None, interpret=False):
     """Run the kernel over a tile schedule.
 
@@ -235,8 +235,7 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
       queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
     Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
     m, l [splits, T*H + rows] (base-2 running max and softmax denominator). A tile's keys are divided over
-    the splits by its own context (splits.split_range); keys_per_split, the plan's share of the table's
-    width, bounds a split's keys.
+    the splits by its own context (splits.split_range).
     fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
     probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
     (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
@@ -249,7 +248,6 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     lat = ql_rows.shape[1]
     n_rows = ql_rows.shape[0]
     assert page_size % bk == 0 or bk % page_size == 0, (page_size, bk)
-    assert keys_per_split % bk == 0
     kernel = functools.partial(
         _kernel, rows=rows, bh=bh, bq=bq, bk=bk, page_size=page_size, max_pages=max_pages,
         splits=splits, lat=lat, scale=float(scale), transposed=transposed, fp8_scale=fp8_scale,

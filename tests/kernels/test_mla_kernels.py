@@ -88,7 +88,10 @@ def test_bf16_decode_close_to_reference():
 def test_pick_config_shapes():
     c = pick_config(32, 64, 128, 64, slots=132)
     assert (c["rows"], c["bh"], c["bq"], c["bk"]) == (32, 32, 1, 64)
-    assert c["splits"] * c["keys_per_split"] >= 128 * 64 and c["keys_per_split"] % 64 == 0
+    from pallas_kernels.mla.splits import split_range
+    bounds = [tuple(int(x) for x in split_range(s, c["splits"], 128 * 64, c["bk"])) for s in range(c["splits"])]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 128 * 64 and all(lo % 64 == 0 for lo, _ in bounds)
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))      # the table's keys, each in one split
     c = pick_config(96, 64, 2048, 16, slots=132)
     assert c["bh"] == 32 and 96 % c["bh"] == 0 and c["splits"] > 1
     c = pick_config(4, 8, 4, 7, slots=132)  # small H: several tokens per tile, rows >= 16
@@ -216,7 +219,7 @@ def test_key_splits_divide_the_context_not_the_table():
     pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
     meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
     o, m, l = mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16, splits=4,
-                             keys_per_split=256, transposed=False, interpret=True)
+                             transposed=False, interpret=True)
     assert np.all(np.asarray(l)[:, :4] > 0), "every split holds keys of the row"
     got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4)[:4]
     np.testing.assert_allclose(np.asarray(got), numpy_attention(case, SCALE).reshape(4, -1), rtol=1e-5, atol=1e-5)
