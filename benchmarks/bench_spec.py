@@ -213,7 +213,8 @@ def timeline_rows(args, eargs, model, engine, c1, ref):
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.host_profile)
         if traced and jax.default_backend() != "cpu":
             from benchmarks.profile_step import summarize
-            summarize(trace, os.path.join(args.timeline, "hlo"), steps=traced)
+            summarize(trace, os.path.join(args.timeline, "hlo"), steps=traced,
+                      events_csv=os.path.join(args.timeline, os.path.basename(trace) + ".csv"))
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import glob
 import os
 import re
@@ -86,7 +87,11 @@ def device_events(trace_dir: str):
                     yield ev.name, ev.duration_ns, stats, ev.start_ns
 
 
-def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: int = 12):
+def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: int = 12,
+              events_csv: str | None = None):
+    """Print the traced steps' kernels by scope, kernel and part; events_csv: also every kernel event of the traced
+    steps, one CSV row each (program, start, duration, kernel, HLO op, JAX op name, scope, part), for reading
+    offline."""
     events = list(device_events(trace_dir))
     programs = collections.Counter(st.get("program_id") for _, _, st, _ in events if st.get("program_id") is not None)
     names = hlo_op_names(dump_dir, programs.most_common(1)[0][0]) if programs else {}
@@ -94,7 +99,8 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
     count, part_count = collections.Counter(), collections.Counter()
     total = 0.0
     scopes = []
-    for name, dur, stats, _ in events:
+    rows = [("program", "start_ns", "dur_ns", "kernel", "hlo_op", "op_name", "scope", "part")]
+    for name, dur, stats, start in events:
         tf_op = str(stats.get("tf_op", ""))
         op = (tf_op if "/" in tf_op else "") or names.get(str(stats.get("hlo_op", "")), "")
         hlo = str(stats.get("hlo_op", name))
@@ -102,6 +108,7 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         scopes.append(scope)
         by_scope[scope] += dur
         part = part_of(op) if op else "other"
+        rows.append((stats.get("program_id", ""), start, dur, name, hlo, op, scope, part))
         by_part[part] += dur
         if part == "other":
             other[f"{name[:40]} ({scope_of(op, 6) if op else hlo[:30]})"] += dur
@@ -110,6 +117,9 @@ def summarize(trace_dir: str, dump_dir: str, steps: int, depth: int = 3, top: in
         part_count[part, name[:50]] += 1
         count[scope] += 1
         total += dur
+    if events_csv:
+        with open(events_csv, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
     if events and not names:
         print("  (no op names: stats of one event:", {k: str(v)[:60] for k, v in events[0][2].items()}, ")")
     if not total:
@@ -171,7 +181,7 @@ def idle_gaps(events, scopes, steps: int, top: int = 10, min_us: float = 20.0):
     return busy_ms
 
 
-def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
+def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir, events_csv=None):
     from serving.sampling_params import SamplingParams
     import jax
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -191,7 +201,7 @@ def run_prefill(eng, k: int, length: int, vocab: int, rng, trace_dir, dump_dir):
     print(f"  steps per round {len(last)}; wall per step (round 2, 3): "
           f"{[round(x * 1e3, 1) for x in rounds[1]]} / {[round(x * 1e3, 1) for x in last]} ms; "
           f"prefill {k * length / sum(last):.0f} tok/s")
-    summarize(trace_dir, dump_dir, steps=len(last))
+    summarize(trace_dir, dump_dir, steps=len(last), events_csv=events_csv)
 
 
 def print_decode_parts(parts_ms: dict, busy_ms: float, wall_ms: float, floors: dict, bw: float):
@@ -210,7 +220,7 @@ def print_decode_parts(parts_ms: dict, busy_ms: float, wall_ms: float, floors: d
 
 
 def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, out_tokens=24, traced=4,
-               model=None, bw=None):
+               model=None, bw=None, events_csv=None):
     from serving.sampling_params import SamplingParams
     import jax
     sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
@@ -233,7 +243,7 @@ def run_decode(eng, n: int, length: int, vocab: int, rng, trace_dir, dump_dir, o
             seen += 1
     wall = statistics.median(times) * 1e3
     print(f"  decode steps {len(times)}, median wall {wall:.2f} ms")
-    _, parts_ms, busy = summarize(trace_dir, dump_dir, steps=traced)
+    _, parts_ms, busy = summarize(trace_dir, dump_dir, steps=traced, events_csv=events_csv)
     if parts_ms and model is not None and bw:
         print_decode_parts(parts_ms, busy, wall, floor_parts(model, n, length + out_tokens // 2), bw)
 
@@ -345,12 +355,16 @@ def main():
                     help="EngineArgs.decode_steps_per_launch (1: each traced engine step is one step program, "
                          "so kernel time divides by the traced steps; the engine's default scans 8 a launch)")
     ap.add_argument("--out", default=None, help="directory for the trace and the HLO dump")
+    ap.add_argument("--events", default=None,
+                    help="directory: each scenario's traced kernels as CSV (<scenario>.csv, one row a kernel)")
     ap.add_argument("--command-buffers", default="off",
                     help="off (kernels attributed to their ops), default (XLA's own), or XLA's "
                          "--xla_gpu_enable_command_buffer list, e.g. FUSION,CUBLAS,CUSTOM_CALL,WHILE")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="k3jax-profile-")
     dump_dir, trace_dir = os.path.join(out, "hlo"), os.path.join(out, "trace")
+    if args.events:
+        os.makedirs(args.events, exist_ok=True)
     # command buffers (CUDA graphs) hide which HLO op launched each kernel: off unless asked
     buffers = {"off": " --xla_gpu_enable_command_buffer=", "default": ""}.get(
         args.command_buffers, f" --xla_gpu_enable_command_buffer={args.command_buffers}")
@@ -396,11 +410,13 @@ def main():
         n, length = (int(x) for x in shape.split("x"))
         print(f"\n## {sc}", flush=True)
         tdir = os.path.join(trace_dir, sc.replace(":", "_"))
+        events = os.path.join(args.events, sc.replace(":", "_") + ".csv") if args.events else None
         try:
             if kind == "prefill":
-                run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir)
+                run_prefill(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, events)
             else:
-                run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, model=model, bw=bw)
+                run_decode(eng, n, length, model.config.vocab_size, rng, tdir, dump_dir, model=model, bw=bw,
+                           events_csv=events)
         except Exception as e:  # noqa: BLE001 - report, name the op, go on with the next scenario
             from serving.step_shapes import step_shape
             chunks, r = last.get("chunks", []), eng.runner

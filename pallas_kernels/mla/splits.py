@@ -4,11 +4,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def pick_splits(n_tiles, max_blocks, slots):
+def pick_splits(n_tiles, max_blocks, slots, max_splits=64):
     """Split-K factor: minimise wave-quantised time per tile, with a small per-split cost
     (the partial outputs and the combine pass)."""
     best, best_cost = 1, None
-    for s in range(1, min(max_blocks, 64) + 1):
+    for s in range(1, min(max_blocks, max_splits) + 1):
         waves = -(-n_tiles * s // slots)
         cost = waves / s * (1.0 + 0.03 * s)
         if best_cost is None or cost < best_cost - 1e-9:

@@ -63,7 +63,7 @@ def _columns(x):
     return [jnp.sum(jnp.where(j == t, x, 0), axis=1) for t in range(w)]
 
 
-def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
+def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
             rows, bh, bq, bk, page_size, max_pages, splits, lat, scale, transposed, fp8_scale,
             fp8_reload):
     tile = pl.program_id(0)
@@ -72,10 +72,11 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     start_row = meta_ref[tile, 1]
     n_valid = meta_ref[tile, 2]
     base_pos = meta_ref[tile, 3]
+    live = live_ref[0]      # the splits this step uses (<= splits); a program past them loads and stores nothing
 
     r = jnp.arange(rows, dtype=jnp.int32)
     tok = r // bh
-    row_ok = (r < bq * bh) & (tok < n_valid)
+    row_ok = (r < bq * bh) & (tok < n_valid) & (split < live)
     pos = base_pos + tok  # causal limit of each row (keys <= pos are visible)
 
     rope = qr_ref.shape[1]
@@ -90,7 +91,8 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
     qr = plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
 
     kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
-    k_lo, k_hi = split_range(split, splits, kv_end, bk)
+    k_lo, k_hi = split_range(split, live, kv_end, bk)
+    k_hi = jnp.where(split < live, k_hi, k_lo)
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype
@@ -227,7 +229,7 @@ def _kernel(meta_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
 
 def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, rows, bh, bq,
                    bk, splits, num_warps=8, num_stages=2, transposed=False,
-                   fp8_scale="scores", fp8_reload=None, interpret=False):
+                   fp8_scale="scores", fp8_reload=None, interpret=False, live_splits=None):
     """Run the kernel over a tile schedule.
 
     meta: [G, 4] int32 per tile (seq, start_row, n_valid_tokens, pos_of_first_token);
@@ -235,7 +237,9 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
       queries padded by `rows` so every tile slice is in bounds. kv_pages [P, page_size, L+R].
     Returns per-split partials: o [splits, T*H + rows, L] (normalised, q dtype) and fp32
     m, l [splits, T*H + rows] (base-2 running max and softmax denominator). A tile's keys are divided over
-    the splits by its own context (splits.split_range).
+    the splits by its own context (splits.split_range). live_splits: int32 [1], the splits this step uses
+    (default all): the grid's later splits write nothing (combine_splits' `live` masks them), so one program
+    serves a full bucket (few splits a tile) and a lone sequence (a split an SM).
     fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
     probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
     (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
@@ -264,16 +268,20 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
         name=(f"mla_paged_r{rows}_bk{bk}_s{splits}{'_t' if transposed else ''}"
               f"_w{num_warps}_st{num_stages}"
               f"{('_fp8' + ('c' if fp8_scale == 'codes' else '')) if fp8_cache.is_fp8(kv_pages) else ''}"),
-    )(meta, block_tables.reshape(-1), ql_rows, qr_rows,
+    )(meta, jnp.full((1,), splits, jnp.int32) if live_splits is None else live_splits.astype(jnp.int32).reshape(1),
+      block_tables.reshape(-1), ql_rows, qr_rows,
       kv_pages.reshape(num_pages * page_size, width))
 
 
-def combine_splits(o, m, l, row_valid):
+def combine_splits(o, m, l, row_valid, live=None):
     """Merge per-split partials: o [S, rows, L], m, l [S, rows] -> [rows, L] fp32.
 
-    row_valid [rows] marks rows some tile wrote; other rows (never stored) become zeros.
+    row_valid [rows] marks rows some tile wrote; other rows (never stored) become zeros. live: the splits
+    the kernel used (mla_tiles_call's live_splits; None: all); the others hold no partials and are masked.
     """
     ok = row_valid[None, :] & (l > 0)
+    if live is not None:
+        ok = ok & (jnp.arange(o.shape[0])[:, None] < jnp.reshape(live, ()))
     m = jnp.where(ok, m, -jnp.inf)
     m_tot = jnp.max(m, axis=0)
     w = jnp.where(ok, jnp.exp2(m - jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)[None]) * l, 0.0)

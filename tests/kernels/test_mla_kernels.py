@@ -178,7 +178,7 @@ def test_token_rows_are_decode_rows(config):
     0: zeros) and bucket padding. Each token equals the oracle, and has the bits of a decode-only step of the
     same 4 sequences that feeds that token alone at its position (so the same key splits)."""
     rng = np.random.default_rng(7)
-    case = build_case(rng, [45, 20, 9, 0], [5, 1, 3, 0], heads=4, lat=L, rope=R, page_size=8, pad_tokens=2,
+    case = build_case(rng, [85, 20, 9, 0], [5, 1, 3, 0], heads=4, lat=L, rope=R, page_size=8, pad_tokens=2,
                       max_pages=12)
     ref = numpy_attention(case, SCALE)
     q, qr, kv, bt, cu, kl = _args(case)
@@ -188,12 +188,15 @@ def test_token_rows_are_decode_rows(config):
     ok = np.r_[0:6]
     np.testing.assert_allclose(got[ok], ref[ok], rtol=1e-5, atol=1e-5)
     assert np.all(got[6:] == 0), "tokens of a kv_len-0 sequence and padding tokens get zeros"
-    for t, (seq, pos) in enumerate([(0, 45), (0, 46), (0, 47), (0, 48), (0, 49), (1, 20)]):
+    for t, (seq, pos) in enumerate([(0, 85), (0, 86), (0, 87), (0, 88), (0, 89), (1, 20)]):
+        # the decode step of the same sequences (0, 1, 2 feed a token; live_splits counts them): the token's
+        # sequence first, the others at their first position
         one = jnp.zeros_like(q).at[0].set(q[t])
         one_r = jnp.zeros_like(qr).at[0].set(qr[t])
-        order = [seq] + [n for n in range(4) if n != seq]          # the token's sequence first
-        lens = jnp.zeros_like(kl).at[0].set(pos + 1)
-        dec = ragged_paged_mla(one, one_r, kv, bt[jnp.asarray(order)], jnp.asarray([0, 1, 1, 1, 1], jnp.int32), lens,
+        order = [seq] + [n for n in range(4) if n != seq]
+        lens = jnp.asarray([pos + 1 if n == seq else int(kl[n] > 0) for n in order], kl.dtype)
+        fed = jnp.asarray([0, 1, 2, 3, 3], jnp.int32)
+        dec = ragged_paged_mla(one, one_r, kv, bt[jnp.asarray(order)], fed, lens,
                                scale=SCALE, interpret=True, config=config, decode_only=True)
         assert np.array_equal(np.asarray(dec[0]), got[t]), f"token {t}"
 
@@ -222,4 +225,39 @@ def test_key_splits_divide_the_context_not_the_table():
                              transposed=False, interpret=True)
     assert np.all(np.asarray(l)[:, :4] > 0), "every split holds keys of the row"
     got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4)[:4]
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(case, SCALE).reshape(4, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_splits_fill_the_slots_for_the_live_sequences():
+    """A decode step's grid holds the key splits of a quarter of its bucket's sequences (a lone sequence: a split
+    an SM); each step uses the splits its live sequences (those with a token) share the slots by. One sequence
+    in the 4-sequence bucket over a 128k table reads its keys on ~all 132 SMs, not on 33."""
+    from pallas_kernels.mla.paged import live_splits
+    grid = pick_config(32, 16, 140000 // 16, 4, slots=132, decode=True)["splits"]
+    assert grid >= 128
+    cu = lambda lens: jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)      # noqa: E731
+    assert int(live_splits(cu([1, 0, 0, 0]), grid, 1, 132)[0]) == grid
+    assert int(live_splits(cu([1, 1, 1, 1]), grid, 1, 132)[0]) == 33
+    assert int(live_splits(cu([5, 0, 1, 0]), grid, 1, 132)[0]) == 66     # tokens a sequence do not count
+    assert int(live_splits(cu([0, 0, 0, 0]), grid, 1, 132)[0]) == grid
+    assert int(live_splits(cu([1] * 64), 8, 1, 132)[0]) == 2
+    full = pick_config(32, 16, 140000 // 16, 64, slots=132, decode=True)["splits"]
+    assert full <= 16, "a full 64-sequence bucket keeps a few splits (the combine reads each one's partials)"
+
+
+def test_splits_past_the_live_ones_hold_nothing():
+    """mla_tiles_call with live_splits 3 of a 6-split grid: the live splits hold the row's keys, the others are
+    never written (the interpreter leaves them NaN), and combine_splits with `live` ignores them."""
+    from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
+    rng = np.random.default_rng(4)
+    case = build_case(rng, [99], [1], heads=4, lat=L, rope=R, page_size=16, max_pages=64)
+    q, qr, kv, bt, cu, kl = _args(case)
+    rows = 16
+    pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
+    meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
+    o, m, l = mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16, splits=6,
+                             transposed=False, interpret=True, live_splits=jnp.asarray([3], jnp.int32))
+    assert np.all(np.asarray(l)[:3, :4] > 0), "every live split holds keys of the row"
+    assert np.all(np.isnan(np.asarray(l)[3:, :4])), "splits past the live ones are not written"
+    got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4, jnp.asarray([3], jnp.int32))[:4]
     np.testing.assert_allclose(np.asarray(got), numpy_attention(case, SCALE).reshape(4, -1), rtol=1e-5, atol=1e-5)
