@@ -7,6 +7,9 @@ Builds a ModelRunner on the model, prefills `--seqs` sequences, then runs `--ste
 and reports, per step (median and min over the steps, milliseconds):
   dispatch  the jitted model step's call alone, on prepared arguments (flattening the parameter
             tree and launching: what a split or merge of an NNX model on the host would add to)
+  dispatch host  the same call on the batch as the runner passes it (host numpy arrays): the difference
+            to dispatch is the batch's host-to-device copies, one a leaf
+  put       jax.device_put of that batch and its sampling arrays, waited for (their copies alone)
   launch    runner.launch: batch and sampling arrays built, step and sampler dispatched, no wait
   step      launch + fetch of the sampled tokens (includes the device's compute)
 With --decode-steps S > 1 also (per token, i.e. per launch / S):
@@ -80,6 +83,20 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
             step.append(t2 - t0)
     batch = make_step_batch(chunks(), page_size, num_tokens=runner.token_buckets[0], num_seqs=runner.seq_buckets[-1],
                             max_pages=pages_per_seq)
+    sarr = runner._step_inputs(chunks(), sp, [0] * seqs, [0] * seqs, None, None, None, False)[3]
+    host_dispatch, put = [], []
+    for k in range(steps + 3):
+        t0 = time.perf_counter()
+        logits, runner.pools = runner._step(runner.params, runner.pools, batch, runner.last_tokens)
+        t1 = time.perf_counter()
+        jax.block_until_ready(logits)
+        t2 = time.perf_counter()
+        jax.block_until_ready(jax.device_put((batch, sarr)))
+        t3 = time.perf_counter()
+        if k >= 3:
+            host_dispatch.append(t1 - t0)
+            put.append(t3 - t2)
+    host_leaves = len(jax.tree_util.tree_leaves((batch, sarr)))
     batch = jax.device_put(batch)
     for k in range(steps + 3):
         t0 = time.perf_counter()
@@ -127,7 +144,8 @@ def measure(model: str = "tiny-random", seqs: int = 4, steps: int = 40, dtype: s
             "num_pages": num_pages, "num_slots": num_slots,
             "pool_dtypes": sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(runner.pools)}),
             "param_arrays": len(jax.tree_util.tree_leaves(runner.params)),
-            "dispatch": ms(dispatch), "launch": ms(launch), "step": ms(step), **extra,
+            "host_arrays": host_leaves, "dispatch": ms(dispatch), "dispatch host": ms(host_dispatch), "put": ms(put),
+            "launch": ms(launch), "step": ms(step), **extra,
             "sampled_ok": bool(np.all((toks >= 0) & (toks < m.config.vocab_size)))}
 
 
@@ -150,10 +168,10 @@ def main(argv=None):
         return
     print(header("bench_host_step: host time of one engine decode step"))
     print(f"{r['model']} ({r['dtype']}) on {r['platform']}: {r['seqs']} sequences, {r['steps']} decode steps, "
-          f"{r['param_arrays']} parameter arrays; pools {r['num_pages']} pages, {r['num_slots']} slots "
+          f"{r['param_arrays']} parameter arrays, {r['host_arrays']} host arrays a step; pools {r['num_pages']} pages, {r['num_slots']} slots "
           f"({', '.join(r['pool_dtypes'])})")
     print(f"{'':<14}{'median ms':>12}{'min ms':>10}")
-    rows = ("dispatch", "launch", "step") + (("multi launch", "multi step") if "decode_steps" in r else ())
+    rows = ("dispatch", "dispatch host", "put", "launch", "step") + (("multi launch", "multi step") if "decode_steps" in r else ())
     for k in rows + (("verify launch", "verify step") if "verify" in r else ()):
         print(f"{k:<14}{r[k]['median_ms']:>12.3f}{r[k]['min_ms']:>10.3f}")
 
