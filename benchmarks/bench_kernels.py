@@ -128,7 +128,11 @@ def plan(tiny):
                    ("Kimi-Linear-48B", 60, 64, 8192, 32, 64, (True,)),
                    ("K3 (DP attention)", 60, 64, 8192, 96, 16, (True, False, *K3_8K_PAGE16)),
                    ("K3 (DP attention)", 16, 16, 131072, 96, 16, (True, *K3_128K_PAGE16)),
-                   ("K3 (tensor=8: 12 heads)", 60, 64, 8192, 12, 16, (True,))],
+                   ("K3 (tensor=8: 12 heads)", 60, 64, 8192, 12, 16, (True,)),
+                   # one user at 128k in the engine's smallest (4-sequence) bucket: the key splits its live
+                   # sequence gets, against the bucket's fixed plan (33 splits a tile, all live)
+                   ("Kimi-Linear-48B, one user", 1, 4, 131072, 32, 16, (True, ("33 splits, all live", "T-w4-s33"))),
+                   ("K3 (DP attention), one user", 1, 4, 131072, 96, 16, (True,))],
         prefill=[(16, 4096, 32), (2, 32768, 32), (16, 4096, 96), (2, 32768, 96)],
         prefill_model=[("Kimi-Linear-48B", [2000, 2000], 4096, 4, 32, False),
                        ("K3 (DP attention)", [2000, 2000], 4096, 4, 96, True)],

@@ -48,7 +48,7 @@ def parse_mla_spec(spec):
     """'T-w4-st3-h32' -> (knob dict, heads filter tuple); knobs not named keep defaults."""
     knobs, heads = {}, []
     for tok in spec.split("-"):
-        for key, name in (("st", "num_stages"), ("bk", "bk"), ("sl", "slots"), ("w", "num_warps"),
+        for key, name in (("st", "num_stages"), ("bk", "bk"), ("sl", "slots"), ("s", "splits"), ("w", "num_warps"),
                           ("r", "max_rows"), ("x", "split_mult"),
                           ("h", "heads")):
             if tok.startswith(key) and tok[len(key):].isdigit():

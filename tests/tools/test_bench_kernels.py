@@ -35,3 +35,11 @@ def test_an_unknown_section_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench_kernels.main(["--tiny", "--only", "kda_decode,nope"])
     assert e.value.code == 2 and "unknown section(s) ['nope']" in capsys.readouterr().err
+
+
+def test_mla_spec_names_an_explicit_split_count():
+    """'s33' fixes the key splits (all live); 'st' and 'sl' keep their meanings beside it."""
+    from benchmarks.kernel_inputs import parse_mla_spec, resolve_mla_config
+    knobs, _ = parse_mla_spec("T-w4-st3-sl64-s33")
+    assert knobs == {"transposed": True, "num_warps": 4, "num_stages": 3, "slots": 64, "splits": 33}
+    assert dict(resolve_mla_config(parse_mla_spec("T-w4-s33")[0], 32, 16, 8192, 4))["splits"] == 33
