@@ -106,10 +106,12 @@ def mla_mosaic_check(run):
     run.mosaic_bad = {v.split(",")[0] for v, e in errs.items() if not e <= MOSAIC_CHECK_TOL}
 
 
-def _mosaic_sweep(heads, max_keys, n_seqs):
-    """[(label, MosaicTiling)]: MOSAIC_SWEEP's tilings, then the default tiling with splits x2 and x1/2."""
-    from pallas_kernels.mla.mosaic_gpu import DEFAULT_TILING, MosaicTiling, plan
-    splits = plan(heads, max_keys, n_seqs, DEFAULT_TILING.bk)[1]
+def _mosaic_sweep(heads, max_keys, n_seqs, n_live):
+    """[(label, MosaicTiling)]: MOSAIC_SWEEP's tilings, then the default tiling with x2 and x1/2 the splits a
+    step of n_live live sequences in the n_seqs bucket uses (plan's grid, plan_live's share of it)."""
+    from pallas_kernels.mla.mosaic_gpu import DEFAULT_TILING, MosaicTiling, plan, plan_live
+    heads_padded, grid = plan(heads, max_keys, n_seqs, DEFAULT_TILING.bk)
+    splits = int(plan_live(n_live, heads_padded, grid, DEFAULT_TILING)[0])
     tilings = [MosaicTiling(bk, st) for bk, st in MOSAIC_SWEEP]
     tilings += [MosaicTiling(splits=s) for s in sorted({2 * splits, max(1, splits // 2)} - {splits})]
     return [(f"mosaic {t.label()}" + (f" (plan: {splits})" if t.splits else ""), t) for t in tilings]
@@ -165,7 +167,7 @@ def mla_mosaic_rows(run, shapes, model_cases):
                 mla_row(run, case, f"as model: {model}", variant, t, n_real * ctx * (lat + rope) * 2,
                          float(n_real) * ctx * heads * flop, heads)
         sweep = [] if run.mosaic_off or heads < mosaic_gpu.MIN_HEADS else \
-            _mosaic_sweep(heads, bt.shape[1] * page_size, n_bucket)
+            _mosaic_sweep(heads, bt.shape[1] * page_size, n_bucket, n_real)
         for label, cfg in sweep:  # the decode-only dispatch's own call, with the tiling given
             variant = f"decode_only=True, {label}"
             if label in getattr(run, "mosaic_bad", ()):

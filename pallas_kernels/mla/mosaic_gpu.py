@@ -17,7 +17,9 @@ One CTA = (sequence, 64 query heads, key split), three warpgroups:
     fp32 accumulator a warpgroup (128 registers a thread), FlashMLA's split of the output.
 Heads are the wgmma M dimension: H=96 runs as two 64-row tiles, the second half padding (zero
 queries). Per split the normalised output (q dtype) and fp32 (m, l) are written in
-triton_kernel.combine_splits' format, which merges the splits.
+triton_kernel.combine_splits' format, which merges the splits. The grid holds the key splits of a lone
+sequence of the bucket (plan); a step uses those its live sequences fill the SMs with (plan_live, an int32
+input read on the device), and the CTAs of the other splits exit at once.
 
 Shared memory at L+R = 576, bk = 32, 3 stages: Q 72 KiB + ring 108 KiB + score exchange 32 KiB
 = 212.5 KiB of the H200's 227 (P stays in registers: wgmma's register A operand). The query tile and
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla.reference import decode_row_positions
-from pallas_kernels.mla.splits import pick_splits, split_range
+from pallas_kernels.mla.splits import decode_splits, live_seqs, live_splits, split_range
 
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(MASK - MASK) is 1, never NaN
@@ -201,7 +203,7 @@ def _accumulate(plgpu, acc, p, p_ref, v_ref, interpret):
     return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
 
 
-def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
+def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, live_ref, o_ref, m_ref, l_ref,
             q_smem, kv_smem, sx_smem, p_smem, ml_smem, q_bar, full_bar, used_bar, sx_bar, *,
             plgpu, lat, bk, stages, page_size, max_pages, splits, heads_padded, scale,
             interpret):
@@ -212,12 +214,18 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
     width = q_smem.shape[-1]
     row0 = seq * heads_padded + grp * ROWS
     kv_len = lens_ref[seq]
-    k_lo, k_hi = split_range(split, splits, kv_len, bk)
+    live = live_ref[0]      # the splits this step uses (<= splits)
+    k_lo, k_hi = split_range(split, live, kv_len, bk)
+    # A CTA past the live splits runs nothing, not even its warpgroups' register handoff (all skip it, so no
+    # consumer waits on registers the producer never frees): no Q or cache copy, no MMA, no store. Its
+    # partials are never written (combine_splits' `live` masks them). A live split without keys (a short
+    # context) still runs: zero blocks, and it writes the neutral partials o = 0, l = 0.
+    active = split < live
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     unit = min(bk, page_size)          # rows of one TMA: a page, or the block's part of a page
     n_units = bk // unit
 
-    @pl.when(wg == 2)
+    @pl.when((wg == 2) & active)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS)], q_smem, q_bar.at[0])
@@ -305,17 +313,19 @@ def _kernel(q_ref, kv_ref, zeros_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref,
             plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, pl.ds(row0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg == 0)(lambda: consumer(0))
-    pl.when(wg == 1)(lambda: consumer(1))
+    pl.when((wg == 0) & active)(lambda: consumer(0))
+    pl.when((wg == 1) & active)(lambda: consumer(1))
 
 
 def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, heads_padded, splits,
-                     bk, stages, interpret=False):
+                     bk, stages, interpret=False, live_splits=None):
     """Run the kernel. q_rows [N * heads_padded, L+R] (latent then rope; padded heads zero),
     kv_pages [P, page_size, L+R], block_tables [N, max_pages], kv_lens [N] (0: no keys).
     Returns per-split partials o [splits, N*heads_padded, L] (normalised, q dtype) and fp32 base-2
-    m, l [splits, N*heads_padded] (triton_kernel.combine_splits' format). interpret: True, or the
-    interpreter's parameters (interpret_params(detect_races=True), ...)."""
+    m, l [splits, N*heads_padded] (triton_kernel.combine_splits' format). live_splits: int32 [1], the
+    splits this step uses (default all): each row's keys are divided over those, and the grid's later splits
+    are never written (combine_splits' `live` masks them). interpret: True, or the interpreter's parameters
+    (interpret_params(detect_races=True), ...)."""
     plgpu = _plgpu()
     n_rows, width = q_rows.shape
     _, page_size, _ = kv_pages.shape
@@ -352,20 +362,36 @@ def mla_tiles_mosaic(q_rows, kv_pages, block_tables, kv_lens, *, lat, scale, hea
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret_params() if interpret is True else interpret) or None)
     zeros = jnp.zeros((unit, width), kv_pages.dtype)
-    return call(q_rows, kv_pages, zeros, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32))
+    live = jnp.full((1,), splits, jnp.int32) if live_splits is None else live_splits.astype(jnp.int32).reshape(1)
+    return call(q_rows, kv_pages, zeros, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32), live)
 
 
 def plan(num_heads, max_keys, n_seqs, bk, splits=None, slots=None):
-    """(heads_padded, splits): split-K over key blocks so that sequences x head tiles x splits fill the SMs
-    (one 220 KiB CTA an SM), splits.pick_splits' wave-quantised cost; each sequence then divides its own keys
-    over the splits (splits.split_range)."""
-    from pallas_kernels.device_info import num_sms
+    """(heads_padded, splits): the grid's key splits (one 220 KiB CTA an SM). Unless `splits` is given, those
+    of a lone sequence of the n_seqs-sequence bucket, up to a split a slot (splits.decode_splits); each step
+    then uses those its live sequences fill the slots with (plan_live). Each sequence divides its own keys
+    over the splits it uses (splits.split_range)."""
     heads_padded = -(-num_heads // ROWS) * ROWS
     n_blocks = max(1, -(-max_keys // bk))
     if splits is None:
-        splits = pick_splits(n_seqs * (heads_padded // ROWS), n_blocks, slots or num_sms())
+        tiles = heads_padded // ROWS
+        splits = decode_splits(n_seqs * tiles, tiles, n_blocks, _slots(slots))
     kps = -(-n_blocks // max(1, splits)) * bk
     return heads_padded, -(-max_keys // kps)
+
+
+def plan_live(n_live, heads_padded, splits, tiling: MosaicTiling):
+    """int32 [1]: the splits of plan's `splits` a step with n_live live sequences uses (splits.live_splits:
+    their head tiles share the slots plan filled); None where the tiling names its splits (exactly those,
+    all live)."""
+    if tiling.splits is not None:
+        return None
+    return live_splits(n_live, splits, heads_padded // ROWS, _slots(tiling.slots))
+
+
+def _slots(slots):
+    from pallas_kernels.device_info import num_sms
+    return slots or num_sms()
 
 
 def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, *, scale,
@@ -374,17 +400,19 @@ def token_rows_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_l
     sequence's block table, its own position), split as a decode step of the N sequences would be."""
     seq, pos, valid = decode_row_positions(cu_seqlens, kv_lens, q_latent.shape[0])
     return mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables[seq], jnp.where(valid, pos + 1, 0),
-                                   scale=scale, interpret=interpret, config=config, plan_seqs=block_tables.shape[0])
+                                   scale=scale, interpret=interpret, config=config, plan_seqs=block_tables.shape[0],
+                                   n_live=live_seqs(cu_seqlens.astype(jnp.int32)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "plan_seqs"))
 def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *, scale,
-                            interpret=False, config=None, plan_seqs=None):
+                            interpret=False, config=None, plan_seqs=None, n_live=None):
     """Paged MLA decode, same contract as paged.mla_paged_decode: q_latent [N, H, L], q_rope [N, H, R],
     kv_pages [P, page_size, L+R] (16-bit), block_tables [N, max_pages], kv_lens [N] (the query sits at
     kv_lens - 1; 0 = padding sequence, zeros out). ``config``: a MosaicTiling or hashable (key, value)
     pairs of its fields (the fields not named: DEFAULT_TILING's); None: tiling_for's choice. plan_seqs: split
-    the keys as a step of that many sequences would (default N).
+    the keys as a step of that many sequences would (default N); n_live (int32 scalar): of which that many
+    are live, i.e. have a token (default: those of kv_lens > 0); the two fix the splits each row uses.
     Returns [N, H, L] in q_latent.dtype."""
     from pallas_kernels.mla.triton_kernel import combine_splits
     n_seqs, num_heads, lat = q_latent.shape
@@ -400,10 +428,11 @@ def mla_paged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, kv_lens, *
                                      cfg.get("splits"), cfg.get("slots"))
     q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(kv_pages.dtype)
     q = jnp.pad(q, ((0, 0), (0, heads_padded - num_heads), (0, 0))).reshape(n_seqs * heads_padded, width)
+    live = plan_live(jnp.sum(kv_lens > 0) if n_live is None else n_live, heads_padded, splits, t)
     o, m, l = mla_tiles_mosaic(q, kv_pages, block_tables, kv_lens, lat=lat, scale=scale,
                                heads_padded=heads_padded, splits=splits,
-                               bk=cfg["bk"], stages=cfg["stages"], interpret=interpret)
-    out = combine_splits(o, m, l, jnp.ones((n_seqs * heads_padded,), bool))
+                               bk=cfg["bk"], stages=cfg["stages"], interpret=interpret, live_splits=live)
+    out = combine_splits(o, m, l, jnp.ones((n_seqs * heads_padded,), bool), live)
     return out.reshape(n_seqs, heads_padded, lat)[:, :num_heads].astype(q_latent.dtype)
 
 
@@ -419,8 +448,9 @@ def ragged_decode_mosaic(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, k
     has_tok = cu[1:] > cu[:-1]
     first = jnp.clip(cu[:-1], 0, n_tok - 1)
     lens = jnp.where(has_tok, kv_lens.astype(jnp.int32), 0)
+    # live: the sequences with a token, as token_rows_mosaic counts them (its rows split as these do)
     o = mla_paged_decode_mosaic(q_latent[first], q_rope[first], kv_pages, block_tables, lens,
-                                scale=scale, interpret=interpret, config=config)
+                                scale=scale, interpret=interpret, config=config, n_live=live_seqs(cu))
     dest = jnp.where(has_tok, cu[:-1], n_tok)  # sequences without a token write nowhere
     out = jnp.zeros_like(q_latent).at[dest].set(o, mode="drop")
     return out

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.device_info import num_sms, smem_per_block
 from pallas_kernels.mla import fp8_cache, reference
 from pallas_kernels.mla.reference import decode_row_positions
-from pallas_kernels.mla.splits import pick_splits
+from pallas_kernels.mla.splits import decode_splits, live_seqs, live_splits, pick_splits
 from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
 
 # mla_tiles_call's defaults for knobs a tuning may leave out
@@ -45,12 +45,9 @@ def pick_config(num_heads, page_size, max_pages, n_chunks, *, max_rows=32, bk=64
     n_tiles = n_chunks * (num_heads // bh)
     slots = slots or _num_sms()
     if splits is None:
-        # decode: the grid holds the splits of a quarter of the sequences (the engine's buckets grow 4x: 4, 16,
-        # 64), up to a split a slot for a lone sequence; each step then uses those its live sequences fill the
-        # slots with (live_splits), so a full bucket keeps few splits a tile. Planned for the full bucket, one
-        # sequence in the 4-sequence bucket read its 128k keys on a quarter of the SMs (33 of 132 splits).
-        # Not more: the combine reads every split's partials.
-        splits = (pick_splits(max(num_heads // bh, n_tiles // 4), -(-max_keys // bk), slots, max_splits=slots)
+        # decode: the grid holds a lone sequence's splits, each step uses those its live sequences fill the
+        # slots with (splits.decode_splits, live_splits)
+        splits = (decode_splits(n_tiles, num_heads // bh, -(-max_keys // bk), slots)
                   if decode else pick_splits(n_tiles, -(-max_keys // bk), slots))
     kps = -(-max_keys // splits)
     kps = -(-kps // bk) * bk
@@ -234,7 +231,7 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
         meta = _tile_meta(cu_seqlens, kv_lens, n_chunks, tc["bq"], tc["bh"], num_heads, decode)
     live = None
     if decode and "splits" not in tune:
-        live = live_splits(cu_seqlens, tc["splits"], num_heads // tc["bh"], tune.get("slots") or _num_sms())
+        live = live_splits(live_seqs(cu_seqlens), tc["splits"], num_heads // tc["bh"], tune.get("slots") or _num_sms())
     # a decode step's tokens are its first n_seqs at most (one a sequence): the partials need only their rows
     n_rows = min(n_tok, n_seqs) if decode and not token_rows else n_tok
     pad = ((0, rows), (0, 0))
@@ -246,16 +243,6 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
     row_ok = jnp.pad(jnp.repeat(tok_ok, num_heads), (0, rows))
     out = combine_splits(acc, m, l, row_ok, live)[:n_rows * num_heads].reshape(n_rows, num_heads, lat)
     return jnp.pad(out, ((0, n_tok - n_rows), (0, 0), (0, 0))).astype(q_latent.dtype)
-
-
-def live_splits(cu_seqlens, splits: int, tiles_per_seq: int, slots: int):
-    """int32 [1]: the key splits a decode step uses, of the grid's `splits`: the slots shared by the tiles of
-    the sequences that have a token this step (one CTA a slot), at least one. A function of which sequences
-    run, not of their tokens: a verification step's rows split their keys as the decode step of the same
-    sequences does (token_rows)."""
-    n_live = jnp.sum((cu_seqlens[1:] - cu_seqlens[:-1]) > 0).astype(jnp.int32)
-    per_tile = slots // jnp.maximum(n_live * tiles_per_seq, 1)
-    return jnp.clip(per_tile, 1, splits).astype(jnp.int32).reshape(1)
 
 
 def _tpu_kernel(platform, kv_pages):

@@ -232,15 +232,16 @@ def test_decode_splits_fill_the_slots_for_the_live_sequences():
     """A decode step's grid holds the key splits of a quarter of its bucket's sequences (a lone sequence: a split
     an SM); each step uses the splits its live sequences (those with a token) share the slots by. One sequence
     in the 4-sequence bucket over a 128k table reads its keys on ~all 132 SMs, not on 33."""
-    from pallas_kernels.mla.paged import live_splits
+    from pallas_kernels.mla.splits import live_seqs, live_splits
     grid = pick_config(32, 16, 140000 // 16, 4, slots=132, decode=True)["splits"]
     assert grid >= 128
     cu = lambda lens: jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)      # noqa: E731
-    assert int(live_splits(cu([1, 0, 0, 0]), grid, 1, 132)[0]) == grid
-    assert int(live_splits(cu([1, 1, 1, 1]), grid, 1, 132)[0]) == 33
-    assert int(live_splits(cu([5, 0, 1, 0]), grid, 1, 132)[0]) == 66     # tokens a sequence do not count
-    assert int(live_splits(cu([0, 0, 0, 0]), grid, 1, 132)[0]) == grid
-    assert int(live_splits(cu([1] * 64), 8, 1, 132)[0]) == 2
+    live = lambda lens, splits=grid: int(live_splits(live_seqs(cu(lens)), splits, 1, 132)[0])      # noqa: E731
+    assert live([1, 0, 0, 0]) == grid
+    assert live([1, 1, 1, 1]) == 33
+    assert live([5, 0, 1, 0]) == 66     # tokens a sequence do not count
+    assert live([0, 0, 0, 0]) == grid
+    assert live([1] * 64, 8) == 2
     full = pick_config(32, 16, 140000 // 16, 64, slots=132, decode=True)["splits"]
     assert full <= 16, "a full 64-sequence bucket keeps a few splits (the combine reads each one's partials)"
 

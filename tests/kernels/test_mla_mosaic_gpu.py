@@ -91,6 +91,75 @@ def test_ragged_decode_only_scatters_tokens_back():
     assert not np.any(np.asarray(got[3], np.float32))
 
 
+def test_plan_fills_the_slots_for_the_live_sequences():
+    """The grid holds a lone sequence's key splits (its 2 head tiles at 96 heads: a split per 2 SMs), the step
+    uses those its live sequences' head tiles share the SMs by: one sequence decoding at 140k in the 4-sequence
+    bucket reads its keys on all 132 SMs (planned for the full bucket: 16 splits, 32 SMs); a full 64-sequence
+    bucket keeps few splits (the combine reads each one's partials). A tiling's own splits are all live."""
+    T = mosaic_gpu.MosaicTiling
+    heads_padded, grid = mosaic_gpu.plan(96, 140000, 4, 32, slots=132)
+    assert heads_padded == 128 and grid >= 64
+    live = lambda n, grid=grid, t=T(slots=132): int(mosaic_gpu.plan_live(jnp.int32(n), 128, grid, t)[0])  # noqa: E731
+    assert live(1) == 66 and live(2) == 33 and live(4) == 16
+    assert live(0) == grid                                      # a step of padding only: clipped to the grid
+    full = mosaic_gpu.plan(96, 140000, 64, 32, slots=132)[1]
+    assert full <= 8 and live(64, full) == 1
+    assert mosaic_gpu.plan(96, 140000, 4, 32, splits=8)[1] == 8
+    assert mosaic_gpu.plan_live(jnp.int32(1), 128, 8, T(splits=8)) is None
+
+
+def test_splits_past_the_live_ones_are_not_written():
+    """mla_tiles_mosaic with live_splits 2 of a 4-split grid: each row's keys are divided over the 2 live
+    splits, whose partials combine to the reference; the CTAs of splits 2 and 3 write nothing (the interpreter
+    leaves their partials NaN) and combine_splits' `live` masks them. A live split without keys (the 5-key
+    sequence's second) still writes the neutral l = 0."""
+    from pallas_kernels.mla.triton_kernel import combine_splits
+    ql, qr, pool, bt, lens = _case(64, 16, (99, 5), max_pages=8, seed=2)
+    q = jnp.concatenate([ql, qr], axis=-1).reshape(2 * 64, LAT + ROPE)
+    live = jnp.asarray([2], jnp.int32)
+    o, m, l = mosaic_gpu.mla_tiles_mosaic(q, pool, bt, lens, lat=LAT, scale=SCALE, heads_padded=64, splits=4,
+                                          bk=32, stages=3, interpret=True, live_splits=live)
+    l = np.asarray(l)
+    assert np.all(l[:2, :64] > 0), "both live splits hold keys of the 99-key sequence"
+    assert np.all(l[0, 64:] > 0) and np.all(l[1, 64:] == 0), "the 5-key sequence: all in split 0, split 1 empty"
+    for part in (o, m, l):
+        assert np.all(np.isnan(np.asarray(part, np.float32)[2:])), "splits past the live ones are not written"
+    got = combine_splits(o, m, jnp.asarray(l), jnp.ones((2 * 64,), bool), live).reshape(2, 64, LAT)
+    _check(got, (ql, qr, pool, bt, lens))
+
+
+def test_token_rows_are_decode_rows():
+    """token_rows_mosaic (a speculative verification step) with 2 of the bucket's 4 sequences live: a 2-token
+    chunk, a decode row, a sequence with keys but no token, one without either, and a padding row. At 8 slots
+    the grid holds 4 splits (a lone sequence's 2 head tiles x 4) and this step uses 2 (2 live sequences x 2
+    tiles): its rows count the live sequences as the decode step does, not their 3 valid token rows (1 split).
+    Each token equals the reference and has the bits of a decode step of the same 4 sequences that feeds it at
+    its position, through either decode entry point (mla_paged_decode_mosaic: live = kv_lens > 0;
+    ragged_decode_mosaic: live = a token in cu_seqlens)."""
+    config = (("slots", 8),)
+    assert mosaic_gpu.plan(96, 8 * 16, 4, 32, slots=8)[1] == 4
+    _, _, pool, bt, lens = _case(96, 16, (40, 20, 9, 0), max_pages=8, seed=5)
+    rng = np.random.default_rng(6)
+    tok_l = jnp.asarray(rng.standard_normal((4, 96, LAT)), jnp.bfloat16)
+    tok_r = jnp.asarray(rng.standard_normal((4, 96, ROPE)), jnp.bfloat16)
+    cu = jnp.asarray([0, 2, 3, 3, 3], jnp.int32)                # the 4th token row is padding
+    got = mosaic_gpu.token_rows_mosaic(tok_l, tok_r, pool, bt, cu, lens, scale=SCALE, interpret=True,
+                                       config=config)
+    _check(got[:3], (tok_l[:3], tok_r[:3], pool, bt[jnp.asarray([0, 0, 1])], jnp.asarray([39, 40, 20])))
+    assert not np.any(np.asarray(got[3], np.float32)), "a padding row gets zeros"
+    for t in (0, 1):    # sequence 0 at the chunk token's position, sequence 1 at its decode row's
+        q_l, q_r = tok_l.at[1].set(tok_l[2]).at[0].set(tok_l[t]), tok_r.at[1].set(tok_r[2]).at[0].set(tok_r[t])
+        dec_lens = jnp.asarray([39 + t, 20, 0, 0], jnp.int32)
+        if t == 0:
+            dec = mosaic_gpu.mla_paged_decode_mosaic(q_l, q_r, pool, bt, dec_lens, scale=SCALE, interpret=True,
+                                                     config=config)
+        else:   # sequence 2 keeps its 9 keys but feeds no token: not live
+            dec = mosaic_gpu.ragged_decode_mosaic(q_l, q_r, pool, bt, jnp.asarray([0, 1, 2, 2, 2], jnp.int32),
+                                                  lens, scale=SCALE, interpret=True, config=config)
+        assert np.array_equal(np.asarray(dec[0]), np.asarray(got[t])), f"token {t}"
+        assert np.array_equal(np.asarray(dec[1]), np.asarray(got[2])), "the decode row"
+
+
 def test_switch_routes_decode_only_steps(monkeypatch):
     """mla_decode="mosaic" (chosen when the backend is built, not at trace time) sends ops.mla_ragged_paged's
     decode-only steps with >= 64 heads to the Mosaic kernel; the default, prefill steps and 32-head
