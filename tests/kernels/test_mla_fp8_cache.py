@@ -202,6 +202,32 @@ def test_triton_decode_on_fp8_pages_at_model_widths(heads, page_size):
     np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
 
 
+# the kernel's FP8 forms: row form and keys-on-M, the scales on the scores or on the codes, the codes loaded
+# once per MMA (the default at 16 rows; keys-on-M then loads the P.V operand transposed) or once
+FORMS = {"row": (("transposed", False),),
+         "row-codes-once": (("transposed", False), ("fp8_scale", "codes"), ("fp8_reload", False)),
+         "keys-on-M": (("transposed", True),),
+         "keys-on-M-codes-once": (("transposed", True), ("fp8_scale", "codes"), ("fp8_reload", False))}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("page_size", [16, 64])        # 64-key blocks gathered from 4 pages / inside one page
+@pytest.mark.parametrize("lat,rope", [(512, 64), (64, 16)])     # the model's row / the small test models'
+def test_triton_decode_on_fp8_words(lat, rope, page_size, form):
+    """The interpret-mode kernel on the word rows against the float64 oracle on the dequantized rows, at the
+    model's widths (four planes, a scale tile each) and the test models' (four planes in one tile)."""
+    rng = np.random.default_rng(lat + page_size)
+    ctx = [page_size + 69, 0, 3]                       # several blocks, an empty sequence, a part block
+    case = build_case(rng, ctx, [1] * len(ctx), heads=4, lat=lat, rope=rope, page_size=page_size, extra_pages=1)
+    fp8 = dict(case, kv_pages=np.asarray(fp8_cache.quantize(jnp.asarray(case["kv_pages"]), lat)),
+               caches=[np.asarray(fp8_cache.round_trip(jnp.asarray(c), lat)) for c in case["caches"]])
+    got = np.asarray(mla_paged_decode(*_args(fp8, ("q_latent", "q_rope", "kv_pages", "block_tables", "kv_lens")),
+                                      scale=SCALE, interpret=True, config=FORMS[form] + (("bk", 64),)))
+    assert np.all(np.isfinite(got)), "kernel read a NaN page slot"
+    np.testing.assert_allclose(got, numpy_attention(fp8, SCALE), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, numpy_attention(case, SCALE), atol=QUANT_ATOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [(("bk", 16),), (("bk", 16), ("transposed", True))])
 def test_triton_ragged_on_fp8_pages_bf16_queries(config):
