@@ -125,7 +125,7 @@ def mla_fp8_rows(run, shapes, page_size=64):
     jnp reference on the same FP8 pages (rel err in the variant)."""
     from pallas_kernels.mla import fp8_cache, mla_decode_reference, mla_paged_decode
     lat, rope = run.lat, run.rope
-    widths = {"bf16": (lat + rope) * 2, "fp8_e4m3": fp8_cache.packed_width(lat, rope)}
+    widths = {"bf16": (lat + rope) * 2, "fp8_e4m3": fp8_cache.packed_bytes(lat, rope)}
     for n, ctx, heads in shapes:
         case = f"N={n} ctx={ctx} H={heads} page {page_size}"
         ql, qr, kv, bt, lens = mla_cache(jax.random.PRNGKey(7), n, ctx, heads, lat, rope, page_size, jnp.bfloat16)

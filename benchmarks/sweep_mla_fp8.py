@@ -51,7 +51,7 @@ def main(argv=None):
     from pallas_kernels.mla import fp8_cache, mla_decode_reference, mla_paged_decode
 
     lat, rope, ps = a.lat, a.rope, a.page_size
-    widths = {"bf16": (lat + rope) * 2, "fp8": fp8_cache.packed_width(lat, rope)}
+    widths = {"bf16": (lat + rope) * 2, "fp8": fp8_cache.packed_bytes(lat, rope)}
     print(header("MLA decode on an FP8 cache: tuning sweep (Triton kernel)"), flush=True)
     table = Table(("case", "case"), ("pages", "pages"), ("variant", "variant"), ("us", "us", ".1f"),
                   ("tb_s", "TB/s", ".2f"), ("ratio", "x bf16 bytes/s", ".2f"), ("err", "rel err", ".1e"))

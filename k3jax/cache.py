@@ -3,7 +3,7 @@
 Pools (donated through the step so XLA updates them in place), one array per kind, with every
 layer of that kind side by side inside each page / slot (j = the layer's index among its kind):
   mla_kv     [num_pages, n_mla, page_size, kv_lora_rank + rope]   page 0 = garbage sink
-             (an FP8 cache: uint8 rows of mla_row_width bytes, pallas_kernels/mla/fp8_cache.py)
+             (an FP8 cache: uint32 rows of mla_row_width words, pallas_kernels/mla/fp8_cache.py)
   kda_state  [num_slots, n_kda, H, K, V] fp32                      slot 0 = garbage sink
   kda_conv   [num_slots, n_kda, conv_kernel - 1, 3 * H * K]        last inputs of the q|k|v short convs
 Pages / slots are the major axis: that is what gets sharded, what the allocator hands out, and a
@@ -68,14 +68,14 @@ class CachePools:
 
 
 def mla_row_width(c: ModelConfig, mla_dtype) -> int:
-    """Elements of one MLA cache row: kv_lora_rank + rope, or an FP8 cache's packed bytes."""
+    """Elements of one MLA cache row: kv_lora_rank + rope, or an FP8 cache's packed words."""
     if jnp.dtype(mla_dtype) == fp8_cache.FP8:
         return fp8_cache.packed_width(c.kv_lora_rank, c.qk_rope_head_dim)
     return c.mla_cache_dim
 
 
 def mla_storage_dtype(mla_dtype, bits: bool):
-    """The MLA pool's element type: uint8 for an FP8 cache (packed rows), else storage_dtype's."""
+    """The MLA pool's element type: uint32 for an FP8 cache (packed rows), else storage_dtype's."""
     return fp8_cache.STORAGE if jnp.dtype(mla_dtype) == fp8_cache.FP8 else storage_dtype(mla_dtype, bits)
 
 

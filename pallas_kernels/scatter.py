@@ -30,9 +30,9 @@ def storage_dtype(dtype, bits: bool):
 
 def value_dtype(pool, like):
     """The dtype of a pool's values: its own, or `like` (the model's activation dtype, which the engine
-    makes its pools in) for a pool of bits or of packed FP8 MLA rows (uint8, pallas_kernels/mla/fp8_cache.py:
-    written and read in the activations' dtype)."""
-    return jnp.dtype(like) if pool.dtype in (BITS, jnp.uint8) else pool.dtype
+    makes its pools in) for a pool of bits or of packed FP8 MLA rows (uint32 words,
+    pallas_kernels/mla/fp8_cache.py: written and read in the activations' dtype)."""
+    return jnp.dtype(like) if pool.dtype in (BITS, jnp.uint32) else pool.dtype
 
 
 def values(rows, dtype):

@@ -210,7 +210,11 @@ def _kernel_path(q_latent, q_rope, kv_pages, block_tables, cu_seqlens, kv_lens, 
                                      interpret=interpret, config=group_cfg, token_rows=token_rows))
             a += h
         return jnp.concatenate(outs, axis=1)
-    itemsize = max(jnp.dtype(q_latent.dtype).itemsize, jnp.dtype(kv_pages.dtype).itemsize)
+    # an FP8 pool's words hold narrower values (4 codes, or 2 bf16 rope dims): its blocks take no more
+    # shared memory than the queries' dtype would
+    itemsize = jnp.dtype(q_latent.dtype).itemsize
+    if not fp8_cache.is_fp8(kv_pages):
+        itemsize = max(itemsize, jnp.dtype(kv_pages.dtype).itemsize)
     cfg = fit_shared_memory(cfg, num_heads, max_pages * page_size, lat, q_rope.shape[-1], itemsize,
                             decode, smem_per_block())
     tune = {k: cfg.pop(k) for k in ("max_rows", "bk", "splits", "slots") if k in cfg}

@@ -95,7 +95,7 @@ def ragged_paged_mla_reference(q_latent, q_rope, kv_pages, block_tables, cu_seql
       q_latent: [T, H, L] queries folded through kv_b_proj's key half.
       q_rope: [T, H, R].
       kv_pages: [P, page_size, L+R] page pool (16-bit float bits are read as q_latent's dtype; an FP8 pool's
-        packed rows [P, page_size, fp8_cache.packed_width(L, R)] are dequantized to it).
+        packed rows [P, page_size, fp8_cache.packed_width(L, R)] (uint32 words) are dequantized to it).
       block_tables: [N, max_pages] int32 page ids per sequence.
       cu_seqlens: [N+1] int32; tokens cu_seqlens[n]..cu_seqlens[n+1]-1 belong to sequence n.
       kv_lens: [N] int32 cache length of each sequence AFTER this step's writes.

@@ -47,20 +47,19 @@ def online_softmax(s, visible, qk_scale, m, l):
     return p, alpha, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
-def _pairs(x):
-    """x [bk, 2k] -> (x[:, 0::2], x[:, 1::2]) [bk, k] each: a reshape and Triton's split of a last axis of 2
-    (in registers), where strided column loads would be byte gathers."""
-    n, w = x.shape
-    return jnp.unstack(x.reshape(n, w // 2, 2), axis=2)
+def _plane(words, b):
+    """Byte b of every uint32 latent word (fp8_cache.py: one plane of latent columns) as float8_e4m3fn codes:
+    a shift, a mask and a narrowing cast, all elementwise."""
+    x = words >> (8 * b) if b else words
+    x = x & 0xFF if b < fp8_cache.PLANES - 1 else x
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint8), fp8_cache.FP8)
 
 
-def _columns(x):
-    """x [bk, n] -> its n columns [bk] each (split in halves where n is a power of two, else selected)."""
-    n, w = x.shape
-    if w & (w - 1) == 0:
-        return [c.reshape(n) for c in jax.lax.split(x, (1,) * w, axis=1)] if w > 1 else [x.reshape(n)]
-    j = jnp.arange(w, dtype=jnp.int32)[None, :]
-    return [jnp.sum(jnp.where(j == t, x, 0), axis=1) for t in range(w)]
+def _halves(words):
+    """Rope words [bk, R/2] -> (even dims, odd dims) [bk, R/2] fp32, exact: bf16 is the top half of an fp32,
+    so each half moved into the top bits is its value."""
+    return (jax.lax.bitcast_convert_type(words << 16, jnp.float32),
+            jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32))
 
 
 def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *,
@@ -81,14 +80,19 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
 
     rope = qr_ref.shape[1]
     fp8 = kv_ref.dtype == fp8_cache.STORAGE
-    # the latent's column tiles: one for a 16-bit cache; an FP8 cache's scale tiles, each dequantized and
-    # contracted on its own (Triton has no tensor slicing, so per-tile operands are loaded per tile)
-    width = fp8_cache.tile(lat) if fp8 else lat
-    col_tiles = [(c0, width) for c0 in range(0, lat, width)]
+    # the latent's column tiles: one for a 16-bit cache; an FP8 cache's segments (fp8_cache.segments: byte
+    # planes of its latent words, each inside one scale tile), each dequantized and contracted on its own
+    # (Triton has no tensor slicing, so per-segment operands are loaded per segment)
+    segs = fp8_cache.segments(lat) if fp8 else None
+    col_tiles = [(sg.start, sg.width) for sg in segs] if fp8 else [(0, lat)]
 
     row_sl = pl.ds(start_row, rows)
     ql = [plgpu.load(ql_ref.at[row_sl, pl.ds(c0, w)], mask=row_ok[:, None], other=0) for c0, w in col_tiles]
-    qr = plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)
+    if fp8:  # the rope query as [even dims | odd dims] (mla_tiles_call), the two halves of the rope words
+        half = rope // 2
+        qr = [plgpu.load(qr_ref.at[row_sl, pl.ds(c0, half)], mask=row_ok[:, None], other=0) for c0 in (0, half)]
+    else:
+        qr = [plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)]
 
     kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
     k_lo, k_hi = split_range(split, live, kv_end, bk)
@@ -114,8 +118,9 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
         return plgpu.load(bt_ref.at[pidx], mask=keys < k_hi, other=0)
 
     def load(k0, pages):
-        """(ckv tiles [bk, width] each, their scales ([bk] fp32 each) or None, krope [bk, R]) of the block at k0 in
-        kdt; keys >= k_hi read as zeros."""
+        """(ckv tiles [bk, width] each (the MMAs' operands: QK, then PV), an FP8 block's scales ([bk] fp32 a
+        scale tile) or None, krope: [[bk, R]], or an FP8 block's [even dims, odd dims] [bk, R/2] each) of the
+        block at k0 in kdt; keys >= k_hi read as zeros."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         ok = (keys < k_hi)[:, None]
         offsets = k0 % page_size + jnp.arange(bk, dtype=jnp.int32) if contiguous else keys % page_size
@@ -132,34 +137,43 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
 
         if not fp8:
             ckv = [cols(0, lat)]
-            return ckv, ckv, None, cols(lat, rope)
-        # packed row (fp8_cache.py): every part is read as whole contiguous byte columns (vectorized loads)
-        # and reassembled in registers by even/odd splits (Triton bitcasts only between equal widths).
-        # The codes convert to kdt exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores
-        # and the probabilities per key instead of every latent value.
+            return ckv, ckv, None, [cols(lat, rope)]
+        # packed row of uint32 words (fp8_cache.py): every part is a whole loaded tile taken apart by
+        # elementwise ops (shifts, masks, bitcasts), never rearranged across lanes. The codes convert to kdt
+        # exactly (e4m3 fits bf16); the scales stay fp32 and multiply the scores and the probabilities per key
+        # instead of every latent value.
+        lw = fp8_cache.latent_words(lat)
+        n_sc = fp8_cache.num_scales(lat)
+
+        def planes(load_words):
+            """Each segment's codes: its word chunk loaded once (load_words(word, width)), a byte plane each."""
+            chunks = {}
+            for sg in segs:
+                if sg.word not in chunks:
+                    chunks[sg.word] = load_words(sg.word, sg.width)
+                yield _plane(chunks[sg.word], sg.byte)
+
         def codes(eviction_policy=None):
-            return [jax.lax.bitcast_convert_type(cols(c0, w, eviction_policy), fp8_cache.FP8) for c0, w in col_tiles]
+            return list(planes(lambda c0, w: cols(c0, w, eviction_policy)))
 
         def codes_t(eviction_policy=None):
             """The codes as [width, bk] tiles, loaded transposed (the keys-on-M form's P.V operand)."""
-            out = []
-            for c0, w in col_tiles:
-                x = plgpu.load(kv_ref.at[row_idx.reshape(1, bk), (c0 + jnp.arange(w, dtype=jnp.int32))[:, None]],
-                               mask=ok.reshape(1, bk), other=0, eviction_policy=eviction_policy)
-                out.append(jax.lax.bitcast_convert_type(x, fp8_cache.FP8))
-            return out
-        n_sc = len(col_tiles)
-        b02, b13 = _pairs(cols(lat, 4 * n_sc))                           # bytes 0, 2 / 1, 3 of each scale
-        lo, hi = _pairs(b02.astype(jnp.uint32) | (b13.astype(jnp.uint32) << 8))        # low / high 16 bits
-        sc = _columns(jax.lax.bitcast_convert_type(lo | (hi << 16), jnp.float32))     # [bk] a tile
-        lo, hi = _pairs(cols(lat + 4 * n_sc, 2 * rope))
-        kr = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8),
-                                          fp8_cache.ROPE).astype(kdt)
+            return list(planes(lambda c0, w: plgpu.load(
+                kv_ref.at[row_idx.reshape(1, bk), (c0 + jnp.arange(w, dtype=jnp.int32))[:, None]],
+                mask=ok.reshape(1, bk), other=0, eviction_policy=eviction_policy)))
+
+        def word(c):
+            """Word column c of the block's rows as [bk] (a 32-bit load a key)."""
+            return cols(c, 1).reshape(bk)
+
+        sc = [jax.lax.bitcast_convert_type(word(lw + t), jnp.float32) for t in range(n_sc)]   # [bk] a tile
+        kr = [x.astype(kdt) for x in _halves(cols(lw + n_sc, rope // 2))]
         codes_scale = fp8_scale == "codes"  # dequantized values (fp32 product rounded to kdt), the 16-bit step
         def dequant(cs, keys_axis=0):
             if not codes_scale:
                 return [c.astype(kdt) for c in cs]
-            return [(c.astype(jnp.float32) * jnp.expand_dims(k, 1 - keys_axis)).astype(kdt) for c, k in zip(cs, sc)]
+            return [(c.astype(jnp.float32) * jnp.expand_dims(sc[sg.scale], 1 - keys_axis)).astype(kdt)
+                    for c, sg in zip(cs, segs)]
         sc_out = None if codes_scale else sc
         if not reload:
             ckv = dequant(codes())
@@ -170,18 +184,32 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
             return dequant(codes("evict_last")), dequant(codes_t("evict_first"), keys_axis=1), sc_out, kr
         return dequant(codes("evict_last")), dequant(codes("evict_first")), sc_out, kr
 
+    def scaled(part, sc, per_key):
+        """An FP8 block's score parts (one a segment) summed within each scale tile, times that tile's scale
+        of each key (per_key: [bk] -> its broadcast against a part)."""
+        out = []
+        for t, k in enumerate(sc):
+            xs = [x for x, sg in zip(part, segs) if sg.scale == t]
+            y = xs[0]
+            for x in xs[1:]:
+                y = y + x
+            out.append(y * per_key(k))
+        return out
+
     def step(k0, ckv, ckv_pv, sc, kr, acc, m, l):
-        """One online-softmax block. sc: None, or an FP8 block's per-key scale of each column tile [bk], applied
-        to that tile's scores and probabilities (the codes enter the MMAs unscaled)."""
+        """One online-softmax block. sc: None, or an FP8 block's per-key scale of each scale tile [bk], applied
+        to that tile's scores and probabilities (the codes enter the MMAs unscaled). kr: the rope keys, paired
+        with qr's parts (an FP8 block's even and odd dims)."""
         keys = k0 + jnp.arange(bk, dtype=jnp.int32)
         if transposed:  # keys on the MMA M axis: M = bk and M = L are multiples of 64
             part = [plgpu.dot(c, q, trans_b=True) for c, q in zip(ckv, ql)]
             if sc is not None:
-                part = [x * k[:, None] for x, k in zip(part, sc)]
+                part = scaled(part, sc, lambda k: k[:, None])
             st = part[0]
             for x in part[1:]:
                 st = st + x
-            st = st + plgpu.dot(kr, qr, trans_b=True)
+            for k, q in zip(kr, qr):
+                st = st + plgpu.dot(k, q, trans_b=True)
             st = jnp.where(keys[:, None] <= pos[None, :], st * qk_scale, _MASK)  # [bk, rows]
             m_new = jnp.maximum(m, jnp.max(st, axis=0))
             alpha = jnp.exp2(m - m_new)
@@ -191,21 +219,24 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
                 acc = [a * alpha[None, :] + plgpu.dot(c, pt.astype(kdt), trans_a=not pv_loaded_t)
                        for a, c in zip(acc, ckv_pv)]
             else:
-                acc = [a * alpha[None, :] + plgpu.dot(c, (pt * k[:, None]).astype(kdt), trans_a=not pv_loaded_t)
-                       for a, c, k in zip(acc, ckv_pv, sc)]
+                pk = [(pt * k[:, None]).astype(kdt) for k in sc]
+                acc = [a * alpha[None, :] + plgpu.dot(c, pk[sg.scale], trans_a=not pv_loaded_t)
+                       for a, c, sg in zip(acc, ckv_pv, segs)]
             return acc, m_new, l_new
         part = [plgpu.dot(q, c, trans_b=True) for c, q in zip(ckv, ql)]
         if sc is not None:
-            part = [x * k[None, :] for x, k in zip(part, sc)]
+            part = scaled(part, sc, lambda k: k[None, :])
         s = part[0]
         for x in part[1:]:
             s = s + x
-        s = s + plgpu.dot(qr, kr, trans_b=True)
+        for q, k in zip(qr, kr):
+            s = s + plgpu.dot(q, k, trans_b=True)
         p, alpha, m_new, l_new = online_softmax(s, keys[None, :] <= pos[:, None], qk_scale, m, l)
         if sc is None:
             acc = [a * alpha[:, None] + plgpu.dot(p.astype(kdt), c) for a, c in zip(acc, ckv_pv)]
         else:
-            acc = [a * alpha[:, None] + plgpu.dot((p * k[None, :]).astype(kdt), c) for a, c, k in zip(acc, ckv_pv, sc)]
+            pk = [(p * k[None, :]).astype(kdt) for k in sc]
+            acc = [a * alpha[:, None] + plgpu.dot(pk[sg.scale], c) for a, c, sg in zip(acc, ckv_pv, segs)]
         return acc, m_new, l_new
 
     # One block per iteration: page lookup, load, compute (Triton's pipeliner overlaps the
@@ -243,13 +274,18 @@ def mla_tiles_call(meta, block_tables, ql_rows, qr_rows, kv_pages, *, scale, row
     fp8_scale (an FP8 pool): "scores" multiplies each key's tile scale into that tile's scores and
     probabilities (the codes enter the MMAs as exact kdt values); "codes" dequantizes every latent value
     (code x scale in fp32, rounded to kdt) before the MMAs. fp8_reload: load an FP8 block's codes once per
-    MMA (True) or once (False); None: the kernel's choice by form (see _kernel).
+    MMA (True) or once (False); None: the kernel's choice by form (see _kernel). An FP8 pool's rows are
+    fp8_cache.py's uint32 words; qr_rows stay in natural order (split into even and odd dims here).
     """
     if fp8_scale not in ("scores", "codes"):
         raise ValueError(f"fp8_scale must be 'scores' or 'codes', not {fp8_scale!r}")
     num_pages, page_size, width = kv_pages.shape
     n_seqs, max_pages = block_tables.shape
     lat = ql_rows.shape[1]
+    if fp8_cache.is_fp8(kv_pages):
+        # the rope query's even dims, then its odd dims: the kernel pairs them with the halves of the rope
+        # words (fp8_cache.py), two contiguous column tiles, so nothing is interleaved in the kernel
+        qr_rows = jnp.concatenate([qr_rows[:, 0::2], qr_rows[:, 1::2]], axis=1)
     n_rows = ql_rows.shape[0]
     assert page_size % bk == 0 or bk % page_size == 0, (page_size, bk)
     kernel = functools.partial(

@@ -49,11 +49,12 @@ def test_fp8_pages_fill_the_budget_at_their_own_width():
     c = preset_config("kimi-linear-48b-a3b")
     args = EngineArgs(cache_memory_bytes=8 << 30, max_model_len=4096)
     bf16 = engine_args.size_pools(args, c, 0, jnp.bfloat16)
-    fp8 = engine_args.size_pools(args, c, 0, jnp.bfloat16, mla_dtype=fp8_cache.STORAGE)
+    fp8 = engine_args.size_pools(args, c, 0, jnp.bfloat16, mla_dtype=fp8_cache.FP8)
     assert fp8[1] == bf16[1]
     half = (8 << 30) * (1 - args.state_fraction)
     assert bf16[0] == int(half // pool_bytes_per_page(c, 16, jnp.bfloat16))
-    assert fp8[0] == int(half // pool_bytes_per_page(c, 16, fp8_cache.STORAGE))
+    assert fp8[0] == int(half // pool_bytes_per_page(c, 16, fp8_cache.FP8))
+    assert pool_bytes_per_page(c, 16, fp8_cache.FP8) == len(c.mla_layers) * 16 * 656
     assert fp8[0] > 1.7 * bf16[0]
 
 

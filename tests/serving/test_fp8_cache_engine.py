@@ -50,10 +50,10 @@ def test_flag_values_and_one_line_errors():
 def test_fp8_pool_shape_and_sizing():
     c = load_model("tiny-random", dtype="float32").config
     pools = make_pools(c, 4, 16, 3, jnp.float32, mla_dtype=jnp.float8_e4m3fn)
-    assert pools.mla_kv.dtype == jnp.uint8
+    assert pools.mla_kv.dtype == fp8_cache.STORAGE == jnp.uint32                   # packed rows of words
     assert pools.mla_kv.shape == (4, len(c.mla_layers), 16, fp8_cache.packed_width(c.kv_lora_rank, c.qk_rope_head_dim))
     assert pools.kda_conv.dtype == jnp.float32 and pools.kda_state.dtype == jnp.float32
-    # K3's dims: 656 bytes a token per layer against 1,152 in bf16
+    # K3's dims: 656 bytes (164 words) a token per layer against 1,152 in bf16
     from k3jax.presets import preset_config
     k3 = preset_config("kimi-k3")
     n = len(k3.mla_layers) * 64
