@@ -2,12 +2,12 @@
 # The GPU queue: the commands of docs/performance.md's figures, run from the repository root on one
 # H200, each under its own timeout, 8 minutes in all. Tables go to stdout; with $OUT set, CSV / JSON
 # files go there too.
-#   bash benchmarks/gpu_queue.sh                 # end to end and speculation's c1 rows (8 minutes)
+#   bash benchmarks/gpu_queue.sh                 # one user's decode at 2k / 128k, then end to end (8 minutes)
 #   bash benchmarks/gpu_queue.sh gpu-tests       # others by name (gpu-tests: the pytest gpu tier)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}
-want=" ${*:-e2e spec-c1} "
+want=" ${*:-long-decode e2e} "
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   [[ $want == *" $name "* ]] || return 0
@@ -29,6 +29,9 @@ run serve-start 270 python -m benchmarks.bench_serve_start --model kimi-linear-4
 run kernels 200 python -m benchmarks.bench_kernels --budget 120 --csv "$out/kernels.csv" --json "$out/kernels.json"
 # K3 MXFP4 routed experts (isolated, as the model, one-layer stack, 4-layer stack) and the decode tile sweep
 run kernels-moe 200 python -m benchmarks.bench_kernels --only moe --no-fla --budget 150
+# MLA decode as the model calls it (Triton at 32 heads, Mosaic at 96), one user at 128k in the 4-sequence bucket
+# included: the key splits its live sequence gets vs the bucket's fixed plan: ~2 min
+run kernels-mla-model 170 python -m benchmarks.bench_kernels --only mla_model --no-fla --budget 110
 # MLA decode at K3's 96 heads: the Mosaic tiling sweep as the model calls it
 run kernels-mla 150 python -m benchmarks.bench_kernels --only mla_mosaic --no-fla --budget 110
 # FP8 vs bf16 MLA decode kernel, bytes read per second (target 0.9x), and the FP8 cache's quality on the trained tiny
@@ -76,5 +79,7 @@ run profile-c1 300 python -m benchmarks.profile_step --scenario decode:1x2048
 run profile-c1-128k 300 python -m benchmarks.profile_step --scenario decode:1x131072 --max-model-len 140000
 # the few-row kernels of that step (dense weights read in place, routed experts at 1 and 4 tokens) under tile variants
 run decode-tiles 300 python -m benchmarks.sweep_decode_tiles --tokens 1,4
+# the MLA kernels of the gpu tier alone (Triton, Mosaic, FP8 pages, short contexts in wide tables): ~1.5 min
+run gpu-tests-mla 170 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/kernels/test_gpu_kernels.py -k mla
 # the gpu test tier: kernels and the trained tiny vs the reference ops
 run gpu-tests 300 env JAX_PLATFORMS=cuda python -m pytest -m gpu -n 0 -q tests/kernels/test_gpu_kernels.py tests/model/test_gpu_tiny.py tests/kernels/test_mla_long_prefix_gpu.py tests/kernels/test_mla_long_prefix_split_gpu.py
