@@ -163,8 +163,13 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
                 mask=ok.reshape(1, bk), other=0, eviction_policy=eviction_policy)))
 
         def word(c):
-            """Word column c of the block's rows as [bk] (a 32-bit load a key)."""
-            return cols(c, 1).reshape(bk)
+            """Word column c of the block's rows as [bk] (a 32-bit load a key, no reshape of a loaded tile)."""
+            live = keys < k_hi
+            if contiguous:
+                return plgpu.load(kv_ref.at[pl.ds(pages * page_size + k0 % page_size, bk), jnp.int32(c)], mask=live,
+                                  other=0)
+            return plgpu.load(kv_ref.at[pages * page_size + offsets, jnp.full((bk,), c, jnp.int32)], mask=live,
+                              other=0)
 
         sc = [jax.lax.bitcast_convert_type(word(lw + t), jnp.float32) for t in range(n_sc)]   # [bk] a tile
         kr = [x.astype(kdt) for x in _halves(cols(lw + n_sc, rope // 2))]

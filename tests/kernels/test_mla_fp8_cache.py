@@ -263,17 +263,18 @@ def test_long_prefix_on_fp8_pages():
     np.testing.assert_allclose(got, run(deq), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload", [
-    (16, True, "scores", None), (64, False, "scores", None), (64, True, "codes", None), (64, True, "scores", False),
-    (16, False, "codes", None)])
-def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload):
-    """The kernel's FP8 path (word shifts and masks, bitcasts, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's dims
-    (Kimi-Linear's 32 heads): pages gathered (16) and contiguous (64), both MMA forms, both scale placements, the
-    codes loaded once per MMA (the default at 32 rows) and once."""
+@pytest.mark.parametrize("page_size,transposed,fp8_scale,reload,lat,rope", [
+    (16, True, "scores", None, 512, 64), (64, False, "scores", None, 512, 64), (64, True, "codes", None, 512, 64),
+    (64, True, "scores", False, 512, 64), (16, False, "codes", None, 512, 64),
+    (16, False, "scores", None, 128, 16), (64, True, "scores", None, 64, 16)])      # the tiny models' widths
+def test_triton_fp8_decode_lowers_for_the_gpu(page_size, transposed, fp8_scale, reload, lat, rope):
+    """The kernel's FP8 path (word shifts and masks, bitcasts, fp8 -> bf16 casts) lowers to Triton for a GPU at K3's
+    dims (Kimi-Linear's 32 heads) and at the tiny models': pages gathered (16) and contiguous (64), both MMA forms,
+    both scale placements, the codes loaded once per MMA (the default at 32 rows) and once."""
     from pallas_kernels.mla.paged import _kernel_path
     n, heads, pages = 2, 32, 4
-    args = (jax.ShapeDtypeStruct((n, heads, 512), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n * pages + 1, page_size, 164), jnp.uint32),
+    args = (jax.ShapeDtypeStruct((n, heads, lat), jnp.bfloat16), jax.ShapeDtypeStruct((n, heads, rope), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n * pages + 1, page_size, fp8_cache.packed_width(lat, rope)), jnp.uint32),
             jax.ShapeDtypeStruct((n, pages), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32))
 
     def decode(ql, qr, kv, bt, lens):
