@@ -95,9 +95,9 @@ def test_kv_cache_dtype():
     assert llm.engine.runner.pools.mla_kv.dtype.itemsize == 2            # bf16 (stored as its bits on CPU)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(load_model("tiny-random", dtype="float32"), kv_cache_dtype="bfloat16", **kw)
-    # fp8_e4m3 with any weights: packed FP8 MLA pages (uint8 rows), the KDA pools in the weights' dtype
+    # fp8_e4m3 with any weights: packed FP8 MLA pages (uint32 rows of words), the KDA pools in the weights' dtype
     fp8 = LLM(load_model("tiny-random", dtype="float32"), kv_cache_dtype="fp8_e4m3", **kw).engine.runner.pools
-    assert fp8.mla_kv.dtype == jnp.uint8 and fp8.kda_conv.dtype == jnp.float32
+    assert fp8.mla_kv.dtype == jnp.uint32 and fp8.kda_conv.dtype == jnp.float32
 
 
 def test_import_has_no_side_effects_and_loading_claims_the_allocator(monkeypatch):
