@@ -210,9 +210,18 @@ FORMS = {"row": (("transposed", False),),
          "keys-on-M-codes-once": (("transposed", True), ("fp8_scale", "codes"), ("fp8_reload", False))}
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("page_size", [16, 64])        # 64-key blocks gathered from 4 pages / inside one page
-@pytest.mark.parametrize("lat,rope", [(512, 64), (64, 16)])     # the model's row / the small test models'
+def _word_cases():
+    """(lat, rope, page_size, form): the model's row in both forms at both page sizes (64-key blocks gathered
+    from 4 pages / inside one page) by default; the small test models' row and the codes-once forms widen them
+    (slow tier)."""
+    for lat, rope in ((512, 64), (64, 16)):
+        for page_size in (16, 64):
+            for form in FORMS:
+                widen = lat != 512 or form.endswith("codes-once")
+                yield pytest.param(lat, rope, page_size, form, marks=[pytest.mark.slow] if widen else [])
+
+
+@pytest.mark.parametrize("lat,rope,page_size,form", list(_word_cases()))
 def test_triton_decode_on_fp8_words(lat, rope, page_size, form):
     """The interpret-mode kernel on the word rows against the float64 oracle on the dequantized rows, at the
     model's widths (four planes, a scale tile each) and the test models' (four planes in one tile)."""
