@@ -7,7 +7,7 @@ repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_que
                        isolated and as the model calls them, anchors in the same run; its sections' rows are
                        kernels_kda, kernels_mla, kernels_mla_mosaic and kernels_moe (inputs: kernel_inputs)
   bench_e2e            the engine end to end: prefill tok/s, c16 / c64 decode step vs its floor
-  profile_step         one engine step's device time by part (KDA, MLA, experts, ...) from a trace
+  profile_step         one engine step's device time by part (KDA, MLA, experts, ...) from a trace (--events: CSV)
   sweep_decode_tiles   a one-sequence decode step's few-row kernels (dense in place, routed experts) by tiling
   bench_long_context   long prompts through the engine (prefill steps, compiles) and decode at long context
   bench_spec           speculative decoding at c1 and under load, and several decode steps per launch
@@ -18,7 +18,7 @@ repository root, e.g. `python -m benchmarks.bench_e2e full`; `benchmarks/gpu_que
   bench_disagg         prefill/decode disaggregation through two servers (TTFT, transfer rate)
   bench_disagg_engines the same between two engine processes, without HTTP
   bench_compile        trace + compile time of every warm-up shape (abstract weights)
-  bench_host_step      host time of one decode step (dispatch, launch, step)
+  bench_host_step      host time of one decode step (dispatch, its host copies, launch, step)
   sweep_mla_fp8        the FP8 MLA decode kernel under tuning variants vs the bf16 pool
   bench_health_under_load  /health latency while large bodies and slow clients hit the server
   probe_cudnn_mla      cuDNN fused attention at MLA's expanded prefill shapes, beside the Triton kernel
