@@ -95,8 +95,7 @@ def _kernel(meta_ref, live_ref, bt_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_
         qr = [plgpu.load(qr_ref.at[row_sl, :], mask=row_ok[:, None], other=0)]
 
     kv_end = base_pos + n_valid  # exclusive: last visible key of the tile + 1
-    k_lo, k_hi = split_range(split, live, kv_end, bk)
-    k_hi = jnp.where(split < live, k_hi, k_lo)
+    k_lo, k_hi = split_range(split, live, kv_end, bk)     # a split past the live ones: lo >= kv_end, no blocks
     n_blocks = jnp.maximum(pl.cdiv(k_hi - k_lo, bk), 0)
     qk_scale = scale * _LOG2E
     kdt = ql_ref.dtype if fp8 else kv_ref.dtype

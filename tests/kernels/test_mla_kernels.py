@@ -201,6 +201,19 @@ def test_token_rows_are_decode_rows(config):
         assert np.array_equal(np.asarray(dec[0]), got[t]), f"token {t}"
 
 
+
+def _one_row_tile(seed, **kw):
+    """(case, mla_tiles_call's partials) of one decode token at position 99 (4 heads, 16-key blocks, 16-token
+    pages), the kernel run alone over its split grid (kw: splits, live_splits)."""
+    from pallas_kernels.mla.triton_kernel import mla_tiles_call
+    case = build_case(np.random.default_rng(seed), [99], [1], heads=4, lat=L, rope=R, page_size=16, max_pages=64)
+    q, qr, kv, bt, cu, kl = _args(case)
+    rows = 16
+    pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
+    meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
+    return case, mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16,
+                                transposed=False, interpret=True, **kw)
+
 def test_key_splits_divide_the_context_not_the_table():
     """A short context in a wide block table (max_model_len far above it) spreads over every key split: split s
     of S takes keys [s * per, (s + 1) * per) of the row's own context, in whole blocks, and together they cover
@@ -208,21 +221,14 @@ def test_key_splits_divide_the_context_not_the_table():
     a 1,024-key table (fixed shares of the table would leave all of it to the first), and they combine to the
     oracle."""
     from pallas_kernels.mla.splits import split_range
-    from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
+    from pallas_kernels.mla.triton_kernel import combine_splits
     for end in (0, 1, 63, 64, 65, 100, 2048, 2049):
         bounds = [tuple(int(x) for x in split_range(s, 4, end, 16)) for s in range(4)]
         keys = [k for lo, hi in bounds for k in range(lo, hi)]
         assert keys == list(range(end)), (end, bounds)
         assert all(lo % 16 == 0 for lo, _ in bounds)
     assert [hi - lo for lo, hi in (split_range(s, 8, 2048, 64) for s in range(8))] == [256] * 8
-    rng = np.random.default_rng(3)
-    case = build_case(rng, [99], [1], heads=4, lat=L, rope=R, page_size=16, max_pages=64)
-    q, qr, kv, bt, cu, kl = _args(case)
-    rows = 16
-    pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
-    meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
-    o, m, l = mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16, splits=4,
-                             transposed=False, interpret=True)
+    case, (o, m, l) = _one_row_tile(3, splits=4)
     assert np.all(np.asarray(l)[:, :4] > 0), "every split holds keys of the row"
     got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4)[:4]
     np.testing.assert_allclose(np.asarray(got), numpy_attention(case, SCALE).reshape(4, -1), rtol=1e-5, atol=1e-5)
@@ -249,15 +255,8 @@ def test_decode_splits_fill_the_slots_for_the_live_sequences():
 def test_splits_past_the_live_ones_hold_nothing():
     """mla_tiles_call with live_splits 3 of a 6-split grid: the live splits hold the row's keys, the others are
     never written (the interpreter leaves them NaN), and combine_splits with `live` ignores them."""
-    from pallas_kernels.mla.triton_kernel import combine_splits, mla_tiles_call
-    rng = np.random.default_rng(4)
-    case = build_case(rng, [99], [1], heads=4, lat=L, rope=R, page_size=16, max_pages=64)
-    q, qr, kv, bt, cu, kl = _args(case)
-    rows = 16
-    pad = lambda x: jnp.concatenate([x.reshape(-1, x.shape[-1]), jnp.zeros((rows, x.shape[-1]), x.dtype)])  # noqa: E731
-    meta = jnp.asarray([[0, 0, 1, 99]], jnp.int32)
-    o, m, l = mla_tiles_call(meta, bt, pad(q), pad(qr), kv, scale=SCALE, rows=rows, bh=4, bq=1, bk=16, splits=6,
-                             transposed=False, interpret=True, live_splits=jnp.asarray([3], jnp.int32))
+    from pallas_kernels.mla.triton_kernel import combine_splits
+    case, (o, m, l) = _one_row_tile(4, splits=6, live_splits=jnp.asarray([3], jnp.int32))
     assert np.all(np.asarray(l)[:3, :4] > 0), "every live split holds keys of the row"
     assert np.all(np.isnan(np.asarray(l)[3:, :4])), "splits past the live ones are not written"
     got = combine_splits(o, m, l, jnp.arange(o.shape[1]) < 4, jnp.asarray([3], jnp.int32))[:4]
