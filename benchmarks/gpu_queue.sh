@@ -2,12 +2,12 @@
 # The GPU queue: the commands of docs/performance.md's figures, run from the repository root on one
 # H200, each under its own timeout, 8 minutes in all. Tables go to stdout; with $OUT set, CSV / JSON
 # files go there too.
-#   bash benchmarks/gpu_queue.sh                 # one user's decode at 2k / 128k, then end to end (8 minutes)
+#   bash benchmarks/gpu_queue.sh                 # the MLA kernels' gpu tests, then one user's decode at 2k / 128k (7 minutes)
 #   bash benchmarks/gpu_queue.sh gpu-tests       # others by name (gpu-tests: the pytest gpu tier)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}
-want=" ${*:-long-decode e2e} "
+want=" ${*:-gpu-tests-mla long-decode} "
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   [[ $want == *" $name "* ]] || return 0
